@@ -1,0 +1,44 @@
+"""`oscar-calib` command line. Results go to stdout, progress and chatter to stderr.
+
+Known errors (`OscarError`, `ArtifactError`) print one line and exit with their code; set
+`OSCAR_CALIB_DEBUG=1` to see the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli import run_cmd  # noqa: F401  (registers `run`)
+from oscar_calib.errors import OscarError
+
+
+def main() -> None:
+    from runtime_kernels.artifact import ArtifactError
+
+    import click
+
+    try:
+        result = app(standalone_mode=False)
+        if isinstance(result, int) and result:
+            sys.exit(result)
+    except click.exceptions.ClickException as exc:  # usage errors: click's own message, exit 2
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        print("Aborted; nothing was written.", file=sys.stderr)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (OscarError, ArtifactError) as exc:
+        if os.environ.get("OSCAR_CALIB_DEBUG"):
+            raise
+        code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(code)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        print("Interrupted; nothing was written.", file=sys.stderr)
+        sys.exit(130)
