@@ -1,0 +1,195 @@
+"""Triton kernel: clip -> INT2 min-max quantize -> quarter-split pack, scattered into a paged pool.
+
+Input rows are already rotated (fp32, done with `naive.rotate` so the bytes match the reference exactly).
+One program handles `ROWS` tokens of one KV head. The row is read as four channel quarters
+(`k * Q + j`, `Q = d / 4`), because quarter `k` of channel `j` lands in bits `2k+1:2k` of byte `j`: the
+packed byte is then an OR of four shifted tiles, with no shuffle.
+
+The arithmetic mirrors `naive.quantize` operation by operation (IEEE division via `div_rn`, the fp16
+rounding of scale and zero before use), so codes, scales and zeros are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3):
+    """Min and max over the channels selected by the masks `in_k [Q_PAD]` of the four quarters `x_k [ROWS, Q_PAD]`."""
+    big = float("inf")
+    lo = tl.minimum(tl.minimum(tl.min(tl.where(in0[None, :], x0, big), axis=1),
+                               tl.min(tl.where(in1[None, :], x1, big), axis=1)),
+                    tl.minimum(tl.min(tl.where(in2[None, :], x2, big), axis=1),
+                               tl.min(tl.where(in3[None, :], x3, big), axis=1)))
+    hi = tl.maximum(tl.maximum(tl.max(tl.where(in0[None, :], x0, -big), axis=1),
+                               tl.max(tl.where(in1[None, :], x1, -big), axis=1)),
+                    tl.maximum(tl.max(tl.where(in2[None, :], x2, -big), axis=1),
+                               tl.max(tl.where(in3[None, :], x3, -big), axis=1)))
+    return lo, hi
+
+
+@triton.jit
+def _encode(x, s, z):
+    """`clamp(floor(x / s + z + 0.5), 0, 3)` as uint8, evaluated in the same order as the torch reference."""
+    c = tl.floor(tl.math.div_rn(x, s) + z + 0.5)
+    return tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.uint8)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_pack_kernel(
+    x_ptr, clip_ptr, tau_ptr, codes_ptr, scale_ptr, zero_ptr, page_ptr, row_ptr,
+    T, stride_xt, stride_xh,
+    stride_cp, stride_ch, stride_cr,
+    stride_sp, stride_sh, stride_sr,
+    D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+    D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr,
+):
+    # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * ROWS + tl.arange(0, ROWS)
+    t_ok = offs_t < T
+    offs_j = tl.arange(0, Q_PAD)
+    j_ok = offs_j < Q
+    m2 = t_ok[:, None] & j_ok[None, :]
+    x_row = x_ptr + offs_t.to(tl.int64) * stride_xt + h * stride_xh  # [ROWS] row starts
+
+    x0 = tl.load(x_row[:, None] + offs_j[None, :], mask=m2, other=0.0)
+    x1 = tl.load(x_row[:, None] + (offs_j + Q)[None, :], mask=m2, other=0.0)
+    x2 = tl.load(x_row[:, None] + (offs_j + 2 * Q)[None, :], mask=m2, other=0.0)
+    x3 = tl.load(x_row[:, None] + (offs_j + 3 * Q)[None, :], mask=m2, other=0.0)
+
+    if CLIP == 1:
+        # tau = c-th smallest |x| of the row (ascending order statistic); padding sorts last as +inf.
+        c = tl.load(clip_ptr + h)
+        offs_d = tl.arange(0, D_PAD)
+        xa = tl.abs(tl.load(x_row[:, None] + offs_d[None, :], mask=t_ok[:, None] & (offs_d < D)[None, :],
+                            other=float("inf")))
+        srt = tl.sort(xa, dim=1)
+        tau = tl.sum(tl.where(offs_d[None, :] == c, srt, 0.0), axis=1)[:, None]
+    if CLIP == 2:
+        tau = tl.load(tau_ptr + offs_t * tl.num_programs(1) + h, mask=t_ok, other=0.0)[:, None]
+    if CLIP != 0:
+        x0 = tl.minimum(tl.maximum(x0, -tau), tau)
+        x1 = tl.minimum(tl.maximum(x1, -tau), tau)
+        x2 = tl.minimum(tl.maximum(x2, -tau), tau)
+        x3 = tl.minimum(tl.maximum(x3, -tau), tau)
+
+    page = tl.load(page_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+    row = tl.load(row_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+    s_dst = scale_ptr + page * stride_sp + h * stride_sh + row * stride_sr
+    z_dst = zero_ptr + page * stride_sp + h * stride_sh + row * stride_sr
+
+    if NG == 1:
+        lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
+        lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
+        hi = tl.where(t_ok, hi, 1.0)
+        s16 = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0).to(tl.float16)
+        s = s16.to(tl.float32)
+        z16 = tl.math.div_rn(-lo, s).to(tl.float16)
+        z = z16.to(tl.float32)
+        tl.store(s_dst, s16, mask=t_ok)
+        tl.store(z_dst, z16, mask=t_ok)
+        s0 = s[:, None]
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        z0 = z[:, None]
+        z1 = z0
+        z2 = z0
+        z3 = z0
+    else:
+        # Per-channel scale/zero tiles, filled group by group (NG is small and known at compile time).
+        grp0 = offs_j // G
+        grp1 = (offs_j + Q) // G
+        grp2 = (offs_j + 2 * Q) // G
+        grp3 = (offs_j + 3 * Q) // G
+        s0 = tl.full([ROWS, Q_PAD], 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        z0 = tl.zeros([ROWS, Q_PAD], tl.float32)
+        z1 = z0
+        z2 = z0
+        z3 = z0
+        for g in tl.static_range(NG):
+            in0 = (grp0 == g) & j_ok
+            in1 = (grp1 == g) & j_ok
+            in2 = (grp2 == g) & j_ok
+            in3 = (grp3 == g) & j_ok
+            lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
+            lo = tl.where(t_ok, lo, 0.0)
+            hi = tl.where(t_ok, hi, 1.0)
+            s16 = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0).to(tl.float16)
+            s = s16.to(tl.float32)
+            z16 = tl.math.div_rn(-lo, s).to(tl.float16)
+            z = z16.to(tl.float32)
+            tl.store(s_dst + g, s16, mask=t_ok)
+            tl.store(z_dst + g, z16, mask=t_ok)
+            s0 = tl.where(in0[None, :], s[:, None], s0)
+            s1 = tl.where(in1[None, :], s[:, None], s1)
+            s2 = tl.where(in2[None, :], s[:, None], s2)
+            s3 = tl.where(in3[None, :], s[:, None], s3)
+            z0 = tl.where(in0[None, :], z[:, None], z0)
+            z1 = tl.where(in1[None, :], z[:, None], z1)
+            z2 = tl.where(in2[None, :], z[:, None], z2)
+            z3 = tl.where(in3[None, :], z[:, None], z3)
+
+    packed = (_encode(x0, s0, z0) | (_encode(x1, s1, z1) << 2)
+              | (_encode(x2, s2, z2) << 4) | (_encode(x3, s3, z3) << 6))
+    c_dst = codes_ptr + page * stride_cp + h * stride_ch + row * stride_cr
+    tl.store(c_dst[:, None] + offs_j[None, :], packed, mask=m2)
+
+
+def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor:
+    """tau `[T, H]` fp32: the `clip_idx[h]`-th smallest `|x|` of each row of `x_rot [T, H, d]` (0-based), by torch."""
+    t, h, _ = x_rot.shape
+    idx = clip_idx.long().view(1, h, 1).expand(t, h, 1)
+    return x_rot.abs().sort(dim=-1).values.gather(-1, idx)[..., 0].contiguous()
+
+
+def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor,
+                       zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor, group_size: int,
+                       rows_per_program: int | None = None, clip_mode: str | None = None) -> None:
+    """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
+
+    Args:
+        x_rot: fp32 `[T, H, d]`, already rotated, last dim contiguous.
+        clip_idx: int32 `[H]` order-statistic index per head (`naive.clip_index`), or None for no clipping.
+        codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: fp16 `[num_pages, H, P, d // group_size]`
+            (any strides for the first three dims, last dim contiguous).
+        page_ids, rows: int `[T]` destination of each token.
+        clip_mode: "kernel" (order statistic by `tl.sort` inside the kernel; default on CUDA) or "torch"
+            (a torch sort before the kernel; default off-GPU, where the interpreter's `tl.sort` is very slow).
+            Both give the same threshold.
+    """
+    t, h, d = x_rot.shape
+    if t == 0:
+        return
+    q = d // 4
+    ng = d // group_size
+    rows_pp = rows_per_program or (16 if x_rot.is_cuda else 64)
+    rows_pp = min(rows_pp, triton.next_power_of_2(t))
+    clip_mode = clip_mode or ("kernel" if x_rot.is_cuda else "torch")
+    if clip_mode not in ("kernel", "torch"):
+        raise ValueError(f"clip_mode: expected 'kernel' or 'torch', got {clip_mode!r}")
+    mode, tau = 0, x_rot  # tau is an unused pointer unless mode == 2
+    if clip_idx is not None:
+        mode = 1 if clip_mode == "kernel" else 2
+        if mode == 2:
+            tau = _clip_threshold(x_rot, clip_idx)
+    clip_arg = clip_idx if clip_idx is not None else page_ids  # unused pointer when not clipping
+    grid = (triton.cdiv(t, rows_pp), h)
+    _quantize_pack_kernel[grid](
+        x_rot, clip_arg, tau, codes, scale, zero, page_ids, rows,
+        t, x_rot.stride(0), x_rot.stride(1),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        D=d, Q=q, G=group_size, NG=ng,
+        D_PAD=triton.next_power_of_2(d), Q_PAD=triton.next_power_of_2(q), ROWS=rows_pp,
+        CLIP=mode,
+        num_warps=4,
+    )
