@@ -1,0 +1,619 @@
+"""Three-segment paged KV cache: BF16 sink | INT2 history | BF16 recent (OSCAR_METHOD section 6).
+
+One `PagedKVCache` serves a batch of sequences of different lengths for every calibrated attention layer.
+
+Storage per layer (`LayerPool`; H = KV heads, d = head_dim, G = group size, P = page size):
+- INT2 pages: `k_codes, v_codes` uint8 `[num_pages, H, P, d // 4]`, `k_scale, k_zero, v_scale, v_zero`
+  fp16 `[num_pages, H, P, d // G]`. Keys and values are rotated by the artifact's R_K / R_V and clipped
+  before quantization (the pages hold the rotated basis).
+- Full-precision windows: `k_win, v_win` `[num_slots, H, W, d]` in the model's dtype, **original basis**
+  (exactly the model's post-RoPE keys and its values), with `W = sink + recent + P - 1`.
+
+A page id names the same page in every layer's pool, so the page table, the window slots and the
+sequence lengths are host-side bookkeeping shared by all layers; the per-layer work of a step is only
+the data movement (`write_layer`) and the attention (`decode_attention`).
+
+Per sequence of `n` tokens (S = sink, R = recent, P = page size):
+- sink: positions `[0, min(n, S))` at window rows `[0, min(n, S))`;
+- history: positions `[S, S + h)` with `h = P * floor(max(0, n - S - R) / P)`, always whole pages, so a
+  page is full and never written again once demoted (shared prefixes can reuse it without copy-on-write);
+- recent: positions `[S + h, n)` at window rows `S + (p - S - h)`; it holds between R and R + P - 1
+  tokens once the history is non-empty. When it would reach R + P, its oldest P tokens are demoted
+  (rotated, clipped, quantized, packed) into one fresh page, and the rest shift down: quantization runs
+  once per P decode steps per sequence, a page at a time.
+The window of a sequence is therefore always chronological and its valid rows are `[0, win_len)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime_kernels.artifact import OscarArtifact
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel functional API (runtime_kernels.attention / runtime_kernels.quant), with the torch references as a
+# stand-in while the functional layer is not importable (it is developed alongside this module).
+# ----------------------------------------------------------------------------------------------------------
+def _kernels():
+    """Return (int2_decode_attention, window_attention, merge_attention, write_pages) taking `backend=`."""
+    try:
+        from runtime_kernels.attention import int2_decode_attention, merge_attention, window_attention
+        from runtime_kernels.quant import write_pages
+        return int2_decode_attention, window_attention, merge_attention, write_pages
+    except ImportError:
+        from runtime_kernels.attention import paged_ref
+
+        def int2(q, kc, ks, kz, vc, vs, vz, bt, hl, sm_scale=None, num_splits=None, backend="auto"):
+            return paged_ref.int2_decode_attention_ref(q, kc, ks, kz, vc, vs, vz, bt, hl, sm_scale)
+
+        def window(q, kw, vw, slots, wl, sm_scale=None, backend="auto"):
+            return paged_ref.window_attention_ref(q, kw, vw, slots, wl, sm_scale)
+
+        def merge(o_a, lse_a, o_b, lse_b):
+            return paged_ref.merge_attention_ref(o_a, lse_a, o_b, lse_b)
+
+        def write(x, rot, clip, cp, sp, zp, pages, rows, group_size=None, backend="auto"):
+            paged_ref.write_pages_ref(x, rot, clip, cp, sp, zp, pages, rows, group_size)
+
+        return int2, window, merge, write
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Allocators
+# ----------------------------------------------------------------------------------------------------------
+class PageAllocator:
+    """Reference-counted allocator of INT2 page ids `[0, num_pages)`, shared by all layers.
+
+    A page is returned to the free list when its last holder releases it; shared prefix pages are held
+    by every sequence that uses them.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"max_pages: expected at least 1 page, got {num_pages}")
+        self.num_pages = num_pages
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free pages (refcount 1). Raises without taking any when fewer than `n` are free."""
+        if n > len(self._free):
+            raise RuntimeError(f"out of INT2 pages: need {n}, {len(self._free)} of {self.num_pages} free "
+                               f"(raise max_pages/max_tokens or free finished sequences)")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def retain(self, pages: Sequence[int]) -> None:
+        """Add a holder to each page (prefix sharing)."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"page {p} is not allocated; cannot share it")
+            self.refcount[p] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop a holder from each page; pages without holders go back to the free list."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"page {p} released more often than it was held")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+
+@dataclass
+class SequenceState:
+    """Host-side state of one sequence: its window slot, token count and INT2 pages (in order)."""
+
+    seq_id: int
+    slot: int
+    length: int = 0
+    pages: list[int] | None = None
+
+    def __post_init__(self):
+        self.pages = [] if self.pages is None else self.pages
+
+
+@dataclass
+class LayerPool:
+    """Device storage and the artifact's transform for one calibrated attention layer.
+
+    Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16;
+    windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_clip: torch.Tensor | None
+    v_clip: torch.Tensor | None
+
+
+@dataclass
+class AppendPlan:
+    """Data movement of one append step, identical for every layer (built once, applied per layer).
+
+    Let X = cat(window rows `k_win[gather_slots, :, gather_rows]` read before any write, new tokens):
+    - demotion: `X[demote_src]` is quantized into `pool[demote_pages, :, demote_rows]`;
+    - window: `X[win_src]` is written to `k_win[win_slots, :, win_rows]`.
+    All index tensors are int64 `[N_*]` on the cache's device. `num_new` is the total new-token count.
+    """
+
+    seq_ids: list[int]
+    num_tokens: list[int]
+    num_new: int
+    gather_slots: torch.Tensor
+    gather_rows: torch.Tensor
+    demote_src: torch.Tensor
+    demote_pages: torch.Tensor
+    demote_rows: torch.Tensor
+    win_src: torch.Tensor
+    win_slots: torch.Tensor
+    win_rows: torch.Tensor
+
+
+@dataclass
+class BatchMetadata:
+    """Kernel metadata for a batch of B sequences (int32 on the cache's device).
+
+    block_table `[B, max_pages]`, hist_len `[B]`, slot_ids `[B]`, win_len `[B]`.
+    """
+
+    block_table: torch.Tensor
+    hist_len: torch.Tensor
+    slot_ids: torch.Tensor
+    win_len: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------------------------
+class PagedKVCache:
+    """Paged three-segment INT2 KV cache for `A` calibrated layers and up to `max_seqs` live sequences.
+
+    Args:
+        k_rotation, v_rotation: fp32 `[A, H, d, d]` (row-vector convention `x_rot = x @ R`).
+        k_clip_ratio, v_clip_ratio: fp32 `[A, H]` in (0, 1].
+        group_size: channels per quantization group (divides d).
+        max_pages: INT2 pages in the pool (shared by all sequences and layers).
+        max_seqs: window slots (live sequences at once).
+        page_size, sink_tokens, recent_tokens: P, S, R.
+        device, dtype: where the pools live and the dtype of the full-precision windows.
+        clip: False disables clipping (the clip ratios are ignored).
+        backend: kernel backend, "auto" | "torch" | "triton".
+    """
+
+    def __init__(self, k_rotation: torch.Tensor, v_rotation: torch.Tensor, k_clip_ratio: torch.Tensor,
+                 v_clip_ratio: torch.Tensor, *, group_size: int | None = None, max_pages: int, max_seqs: int,
+                 page_size: int = 64, sink_tokens: int = 64, recent_tokens: int = 256,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
+                 backend: str = "auto"):
+        for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
+                raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if v_rotation.shape != k_rotation.shape:
+            raise ValueError(f"v_rotation: shape {tuple(v_rotation.shape)} must equal k_rotation's "
+                             f"{tuple(k_rotation.shape)}")
+        a, h, d, _ = k_rotation.shape
+        for name, t in (("k_clip_ratio", k_clip_ratio), ("v_clip_ratio", v_clip_ratio)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (a, h):
+                raise ValueError(f"{name}: expected shape {[a, h]}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if d % 4:
+            raise ValueError(f"head_dim: must be a multiple of 4 for 2-bit packing, got {d}")
+        g = group_size or d
+        if d % g or g % 4:
+            raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
+        for name, v in (("page_size", page_size), ("max_seqs", max_seqs)):
+            if int(v) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {v}")
+        for name, v in (("sink_tokens", sink_tokens), ("recent_tokens", recent_tokens)):
+            if int(v) < 0:
+                raise ValueError(f"{name}: expected a non-negative integer, got {v}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: window dtype must be float16, bfloat16 or float32, got {dtype}")
+
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
+        self.page_size, self.sink, self.recent = int(page_size), int(sink_tokens), int(recent_tokens)
+        self.window = self.sink + self.recent + self.page_size - 1
+        self.backend = backend
+        self.allocator = PageAllocator(int(max_pages))
+        self.max_seqs = int(max_seqs)
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))
+        self._seqs: dict[int, SequenceState] = {}
+        self._next_id = 0
+        self._meta_cache: tuple[tuple, BatchMetadata] | None = None
+        self._version = 0
+
+        n_pages, p, w, s = int(max_pages), self.page_size, self.window, self.max_seqs
+
+        def zeros(shape, dt):
+            return torch.zeros(shape, dtype=dt, device=self.device)
+
+        self.pools: list[LayerPool] = []
+        for i in range(a):
+            self.pools.append(LayerPool(
+                k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                k_scale=zeros((n_pages, h, p, d // g), torch.float16),
+                k_zero=zeros((n_pages, h, p, d // g), torch.float16),
+                v_scale=zeros((n_pages, h, p, d // g), torch.float16),
+                v_zero=zeros((n_pages, h, p, d // g), torch.float16),
+                k_win=zeros((s, h, w, d), dtype),
+                v_win=zeros((s, h, w, d), dtype),
+                k_rotation=k_rotation[i].to(self.device, torch.float32).contiguous(),
+                v_rotation=v_rotation[i].to(self.device, torch.float32).contiguous(),
+                k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
+                v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
+            ))
+
+    @classmethod
+    def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = 64,
+                      sink_tokens: int | None = None, recent_tokens: int | None = None,
+                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                      clip: bool = True, backend: str = "auto") -> PagedKVCache:
+        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata)."""
+        if not isinstance(artifact, OscarArtifact):
+            raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
+        artifact.validate()
+        return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio,
+                   group_size=artifact.group_size, max_pages=max_pages, max_seqs=max_seqs, page_size=page_size,
+                   sink_tokens=artifact.sink_tokens if sink_tokens is None else sink_tokens,
+                   recent_tokens=artifact.recent_tokens if recent_tokens is None else recent_tokens,
+                   device=device, dtype=dtype, clip=clip, backend=backend)
+
+    # -- geometry -------------------------------------------------------------------------------------------
+    def history_tokens(self, n: int) -> int:
+        """INT2 history length of a sequence of `n` tokens: whole pages, leaving R..R+P-1 recent tokens."""
+        return self.page_size * (max(0, n - self.sink - self.recent) // self.page_size)
+
+    def window_len(self, n: int) -> int:
+        """Valid window rows (sink + recent) of a sequence of `n` tokens."""
+        return n - self.history_tokens(n)
+
+    def _row(self, pos: int, hist: int) -> int:
+        """Window row of token `pos` in a sequence whose history holds `hist` tokens."""
+        return pos if pos < self.sink else pos - hist
+
+    # -- sequences ------------------------------------------------------------------------------------------
+    def _state(self, seq_id: int) -> SequenceState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"seq_id: no live sequence {seq_id} (live: {sorted(self._seqs)})") from None
+
+    def add_sequence(self) -> int:
+        """Register an empty sequence and give it a window slot. Returns its id."""
+        if not self._free_slots:
+            raise RuntimeError(f"out of window slots: all {self.max_seqs} are in use (raise max_seqs "
+                               f"or free finished sequences)")
+        seq_id = self._next_id
+        self._next_id += 1
+        self._seqs[seq_id] = SequenceState(seq_id, self._free_slots.pop())
+        self._version += 1
+        return seq_id
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop a finished sequence: release its pages (shared ones stay with their other holders) and slot."""
+        st = self._state(seq_id)
+        self.allocator.release(st.pages)
+        self._free_slots.append(st.slot)
+        del self._seqs[seq_id]
+        self._version += 1
+
+    def fork_sequence(self, seq_id: int) -> int:
+        """A new sequence with the same tokens as `seq_id`: its INT2 pages are shared (not copied), its window
+        rows are copied in every layer. The pages are immutable once written, so no copy-on-write is needed.
+        """
+        src = self._state(seq_id)
+        new_id = self.add_sequence()
+        dst = self._seqs[new_id]
+        self.allocator.retain(src.pages)
+        dst.pages, dst.length = list(src.pages), src.length
+        n = self.window_len(src.length)
+        for pool in self.pools:
+            pool.k_win[dst.slot, :, :n] = pool.k_win[src.slot, :, :n]
+            pool.v_win[dst.slot, :, :n] = pool.v_win[src.slot, :, :n]
+        return new_id
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._state(seq_id).length
+
+    def hist_len(self, seq_id: int) -> int:
+        return len(self._state(seq_id).pages) * self.page_size
+
+    def pages(self, seq_id: int) -> list[int]:
+        return list(self._state(seq_id).pages)
+
+    def slot(self, seq_id: int) -> int:
+        return self._state(seq_id).slot
+
+    @property
+    def live_sequences(self) -> list[int]:
+        return sorted(self._seqs)
+
+    # -- append ---------------------------------------------------------------------------------------------
+    def plan_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> AppendPlan:
+        """Book `num_tokens[i]` new tokens for sequence `seq_ids[i]` and return the data movement for them.
+
+        Commits the new lengths and allocates the pages for demoted tokens; nothing changes when it raises
+        (unknown sequence, duplicate ids, or not enough free pages). Apply the plan to every layer with
+        `write_layer` before that layer's next attention.
+        """
+        seq_ids, num_tokens = [int(s) for s in seq_ids], [int(t) for t in num_tokens]
+        if len(seq_ids) != len(num_tokens):
+            raise ValueError(f"num_tokens: expected one count per sequence ({len(seq_ids)}), got {len(num_tokens)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids: duplicate ids in {seq_ids}")
+        if any(t < 0 for t in num_tokens):
+            raise ValueError(f"num_tokens: expected non-negative counts, got {num_tokens}")
+        states = [self._state(s) for s in seq_ids]
+        p = self.page_size
+        pages_needed = [(self.history_tokens(st.length + t) - len(st.pages) * p) // p
+                        for st, t in zip(states, num_tokens)]
+        new_pages = self.allocator.allocate(sum(pages_needed))  # raises before anything changes
+
+        gather_slots, gather_rows, demote_src, demote_pages, demote_rows = [], [], [], [], []
+        win_src, win_slots, win_rows = [], [], []
+        new_base = []  # offset of each sequence's first new token inside the new-token block
+        offset = 0
+        for t in num_tokens:
+            new_base.append(offset)
+            offset += t
+        n_gather = 0
+        gather_index: list[int] = []  # per sequence: X index of its first gathered row
+        # First pass: which old window rows are read (only when the sequence demotes: its rows shift).
+        for st, need in zip(states, pages_needed):
+            gather_index.append(n_gather)
+            if need:
+                n_old_recent = st.length - min(st.length, self.sink) - len(st.pages) * p
+                rows = range(self.sink, self.sink + n_old_recent) if st.length > self.sink else range(0)
+                gather_slots.extend([st.slot] * len(rows))
+                gather_rows.extend(rows)
+                n_gather += len(rows)
+        taken = 0
+        for st, t, need, base, g0 in zip(states, num_tokens, pages_needed, new_base, gather_index):
+            n_old, hist_old = st.length, len(st.pages) * p
+            n_new = n_old + t
+            hist_new = self.history_tokens(n_new)
+            pages = new_pages[taken:taken + need]
+            taken += need
+
+            def source(pos: int) -> int:
+                # X index of token `pos`: an old recent row that was gathered, or a new token.
+                if pos >= n_old:
+                    return n_gather + base + (pos - n_old)
+                return g0 + (pos - self.sink - hist_old)
+
+            for pos in range(self.sink + hist_old, self.sink + hist_new):  # demoted tokens
+                hist_idx = pos - self.sink
+                demote_src.append(source(pos))
+                demote_pages.append(pages[(hist_idx - hist_old) // p])
+                demote_rows.append(hist_idx % p)
+            # Window rows to (re)write: every new token, plus old recent tokens that shift down.
+            first = n_old if not need else min(n_old, self.sink + hist_new)
+            for pos in range(first, n_new):
+                if self.sink <= pos < self.sink + hist_new:
+                    continue
+                win_src.append(source(pos))
+                win_slots.append(st.slot)
+                win_rows.append(self._row(pos, hist_new))
+            st.length = n_new
+            st.pages.extend(pages)
+        self._version += 1
+
+        # One host-to-device copy for all index lists of the step.
+        lists = (gather_slots, gather_rows, demote_src, demote_pages, demote_rows, win_src, win_slots, win_rows)
+        flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64).to(self.device)
+        parts = torch.split(flat, [len(values) for values in lists])
+        return AppendPlan(seq_ids, num_tokens, offset, *parts)
+
+    def _check_tokens(self, name: str, x: torch.Tensor, n: int) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: dtype must be float16, bfloat16 or float32, got {x.dtype}")
+        want = (n, self.num_kv_heads, self.head_dim)
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected shape [tokens, kv_heads, head_dim] = {list(want)}, "
+                             f"got {list(x.shape)}")
+        if x.device != self.device:
+            raise ValueError(f"{name}: expected device {self.device} (the cache's), got {x.device}")
+
+    def write_layer(self, layer: int, plan: AppendPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Apply `plan` to one layer: demote (quantize) and write the window rows.
+
+        Args:
+            layer: index into the cache's layers (the artifact's order).
+            keys, values: `[plan.num_new, H, d]` new tokens in the original basis (post-RoPE keys),
+                sequence after sequence in the plan's order.
+        """
+        pool = self._pool(layer)
+        self._check_tokens("keys", keys, plan.num_new)
+        self._check_tokens("values", values, plan.num_new)
+        write_pages = _kernels()[3]
+        for x, win, rot, clip, codes, scale, zero in (
+            (keys, pool.k_win, pool.k_rotation, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero),
+            (values, pool.v_win, pool.v_rotation, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero),
+        ):
+            x = x.to(win.dtype)
+            # Read the rows that move before anything is written (sources and targets may overlap).
+            src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
+            if plan.demote_src.numel():
+                write_pages(src[plan.demote_src], rot, clip, codes, scale, zero, plan.demote_pages,
+                            plan.demote_rows, group_size=self.group_size, backend=self.backend)
+            if plan.win_src.numel():
+                win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
+
+    def append(self, seq_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Append tokens to sequences in every layer at once.
+
+        Args:
+            seq_ids: B sequence ids.
+            keys, values: one tensor per layer, each `[N, H, d]` (N = B for a decode step, or a list of
+                per-sequence tensors `[[T_b, H, d]] * B` per layer for ragged prompts).
+        """
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise ValueError(f"keys/values: expected one entry per layer ({self.num_layers}), got "
+                             f"{len(keys)}/{len(values)}")
+        seq_ids = list(seq_ids)
+        if isinstance(keys[0], torch.Tensor):
+            counts = [1] * len(seq_ids) if keys[0].shape[0] == len(seq_ids) else None
+            if counts is None:
+                raise ValueError(f"keys[0]: expected {len(seq_ids)} tokens (one per sequence), got "
+                                 f"{keys[0].shape[0]}; pass per-sequence lists for multi-token appends")
+            k_layers, v_layers = list(keys), list(values)
+        else:
+            counts = [int(t.shape[0]) for t in keys[0]]
+            k_layers = [torch.cat(list(k)) for k in keys]
+            v_layers = [torch.cat(list(v)) for v in values]
+        for i in range(self.num_layers):  # validate everything before booking anything
+            self._check_tokens(f"keys[{i}]", k_layers[i], sum(counts))
+            self._check_tokens(f"values[{i}]", v_layers[i], sum(counts))
+        plan = self.plan_append(seq_ids, counts)
+        for i in range(self.num_layers):
+            self.write_layer(i, plan, k_layers[i], v_layers[i])
+
+    # -- attention ------------------------------------------------------------------------------------------
+    def _pool(self, layer: int) -> LayerPool:
+        if not 0 <= int(layer) < self.num_layers:
+            raise IndexError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
+        return self.pools[int(layer)]
+
+    def batch_metadata(self, seq_ids: Sequence[int]) -> BatchMetadata:
+        """block_table / hist_len / slot_ids / win_len for `seq_ids` (cached until the next change)."""
+        key = (tuple(int(s) for s in seq_ids), self._version)
+        if self._meta_cache is not None and self._meta_cache[0] == key:
+            return self._meta_cache[1]
+        states = [self._state(s) for s in key[0]]
+        width = max([1] + [len(st.pages) for st in states])
+        table = torch.zeros(len(states), width, dtype=torch.int32)
+        for i, st in enumerate(states):
+            if st.pages:
+                table[i, :len(st.pages)] = torch.tensor(st.pages, dtype=torch.int32)
+        meta = BatchMetadata(
+            block_table=table.to(self.device),
+            hist_len=torch.tensor([len(st.pages) * self.page_size for st in states], dtype=torch.int32,
+                                  device=self.device),
+            slot_ids=torch.tensor([st.slot for st in states], dtype=torch.int32, device=self.device),
+            win_len=torch.tensor([self.window_len(st.length) for st in states], dtype=torch.int32,
+                                 device=self.device),
+        )
+        self._meta_cache = (key, meta)
+        return meta
+
+    def rotate_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """`q [B, H_q, d]` -> fp32 `q @ R_K` of each query head's KV head (GQA groups share R_K)."""
+        r = self._pool(layer).k_rotation
+        b, h_q, d = q.shape
+        qg = q.float().reshape(b, self.num_kv_heads, h_q // self.num_kv_heads, d)
+        return torch.einsum("bhgd,hde->bhge", qg, r).reshape(b, h_q, d)
+
+    def unrotate_values(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """`o [B, H_q, d]` in the R_V basis -> `o @ R_V^T` (original basis), fp32."""
+        r = self._pool(layer).v_rotation
+        b, h_q, d = o.shape
+        og = o.float().reshape(b, self.num_kv_heads, h_q // self.num_kv_heads, d)
+        return torch.einsum("bhge,hde->bhgd", og, r).reshape(b, h_q, d)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[int],
+                         sm_scale: float | None = None, return_lse: bool = False):
+        """One decode query per sequence over sink + recent (full precision) and the INT2 history, merged exactly.
+
+        Args:
+            layer: index into the cache's layers.
+            q: `[B, H_q, d]` post-RoPE queries in the **original** basis (rotated by R_K here for the INT2
+                segment; the window holds original-basis keys).
+            seq_ids: the B sequences (each must hold at least one token).
+            sm_scale: softmax scale (default `1 / sqrt(d)`).
+        Returns:
+            o fp32 `[B, H_q, d]` in the original value basis (and lse fp32 `[B, H_q]` with `return_lse`).
+        """
+        pool = self._pool(layer)
+        seq_ids = [int(s) for s in seq_ids]
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+        if q.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+        if q.dim() != 3 or q.shape[0] != len(seq_ids) or q.shape[2] != self.head_dim \
+                or q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"q: expected shape [B={len(seq_ids)}, H_q (a multiple of {self.num_kv_heads}), "
+                             f"d={self.head_dim}], got {list(q.shape)}")
+        if q.device != self.device:
+            raise ValueError(f"q: expected device {self.device} (the cache's), got {q.device}")
+        empty = [s for s in seq_ids if self._state(s).length == 0]
+        if empty:
+            raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
+        sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        int2_attn, window_attn, merge, _ = _kernels()
+        meta = self.batch_metadata(seq_ids)
+        o_w, lse_w = window_attn(q.contiguous(), pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
+                                 sm_scale=sm_scale, backend=self.backend)
+        if not any(self._state(s).pages for s in seq_ids):  # no history anywhere in the batch
+            return (o_w, lse_w) if return_lse else o_w
+        q_rot = self.rotate_queries(layer, q).to(q.dtype)
+        o_h, lse_h = int2_attn(q_rot.contiguous(), pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes,
+                               pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len, sm_scale=sm_scale,
+                               backend=self.backend)
+        o_h = self.unrotate_values(layer, o_h)
+        o, lse = merge(o_w.float(), lse_w.float(), o_h, lse_h.float())
+        return (o, lse) if return_lse else o
+
+    # -- dense views (for chunked prefill and inspection) ---------------------------------------------------
+    def dense_kv(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's keys and values in token order, original basis, history dequantized.
+
+        Returns: k, v fp32 `[n, H, d]`. Materialises the history: meant for multi-token appends on a
+        non-empty sequence and for inspection, not for the decode path.
+        """
+        from runtime_kernels.attention.paged_ref import gather_history
+
+        pool = self._pool(layer)
+        st = self._state(seq_id)
+        n, hist = st.length, len(st.pages) * self.page_size
+        n_sink = min(n, self.sink)
+        pages = torch.tensor(st.pages, dtype=torch.int64, device=self.device)
+        out = []
+        for win, codes, scale, zero, rot in ((pool.k_win, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_rotation),
+                                             (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation)):
+            rows = win[st.slot, :, :n - hist].float().transpose(0, 1)  # [n - hist, H, d]
+            if hist:
+                h = gather_history(codes, scale, zero, pages, hist).transpose(0, 1)  # [hist, H, d] rotated
+                h = torch.einsum("the,hde->thd", h, rot)
+                rows = torch.cat([rows[:n_sink], h, rows[n_sink:]])
+            out.append(rows)
+        return out[0], out[1]
+
+    def memory_bytes(self) -> int:
+        """Device bytes held by all pools (pages and windows)."""
+        total = 0
+        for pool in self.pools:
+            for t in (pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero,
+                      pool.k_win, pool.v_win):
+                total += t.numel() * t.element_size()
+        return total
+
+
+__all__ = ["AppendPlan", "BatchMetadata", "LayerPool", "PageAllocator", "PagedKVCache", "SequenceState"]
