@@ -250,11 +250,18 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
         save_file(tensors, tmp, metadata=dict(sorted(artifact.metadata.items())))
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def effective_bits(context_len: int, group_size: int, sink: int = 64, recent: int = 256, scale_bits: int = 16) -> float:

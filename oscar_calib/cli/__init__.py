@@ -17,28 +17,14 @@ from oscar_calib.errors import OscarError
 def main() -> None:
     from runtime_kernels.artifact import ArtifactError
 
-    import click
-
     try:
-        result = app(standalone_mode=False)
-        if isinstance(result, int) and result:
-            sys.exit(result)
-    except click.exceptions.ClickException as exc:  # usage errors: click's own message, exit 2
-        exc.show()
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        print("Aborted; nothing was written.", file=sys.stderr)
-        sys.exit(130)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+        app()  # standalone: click prints usage errors itself and exits 2
     except (OscarError, ArtifactError) as exc:
         if os.environ.get("OSCAR_CALIB_DEBUG"):
             raise
         code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(code)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         print("Interrupted; nothing was written.", file=sys.stderr)
         sys.exit(130)

@@ -12,3 +12,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+
+@app.callback()
+def _root() -> None:
+    """Calibrate, publish, audit and evaluate OSCAR rotations for 2-bit KV caches.
+
+    Results go to stdout, progress to stderr. Set OSCAR_CALIB_DEBUG=1 for tracebacks.
+    """

@@ -1,0 +1,83 @@
+"""`oscar-calib run`: calibrate a model into an artifact directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt
+from oscar_calib.config import DEFAULT_CLIP_GRID, CalibrationConfig, DataConfig, SolverSettings
+from oscar_calib.errors import InputError
+
+_EXAMPLES = """
+Examples:
+
+  oscar-calib run                                          # embedded demo -> ./zoo/demo
+  oscar-calib run --model Qwen/Qwen3-8B --dataset data.jsonl --out zoo/qwen3-8b
+  oscar-calib run --model Qwen/Qwen3-8B --dataset HuggingFaceFW/fineweb-edu --dataset-revision <sha> \\
+      --split train --samples 128 --seq-len 2048 --out zoo/qwen3-8b
+"""
+
+
+def _grid(text: Optional[str]) -> tuple[float, ...]:
+    if text is None:
+        return DEFAULT_CLIP_GRID
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise InputError(f"--clip-grid '{text}': expected comma-separated ratios in (0, 1]") from exc
+
+
+@app.command("run", epilog=_EXAMPLES)
+def run(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: demo).")] = None,
+    revision: RevisionOpt = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="Hub dataset id, or a local .jsonl/.txt file.")] = None,
+    dataset_revision: Annotated[Optional[str], typer.Option("--dataset-revision", help="Pinned dataset revision.")] = None,
+    dataset_config: Annotated[Optional[str], typer.Option("--dataset-config", help="Dataset configuration name.")] = None,
+    split: Annotated[str, typer.Option("--split")] = "train",
+    text_column: Annotated[str, typer.Option("--text-column")] = "text",
+    samples: Annotated[Optional[int], typer.Option("--samples", help="Packed sequences for statistics (default 32; demo 8).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default 1024; demo 256).")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
+    granularity: Annotated[str, typer.Option("--granularity", help="head or layer.")] = "head",
+    value_target: Annotated[str, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = "attn_output",
+    clip_grid: Annotated[Optional[str], typer.Option("--clip-grid", help="Comma-separated clip ratios; 1.0 is always added.")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+) -> None:
+    """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
+    from oscar_calib.job import run_calibration
+
+    demo = model is None
+    try:
+        config = CalibrationConfig(
+            model=model,
+            model_revision=revision,
+            data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
+                            split=split, text_column=text_column, samples=samples or (8 if demo else 32),
+                            seq_len=seq_len or (256 if demo else 1024), seed=seed, chat_template=chat_template),
+            solver=SolverSettings(granularity=granularity, value_target=value_target, clip_grid=_grid(clip_grid),
+                                  group_size=group_size),
+            device=device, dtype=dtype, batch_size=batch_size, trust_remote_code=trust_remote_code,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise InputError(f"option '{field}': {first['msg']} (got {first.get('input')!r})") from exc
+    if out is None:
+        if not demo:
+            raise InputError("--out is required with --model (the artifact directory to create)")
+        out = Path("zoo/demo")
+    run_calibration(config, out, overwrite=overwrite)
+    typer.echo(str(out))

@@ -1,0 +1,80 @@
+"""Pydantic configuration of a calibration run. `extra="forbid"` everywhere: the dump *is* the recipe.
+
+The JSON dump of `CalibrationConfig` goes into the artifact's `calibration` metadata and the model card.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The clip grid (ratio of the order statistic, 1.0 = no clipping). It contains the reference's
+# global ratios (K 0.96, V 0.92) so the per-head fit can never be worse than them on held-out data.
+DEFAULT_CLIP_GRID: tuple[float, ...] = (0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    """Where the calibration text comes from and how it becomes token sequences."""
+
+    dataset: Optional[str] = Field(
+        None, description="Hub dataset id, or a local .jsonl/.txt file. None = the demo text shipped with the package.")
+    dataset_revision: Optional[str] = Field(None, description="Pinned dataset revision (Hub datasets).")
+    dataset_config: Optional[str] = Field(None, description="Dataset configuration name (Hub datasets).")
+    split: str = "train"
+    text_column: str = "text"
+    samples: int = Field(32, ge=1, description="Number of packed sequences used for statistics.")
+    seq_len: int = Field(1024, ge=8, description="Tokens per packed sequence.")
+    holdout_samples: int = Field(1, ge=1, description="Extra packed sequences held out for fitting clip ratios.")
+    holdout_queries: int = Field(256, ge=8, description="Query positions sampled per held-out sequence.")
+    seed: int = 0
+    shuffle_buffer: int = Field(10_000, ge=1, description="Streaming shuffle buffer (Hub datasets).")
+    chat_template: bool = Field(False, description="Wrap each text (or 'messages' list) with the tokenizer's chat template.")
+
+
+class SolverSettings(_Strict):
+    """How statistics become rotations and clip ratios."""
+
+    granularity: Literal["head", "layer"] = "head"
+    value_target: Literal["attn_output", "logit_weighted"] = "attn_output"
+    key_target: Literal["query_moment"] = "query_moment"
+    clip_grid: tuple[float, ...] = DEFAULT_CLIP_GRID
+    group_size: Optional[int] = Field(None, description="Quantization group (channels); None = head_dim.")
+    sink_tokens: int = Field(64, ge=0)
+    recent_tokens: int = Field(256, ge=0)
+
+    @field_validator("clip_grid")
+    @classmethod
+    def _grid_valid(cls, grid: tuple[float, ...]) -> tuple[float, ...]:
+        if not grid:
+            raise ValueError("clip_grid must not be empty")
+        if any(not (0.0 < r <= 1.0) for r in grid):
+            raise ValueError(f"clip_grid ratios must lie in (0, 1], got {list(grid)}")
+        grid = tuple(sorted(set(float(r) for r in grid)))
+        if grid[-1] != 1.0:
+            grid = grid + (1.0,)  # "no clipping" is always a candidate
+        return grid
+
+
+class CalibrationConfig(_Strict):
+    """A whole calibration job: model, data, solver, placement."""
+
+    model: Optional[str] = Field(None, description="Hub model id or local directory. None = the embedded demo model.")
+    model_revision: Optional[str] = None
+    data: DataConfig = DataConfig()
+    solver: SolverSettings = SolverSettings()
+    device: Optional[str] = Field(None, description="cpu, cuda, cuda:N or auto; None = auto.")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    batch_size: Optional[int] = Field(None, ge=1, description="Sequences per forward pass; None = auto.")
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> CalibrationConfig:
+        g = self.solver.group_size
+        if g is not None and (g <= 0 or g % 4):
+            raise ValueError(f"solver.group_size must be a positive multiple of 4, got {g}")
+        return self

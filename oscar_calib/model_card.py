@@ -1,0 +1,79 @@
+"""Model card (`README.md`) of a calibration artifact: what was calibrated, how, and the headline numbers."""
+
+from __future__ import annotations
+
+import json
+
+from runtime_kernels.artifact import ARTIFACT_FILENAME, OscarArtifact, effective_bits
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
+    """Markdown with YAML front matter (base_model, tags) for the Hub."""
+    meta = artifact.metadata
+    calib = json.loads(meta["calibration"])
+    summary = report.summary()
+    k, v = summary["key_logit_mse"], summary["value_rel_out_err"]
+    g = int(meta["group_size"])
+    lines = [
+        "---",
+        f"base_model: {meta['model_id']}",
+        "library_name: oscar-calib",
+        "tags: [kv-cache, quantization, int2, oscar]",
+        "---",
+        "",
+        f"# OSCAR 2-bit KV rotations for `{meta['model_id']}`",
+        "",
+        f"Attention-aware rotations `R = U H P` and fitted clip ratios for INT2 keys and values "
+        f"(sink {meta['sink_tokens']} + recent {meta['recent_tokens']} tokens in BF16). "
+        f"{effective_bits(131072, g):.2f} bits per KV element at 128K context, {effective_bits(32768, g):.2f} at 32K.",
+        "",
+        "## Calibration",
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| model revision | `{meta['model_revision']}` |",
+        f"| dataset | `{calib.get('dataset')}` (revision `{calib.get('dataset_revision')}`, split `{calib.get('split')}`) |",
+        f"| samples x seq_len | {calib.get('samples')} x {calib.get('seq_len')} ({calib.get('tokens')} tokens), "
+        f"{calib.get('holdout_samples')} held out |",
+        f"| seed | {calib.get('seed')} |",
+        f"| granularity | {meta['granularity']} |",
+        f"| key target | {meta['key_target']} (query second moment of the GQA group) |",
+        f"| value target | {meta['value_target']} |",
+        f"| group size | {g} |",
+        f"| calibrated layers | {len(report.layer_ids)} (skipped: {report.skipped_layers or 'none'}) |",
+        f"| tool | {meta['tool_version']}, created {meta['created_at']} |",
+        "",
+        "## Held-out attention-aware error",
+        "",
+        "| | fitted clip | global clip (K 0.96 / V 0.92) | no clip |",
+        "|---|---|---|---|",
+        f"| key logit MSE | {_fmt(k['fitted'])} | {_fmt(k['global_0.96'])} | {_fmt(k['no_clip'])} |",
+        f"| value relative output error | {_fmt(v['fitted'])} | {_fmt(v['global_0.92'])} | {_fmt(v['no_clip'])} |",
+        "",
+        f"Mean fitted clip ratios: K {summary['k_clip_ratio_mean']:.3f}, V {summary['v_clip_ratio_mean']:.3f}; "
+        f"{summary['clip_at_grid_edge']} (layer, head) fits at the lowest grid ratio.",
+        "",
+    ]
+    if summary.get("alternatives"):
+        lines += ["Alternatives on the same held-out tokens (best clip per head):", "",
+                  "| rotation | key logit MSE | value output error |", "|---|---|---|"]
+        for name, errs in summary["alternatives"].items():
+            lines.append(f"| {name} | {_fmt(errs['key'])} | {_fmt(errs['value'])} |")
+        lines.append("")
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "from runtime_kernels import read_artifact, check_against_model",
+        f"artifact = read_artifact('{ARTIFACT_FILENAME}')  # or the directory",
+        "check_against_model(artifact, model.config)",
+        "```",
+        "",
+        f"Timings: {', '.join(f'{k} {v:.1f}s' for k, v in log.get('timings', {}).items())}.",
+        "",
+    ]
+    return "\n".join(lines)

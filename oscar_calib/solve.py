@@ -1,0 +1,101 @@
+"""From second-moment targets to rotations `R = U H P` (OSCAR_METHOD section 3).
+
+All matrices are row-vector convention: `x_rot = x @ R`. Targets are `[..., d, d]` symmetric PSD.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime_kernels.artifact import ORTHOGONALITY_TOL, orthogonality_error
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """Normalised Sylvester Hadamard `[d, d]` float64: `H[a, b] = (-1)^popcount(a & b) / sqrt(d)`."""
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two for the Hadamard transform, got {d}")
+    idx = torch.arange(d)
+    bits = idx[:, None] & idx[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1.0 - 2.0 * parity.double()) / d**0.5
+
+
+def bit_reverse(i: int, nbits: int) -> int:
+    """Reverse the lowest `nbits` bits of `i`."""
+    out = 0
+    for _ in range(nbits):
+        out = (out << 1) | (i & 1)
+        i >>= 1
+    return out
+
+
+def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
+    """`perm[bitrev(i)] = s[i]` with `s = argsort(eigenvalues, descending)`; `[d]` int64.
+
+    With eigh's ascending order this is `perm[j] = d - 1 - bitrev(j)`.
+    """
+    d = eigenvalues.shape[-1]
+    nbits = d.bit_length() - 1
+    order = torch.sort(eigenvalues, descending=True, stable=True).indices
+    perm = torch.empty(d, dtype=torch.int64)
+    for i in range(d):
+        perm[bit_reverse(i, nbits)] = order[i]
+    return perm
+
+
+def canonical_signs(vectors: torch.Tensor) -> torch.Tensor:
+    """Flip each column so that its largest-magnitude entry (first one on ties) is positive."""
+    idx = vectors.abs().argmax(dim=-2, keepdim=True)
+    signs = torch.sign(torch.gather(vectors, -2, idx))
+    signs[signs == 0] = 1
+    return vectors * signs
+
+
+def rotation_from_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`R = U H P` for one symmetric target `[d, d]`.
+
+    Returns:
+        R `[d, d]` float64 orthogonal, eigenvalues `[d]` float64 descending.
+    """
+    t = target.double()
+    t = 0.5 * (t + t.T)
+    evals, evecs = torch.linalg.eigh(t)  # ascending
+    evecs = canonical_signs(evecs)
+    d = t.shape[-1]
+    perm = bit_reversal_permutation(evals)
+    rotation = (evecs @ hadamard(d))[:, perm]
+    return rotation, torch.sort(evals, descending=True).values
+
+
+def solve_rotations(targets: torch.Tensor, granularity: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotations for a stack of targets.
+
+    Args:
+        targets: `[A, H, d, d]` per (layer, KV head), each normalised by its token count.
+        granularity: "head" (one R per KV head) or "layer" (mean of the head targets, shared by all heads).
+    Returns:
+        rotations `[A, H, d, d]` float32, eigenvalues `[A, H, d]` float32 (descending).
+    Raises:
+        ValueError if a rotation is not orthogonal to `ORTHOGONALITY_TOL` in fp32.
+    """
+    a, h, d, _ = targets.shape
+    if granularity not in ("head", "layer"):
+        raise ValueError(f"granularity must be 'head' or 'layer', got '{granularity}'")
+    rotations = torch.empty(a, h, d, d, dtype=torch.float64)
+    eigenvalues = torch.empty(a, h, d, dtype=torch.float64)
+    for li in range(a):
+        if granularity == "layer":
+            r, ev = rotation_from_target(targets[li].double().mean(dim=0))
+            rotations[li] = r
+            eigenvalues[li] = ev
+        else:
+            for hi in range(h):
+                rotations[li, hi], eigenvalues[li, hi] = rotation_from_target(targets[li, hi])
+    rot32 = rotations.float()
+    err = orthogonality_error(rot32)
+    if err > ORTHOGONALITY_TOL:
+        raise ValueError(f"solver produced a non-orthogonal rotation (max |R R^T - I| = {err:.2e})")
+    return rot32, eigenvalues.float()
