@@ -12,6 +12,7 @@ from runtime_kernels.artifact import (
     read_artifact,
     write_artifact,
 )
+from runtime_kernels.loader import load_artifact
 
 __all__ = [
     "ArtifactError",
@@ -19,6 +20,7 @@ __all__ = [
     "check_against_model",
     "effective_bits",
     "identity_artifact",
+    "load_artifact",
     "read_artifact",
     "write_artifact",
 ]

@@ -1,0 +1,353 @@
+"""Publish an artifact directory as a versioned release of a zoo repo on the Hugging Face Hub.
+
+One release = one commit that writes `<model_id>/<calibration>/` (artifact, stats files, model card,
+`release.json` with every file's sha256 and size) + one git tag `vN` on that commit's sha.
+
+Guarantees:
+- atomic: all files go in one `create_commit`; if the upload breaks, nothing changes and no tag is made;
+- no silent overwrite: the commit names `parent_commit` = the head we inspected, so a publisher who
+  committed in between makes ours fail (HubError, exit 5) instead of being overwritten;
+- tags never move: an existing tag with other content is refused (HubError, exit 5);
+- idempotent: pushing content that a version already holds creates nothing and names that version.
+
+Tokens are passed to huggingface_hub and never printed or logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_artifact
+from runtime_kernels.loader import (
+    COMMIT_RE,
+    RELEASE_FILENAME,
+    UnsafeNameError,
+    check_component,
+    check_model_id,
+    check_repo_id,
+    is_offline,
+    parse_release_record,
+    release_dir,
+    release_record,
+)
+
+from oscar_calib.errors import HubError, InputError, IntegrityError
+
+logger = logging.getLogger(__name__)
+
+CARD_FILENAME = "README.md"
+VERSION_RE = re.compile(r"v[1-9][0-9]{0,5}")
+GENERATED = {CARD_FILENAME, RELEASE_FILENAME}
+MAX_FILES = 64
+
+
+@dataclass
+class PushResult:
+    """What a push did. `created` is False when the content was already released (nothing committed)."""
+
+    repo: str
+    version: str
+    commit: str
+    path_in_repo: str
+    created: bool
+    tagged: bool
+    message: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
+        raise InputError(f"field 'version': expected 'vN' with N a positive integer (v1, v2, ...), got {version!r}")
+    return version
+
+
+def next_version(tags: list[str]) -> str:
+    """One past the highest `vN` tag (v1 for a repo without version tags)."""
+    numbers = [int(t[1:]) for t in tags if VERSION_RE.fullmatch(t)]
+    return f"v{max(numbers, default=0) + 1}"
+
+
+def collect_files(directory: Path) -> dict[str, Path]:
+    """The files of an artifact directory to publish: regular top-level files, generated ones excluded.
+
+    Refuses symlinks, sub-directories and unsafe names, so nothing outside the directory is uploaded.
+    """
+    if not directory.is_dir():
+        raise InputError(f"field 'DIR': '{directory}' is not a directory (expected an artifact directory)")
+    files: dict[str, Path] = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.name.startswith(".") or entry.name in GENERATED:
+            continue
+        if entry.is_symlink() or not entry.is_file():
+            raise InputError(f"field 'DIR': '{entry}' is not a regular file (symlinks and sub-directories are not published)")
+        try:
+            check_component(entry.name, "file name")
+        except UnsafeNameError as exc:
+            raise InputError(f"{directory}: {exc}") from None
+        files[entry.name] = entry
+    if ARTIFACT_FILENAME not in files:
+        raise InputError(f"field 'DIR': '{directory}' has no '{ARTIFACT_FILENAME}'")
+    if len(files) > MAX_FILES:
+        raise InputError(f"field 'DIR': {len(files)} files, at most {MAX_FILES} are published")
+    return files
+
+
+def _receipts(files: dict[str, Path]) -> dict[str, Any]:
+    """Evaluation receipts: JSON files named `eval*.json` in the artifact directory."""
+    out = {}
+    for name, path in files.items():
+        if name.startswith("eval") and name.endswith(".json"):
+            try:
+                out[name] = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise InputError(f"field '{name}': evaluation receipt is not valid JSON: {exc}") from None
+    return out
+
+
+def model_card(metadata: dict[str, str], repo: str, version: str, calibration: str,
+               files: dict[str, dict[str, Any]], receipts: dict[str, Any], recipe: dict[str, Any] | None) -> str:
+    """The release's README.md: base model, calibration recipe, evaluation receipts, how to load it."""
+    model_id = metadata["model_id"]
+    base = f"{model_id}/{calibration}"
+    try:
+        calib = json.loads(metadata.get("calibration", "{}"))
+    except json.JSONDecodeError:
+        calib = metadata.get("calibration")
+    lines = [
+        "---",
+        f"base_model: {json.dumps(model_id)}",
+        "library_name: oscar-calib",
+        "tags:",
+        "- oscar-kv",
+        "- kv-cache-quantization",
+        "- int2",
+        "---",
+        "",
+        f"# OSCAR 2-bit KV-cache rotations for {model_id} ({calibration}, {version})",
+        "",
+        "## Base model",
+        f"- model: `{model_id}`",
+        f"- revision: `{metadata.get('model_revision')}`",
+        f"- heads: {metadata.get('num_attention_heads')} query / {metadata.get('num_key_value_heads')} KV, "
+        f"head_dim {metadata.get('head_dim')}",
+        "",
+        "## Calibration recipe",
+        f"- key target: `{metadata.get('key_target')}`, value target: `{metadata.get('value_target')}`, "
+        f"granularity: `{metadata.get('granularity')}`",
+        f"- bits: {metadata.get('bits')}, group size: {metadata.get('group_size')}, "
+        f"BF16 sink/recent tokens: {metadata.get('sink_tokens')}/{metadata.get('recent_tokens')}",
+        f"- tool: `{metadata.get('tool_version')}`, created {metadata.get('created_at')}",
+        "",
+        "```json",
+        json.dumps({"calibration": calib, **({"recipe": recipe} if recipe else {})}, indent=2, sort_keys=True),
+        "```",
+        "",
+        "## Evaluation receipts",
+    ]
+    if receipts:
+        for name, data in receipts.items():
+            lines += [f"### {name}", "```json", json.dumps(data, indent=2, sort_keys=True), "```"]
+    else:
+        lines.append("None published with this release.")
+    lines += [
+        "",
+        "## How to load it",
+        "```python",
+        "from runtime_kernels import load_artifact",
+        f"artifact = load_artifact({model_id!r}, repo={repo!r}, revision={version!r}, calibration={calibration!r},",
+        "                         model_config=model.config)  # sha256-verified, checked against the model",
+        "```",
+        "or: `oscar-calib pull " + f"{model_id} --repo {repo} --revision {version} --calibration {calibration}`",
+        "",
+        "## Files",
+        "| file | bytes | sha256 |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{base}/{n}` | {e['size']} | `{e['sha256']}` |" for n, e in sorted(files.items())]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _hub_error(exc: Exception, doing: str) -> HubError:
+    """Turn a huggingface_hub HTTP error into one clear HubError (status + server message, never headers)."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if status == 412:
+        return HubError(f"{doing}: another publisher committed to the repo since we read it (parent commit "
+                        "changed); nothing was released; run the command again to publish on top of it")
+    if status in (401, 403):
+        return HubError(f"{doing}: the Hub refused the credentials (HTTP {status}); check --token or HF_TOKEN")
+    server_message = ""
+    if response is not None:
+        server_message = response.headers.get("X-Error-Message", "") or ""
+    detail = f"HTTP {status}" if status else type(exc).__name__
+    return HubError(f"{doing}: {detail} {server_message}".rstrip())
+
+
+def _same_content(record: dict[str, Any], files: dict[str, dict[str, Any]], model_revision: str) -> bool:
+    """Equal artifact content: the same non-generated files with the same hashes, same model revision."""
+    remote = {n: e for n, e in record["files"].items() if n not in GENERATED}
+    return remote == files and record["model_revision"] == model_revision
+
+
+class _Remote:
+    """The zoo repo as the Hub sees it now, through one HfApi client."""
+
+    def __init__(self, repo: str, token: str | None, endpoint: str | None):
+        from huggingface_hub import HfApi
+
+        self.repo, self.token, self.endpoint = repo, token, endpoint
+        self.api = HfApi(endpoint=endpoint, token=token)
+        self._cache = tempfile.TemporaryDirectory(prefix="oscar-push-")
+
+    def close(self) -> None:
+        self._cache.cleanup()
+
+    def refs(self) -> tuple[str, dict[str, str]]:
+        refs = self.api.list_repo_refs(self.repo)
+        branches = {b.name: b.target_commit for b in refs.branches}
+        if "main" not in branches:
+            raise HubError(f"field 'repo': '{self.repo}' has no 'main' branch")
+        return branches["main"], {t.name: t.target_commit for t in refs.tags}
+
+    def record(self, base: str, commit: str) -> dict[str, Any] | None:
+        """The release record of `base` at `commit`, or None when there is none."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import EntryNotFoundError
+
+        try:
+            path = hf_hub_download(self.repo, f"{base}/{RELEASE_FILENAME}", revision=commit, token=self.token,
+                                   endpoint=self.endpoint, cache_dir=self._cache.name)
+        except EntryNotFoundError:
+            return None
+        try:
+            return parse_release_record(Path(path).read_bytes(), f"{self.repo}@{commit[:12]}:{base}/{RELEASE_FILENAME}")
+        except ArtifactError as exc:
+            raise IntegrityError(str(exc)) from None
+
+    def files_under(self, base: str, commit: str) -> list[str]:
+        info = self.api.model_info(self.repo, revision=commit)
+        return [s.rfilename for s in (info.siblings or []) if s.rfilename.startswith(base + "/")]
+
+
+def push(directory: str | Path, repo: str, *, version: str | None = None, calibration: str = "default",
+         private: bool = False, token: str | None = None, endpoint: str | None = None,
+         recipe: dict[str, Any] | None = None) -> PushResult:
+    """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN)."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub.utils import HfHubHTTPError
+
+    directory = Path(directory)
+    try:
+        check_repo_id(repo, "repo")
+        check_component(calibration, "calibration")
+    except UnsafeNameError as exc:
+        raise InputError(str(exc)) from None
+    if version is not None:
+        check_version(version)
+    files = collect_files(directory)
+    artifact = read_artifact(files[ARTIFACT_FILENAME])  # the contract is checked before anything is sent
+    meta = artifact.metadata
+    try:
+        check_model_id(meta["model_id"], "model_id (artifact metadata)")
+    except UnsafeNameError as exc:
+        raise InputError(f"{artifact.source}: {exc}") from None
+    base = release_dir(meta["model_id"], calibration)
+    # Read each file once: the bytes hashed are the bytes uploaded, even if the directory changes meanwhile.
+    contents = {name: path.read_bytes() for name, path in files.items()}
+    hashes = {name: {"sha256": _sha256(data), "size": len(data)} for name, data in contents.items()}
+    receipts = _receipts(files)
+    if is_offline():
+        raise HubError("push needs the Hub but HF_HUB_OFFLINE is set; unset it to publish")
+
+    remote = _Remote(repo, token, endpoint)
+    doing = f"push to {repo}"
+    try:
+        try:
+            remote.api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
+            head, tags = remote.refs()
+            # 1. An explicit version that exists already: same content -> nothing to do; else refuse.
+            if version is not None and version in tags:
+                rec = remote.record(base, tags[version])
+                if rec is not None and _same_content(rec, hashes, meta["model_revision"]):
+                    return PushResult(repo, version, tags[version], base, False, False,
+                                      f"identical content is already released as {version}; nothing pushed", hashes)
+                raise HubError(f"field 'version': tag '{version}' already exists on commit {tags[version]} with "
+                               "different content for this model; tags are never moved; choose a new version")
+            # 2. Identical content already at the head or under any version tag: create nothing.
+            rec = remote.record(base, head)
+            if rec is not None and _same_content(rec, hashes, meta["model_revision"]):
+                if rec["version"] in tags:
+                    return PushResult(repo, rec["version"], tags[rec["version"]], base, False, False,
+                                      f"identical content is already released as {rec['version']}; nothing pushed",
+                                      hashes)
+                # An earlier push committed but died before tagging: finish that release.
+                remote.api.create_tag(repo, tag=rec["version"], revision=head)
+                return PushResult(repo, rec["version"], head, base, False, True,
+                                  f"content was committed but untagged; tagged it {rec['version']}", hashes)
+            for tag in sorted(tags, key=lambda t: int(t[1:]) if VERSION_RE.fullmatch(t) else -1, reverse=True):
+                old = remote.record(base, tags[tag])
+                if old is not None and _same_content(old, hashes, meta["model_revision"]):
+                    return PushResult(repo, tag, tags[tag], base, False, False,
+                                      f"identical content is already released as {tag}; nothing pushed", hashes)
+            # 3. A new release: one commit on top of `head`, then the tag on that commit's sha.
+            version = version or next_version(list(tags))
+            card = model_card(meta, repo, version, calibration, hashes, receipts, recipe).encode()
+            listed = {**hashes, CARD_FILENAME: {"sha256": _sha256(card), "size": len(card)}}
+            record = release_record(meta["model_id"], meta["model_revision"], calibration, version, listed)
+            record_bytes = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
+            ops: list[Any] = [CommitOperationAdd(f"{base}/{n}", data) for n, data in contents.items()]
+            ops += [CommitOperationAdd(f"{base}/{CARD_FILENAME}", card),
+                    CommitOperationAdd(f"{base}/{RELEASE_FILENAME}", record_bytes)]
+            keep = {f"{base}/{n}" for n in [*files, CARD_FILENAME, RELEASE_FILENAME]}
+            ops += [CommitOperationDelete(p) for p in remote.files_under(base, head) if p not in keep]
+            logger.info("committing %d file(s) to %s on top of %s", len(ops), repo, head[:12])
+            info = remote.api.create_commit(repo, ops, commit_message=f"{base}: release {version}",
+                                            commit_description=f"OSCAR KV rotations for {meta['model_id']}",
+                                            parent_commit=head, revision="main")
+            commit = info.oid
+            if not COMMIT_RE.fullmatch(commit or ""):
+                raise HubError(f"{doing}: the Hub did not return a commit sha")
+            try:
+                remote.api.create_tag(repo, tag=version, revision=commit)
+            except HfHubHTTPError as exc:
+                if getattr(exc.response, "status_code", None) == 409:
+                    raise HubError(f"{doing}: tag '{version}' was created by someone else meanwhile; commit {commit} "
+                                   "is on main but untagged; run push again (it will tag or re-release)") from None
+                raise
+            return PushResult(repo, version, commit, base, True, True, f"released {version} at {commit}", hashes)
+        except HfHubHTTPError as exc:
+            raise _hub_error(exc, doing) from None
+    finally:
+        remote.close()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
+         local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
+         endpoint: str | None = None, expected_sha256: dict[str, str] | None = None):
+    """Download and verify a release (see runtime_kernels.loader.pull_release); errors become OscarErrors."""
+    from runtime_kernels.loader import pull_release
+
+    try:
+        pulled = pull_release(model_id, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
+                              cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256)
+        read_artifact(pulled.artifact_path)
+    except UnsafeNameError as exc:
+        raise InputError(str(exc)) from None
+    except ArtifactError as exc:
+        raise IntegrityError(str(exc)) from None
+    return pulled
