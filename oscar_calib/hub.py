@@ -338,15 +338,29 @@ def _sha256(data: bytes) -> str:
 
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
-         endpoint: str | None = None, expected_sha256: dict[str, str] | None = None):
-    """Download and verify a release (see runtime_kernels.loader.pull_release); errors become OscarErrors."""
-    from runtime_kernels.loader import pull_release
+         endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None):
+    """Download and verify a release (runtime_kernels.loader.pull_release), read the artifact, check it
+    against `model_config`, and only then copy the files to `local_dir`. Errors become OscarErrors."""
+    from runtime_kernels.artifact import check_against_model
+    from runtime_kernels.loader import ModelMismatchError, copy_release_files, pull_release
 
     try:
-        pulled = pull_release(model_id, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
+        pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
                               cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256)
-        read_artifact(pulled.artifact_path)
+        artifact = read_artifact(pulled.artifact_path)
+        if artifact.metadata["model_id"] != model_id:
+            raise ModelMismatchError(f"{artifact.source}: field 'model_id': artifact has "
+                                     f"'{artifact.metadata['model_id']}', expected '{model_id}'")
+        if model_config is not None:
+            try:
+                check_against_model(artifact, model_config, model_id=model_id)
+            except ArtifactError as exc:
+                raise ModelMismatchError(str(exc)) from None
+        if local_dir is not None:
+            pulled.files = copy_release_files(pulled.files, Path(local_dir))
     except UnsafeNameError as exc:
+        raise InputError(str(exc)) from None
+    except ModelMismatchError as exc:
         raise InputError(str(exc)) from None
     except ArtifactError as exc:
         raise IntegrityError(str(exc)) from None

@@ -386,11 +386,11 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
         verify_files(files, pinned, source)
     pulled = PulledRelease(repo=repo, revision=revision, commit=commit, path_in_repo=base, record=record, files=files)
     if local_dir is not None:
-        pulled.files = _copy_to_local_dir(files, Path(local_dir))
+        pulled.files = copy_release_files(files, Path(local_dir))
     return pulled
 
 
-def _copy_to_local_dir(files: dict[str, Path], local_dir: Path) -> dict[str, Path]:
+def copy_release_files(files: dict[str, Path], local_dir: Path) -> dict[str, Path]:
     """Copy verified files into `local_dir` via a temporary sibling directory (no half-written directory)."""
     local_dir = local_dir.resolve()
     if local_dir.exists() and any(local_dir.iterdir()):
@@ -476,6 +476,7 @@ __all__ = [
     "RELEASE_FILENAME",
     "ReleaseNotFoundError",
     "check_component",
+    "copy_release_files",
     "check_model_id",
     "check_relative_file",
     "check_repo_id",

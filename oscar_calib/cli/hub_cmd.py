@@ -1,0 +1,139 @@
+"""`oscar-calib push` and `oscar-calib pull`: publish to and fetch from a zoo repo on the Hub.
+
+Exit codes (oscar_calib.errors.EXIT_CODES): 0 ok (also when the content was already released),
+2 bad input (names with '..', control characters or absolute paths; artifact for another model),
+4 integrity (sha256 mismatch, broken artifact), 5 Hub refused (tag exists with other content,
+concurrent publisher, unknown repo/revision/release).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
+from oscar_calib.errors import HubError, InputError, IntegrityError, OscarError
+
+CalibrationOpt = Annotated[
+    str, typer.Option("--calibration", help="Calibration name: the release lives in '<model_id>/<calibration>/'.")]
+RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
+
+
+def endpoint() -> Optional[str]:
+    """HF_ENDPOINT read now (the client reads it once at import)."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Runtime and client errors -> OscarErrors with documented exit codes (message only, never headers)."""
+    from huggingface_hub.utils import HfHubHTTPError
+
+    from runtime_kernels.artifact import ArtifactError
+    from runtime_kernels.loader import ModelMismatchError, ReleaseNotFoundError, UnsafeNameError
+
+    try:
+        yield
+    except OscarError:
+        raise
+    except UnsafeNameError as exc:
+        raise InputError(str(exc)) from None
+    except ModelMismatchError as exc:
+        raise InputError(str(exc)) from None
+    except ArtifactError as exc:
+        raise IntegrityError(str(exc)) from None
+    except ReleaseNotFoundError as exc:
+        raise HubError(str(exc)) from None
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        raise HubError(f"the Hub answered HTTP {status}: {str(exc).splitlines()[0]}") from None
+
+
+def _load_config(path: Optional[Path]):
+    if path is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types
+        raise InputError(f"--model-config {path}: cannot load a config (expected a local directory with config.json "
+                         f"or a config.json file): {type(exc).__name__}") from None
+
+
+_PUSH_EXAMPLES = """
+Examples:
+
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo                 # next version vN
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --version v3 --calibration chat
+"""
+
+
+@app.command("push", epilog=_PUSH_EXAMPLES)
+def push_cmd(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
+    repo: RepoOpt,
+    version: Annotated[Optional[str], typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
+    calibration: CalibrationOpt = "default",
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Publish an artifact directory as one atomic, tagged release of a zoo repo."""
+    from oscar_calib.hub import push
+
+    with translate_errors():
+        result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
+                      endpoint=endpoint())
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(f"{result.repo} {result.version} {result.commit} {result.path_in_repo}")
+        print(result.message, file=sys.stderr)
+
+
+_PULL_EXAMPLES = """
+Examples:
+
+  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3
+  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3 --local-dir ./qwen3-8b-kv
+  HF_HUB_OFFLINE=1 oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3   # from the cache
+"""
+
+
+@app.command("pull", epilog=_PULL_EXAMPLES)
+def pull_cmd(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Model id, e.g. Qwen/Qwen3-8B.")],
+    repo: RepoOpt,
+    revision: RevisionOpt = None,
+    calibration: CalibrationOpt = "default",
+    local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Hub cache (default: HF_HOME's).")] = None,
+    model_config: Annotated[Optional[Path], typer.Option("--model-config", help="Local model dir or config.json to check the artifact against.")] = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Download a release through the Hub cache, verify every sha256, and check it against the model."""
+    from oscar_calib.hub import pull
+
+    config = _load_config(model_config)
+    if revision is None:
+        raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
+    with translate_errors():
+        pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
+                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config)
+    folder = pulled.artifact_path.parent
+    if as_json:
+        print(json.dumps({"repo": repo, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
+                          "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True))
+    else:
+        print(folder)
+        print(f"verified {len(pulled.record['files'])} file(s) of {repo}@{revision} (commit {pulled.commit})",
+              file=sys.stderr)

@@ -1,0 +1,98 @@
+"""`oscar-calib import` and `oscar-calib export --format reference`: the authors' RotationZoo files.
+
+See oscar_calib.reference_format for the format, the safety rules and the head-reduction rule.
+Exit codes: 2 bad or unsafe input file / option / output path, 4 the result breaks the artifact contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli.hub_cmd import _load_config, translate_errors
+from oscar_calib.errors import InputError
+
+_IMPORT_EXAMPLES = """
+Examples:
+
+  oscar-calib import --keys rot_k.pt --values rot_v.pt --model-config ./Qwen3-8B --model-id Qwen/Qwen3-8B \\
+      --model-revision <sha> --out zoo/qwen3-8b-reference
+"""
+
+
+@app.command("import", epilog=_IMPORT_EXAMPLES)
+def import_cmd(
+    keys: Annotated[Path, typer.Option("--keys", help="Reference file with the key rotations.")],
+    values: Annotated[Path, typer.Option("--values", help="Reference file with the value rotations.")],
+    model_config: Annotated[Path, typer.Option("--model-config", help="Local model dir or config.json (heads, head_dim).")],
+    model_id: Annotated[str, typer.Option("--model-id", help="Hub id of the model the rotations are for.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to create.")],
+    model_revision: Annotated[str, typer.Option("--model-revision", help="Model commit sha.")] = "unknown",
+    k_clip: Annotated[float, typer.Option("--k-clip", help="Key clip ratio for every head (reference: 0.96).")] = 0.96,
+    v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+) -> None:
+    """Convert a reference key file + value file into a validated OSCAR artifact (layer granularity)."""
+    from runtime_kernels.artifact import write_artifact
+    from runtime_kernels.loader import check_model_id
+
+    from oscar_calib import __version__
+    from oscar_calib.reference_format import load_reference, reference_to_artifact
+
+    with translate_errors():
+        check_model_id(model_id, "--model-id")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise InputError(f"--out {out}: exists and is not an empty directory; pass --overwrite")
+    config = _load_config(model_config)
+    k_ref = load_reference(keys)
+    v_ref = load_reference(values)
+    artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
+                                     tool_version=f"oscar-calib {__version__}")
+    with translate_errors():
+        path = write_artifact(artifact, out)
+    print(path)
+    print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
+
+
+_EXPORT_EXAMPLES = """
+Examples:
+
+  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b          # needs layer granularity
+  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b --head-reduce first
+"""
+
+
+@app.command("export", epilog=_EXPORT_EXAMPLES)
+def export_cmd(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory or .safetensors file.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for keys.pt and values.pt.")],
+    fmt: Annotated[str, typer.Option("--format", help="Output format: reference (the authors' RotationZoo).")] = "reference",
+    head_reduce: Annotated[str, typer.Option("--head-reduce", help="none: refuse differing per-head rotations; "
+                                                                   "first: use KV head 0's rotation per layer.")] = "none",
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    model_config: Annotated[Optional[Path], typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
+) -> None:
+    """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
+    from runtime_kernels.artifact import check_against_model, read_artifact
+
+    from oscar_calib.reference_format import export_reference
+
+    if fmt != "reference":
+        raise InputError(f"--format {fmt!r}: expected 'reference'")
+    with translate_errors():
+        artifact = read_artifact(directory)
+    if model_config is not None:
+        try:
+            check_against_model(artifact, _load_config(model_config))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+    written = export_reference(artifact, out, head_reduce=head_reduce, overwrite=overwrite)
+    print(written["keys"].parent)
+    if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
+            (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
+        print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",
+              file=sys.stderr)

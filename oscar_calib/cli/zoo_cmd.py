@@ -1,0 +1,235 @@
+"""`oscar-calib zoo validate|build|publish|schema`: the rotation zoo driven by `zoo_manifest.yaml`.
+
+- validate: parse the manifest strictly; online (unless HF_HUB_OFFLINE=1 or --offline), check every
+  release exists as recorded: its tag names the recorded commit and every file has the recorded sha256.
+- build: run the calibration of every recipe that has no release (into `--out-root/<model_id>/<calibration>`).
+- publish: push every built recipe without a release and record the release in the manifest.
+- schema: print (or `--write`) the JSON Schema generated from the pydantic models.
+
+Exit codes: 2 bad manifest or option, 4 a recorded hash does not match, 5 a release is missing on the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli.hub_cmd import endpoint, translate_errors
+from oscar_calib.cli.options import DeviceOpt, TokenOpt
+from oscar_calib.errors import HubError, InputError, IntegrityError
+
+zoo_app = typer.Typer(help="Validate, build and publish the rotation zoo described by zoo_manifest.yaml.",
+                      no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
+
+ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
+OutRootOpt = Annotated[Path, typer.Option("--out-root", help="Where built artifact directories go.")]
+LocalModelOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--local-model", help="MODEL_ID=DIR: read MODEL_ID's weights from a local mirror of its pinned "
+                                       "revision (repeatable)."),
+]
+
+
+def _local_models(pairs: Optional[list[str]]) -> dict[str, Path]:
+    out = {}
+    for pair in pairs or []:
+        model_id, sep, directory = pair.partition("=")
+        if not sep or not model_id or not directory:
+            raise InputError(f"--local-model {pair!r}: expected MODEL_ID=DIR")
+        if not Path(directory).is_dir():
+            raise InputError(f"--local-model {pair!r}: '{directory}' is not a directory")
+        out[model_id] = Path(directory)
+    return out
+
+
+def build_dir(out_root: Path, model_id: str, calibration: str) -> Path:
+    return out_root / model_id / calibration
+
+
+# --- validate ------------------------------------------------------------------------------------
+def check_release_online(release, token: Optional[str]) -> None:
+    """The release exists as recorded: tag -> recorded commit, every recorded file with its sha256/size."""
+    from huggingface_hub import HfApi
+
+    from runtime_kernels.loader import pull_release
+
+    refs = HfApi(endpoint=endpoint(), token=token).list_repo_refs(release.repo)
+    tags = {t.name: t.target_commit for t in refs.tags}
+    where = f"release {release.repo} {release.version} ({release.path_in_repo})"
+    if release.version not in tags:
+        raise HubError(f"{where}: field 'version': tag '{release.version}' does not exist on the Hub")
+    if tags[release.version] != release.commit:
+        raise HubError(f"{where}: field 'commit': tag points to {tags[release.version]}, manifest records {release.commit}")
+    with tempfile.TemporaryDirectory(prefix="oscar-zoo-validate-") as cache:
+        pulled = pull_release(release.model_id, release.repo, release.commit, calibration=release.calibration,
+                              expected_sha256=release.sha256s(), token=token, cache_dir=cache, endpoint=endpoint())
+        recorded = {f.name for f in release.files}
+        listed = set(pulled.record["files"]) | {"release.json"}
+        if recorded != listed:
+            raise IntegrityError(f"{where}: field 'files': manifest lists {sorted(recorded)}, the release has "
+                                 f"{sorted(listed)}")
+        for f in release.files:
+            size = pulled.files[f.name].stat().st_size
+            if size != f.size:
+                raise IntegrityError(f"{where}: field 'files.{f.name}.size': recorded {f.size}, got {size}")
+
+
+@zoo_app.command("validate")
+def validate_cmd(
+    manifest: ManifestOpt = Path("zoo_manifest.yaml"),
+    offline: Annotated[bool, typer.Option("--offline", help="Only check the file, not the Hub.")] = False,
+    token: TokenOpt = None,
+) -> None:
+    """Check the manifest against its schema and (online) that every release exists as recorded."""
+    from runtime_kernels.loader import is_offline
+
+    from oscar_calib.manifest import load_manifest
+
+    zoo = load_manifest(manifest)
+    print(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok", file=sys.stderr)
+    if offline or is_offline():
+        if zoo.releases:
+            print("offline: releases were not checked against the Hub", file=sys.stderr)
+    else:
+        with translate_errors():
+            for release in zoo.releases:
+                check_release_online(release, token)
+                print(f"ok {release.repo} {release.version} {release.path_in_repo} {release.commit}", file=sys.stderr)
+    print("valid")
+
+
+# --- build ---------------------------------------------------------------------------------------
+def relabel_artifact(directory: Path, model_id: str, model_revision: str) -> None:
+    """A recipe calibrated from a local mirror: record the Hub model id and pinned revision it mirrors."""
+    from runtime_kernels.artifact import read_artifact, write_artifact
+
+    artifact = read_artifact(directory)
+    artifact.metadata["model_id"] = model_id
+    artifact.metadata["model_revision"] = model_revision
+    write_artifact(artifact, directory)
+
+
+@zoo_app.command("build")
+def build_cmd(
+    manifest: ManifestOpt = Path("zoo_manifest.yaml"),
+    out_root: OutRootOpt = Path("zoo/build"),
+    local_model: LocalModelOpt = None,
+    device: DeviceOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild directories that exist.")] = False,
+) -> None:
+    """Run the calibration of every recipe that has no release yet."""
+    from oscar_calib.job import run_calibration
+    from oscar_calib.manifest import load_manifest
+
+    zoo = load_manifest(manifest)
+    mirrors = _local_models(local_model)
+    pending = zoo.pending()
+    if not pending:
+        print("every recipe has a release; nothing to build", file=sys.stderr)
+    for recipe in pending:
+        out = build_dir(out_root, recipe.model_id, recipe.calibration)
+        if (out / "oscar_kv.safetensors").is_file() and not overwrite:
+            print(f"{out}: already built (pass --overwrite to rebuild)", file=sys.stderr)
+            print(out)
+            continue
+        mirror = mirrors.get(recipe.model_id)
+        config = recipe.to_config(model=str(mirror) if mirror else None, device=device)
+        run_calibration(config, out, overwrite=overwrite)
+        if mirror is not None:
+            relabel_artifact(out, recipe.model_id, recipe.model_revision)
+        print(out)
+
+
+# --- publish -------------------------------------------------------------------------------------
+def _metrics(directory: Path) -> dict[str, float]:
+    """Headline numbers of the run log (flattened, finite floats only) for the manifest."""
+    log = directory / "calibration_log.json"
+    if not log.is_file():
+        return {}
+    try:
+        summary = json.loads(log.read_text()).get("summary", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out: dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[prefix] = float(value)
+
+    walk("", summary if isinstance(summary, dict) else {})
+    return out
+
+
+@zoo_app.command("publish")
+def publish_cmd(
+    manifest: ManifestOpt = Path("zoo_manifest.yaml"),
+    out_root: OutRootOpt = Path("zoo/build"),
+    repo: Annotated[Optional[str], typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
+    private: Annotated[bool, typer.Option("--private")] = False,
+    token: TokenOpt = None,
+) -> None:
+    """Push every built recipe without a release, and record each release in the manifest."""
+    from oscar_calib.hub import push
+    from oscar_calib.manifest import Release, ReleaseFile, ZooManifest, load_manifest, write_manifest
+    from runtime_kernels.artifact import read_artifact
+    from runtime_kernels.loader import file_record, pull_release
+
+    zoo = load_manifest(manifest)
+    target = repo or zoo.repo
+    releases = list(zoo.releases)
+    for recipe in zoo.pending():
+        directory = build_dir(out_root, recipe.model_id, recipe.calibration)
+        if not (directory / "oscar_kv.safetensors").is_file():
+            raise InputError(f"recipe {recipe.model_id}/{recipe.calibration}: not built ({directory} has no artifact); "
+                             "run `oscar-calib zoo build` first")
+        with translate_errors():
+            meta = read_artifact(directory).metadata
+        for key in ("model_id", "model_revision"):
+            if meta[key] != getattr(recipe, key):
+                raise InputError(f"{directory}: field '{key}': artifact has '{meta[key]}', the recipe pins "
+                                 f"'{getattr(recipe, key)}'; nothing was published")
+        with translate_errors():
+            result = push(directory, target, calibration=recipe.calibration, private=private, token=token,
+                          endpoint=endpoint(), recipe=json.loads(recipe.model_dump_json()))
+            with tempfile.TemporaryDirectory(prefix="oscar-zoo-publish-") as cache:
+                # Read back what the Hub now serves (verified), to record exactly those bytes.
+                pulled = pull_release(recipe.model_id, target, result.commit, calibration=recipe.calibration,
+                                      token=token, cache_dir=cache, endpoint=endpoint())
+                files = [ReleaseFile(name=n, sha256=e["sha256"], size=e["size"]) for n, e in pulled.record["files"].items()]
+                rec = file_record(pulled.files["release.json"])
+                files.append(ReleaseFile(name="release.json", **rec))
+        releases.append(Release(model_id=recipe.model_id, calibration=recipe.calibration,
+                                model_revision=recipe.model_revision, repo=target, version=result.version,
+                                commit=result.commit, files=files, metrics=_metrics(directory)))
+        # Record after every push: a later failure never loses an earlier release.
+        zoo = ZooManifest(schema_version=zoo.schema_version, repo=zoo.repo, recipes=zoo.recipes, releases=releases)
+        write_manifest(zoo, manifest)
+        print(f"{target} {result.version} {result.commit} {result.path_in_repo}")
+        print(result.message, file=sys.stderr)
+
+
+# --- schema --------------------------------------------------------------------------------------
+@zoo_app.command("schema")
+def schema_cmd(
+    write: Annotated[Optional[Path], typer.Option("--write", help="Write the schema to this file instead of stdout.")] = None,
+) -> None:
+    """Print the manifest's JSON Schema (generated from the pydantic models)."""
+    from oscar_calib.manifest import json_schema
+
+    text = json_schema()
+    if write is None:
+        sys.stdout.write(text)
+    else:
+        write.write_text(text, encoding="utf-8")
+        print(write)
