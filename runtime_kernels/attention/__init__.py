@@ -1,0 +1,248 @@
+"""Decode attention over the three-segment INT2 KV cache: functional API with backend dispatch.
+
+`backend="auto"` = Triton for CUDA tensors or when TRITON_INTERPRET=1 is set, otherwise the torch references
+of `paged_ref`. Layout of the pools, windows and tables: see `paged_ref`'s module docstring.
+
+- `int2_decode_attention`: split-K over the paged INT2 history -> (o, lse)
+- `window_attention`: over the BF16 sink + recent window -> (o, lse)
+- `merge_attention`: exact log-sum-exp merge of two partials
+- `decode_attention`: both segments with one shared split buffer and a single reduce (fewest launches)
+- `rotate_queries` / `unrotate_output`: apply R_K to queries and R_V^T to outputs per KV head.
+Queries must already be rotated by R_K; outputs are in the R_V basis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_dim, check_head_dim, check_tensor, resolve_backend
+from runtime_kernels.attention import naive, paged_ref
+
+
+def _merge():
+    """The merge module imports triton; load it only when used (TRITON_INTERPRET must be set before)."""
+    from runtime_kernels.attention import merge
+
+    return merge
+
+__all__ = [
+    "decode_attention",
+    "default_num_splits",
+    "int2_decode_attention",
+    "merge_attention",
+    "naive",
+    "paged_ref",
+    "rotate_queries",
+    "unrotate_output",
+    "window_attention",
+]
+
+BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile never straddles pages)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, enough to exercise the reduce
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device,
+                       programs_per_sm: int = 4, block_n: int = BLOCK_N) -> int:
+    """Splits per (sequence, KV head) so that about `programs_per_sm` programs run per SM, never more splits
+    than tiles. Decided from shapes only (capacity of the block table), so it never syncs the GPU."""
+    tiles = max(1, -(-max_tokens // block_n))
+    want = -(-programs_per_sm * _sm_count(device) // max(1, batch * kv_heads))
+    return max(1, min(tiles, want))
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_q(q: torch.Tensor) -> None:
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_head_dim("q", q.shape[2])
+
+
+def _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len) -> None:
+    b, h_q, d = q.shape
+    dev = q.device
+    for name, c in (("k_codes", k_codes), ("v_codes", v_codes)):
+        check_tensor(name, c, dtypes=(torch.uint8,), ndim=4, device=dev)
+        check_dim(name, c, 3, d // 4, "head_dim // 4 packed bytes per row")
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if tuple(v_codes.shape) != tuple(k_codes.shape):
+        raise ValueError(f"v_codes: shape {tuple(v_codes.shape)} differs from k_codes {tuple(k_codes.shape)}")
+    h_kv = k_codes.shape[1]
+    if h_q % h_kv:
+        raise ValueError(f"q: {h_q} query heads is not a multiple of the {h_kv} KV heads of k_codes")
+    for name, s in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        check_tensor(name, s, dtypes=(torch.float16,), ndim=4, device=dev)
+        if tuple(s.shape[:3]) != tuple(k_codes.shape[:3]) or s.shape[3] < 1 or d % s.shape[3]:
+            raise ValueError(f"{name}: expected shape {tuple(k_codes.shape[:3])} + (head_dim // group_size,), "
+                             f"got {tuple(s.shape)}")
+        if s.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    for a, bn in (("k_zero", "k_scale"), ("v_zero", "v_scale")):
+        za, sb = {"k_zero": k_zero, "v_zero": v_zero}[a], {"k_scale": k_scale, "v_scale": v_scale}[bn]
+        if za.shape != sb.shape or za.stride() != sb.stride():
+            raise ValueError(f"{a}: must have the same shape and strides as {bn}")
+    check_tensor("block_table", block_table, dtypes=INT_DTYPES, ndim=2, device=dev)
+    check_dim("block_table", block_table, 0, b, "batch size of q")
+    check_tensor("hist_len", hist_len, dtypes=INT_DTYPES, ndim=1, device=dev)
+    check_dim("hist_len", hist_len, 0, b, "batch size of q")
+
+
+def _check_window(q, k_win, v_win, slot_ids, win_len) -> None:
+    b, h_q, d = q.shape
+    dev = q.device
+    for name, w in (("k_win", k_win), ("v_win", v_win)):
+        check_tensor(name, w, dtypes=FLOAT_DTYPES, ndim=4, device=dev)
+        check_dim(name, w, 3, d, "head_dim of q")
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if k_win.shape != v_win.shape or k_win.dtype != v_win.dtype:
+        raise ValueError(f"v_win: shape/dtype {tuple(v_win.shape)}/{v_win.dtype} differ from k_win "
+                         f"{tuple(k_win.shape)}/{k_win.dtype}")
+    if h_q % k_win.shape[1]:
+        raise ValueError(f"q: {h_q} query heads is not a multiple of the {k_win.shape[1]} KV heads of k_win")
+    for name, ix in (("slot_ids", slot_ids), ("win_len", win_len)):
+        check_tensor(name, ix, dtypes=INT_DTYPES, ndim=1, device=dev)
+        check_dim(name, ix, 0, b, "batch size of q")
+
+
+def _scale(sm_scale: float | None, d: int) -> float:
+    return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h_q, d = q.shape
+    return (torch.empty(b, h_q, splits, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, h_q, splits, dtype=torch.float32, device=q.device))
+
+
+# ------------------------------------------------------------------------------------------------- API
+def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                          sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
+                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2):
+    """Decode attention over the paged INT2 history.
+
+    Args:
+        q: `[B, H_q, d]` (rotated by R_K). k/v_codes: uint8 `[num_pages, H_kv, P, d // 4]`;
+        k/v_scale, k/v_zero: fp16 `[num_pages, H_kv, P, d // G]`; block_table: int `[B, max_pages]`;
+        hist_len: int `[B]`. num_splits: split-K factor (default from shapes, `default_num_splits`).
+    Returns:
+        o fp32 `[B, H_q, d]` (0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where hist_len == 0).
+    """
+    _check_q(q)
+    _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
+    scale = _scale(sm_scale, q.shape[2])
+    if resolve_backend(backend, q.device) == "torch":
+        return paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                   block_table, hist_len, scale)
+    from runtime_kernels.attention.triton_int2 import launch_int2_decode
+
+    q = q.contiguous()
+    b, _, _ = q.shape
+    splits = num_splits or default_num_splits(b, k_codes.shape[1], block_table.shape[1] * k_codes.shape[2],
+                                              q.device, block_n=block_n)
+    o_part, lse_part = _partials(q, splits)
+    launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages)
+    return _merge().reduce_splits_triton(o_part, lse_part)
+
+
+def window_attention(q, k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, backend: str = "auto",
+                     num_splits: int | None = None, block_n: int = BLOCK_N):
+    """Decode attention over the full-precision window of each sequence.
+
+    Args:
+        q: `[B, H_q, d]`; k_win, v_win: `[num_slots, H_kv, W, d]`; slot_ids, win_len: int `[B]`.
+    Returns:
+        o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]` (0 / -inf where win_len == 0).
+    """
+    _check_q(q)
+    _check_window(q, k_win, v_win, slot_ids, win_len)
+    scale = _scale(sm_scale, q.shape[2])
+    if resolve_backend(backend, q.device) == "torch":
+        return paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
+    from runtime_kernels.attention.triton_window import launch_window_decode
+
+    q = q.contiguous()
+    splits = num_splits or default_num_splits(q.shape[0], k_win.shape[1], k_win.shape[2], q.device, block_n=block_n)
+    o_part, lse_part = _partials(q, splits)
+    launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, splits, 0, block_n)
+    return _merge().reduce_splits_triton(o_part, lse_part)
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Exact log-sum-exp merge: o `[..., d]`, lse `[...]` of two disjoint key sets -> (o fp32, lse fp32)."""
+    for name, t in (("o_a", o_a), ("o_b", o_b)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, device=o_a.device)
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, device=o_a.device)
+    if o_a.shape != o_b.shape:
+        raise ValueError(f"o_b: shape {tuple(o_b.shape)} differs from o_a {tuple(o_a.shape)}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != tuple(o_a.shape[:-1]):
+            raise ValueError(f"{name}: expected shape {tuple(o_a.shape[:-1])} (o without its last dim), "
+                             f"got {tuple(t.shape)}")
+    return _merge().merge_pair(o_a, lse_a, o_b, lse_b)
+
+
+def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                     k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
+                     window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
+                     num_warps: int = 4, num_stages: int = 2):
+    """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
+    and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
+    and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
+    _check_q(q)
+    _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
+    _check_window(q, k_win, v_win, slot_ids, win_len)
+    if k_win.shape[1] != k_codes.shape[1]:
+        raise ValueError(f"k_win: {k_win.shape[1]} KV heads, but k_codes has {k_codes.shape[1]}")
+    scale = _scale(sm_scale, q.shape[2])
+    if resolve_backend(backend, q.device) == "torch":
+        o_h, l_h = paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                       block_table, hist_len, scale)
+        o_w, l_w = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
+        return _merge().merge_pair(o_h, l_h, o_w, l_w)
+    from runtime_kernels.attention.triton_int2 import launch_int2_decode
+    from runtime_kernels.attention.triton_window import launch_window_decode
+
+    q = q.contiguous()
+    b, _, _ = q.shape
+    h_kv = k_codes.shape[1]
+    s_h = num_splits or default_num_splits(b, h_kv, block_table.shape[1] * k_codes.shape[2], q.device,
+                                           block_n=block_n)
+    s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n)
+    o_part, lse_part = _partials(q, s_h + s_w)
+    launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages)
+    launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n)
+    return _merge().reduce_splits_triton(o_part, lse_part)
+
+
+def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor) -> torch.Tensor:
+    """`q [B, H_q, d] @ R_K[h // g]` per query head (g = H_q / H_kv); k_rotation `[H_kv, d, d]`. Returns q's dtype.
+    Done at run time because RoPE sits between q_proj and the rotation, so R_K cannot be folded into q_proj."""
+    b, h_q, d = q.shape
+    h_kv = k_rotation.shape[0]
+    qg = q.reshape(b, h_kv, h_q // h_kv, d).transpose(0, 1).to(k_rotation.dtype)  # [H_kv, B, g, d]
+    out = torch.matmul(qg.reshape(h_kv, -1, d), k_rotation)
+    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(q.dtype)
+
+
+def unrotate_output(o: torch.Tensor, v_rotation: torch.Tensor) -> torch.Tensor:
+    """`o [B, H_q, d] @ R_V[h // g]^T` per query head: back from the rotated value basis (can instead be folded
+    into o_proj). v_rotation `[H_kv, d, d]`."""
+    b, h_q, d = o.shape
+    h_kv = v_rotation.shape[0]
+    og = o.reshape(b, h_kv, h_q // h_kv, d).transpose(0, 1).to(v_rotation.dtype)
+    out = torch.matmul(og.reshape(h_kv, -1, d), v_rotation.transpose(-1, -2))
+    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(o.dtype)

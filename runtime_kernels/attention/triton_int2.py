@@ -1,0 +1,227 @@
+"""Triton split-K decode attention over a paged INT2 history (codes + fp16 scale/zero), dequantized in registers.
+
+Grid `(B, H_kv, num_splits)`. Program `(b, h, s)` takes a contiguous, tile-aligned chunk of sequence b's
+history, loads each packed tile of KV head h once, and scores it against all `GROUP = H_q / H_kv` query heads
+of the group with `tl.dot` (`G_PAD >= 16` rows, padding rows are zero queries). It writes the chunk's
+normalised partial output and log-sum-exp to `o_part[b, h*GROUP + i, split_offset + s]`; a reduce kernel
+(`merge.py`) combines the splits. Nothing is ever written back as a BF16 copy of the history.
+
+Unpacking without shuffles: byte j of a row holds channels j, j+Q, j+2Q, j+3Q (Q = d/4) in bits 1:0, 3:2,
+5:4, 7:6, so `(byte >> 2k) & 3` is the code tile of channel quarter k. The query is loaded as four quarters
+too, and q.k is the sum of four partial dots over Q channels each.
+
+With one scale/zero group per row (group size = d, the default) dequantization folds out of the dots:
+    q . k_t   = s_t * (q . c_t - z_t * sum(q))
+    sum_t p_t v_t = dot(p * s, c) - sum_t p_t s_t z_t          (per output channel)
+so the dots run on the raw codes (exact in fp16/bf16) and only `[BLOCK_N]` vectors are scaled. With several
+groups per row the tile is dequantized elementwise (`(c - z) * s`) before the dots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr, INTERP: tl.constexpr):
+    """`a [M, K] @ b [K, N]` with fp32 accumulation; exact fp32 products when the inputs are fp32.
+
+    INTERP: the Triton CPU interpreter (3.9) multiplies bfloat16 tiles as their raw uint16 bits, so there
+    the (exactly representable) operands are widened to fp32 first; same products, same accumulation type.
+    """
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["split_offset"])
+def _int2_decode_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    qk_scale, split_offset,
+    stride_qb, stride_qh,
+    stride_kcp, stride_kch, stride_kcr,
+    stride_ksp, stride_ksh, stride_ksr,
+    stride_vcp, stride_vch, stride_vcr,
+    stride_vsp, stride_vsh, stride_vsr,
+    stride_btb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
+    GS: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    L = tl.load(len_ptr + b).to(tl.int32)
+    # Tile-aligned chunk of this split: tiles never straddle pages when BLOCK_N divides P.
+    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, L)
+
+    offs_g = tl.arange(0, G_PAD)
+    g_ok = offs_g < GROUP
+    offs_j = tl.arange(0, Q_PAD)
+    j_ok = offs_j < Q
+    offs_n = tl.arange(0, BLOCK_N)
+    qm = g_ok[:, None] & j_ok[None, :]
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_j[None, :]
+    q0 = tl.load(q_row, mask=qm, other=0.0)
+    q1 = tl.load(q_row + Q, mask=qm, other=0.0)
+    q2 = tl.load(q_row + 2 * Q, mask=qm, other=0.0)
+    q3 = tl.load(q_row + 3 * Q, mask=qm, other=0.0)
+    if FP32:
+        cdt = tl.float32
+        pdt = tl.float32
+    else:
+        cdt = q0.dtype
+        pdt = tl.float16  # p * scale <= 65504 because the scale itself is stored in fp16
+    q0 = q0.to(cdt)
+    q1 = q1.to(cdt)
+    q2 = q2.to(cdt)
+    q3 = q3.to(cdt)
+    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc0 = tl.zeros([G_PAD, Q_PAD], tl.float32)
+    acc1 = tl.zeros([G_PAD, Q_PAD], tl.float32)
+    acc2 = tl.zeros([G_PAD, Q_PAD], tl.float32)
+    acc3 = tl.zeros([G_PAD, Q_PAD], tl.float32)
+    acc_z = tl.zeros([G_PAD], tl.float32)
+
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + offs_n
+        t_ok = t < end
+        if P % BLOCK_N == 0:
+            page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t0 // P).to(tl.int64)
+        else:
+            page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t // P, mask=t_ok, other=0).to(tl.int64)
+        r = (t % P).to(tl.int64)
+        kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
+        vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
+        ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
+        vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
+        cm = t_ok[:, None] & j_ok[None, :]
+        kb = tl.load(kc_ptr + kc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+        vb = tl.load(vc_ptr + vc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+
+        if NG == 1:
+            ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+            qc = _dot(q0, tl.trans((kb & 3).to(tl.float32).to(cdt)), FP32, INTERP)
+            qc += _dot(q1, tl.trans(((kb >> 2) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
+            qc += _dot(q2, tl.trans(((kb >> 4) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
+            qc += _dot(q3, tl.trans(((kb >> 6) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
+            s = (qc - qsum[:, None] * kz[None, :]) * (ks * qk_scale)[None, :]
+        else:
+            # Several groups per row: per-channel scale/zero tiles, dequantize, then dot.
+            gi0 = (offs_j // GS)[None, :]
+            gi1 = ((offs_j + Q) // GS)[None, :]
+            gi2 = ((offs_j + 2 * Q) // GS)[None, :]
+            gi3 = ((offs_j + 3 * Q) // GS)[None, :]
+            kss = ks_ptr + ks_row[:, None]
+            kzs = kz_ptr + ks_row[:, None]
+            k0 = (((kb & 3).to(tl.float32) - tl.load(kzs + gi0, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(kss + gi0, mask=cm, other=0.0).to(tl.float32))
+            k1 = ((((kb >> 2) & 3).to(tl.float32) - tl.load(kzs + gi1, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(kss + gi1, mask=cm, other=0.0).to(tl.float32))
+            k2 = ((((kb >> 4) & 3).to(tl.float32) - tl.load(kzs + gi2, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(kss + gi2, mask=cm, other=0.0).to(tl.float32))
+            k3 = ((((kb >> 6) & 3).to(tl.float32) - tl.load(kzs + gi3, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(kss + gi3, mask=cm, other=0.0).to(tl.float32))
+            qc = _dot(q0, tl.trans(k0.to(cdt)), FP32, INTERP)
+            qc += _dot(q1, tl.trans(k1.to(cdt)), FP32, INTERP)
+            qc += _dot(q2, tl.trans(k2.to(cdt)), FP32, INTERP)
+            qc += _dot(q3, tl.trans(k3.to(cdt)), FP32, INTERP)
+            s = qc * qk_scale
+
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: tile holds at least one valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        if NG == 1:
+            pv = (p * vs[None, :]).to(pdt)
+            acc_z = acc_z * alpha + tl.sum(pv.to(tl.float32) * vz[None, :], axis=1)
+            acc0 += _dot(pv, (vb & 3).to(tl.float32).to(pdt), FP32, INTERP)
+            acc1 += _dot(pv, ((vb >> 2) & 3).to(tl.float32).to(pdt), FP32, INTERP)
+            acc2 += _dot(pv, ((vb >> 4) & 3).to(tl.float32).to(pdt), FP32, INTERP)
+            acc3 += _dot(pv, ((vb >> 6) & 3).to(tl.float32).to(pdt), FP32, INTERP)
+        else:
+            vss = vs_ptr + vs_row[:, None]
+            vzs = vz_ptr + vs_row[:, None]
+            pc = p.to(cdt)
+            v0 = (((vb & 3).to(tl.float32) - tl.load(vzs + gi0, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(vss + gi0, mask=cm, other=0.0).to(tl.float32))
+            v1 = ((((vb >> 2) & 3).to(tl.float32) - tl.load(vzs + gi1, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(vss + gi1, mask=cm, other=0.0).to(tl.float32))
+            v2 = ((((vb >> 4) & 3).to(tl.float32) - tl.load(vzs + gi2, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(vss + gi2, mask=cm, other=0.0).to(tl.float32))
+            v3 = ((((vb >> 6) & 3).to(tl.float32) - tl.load(vzs + gi3, mask=cm, other=0.0).to(tl.float32))
+                  * tl.load(vss + gi3, mask=cm, other=0.0).to(tl.float32))
+            acc0 += _dot(pc, v0.to(cdt), FP32, INTERP)
+            acc1 += _dot(pc, v1.to(cdt), FP32, INTERP)
+            acc2 += _dot(pc, v2.to(cdt), FP32, INTERP)
+            acc3 += _dot(pc, v3.to(cdt), FP32, INTERP)
+        m_i = m_new
+
+    # Empty chunk: l = 0 -> o = 0, lse = -inf (the reduce gives it zero weight).
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh
+             + (split_offset + sp) * stride_os + offs_j[None, :])
+    tl.store(o_row, (acc0 - acc_z[:, None]) * inv[:, None], mask=qm)
+    tl.store(o_row + Q, (acc1 - acc_z[:, None]) * inv[:, None], mask=qm)
+    tl.store(o_row + 2 * Q, (acc2 - acc_z[:, None]) * inv[:, None], mask=qm)
+    tl.store(o_row + 3 * Q, (acc3 - acc_z[:, None]) * inv[:, None], mask=qm)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
+             lse, mask=g_ok)
+
+
+def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                       o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
+                       block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+    """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
+    `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
+    functional API validates them. Last dims of codes/scale/zero and q must be contiguous."""
+    b, h_q, d = q.shape
+    h_kv = k_codes.shape[1]
+    group = h_q // h_kv
+    page = k_codes.shape[2]
+    ng = k_scale.shape[3]
+    q_quarter = d // 4
+    grid = (b, h_kv, num_splits)
+    _int2_decode_kernel[grid](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+        sm_scale * 1.4426950408889634, split_offset,
+        q.stride(0), q.stride(1),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
+        GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
