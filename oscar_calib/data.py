@@ -87,14 +87,18 @@ def _hub_texts(cfg: DataConfig) -> Iterator[str | list]:
 
 
 def iter_texts(cfg: DataConfig, default_path: Path | None = None) -> Iterator[str | list]:
-    """Texts (or chat message lists) from the configured source, in a seed-determined order for local files."""
+    """Texts (or chat message lists) from the configured source, shuffled with the seed.
+
+    A local file is read whole and shuffled; anything else (a Hub id, or a local dataset folder) goes through
+    `datasets` in streaming mode with a shuffle buffer.
+    """
     if cfg.dataset is None:
         if default_path is None:
             raise InputError("no --dataset given and no demo text is available")
         path = default_path
     else:
         path = Path(cfg.dataset)
-    if cfg.dataset is None or path.exists() or path.suffix in (".txt", ".jsonl", ".json"):
+    if cfg.dataset is None or path.is_file() or path.suffix in (".txt", ".jsonl", ".json"):
         if not path.is_file():
             raise InputError(f"dataset '{path}': file not found")
         docs = list(_local_texts(path, cfg))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 ARTIFACT_FILENAME = "oscar_kv.safetensors"
 FORMAT_NAME = "oscar-kv"
@@ -244,11 +245,12 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / ARTIFACT_FILENAME
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in artifact.tensors().items()}
+    payload = canonical_safetensors_bytes(tensors, artifact.metadata)
     fd, tmp = tempfile.mkstemp(prefix=".oscar_kv.", suffix=".tmp", dir=directory)
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=dict(sorted(artifact.metadata.items())))
-        with open(tmp, "rb") as handle:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, target)
@@ -256,6 +258,20 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def canonical_safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes with the JSON header's keys sorted, so equal content gives equal bytes.
+
+    (The library writes metadata from a hash map, whose order varies between runs.) Data offsets are
+    relative to the end of the header, so re-serialising the header leaves them valid.
+    """
+    raw = save(tensors, metadata=dict(metadata))
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as the library does
+    return struct.pack("<Q", len(text)) + text + raw[8 + n:]
 
 
 def _umask() -> int:
