@@ -582,9 +582,17 @@ class PagedKVCache:
         return (o, lse) if return_lse else o
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------
-    def dense_kv(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def snapshot(self, seq_id: int) -> tuple[int, list[int]]:
+        """(length, pages) of a sequence, to read a layer that has not yet applied the latest plan."""
+        st = self._state(seq_id)
+        return st.length, list(st.pages)
+
+    def dense_kv(self, layer: int, seq_id: int, state: tuple[int, list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's keys and values in token order, original basis, history dequantized.
 
+        `state` = an earlier `snapshot(seq_id)`, for a layer whose data is still at that point (the plan of
+        the current step is booked before every layer has applied it).
         Returns: k, v fp32 `[n, H, d]`. Materialises the history: meant for multi-token appends on a
         non-empty sequence and for inspection, not for the decode path.
         """
@@ -592,9 +600,10 @@ class PagedKVCache:
 
         pool = self._pool(layer)
         st = self._state(seq_id)
-        n, hist = st.length, len(st.pages) * self.page_size
+        n, page_list = state if state is not None else (st.length, st.pages)
+        hist = len(page_list) * self.page_size
         n_sink = min(n, self.sink)
-        pages = torch.tensor(st.pages, dtype=torch.int64, device=self.device)
+        pages = torch.tensor(page_list, dtype=torch.int64, device=self.device)
         out = []
         for win, codes, scale, zero, rot in ((pool.k_win, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_rotation),
                                              (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation)):

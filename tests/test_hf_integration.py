@@ -1,0 +1,283 @@
+"""OscarCache + "oscar" attention inside transformers, against independent references.
+
+References:
+- the plain model with its own DynamicCache (identity artifact, clipping off, history still BF16);
+- a test-only attention function over a DynamicCache that replaces the history segment of the keys and
+  values by `naive.fake_quantize` (the documented split: sink S, history P * floor((n - S - R) / P), rest
+  recent) and otherwise runs SDPA. It shares no code with runtime_kernels.cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from runtime_kernels.artifact import ArtifactError, identity_artifact, write_artifact
+from runtime_kernels.cache import PagedKVCache
+from runtime_kernels.hf import OscarCache, OscarLayer, enable_oscar_attention
+from runtime_kernels.quant import naive as quant_naive
+from tiny_models import tiny_model
+
+S, R, P = 4, 8, 4
+HQ, H, D, G = 4, 2, 16, 8
+FIXTURE = Path(__file__).resolve().parents[1] / "oscar_calib" / "fixtures" / "tiny-qwen3"
+
+
+def random_artifact(num_layers=2, layer_ids=None, clip=(0.9, 0.95), seed=0, heads=(HQ, H), head_dim=D,
+                    group_size=G):
+    hq, h = heads
+    ids = layer_ids if layer_ids is not None else list(range(num_layers))
+    art = identity_artifact(num_layers, h, hq, head_dim, layer_ids=ids, group_size=group_size)
+    gen = torch.Generator().manual_seed(seed)
+    a = len(ids)
+    for name in ("k_rotation", "v_rotation"):
+        q, _ = torch.linalg.qr(torch.randn(a, h, head_dim, head_dim, generator=gen, dtype=torch.float64))
+        setattr(art, name, q.float().contiguous())
+    art.k_clip_ratio = torch.full((a, h), clip[0])
+    art.v_clip_ratio = torch.full((a, h), clip[1])
+    return art.validate()
+
+
+def model(seed=0, layers=2):
+    return tiny_model("qwen3", seed=seed, num_heads=HQ, num_kv_heads=H, head_dim=D, num_layers=layers)
+
+
+def cache_kw(model_, **kw):
+    """Name of the cache argument of forward/generate: `cache` (newer transformers) or `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(type(model_).forward).parameters else "past_key_values"
+    return {name: kw.pop("cache"), **kw}
+
+
+def make_cache(art, m, batch_size=1, clip=True, **kw):
+    opts = dict(max_tokens=256, page_size=P, sink_tokens=S, recent_tokens=R, backend="torch", clip=clip)
+    return OscarCache.from_artifact(art, m.config, batch_size=batch_size, **{**opts, **kw})
+
+
+# -- the independent reference: fake-quantized history over a plain DynamicCache --------------------------------
+def _history(n):
+    return P * (max(0, n - S - R) // P)
+
+
+def make_reference_attention(art, use_clip=True):
+    """Attention over a DynamicCache's full-precision K/V with the history segment fake-quantized."""
+    layer_pos = {int(g): i for i, g in enumerate(art.layer_ids.tolist())}
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        i = layer_pos.get(module.layer_idx)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if i is not None and kv_len > q_len or (i is not None and q_len == 1):
+            # decode: the split counts the new token; chunked prefill: only the tokens cached before the chunk
+            h = _history(kv_len) if q_len == 1 else _history(kv_len - q_len)
+            if h:
+                kc = art.k_clip_ratio[i] if use_clip else None
+                vc = art.v_clip_ratio[i] if use_clip else None
+                key, value = key.clone(), value.clone()
+                seg_k = key[:, :, S:S + h].transpose(1, 2)  # [B, h, H, d]
+                seg_v = value[:, :, S:S + h].transpose(1, 2)
+                for b in range(key.shape[0]):
+                    key[b, :, S:S + h] = quant_naive.fake_quantize(seg_k[b], art.k_rotation[i], kc, G).transpose(0, 1)
+                    value[b, :, S:S + h] = quant_naive.fake_quantize(seg_v[b], art.v_rotation[i], vc, G).transpose(0, 1)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+
+    return attention
+
+
+def reference_model(art, seed=0, layers=2, use_clip=True):
+    AttentionInterface.register("fakequant_ref", make_reference_attention(art, use_clip))
+    AttentionMaskInterface.register("fakequant_ref", sdpa_mask)
+    m = model(seed, layers)
+    m.set_attn_implementation("fakequant_ref")
+    return m
+
+
+def step_logits(m, cache, prompt, new_tokens):
+    """Prefill `prompt [1, T]`, then feed `new_tokens` one at a time; logits of every fed position."""
+    out = [m(input_ids=prompt, use_cache=True, **cache_kw(m, cache=cache)).logits[0]]
+    for t in new_tokens:
+        out.append(m(input_ids=t.view(1, 1), use_cache=True, **cache_kw(m, cache=cache)).logits[0])
+    return torch.cat(out)
+
+
+# -- tests ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_identity_artifact_matches_plain_model_while_history_is_bf16():
+    m, plain = enable_oscar_attention(model()), model()
+    art = identity_artifact(2, H, HQ, D)
+    cache = make_cache(art, m, clip=False)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 10), generator=gen)
+    new = torch.randint(0, 256, (S + R + P - 1 - 10,), generator=gen)  # stop before the first demotion
+    got = step_logits(m, cache, prompt, new)
+    want = step_logits(plain, DynamicCache(), prompt, new)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert cache.paged.hist_len(cache.seq_ids[0]) == 0 and cache.get_seq_length() == S + R + P - 1
+    # one more token demotes a page: now the INT2 history is read and the logits move away from BF16
+    extra = torch.tensor([7])
+    got2 = m(input_ids=extra.view(1, 1), use_cache=True, **cache_kw(m, cache=cache)).logits[0, -1]
+    plain_cache = DynamicCache()
+    want2 = step_logits(plain, plain_cache, prompt, torch.cat([new, extra]))[-1]
+    assert cache.paged.hist_len(cache.seq_ids[0]) == P
+    assert (got2 - want2).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_decode_with_int2_history_matches_fake_quant_reference():
+    art = random_artifact()
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    cache = make_cache(art, m)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (1, 23), generator=gen)  # prefill already fills sink | history | recent
+    new = torch.randint(0, 256, (12,), generator=gen)  # three more demotions
+    got = step_logits(m, cache, prompt, new)
+    want = step_logits(ref, DynamicCache(), prompt, new)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    sid = cache.seq_ids[0]
+    assert cache.paged.hist_len(sid) == _history(23 + 12) > _history(23)
+
+
+@torch.no_grad()
+def test_chunked_prefill_attends_over_dequantized_history():
+    art = random_artifact()
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    cache, ref_cache = make_cache(art, m), DynamicCache()
+    gen = torch.Generator().manual_seed(2)
+    chunks = [torch.randint(0, 256, (1, n), generator=gen) for n in (21, 9)]
+    for c in chunks:
+        got = m(input_ids=c, use_cache=True, **cache_kw(m, cache=cache)).logits
+        want = ref(input_ids=c, use_cache=True, **cache_kw(ref, cache=ref_cache)).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert cache.paged.seq_len(cache.seq_ids[0]) == 30
+
+
+@torch.no_grad()
+def test_uncalibrated_layers_keep_a_plain_cache_layer():
+    art = random_artifact(num_layers=1, layer_ids=[1])
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    cache = make_cache(art, m)
+    assert not isinstance(cache.layers[0], OscarLayer) and isinstance(cache.layers[1], OscarLayer)
+    gen = torch.Generator().manual_seed(3)
+    prompt, new = torch.randint(0, 256, (1, 20), generator=gen), torch.randint(0, 256, (6,), generator=gen)
+    torch.testing.assert_close(step_logits(m, cache, prompt, new), step_logits(ref, DynamicCache(), prompt, new),
+                               atol=1e-4, rtol=1e-4)
+    assert cache.layers[0].get_seq_length() == cache.layers[1].get_seq_length() == 26
+
+
+@torch.no_grad()
+def test_greedy_generate_with_random_artifact_on_cpu_batched_with_padding():
+    art = random_artifact()
+    m = enable_oscar_attention(model())
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, 256, (n,), generator=gen) for n in (17, 26)]
+    ids = torch.zeros(2, 26, dtype=torch.long)
+    mask = torch.zeros(2, 26, dtype=torch.long)
+    for b, r in enumerate(rows):  # left padding
+        ids[b, 26 - len(r):], mask[b, 26 - len(r):] = r, 1
+    cache = make_cache(art, m, batch_size=2)
+    out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                     **cache_kw(m, cache=cache))
+    assert out.shape == (2, 26 + 14)
+    lengths = [cache.paged.seq_len(s) for s in cache.seq_ids]
+    assert lengths == [17 + 13, 26 + 13]  # padding is not stored; the last token is never fed back
+    assert all(cache.paged.hist_len(s) > 0 for s in cache.seq_ids)
+    for b, r in enumerate(rows):  # each row alone gives the same tokens as in the padded batch
+        single = make_cache(art, m, batch_size=1)
+        alone = m.generate(input_ids=r[None], max_new_tokens=14, do_sample=False, pad_token_id=0,
+                           **cache_kw(m, cache=single))
+        assert torch.equal(alone[0, len(r):], out[b, 26:])
+    cache.free()
+    assert cache.paged.allocator.num_free == cache.paged.allocator.num_pages
+
+
+@torch.no_grad()
+def test_generate_matches_plain_generation_with_identity_artifact_and_bf16_history():
+    m, plain = enable_oscar_attention(model()), model()
+    art = identity_artifact(2, H, HQ, D)
+    prompt = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
+    cache = make_cache(art, m, clip=False, recent_tokens=64)
+    a = m.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, **cache_kw(m, cache=cache))
+    b = plain.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_num_return_sequences_share_the_prompt_pages():
+    art = random_artifact()
+    m = enable_oscar_attention(model())
+    prompt = torch.randint(1, 256, (1, 30), generator=torch.Generator().manual_seed(6))
+    cache = make_cache(art, m, batch_size=1, max_seqs=3)
+    cache.batch_repeat_interleave(1)  # no-op before prefill
+    m(input_ids=prompt, use_cache=True, **cache_kw(m, cache=cache))
+    cache.batch_repeat_interleave(3)
+    pages = [cache.paged.pages(s) for s in cache.seq_ids]
+    assert len(cache.seq_ids) == 3 and pages[0] == pages[1] == pages[2] and pages[0]
+    tok = torch.tensor([[5], [5], [5]])
+    logits = m(input_ids=tok, use_cache=True, **cache_kw(m, cache=cache)).logits
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+    torch.testing.assert_close(logits[0], logits[2], atol=0, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not (FIXTURE / "model.safetensors").is_file(), reason="trained fixture not present")
+def test_trained_fixture_generates_text_with_a_two_bit_history():
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    m = enable_oscar_attention(AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval())
+    cfg = m.config
+    art = random_artifact(num_layers=cfg.num_hidden_layers, heads=(cfg.num_attention_heads, cfg.num_key_value_heads),
+                          head_dim=cfg.head_dim, group_size=32, clip=(0.96, 0.92))
+    prompt = tok("The history of the", return_tensors="pt")
+    cache = OscarCache.from_artifact(art, cfg, batch_size=1, max_tokens=128, page_size=8, sink_tokens=4,
+                                     recent_tokens=8, backend="torch")
+    out = m.generate(**prompt, max_new_tokens=24, do_sample=False, **cache_kw(m, cache=cache))
+    text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert out.shape[1] > prompt["input_ids"].shape[1] and text.strip()
+    assert cache.paged.hist_len(cache.seq_ids[0]) > 0  # part of the context was read back from 2-bit pages
+
+
+def test_artifact_path_and_artifact_for_another_model(tmp_path):
+    m = model()
+    art = random_artifact()
+    write_artifact(art, tmp_path / "a")
+    assert isinstance(OscarCache.from_artifact(tmp_path / "a", m.config), OscarCache)
+    wrong = identity_artifact(2, H, HQ, 2 * D)
+    with pytest.raises(ArtifactError, match="'head_dim'.*artifact has 32.*model has 16"):
+        OscarCache.from_artifact(wrong, m.config)
+    too_deep = identity_artifact(3, H, HQ, D)
+    with pytest.raises(ArtifactError, match="'layer_ids'"):
+        OscarCache.from_artifact(too_deep, m.config)
+    with pytest.raises(TypeError, match="artifact"):
+        OscarCache.from_artifact(42, m.config)
+    with pytest.raises(ValueError, match="batch_size"):
+        OscarCache.from_artifact(art, m.config, batch_size=0)
+
+
+@torch.no_grad()
+def test_bad_states_name_the_tensor():
+    m = model()
+    cache = make_cache(random_artifact(), m, batch_size=1)
+    k = torch.randn(1, H, 3, D)
+    with pytest.raises(TypeError, match=r"key_states \(layer 0\).*dtype"):
+        cache.update(k.to(torch.int32), k, 0)
+    with pytest.raises(ValueError, match=r"value_states \(layer 0\).*shape"):
+        cache.update(k, torch.randn(1, H + 1, 3, D), 0)
+    with pytest.raises(ValueError, match=r"key_states \(layer 1\).*batch size 2"):
+        cache.update(torch.randn(2, H, 3, D), torch.randn(2, H, 3, D), 1)
+    cache.update(k, k, 0)  # allocates the pools on the CPU
+    with pytest.raises(ValueError, match=r"key_states \(layer 1\).*device"):
+        cache.update(k.to("meta"), k.to("meta"), 1)
+    assert isinstance(cache.paged, PagedKVCache)
+
+
+@torch.no_grad()
+def test_forgetting_enable_oscar_attention_is_an_error_not_a_silent_fallback():
+    m = model()  # plain SDPA: the prompt would never reach the paged cache
+    cache = make_cache(random_artifact(), m)
+    m(input_ids=torch.randint(0, 256, (1, 8)), use_cache=True, **cache_kw(m, cache=cache))
+    with pytest.raises(RuntimeError, match="enable_oscar_attention"):
+        m(input_ids=torch.tensor([[3]]), use_cache=True, **cache_kw(m, cache=cache))
