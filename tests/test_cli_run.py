@@ -1,0 +1,157 @@
+"""`oscar-calib run`: the demo, local datasets, and every bad input (clear message, non-zero exit, nothing written)."""
+
+import json
+import sys
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from oscar_calib.cli import main
+from oscar_calib.demo import byte_tokenizer
+from runtime_kernels.artifact import read_artifact
+
+
+def run_cli(args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3 saved with a byte-level tokenizer, as a local model directory."""
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=64, num_layers=2, vocab_size=260,
+               max_position_embeddings=512).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    gen = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "rotation", "head", "token", "query"]
+    docs = [" ".join(words[int(i)] for i in torch.randint(0, 10, (60,), generator=gen)) for _ in range(40)]
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+def _nothing_written(parent, name):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")], "temporary files left behind"
+
+
+def _args(model_dir, data, out, *extra):
+    return ["run", "--model", str(model_dir), "--dataset", str(data), "--out", str(out), "--samples", "2",
+            "--seq-len", "64", *extra]
+
+
+def test_run_local_model_and_txt(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "art"
+    code, stdout, stderr = run_cli(_args(model_dir, text_file, out), monkeypatch, capsys)
+    assert code == 0, stderr
+    assert stdout.strip() == str(out)
+    art = read_artifact(out)
+    assert art.metadata["model_id"] == str(model_dir)
+    calib = json.loads(art.metadata["calibration"])
+    assert calib["samples"] == 2 and calib["seq_len"] == 64 and calib["tokens"] == 128 and calib["seed"] == 0
+    assert (out / "README.md").read_text().startswith("---\nbase_model:")
+    log = json.loads((out / "calibration_log.json").read_text())
+    assert log["choices"]["device"]["reason"] == "no GPU visible"
+    assert set(log["timings"]) >= {"load_s", "forward_capture_s", "solve_s", "write_s", "total_s"}
+    assert "device=cpu: no GPU visible" in stderr
+    # refuses to overwrite, then overwrites with --overwrite
+    before = (out / "oscar_kv.safetensors").read_bytes()
+    code, _, stderr = run_cli(_args(model_dir, text_file, out), monkeypatch, capsys)
+    assert code == 2 and "already exists" in stderr and "--overwrite" in stderr
+    assert (out / "oscar_kv.safetensors").read_bytes() == before
+    code, _, stderr = run_cli(_args(model_dir, text_file, out, "--overwrite", "--granularity", "layer"),
+                              monkeypatch, capsys)
+    assert code == 0, stderr
+    assert read_artifact(out).metadata["granularity"] == "layer"
+
+
+def test_run_jsonl_and_dataset_folder(model_dir, tmp_path, monkeypatch, capsys):
+    rows = [{"body": f"document {i} " + "token " * 50} for i in range(30)]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    code, _, stderr = run_cli(_args(model_dir, jsonl, tmp_path / "a", "--text-column", "body"), monkeypatch, capsys)
+    assert code == 0, stderr
+    # A folder of data files goes through `datasets` streaming (the Hub code path, offline).
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(jsonl.read_text())
+    code, _, stderr = run_cli(_args(model_dir, folder, tmp_path / "b", "--text-column", "body"), monkeypatch, capsys)
+    assert code == 0, stderr
+    calib = json.loads(read_artifact(tmp_path / "b").metadata["calibration"])
+    assert calib["dataset"] == str(folder) and calib["split"] == "train"
+
+
+@pytest.mark.parametrize(
+    "case,expected_code,message",
+    [
+        ("unknown_model", 2, "--model /nonexistent/model: cannot load its config"),
+        ("no_text_column", 2, "no text column 'text'"),
+        ("folder_no_text_column", 2, "no text column 'text'"),
+        ("too_few_tokens", 2, "needs"),
+        ("seq_len_too_long", 2, "--seq-len 1024: above the model's max_position_embeddings=512"),
+        ("head_dim_not_pow2", 2, "head_dim=48 is not a power of two"),
+        ("out_is_file", 2, "is a file"),
+        ("nan_activations", 3, "contain NaN or Inf"),
+        ("bad_granularity", 2, "granularity"),
+    ],
+)
+def test_bad_input(case, expected_code, message, model_dir, text_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    model, data, extra = str(model_dir), str(text_file), []
+    if case == "unknown_model":
+        model = "/nonexistent/model"
+    elif case == "no_text_column":
+        data = tmp_path / "x.jsonl"
+        data.write_text('{"content": "hello"}\n')
+    elif case == "folder_no_text_column":
+        data = tmp_path / "folder"
+        data.mkdir()
+        (data / "train.jsonl").write_text('{"content": "hello"}\n')
+    elif case == "too_few_tokens":
+        extra = ["--samples", "5000"]
+    elif case == "seq_len_too_long":
+        extra = ["--seq-len", "1024"]
+    elif case == "head_dim_not_pow2":
+        model = tmp_path / "hd48"
+        tiny_model("llama", num_heads=4, num_kv_heads=2, head_dim=48, num_layers=1, vocab_size=260).save_pretrained(model)
+        byte_tokenizer().save_pretrained(model)
+    elif case == "out_is_file":
+        out.write_text("not a directory")
+    elif case == "nan_activations":
+        model = tmp_path / "nan"
+        m = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=64, num_layers=1, vocab_size=260)
+        with torch.no_grad():
+            m.model.layers[0].self_attn.v_proj.weight[3, 3] = float("inf")
+        m.save_pretrained(model)
+        byte_tokenizer().save_pretrained(model)
+    elif case == "bad_granularity":
+        extra = ["--granularity", "token"]
+    args = _args(model, data, out) + extra
+    code, stdout, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == expected_code, stderr
+    assert message in stderr
+    assert [line for line in stderr.splitlines() if line.startswith("Error:")] != []
+    assert "Traceback" not in stderr
+    if case == "out_is_file":
+        assert out.read_text() == "not a directory"
+    else:
+        _nothing_written(tmp_path, "out")
+
+
+def test_demo_runs_without_arguments(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = run_cli(["run"], monkeypatch, capsys)
+    assert code == 0, stderr
+    art = read_artifact(tmp_path / "zoo" / "demo")
+    assert art.num_layers >= 1
+    assert "no --model" in stderr and "no --dataset" in stderr
