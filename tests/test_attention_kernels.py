@@ -1,0 +1,277 @@
+"""Triton decode attention kernels (INT2 history, BF16 window, split reduce) vs the torch references in
+`paged_ref` / `naive`, compared by relative RMSE with an absolute floor. Runs under TRITON_INTERPRET=1 on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runtime_kernels import attention as A
+from runtime_kernels.attention import merge as M
+from runtime_kernels.attention import naive as attn_naive
+from runtime_kernels.attention import paged_ref
+from runtime_kernels.quant import naive as qnaive
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def rel_rmse(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-3) -> float:
+    """RMSE of the difference over max(RMS of the reference, floor)."""
+    err = (got.float() - want.float()).pow(2).mean().sqrt()
+    return (err / want.float().pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+def assert_lse_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3):
+    """Random INT2 pool + a shuffled block table for sequences of the given history lengths.
+
+    Returns codes/scale/zero for K and V (`[num_pages, H, P, *]`), block_table int32 `[B, max_pages]`,
+    hist_len int32 `[B]`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    g = group_size or d
+    max_pages = max(1, max(-(-n // page) for n in lens))
+    n_pages = len(lens) * max_pages + extra_pages
+
+    def pool():
+        x = torch.randn(n_pages * page, h_kv, d, generator=gen) * torch.exp(0.5 * torch.randn(n_pages * page, h_kv, 1,
+                                                                                                  generator=gen))
+        c, s, z = qnaive.quantize_pack(x, None, None, g)
+        return [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous() for t in (c, s, z)]
+
+    kc, ks, kz = pool()
+    vc, vs, vz = pool()
+    table = torch.randperm(n_pages, generator=gen)[: len(lens) * max_pages].reshape(len(lens), max_pages)
+    return kc, ks, kz, vc, vs, vz, table.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def make_q(b, h_q, d, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h_q, d, generator=gen) * 1.5).to(dtype)
+
+
+# -------------------------------------------------------------------------------------- INT2 history
+@pytest.mark.parametrize("hist", [0, 1, 7, 8, 63, 257, 4099])
+def test_int2_history_lengths(hist):
+    pool = make_pool([hist], h_kv=1, d=64, page=64, seed=hist)
+    q = make_q(1, 4, 64, torch.float32)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton")
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[torch.float32]
+    assert_lse_close(lse, lse_ref, 1e-4)
+    if hist == 0:
+        assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_int2_gqa_and_head_dims_mixed_batch(group, d):
+    lens = [0, 9, 130, 65]
+    pool = make_pool(lens, h_kv=2, d=d, page=64, seed=group * d)
+    q = make_q(len(lens), 2 * group, d, torch.float32)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=3)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[torch.float32]
+    assert_lse_close(lse, lse_ref, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int2_half_queries(dtype):
+    pool = make_pool([200, 31], h_kv=2, d=128, page=64, seed=3)
+    q = make_q(2, 8, 128, dtype)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton")
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[dtype]
+    assert_lse_close(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("page,block_n", [(16, 64), (32, 16)])
+def test_int2_page_sizes(page, block_n):
+    """Tiles spanning several pages (BLOCK_N > P: per-token page lookup) and several tiles per page."""
+    pool = make_pool([100, 47], h_kv=2, d=64, page=page, seed=page)
+    q = make_q(2, 8, 64, torch.float32)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, block_n=block_n)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[torch.float32]
+    assert_lse_close(lse, lse_ref, 1e-4)
+
+
+@pytest.mark.parametrize("group_size", [16, 32])
+def test_int2_group_sizes(group_size):
+    pool = make_pool([77, 5], h_kv=2, d=64, page=16, group_size=group_size, seed=group_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = make_q(2, 8, 64, dtype)
+        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2)
+        o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+        assert rel_rmse(o, o_ref) < TOL[dtype]
+        # Grouped scales dequantize the keys to q's dtype before the dot: bf16 rounding of k (as in any BF16 kernel).
+        assert_lse_close(lse, lse_ref, 1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_int2_split_count_does_not_change_the_result():
+    pool = make_pool([300], h_kv=1, d=64, page=16, seed=9)
+    q = make_q(1, 4, 64, torch.float32)
+    outs = [A.int2_decode_attention(q, *pool, backend="triton", num_splits=s) for s in (1, 5, 40)]
+    for o, lse in outs[1:]:
+        assert rel_rmse(o, outs[0][0]) < 1e-5
+        assert torch.allclose(lse, outs[0][1], atol=1e-4)
+
+
+def test_int2_reference_matches_dense_attention_on_dequantized_history():
+    """paged_ref against a direct computation: dequantize every page in order, then plain softmax attention."""
+    pool = make_pool([70], h_kv=1, d=64, page=16, seed=12)
+    kc, ks, kz, vc, vs, vz, table, lens = pool
+    q = make_q(1, 2, 64, torch.float32)
+    ids = table[0, :5].long()
+    k = qnaive.unpack_dequantize(kc[ids], ks[ids], kz[ids]).transpose(0, 1).reshape(1, -1, 64)[:, :70]
+    v = qnaive.unpack_dequantize(vc[ids], vs[ids], vz[ids]).transpose(0, 1).reshape(1, -1, 64)[:, :70]
+    scores = q[0] @ k[0].T / math.sqrt(64)
+    want = torch.softmax(scores, dim=-1) @ v[0]
+    o, lse = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert torch.allclose(o[0], want, atol=1e-5)
+    assert torch.allclose(lse[0], torch.logsumexp(scores, dim=-1), atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------- window
+def make_window(n_slots, h_kv, w, d, dtype, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_slots, h_kv, w, d, generator=gen).to(dtype),
+            torch.randn(n_slots, h_kv, w, d, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_window_attention(dtype, group):
+    k_win, v_win = make_window(5, 2, 80, 64, dtype)
+    slot_ids = torch.tensor([3, 0, 4, 1], dtype=torch.int32)
+    win_len = torch.tensor([80, 0, 1, 63], dtype=torch.int32)
+    q = make_q(4, 2 * group, 64, dtype)
+    o, lse = A.window_attention(q, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2)
+    o_ref, lse_ref = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len)
+    assert rel_rmse(o, o_ref) < TOL[dtype]
+    assert_lse_close(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_window_head_dims(d):
+    k_win, v_win = make_window(2, 1, 20, d, torch.float32)
+    q = make_q(2, 4, d, torch.float32)
+    args = (q, k_win, v_win, torch.tensor([1, 0]), torch.tensor([20, 7]))
+    o, lse = A.window_attention(*args, backend="triton")
+    o_ref, lse_ref = paged_ref.window_attention_ref(*args)
+    assert rel_rmse(o, o_ref) < 1e-5
+    assert_lse_close(lse, lse_ref, 1e-4)
+
+
+# --------------------------------------------------------------------------------------------- merge
+def test_merge_equals_one_softmax_over_the_concatenation():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 8, 32, generator=gen)
+    k = torch.randn(3, 2, 50, 32, generator=gen) * 2
+    v = torch.randn(3, 2, 50, 32, generator=gen)
+    o_all, lse_all = attn_naive.segment_attention(q, k, v)
+    cuts = [0, 1, 17, 40, 50]  # four disjoint segments, one of them a single key
+    parts = [attn_naive.segment_attention(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+    o, lse = parts[0]
+    for o_s, lse_s in parts[1:]:
+        o, lse = A.merge_attention(o, lse, o_s, lse_s)
+    assert torch.allclose(o, o_all, atol=1e-6) and torch.allclose(lse, lse_all, atol=1e-5)
+    # The Triton split reduce gives the same union in one pass.
+    o_part = torch.stack([p[0] for p in parts], dim=2).contiguous()
+    lse_part = torch.stack([p[1] for p in parts], dim=2).contiguous()
+    o_t, lse_t = M.reduce_splits_triton(o_part, lse_part)
+    assert torch.allclose(o_t, o_all, atol=1e-6) and torch.allclose(lse_t, lse_all, atol=1e-5)
+    o_r, lse_r = M.reduce_splits_torch(o_part, lse_part)
+    assert torch.allclose(o_r, o_all, atol=1e-6) and torch.allclose(lse_r, lse_all, atol=1e-5)
+
+
+def test_merge_with_empty_segments():
+    o = torch.randn(2, 4, 16)
+    lse = torch.randn(2, 4)
+    empty_o, empty_lse = torch.zeros(2, 4, 16), torch.full((2, 4), float("-inf"))
+    m_o, m_lse = A.merge_attention(o, lse, empty_o, empty_lse)
+    assert torch.allclose(m_o, o) and torch.allclose(m_lse, lse)
+    m_o, m_lse = A.merge_attention(empty_o, empty_lse, empty_o, empty_lse)
+    assert (m_o == 0).all() and torch.isneginf(m_lse).all()
+    parts = torch.stack([empty_o, empty_o], dim=2).contiguous(), torch.stack([empty_lse, empty_lse], dim=2).contiguous()
+    t_o, t_lse = M.reduce_splits_triton(*parts)
+    assert (t_o == 0).all() and torch.isneginf(t_lse).all()
+
+
+# ----------------------------------------------------------------------------------- full decode call
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_history_plus_window(dtype):
+    lens = [0, 70, 5]
+    pool = make_pool(lens, h_kv=2, d=64, page=16, seed=21)
+    k_win, v_win = make_window(4, 2, 40, 64, dtype, seed=5)
+    slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
+    win_len = torch.tensor([12, 40, 0], dtype=torch.int32)
+    q = make_q(3, 8, 64, dtype)
+    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton",
+                                num_splits=3, window_splits=2)
+    # Independent reference: one softmax over [dequantized history ++ window] for each sequence.
+    for b in range(3):
+        k_h = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], lens[b])
+        v_h = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], lens[b])
+        n_w = int(win_len[b])
+        k = torch.cat([k_h, k_win[slot_ids[b], :, :n_w].float()], dim=1)
+        v = torch.cat([v_h, v_win[slot_ids[b], :, :n_w].float()], dim=1)
+        o_ref, lse_ref = attn_naive.segment_attention(q[b:b + 1], k[None], v[None])
+        assert rel_rmse(o[b:b + 1], o_ref) < TOL[dtype]
+        assert torch.allclose(lse[b], lse_ref[0], atol=1e-3)
+    o_t, lse_t = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="torch")
+    assert rel_rmse(o, o_t) < TOL[dtype]
+
+
+def test_rotate_queries_and_unrotate_output():
+    gen = torch.Generator().manual_seed(2)
+    rk = torch.linalg.qr(torch.randn(2, 32, 32, generator=gen))[0]
+    q = torch.randn(3, 8, 32, generator=gen)
+    want = torch.stack([q[:, i] @ rk[i // 4] for i in range(8)], dim=1)
+    assert torch.allclose(A.rotate_queries(q, rk), want, atol=1e-5)
+    assert torch.allclose(A.unrotate_output(want, rk), q, atol=1e-5)
+    # q . k is unchanged when both sides use R_K.
+    k = torch.randn(32, generator=gen)
+    assert torch.allclose(A.rotate_queries(q, rk)[:, :4] @ (k @ rk[0]), q[:, :4] @ k, atol=1e-4)
+
+
+def test_default_num_splits_is_bounded():
+    assert A.default_num_splits(1, 8, 64, torch.device("cpu")) == 1  # one tile: one split
+    assert 1 <= A.default_num_splits(32, 8, 131072, torch.device("cpu")) <= 2048
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_inputs_name_the_tensor():
+    pool = list(make_pool([10], h_kv=2, d=64, page=16))
+    q = make_q(1, 8, 64, torch.float32)
+    kc, ks, kz, vc, vs, vz, table, lens = pool
+    with pytest.raises(TypeError, match="q: dtype"):
+        A.int2_decode_attention(q.to(torch.int32), *pool)
+    with pytest.raises(ValueError, match="q: head_dim must be a multiple of 4"):
+        A.int2_decode_attention(torch.randn(1, 8, 66), *pool)
+    with pytest.raises(TypeError, match="k_codes: dtype must be uint8"):
+        A.int2_decode_attention(q, kc.to(torch.int16), *pool[1:])
+    with pytest.raises(ValueError, match="v_codes: .*head_dim // 4"):
+        A.int2_decode_attention(q, kc, ks, kz, vc[..., :8], vs, vz, table, lens)
+    with pytest.raises(TypeError, match="k_scale: dtype must be float16"):
+        A.int2_decode_attention(q, kc, ks.float(), kz, vc, vs, vz, table, lens)
+    with pytest.raises(ValueError, match="q: 5 query heads is not a multiple"):
+        A.int2_decode_attention(make_q(1, 5, 64, torch.float32), *pool)
+    with pytest.raises(ValueError, match="block_table: .*batch size of q"):
+        A.int2_decode_attention(q, kc, ks, kz, vc, vs, vz, table.expand(2, -1), lens)
+    with pytest.raises(ValueError, match="hist_len: expected device"):
+        A.int2_decode_attention(q, kc, ks, kz, vc, vs, vz, table, lens.to("meta"))
+    k_win, v_win = make_window(2, 2, 8, 64, torch.float32)
+    with pytest.raises(ValueError, match="k_win: .*head_dim of q"):
+        A.window_attention(q, k_win[..., :32], v_win, torch.tensor([0]), torch.tensor([3]))
+    with pytest.raises(TypeError, match="win_len: dtype"):
+        A.window_attention(q, k_win, v_win, torch.tensor([0]), torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="lse_b: expected shape"):
+        A.merge_attention(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2, 4), torch.zeros(3))
