@@ -4,10 +4,12 @@ One `PagedKVCache` serves a batch of sequences of different lengths for every ca
 
 Storage per layer (`LayerPool`; H = KV heads, d = head_dim, G = group size, P = page size):
 - INT2 pages: `k_codes, v_codes` uint8 `[num_pages, H, P, d // 4]`, `k_scale, k_zero, v_scale, v_zero`
-  fp16 `[num_pages, H, P, d // G]`. Keys and values are rotated by the artifact's R_K / R_V and clipped
-  before quantization (the pages hold the rotated basis).
-- Full-precision windows: `k_win, v_win` `[num_slots, H, W, d]` in the model's dtype, **original basis**
-  (exactly the model's post-RoPE keys and its values), with `W = sink + recent + P - 1`.
+  fp16 `[num_pages, H, P, d // G]`, holding clipped and quantized rotated keys/values.
+- Full-precision windows: `k_win, v_win` `[num_slots, H, W, d]` in the model's dtype, with
+  `W = sink + recent + P - 1`. Like the pages they hold the rotated basis (`k @ R_K`, `v @ R_V`, see
+  `rotate_rows`), so one rotated query serves both segments and one `R_V^T` maps the merged output
+  back (the layout contract of the kernels; the fused `runtime_kernels.attention.decode_attention` runs
+  both segments in one split buffer). Demotion quantizes the stored rotated rows directly.
 
 A page id names the same page in every layer's pool, so the page table, the window slots and the
 sequence lengths are host-side bookkeeping shared by all layers; the per-layer work of a step is only
@@ -32,37 +34,21 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime_kernels import attention as attn_api
+from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import OscarArtifact
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Kernel functional API (runtime_kernels.attention / runtime_kernels.quant), with the torch references as a
-# stand-in while the functional layer is not importable (it is developed alongside this module).
-# ----------------------------------------------------------------------------------------------------------
-def _kernels():
-    """Return (int2_decode_attention, window_attention, merge_attention, write_pages) taking `backend=`."""
-    try:
-        from runtime_kernels.attention import int2_decode_attention, merge_attention, window_attention
-        from runtime_kernels.quant import write_pages
-        return int2_decode_attention, window_attention, merge_attention, write_pages
-    except ImportError:
-        from runtime_kernels.attention import paged_ref
+def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`x [T, H, d] @ R [H, d, d]` per head, accumulated in fp64 and rounded to fp32.
 
-        def int2(q, kc, ks, kz, vc, vs, vz, bt, hl, sm_scale=None, num_splits=None, backend="auto"):
-            return paged_ref.int2_decode_attention_ref(q, kc, ks, kz, vc, vs, vz, bt, hl, sm_scale)
-
-        def window(q, kw, vw, slots, wl, sm_scale=None, backend="auto"):
-            return paged_ref.window_attention_ref(q, kw, vw, slots, wl, sm_scale)
-
-        def merge(o_a, lse_a, o_b, lse_b):
-            return paged_ref.merge_attention_ref(o_a, lse_a, o_b, lse_b)
-
-        def write(x, rot, clip, cp, sp, zp, pages, rows, group_size=None, backend="auto"):
-            paged_ref.write_pages_ref(x, rot, clip, cp, sp, zp, pages, rows, group_size)
-
-        return int2, window, merge, write
+    The exactly rounded product does not depend on how many tokens are rotated together (an fp32 GEMM's
+    summation order does), so a token gets the same rotated row, and the same INT2 codes, whether it
+    arrived in a prompt or in a decode step.
+    """
+    return torch.einsum("thd,hde->the", x.double(), rotation.double()).float()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -443,7 +429,7 @@ class PagedKVCache:
             raise ValueError(f"{name}: expected device {self.device} (the cache's), got {x.device}")
 
     def write_layer(self, layer: int, plan: AppendPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Apply `plan` to one layer: demote (quantize) and write the window rows.
+        """Apply `plan` to one layer: rotate the new tokens, demote (quantize) a page where due, write the window.
 
         Args:
             layer: index into the cache's layers (the artifact's order).
@@ -453,17 +439,16 @@ class PagedKVCache:
         pool = self._pool(layer)
         self._check_tokens("keys", keys, plan.num_new)
         self._check_tokens("values", values, plan.num_new)
-        write_pages = _kernels()[3]
         for x, win, rot, clip, codes, scale, zero in (
             (keys, pool.k_win, pool.k_rotation, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero),
             (values, pool.v_win, pool.v_rotation, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero),
         ):
-            x = x.to(win.dtype)
+            x = rotate_rows(x, rot).to(win.dtype)
             # Read the rows that move before anything is written (sources and targets may overlap).
             src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
-            if plan.demote_src.numel():
-                write_pages(src[plan.demote_src], rot, clip, codes, scale, zero, plan.demote_pages,
-                            plan.demote_rows, group_size=self.group_size, backend=self.backend)
+            if plan.demote_src.numel():  # rows are already rotated: clip, quantize, pack
+                quant_api.write_pages(src[plan.demote_src], None, clip, codes, scale, zero, plan.demote_pages,
+                                      plan.demote_rows, group_size=self.group_size, backend=self.backend)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
 
@@ -524,32 +509,19 @@ class PagedKVCache:
         self._meta_cache = (key, meta)
         return meta
 
-    def rotate_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """`q [B, H_q, d]` -> fp32 `q @ R_K` of each query head's KV head (GQA groups share R_K)."""
-        r = self._pool(layer).k_rotation
-        b, h_q, d = q.shape
-        qg = q.float().reshape(b, self.num_kv_heads, h_q // self.num_kv_heads, d)
-        return torch.einsum("bhgd,hde->bhge", qg, r).reshape(b, h_q, d)
-
-    def unrotate_values(self, layer: int, o: torch.Tensor) -> torch.Tensor:
-        """`o [B, H_q, d]` in the R_V basis -> `o @ R_V^T` (original basis), fp32."""
-        r = self._pool(layer).v_rotation
-        b, h_q, d = o.shape
-        og = o.float().reshape(b, self.num_kv_heads, h_q // self.num_kv_heads, d)
-        return torch.einsum("bhge,hde->bhgd", og, r).reshape(b, h_q, d)
-
     def decode_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[int],
                          sm_scale: float | None = None, return_lse: bool = False):
         """One decode query per sequence over sink + recent (full precision) and the INT2 history, merged exactly.
 
         Args:
             layer: index into the cache's layers.
-            q: `[B, H_q, d]` post-RoPE queries in the **original** basis (rotated by R_K here for the INT2
-                segment; the window holds original-basis keys).
+            q: `[B, H_q, d]` post-RoPE queries in the model's basis; rotated here by R_K of each query
+                head's KV head (GQA groups share it).
             seq_ids: the B sequences (each must hold at least one token).
             sm_scale: softmax scale (default `1 / sqrt(d)`).
         Returns:
-            o fp32 `[B, H_q, d]` in the original value basis (and lse fp32 `[B, H_q]` with `return_lse`).
+            o fp32 `[B, H_q, d]` in the model's value basis (`R_V^T` applied), and with `return_lse` also
+            lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
         """
         pool = self._pool(layer)
         seq_ids = [int(s) for s in seq_ids]
@@ -566,19 +538,13 @@ class PagedKVCache:
         empty = [s for s in seq_ids if self._state(s).length == 0]
         if empty:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
-        sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        int2_attn, window_attn, merge, _ = _kernels()
         meta = self.batch_metadata(seq_ids)
-        o_w, lse_w = window_attn(q.contiguous(), pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
-                                 sm_scale=sm_scale, backend=self.backend)
-        if not any(self._state(s).pages for s in seq_ids):  # no history anywhere in the batch
-            return (o_w, lse_w) if return_lse else o_w
-        q_rot = self.rotate_queries(layer, q).to(q.dtype)
-        o_h, lse_h = int2_attn(q_rot.contiguous(), pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes,
-                               pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len, sm_scale=sm_scale,
-                               backend=self.backend)
-        o_h = self.unrotate_values(layer, o_h)
-        o, lse = merge(o_w.float(), lse_w.float(), o_h, lse_h.float())
+        q_rot = attn_api.rotate_queries(q.float(), pool.k_rotation).to(pool.k_win.dtype)
+        o, lse = attn_api.decode_attention(q_rot, pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes,
+                                           pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len,
+                                           pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
+                                           sm_scale=sm_scale, backend=self.backend)
+        o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------
@@ -607,12 +573,11 @@ class PagedKVCache:
         out = []
         for win, codes, scale, zero, rot in ((pool.k_win, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_rotation),
                                              (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation)):
-            rows = win[st.slot, :, :n - hist].float().transpose(0, 1)  # [n - hist, H, d]
+            rows = win[st.slot, :, :n - hist].float().transpose(0, 1)  # [n - hist, H, d], rotated
             if hist:
-                h = gather_history(codes, scale, zero, pages, hist).transpose(0, 1)  # [hist, H, d] rotated
-                h = torch.einsum("the,hde->thd", h, rot)
+                h = gather_history(codes, scale, zero, pages, hist).transpose(0, 1)  # [hist, H, d], rotated
                 rows = torch.cat([rows[:n_sink], h, rows[n_sink:]])
-            out.append(rows)
+            out.append(torch.einsum("the,hde->thd", rows, rot))  # back to the model's basis
         return out[0], out[1]
 
     def memory_bytes(self) -> int:
@@ -625,4 +590,4 @@ class PagedKVCache:
         return total
 
 
-__all__ = ["AppendPlan", "BatchMetadata", "LayerPool", "PageAllocator", "PagedKVCache", "SequenceState"]
+__all__ = ["AppendPlan", "BatchMetadata", "LayerPool", "PageAllocator", "PagedKVCache", "SequenceState", "rotate_rows"]

@@ -36,6 +36,11 @@ def make_cache(art, max_pages=64, max_seqs=8, **kw):
                                       recent_tokens=R, dtype=torch.float32, backend="torch", **kw)
 
 
+def exact_rotate(x, rotation):
+    """x [T, H, d] @ R [H, d, d] rounded once from fp64 (the rotated rows the cache stores)."""
+    return (x.double().unsqueeze(-2) @ rotation.double()).squeeze(-2).float()
+
+
 def expected_history(n):
     return P * (max(0, n - S - R) // P)
 
@@ -123,14 +128,18 @@ def test_demotion_keeps_segment_sizes_and_int2_codes_equal_quantize_pack():
         meta = cache.batch_metadata([s])
         assert int(meta.win_len[0]) == S + recent and int(meta.hist_len[0]) == h
         pool = cache.pools[0]
-        # the window holds exactly sink + recent, in token order, unquantized
+        # the window holds exactly sink + recent, in token order, rotated (exactly rounded) but not quantized
+        window_tokens = torch.cat([work.k[s][0][:S], work.k[s][0][S + h:]])
         torch.testing.assert_close(pool.k_win[cache.slot(s), :, :S + recent].transpose(0, 1),
-                                   torch.cat([work.k[s][0][:S], work.k[s][0][S + h:]]), atol=0, rtol=0)
+                                   exact_rotate(window_tokens, art.k_rotation[0]), atol=0, rtol=0)
         if h:
             pages = torch.tensor(cache.pages(s))
             for name, x, rot, clip in (("k", work.k[s][0], art.k_rotation[0], art.k_clip_ratio[0]),
                                        ("v", work.v[s][0], art.v_rotation[0], art.v_clip_ratio[0])):
-                packed, scale, zero = quant_naive.quantize_pack(x[S:S + h], rot, clip, G)
+                # the quantizer given the same rotated rows; naive's own fp32 rotation agrees almost everywhere
+                packed, scale, zero = quant_naive.quantize_pack(exact_rotate(x[S:S + h], rot), None, clip, G)
+                fp32_packed = quant_naive.quantize_pack(x[S:S + h], rot, clip, G)[0]
+                assert (fp32_packed == packed).float().mean() > 0.99
                 codes = getattr(pool, f"{name}_codes")[pages].permute(0, 2, 1, 3).reshape(h, H, D // 4)
                 sc = getattr(pool, f"{name}_scale")[pages].permute(0, 2, 1, 3).reshape(h, H, D // G)
                 ze = getattr(pool, f"{name}_zero")[pages].permute(0, 2, 1, 3).reshape(h, H, D // G)
