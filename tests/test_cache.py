@@ -304,3 +304,25 @@ def test_pool_layout_matches_the_contract():
     assert pool.k_win.shape == (3, H, w, D)
     # 2 bits per element plus an fp16 scale and zero per group, for K and V, plus the windows
     assert cache.memory_bytes() == 2 * 10 * H * P * (D // 4 + 2 * 2 * (D // G)) + 2 * 3 * H * w * D * 4
+
+
+def test_triton_backend_matches_torch_backend():
+    """The same workload through the Triton kernels (interpreter on CPU) and the torch references."""
+    art = random_artifact(num_layers=1)
+    caches = {b: PagedKVCache.from_artifact(art, max_pages=16, max_seqs=2, page_size=P, sink_tokens=S,
+                                            recent_tokens=R, dtype=torch.float32, backend=b)
+              for b in ("torch", "triton")}
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randn(n, H, D, generator=gen) for n in (9, 27)]
+    steps = [torch.randn(2, H, D, generator=gen) for _ in range(P)]
+    q = torch.randn(2, HQ, D, generator=gen)
+    out = {}
+    for b, cache in caches.items():
+        ids = [cache.add_sequence(), cache.add_sequence()]
+        cache.append(ids, [prompts], [prompts])
+        for x in steps:  # includes one demotion of the longer sequence
+            cache.append(ids, [x], [x])
+        out[b] = cache.decode_attention(0, q, ids)
+        assert cache.hist_len(ids[1]) == expected_history(27 + P) > 0
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(caches["triton"].pools[0].k_codes, caches["torch"].pools[0].k_codes)
