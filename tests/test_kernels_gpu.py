@@ -1,0 +1,120 @@
+"""GPU versions of the kernel tests at serving shapes (Qwen3-8B geometry, long histories). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels import attention as A
+from runtime_kernels import quant
+from runtime_kernels.attention import paged_ref
+from runtime_kernels.quant import naive
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def rel_rmse(got, want, floor=1e-3):
+    err = (got.float() - want.float()).pow(2).mean().sqrt()
+    return (err / want.float().pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+def make_pool(lens, h_kv, d, page=64, group_size=None, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    g = group_size or d
+    max_pages = max(1, max(-(-n // page) for n in lens))
+    n_pages = len(lens) * max_pages + 2
+    out = []
+    for _ in range(2):
+        x = torch.randn(n_pages * page, h_kv, d, generator=gen, device=DEV)
+        c, s, z = naive.quantize_pack(x, None, None, g)
+        out += [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous() for t in (c, s, z)]
+    table = torch.randperm(n_pages, generator=gen, device=DEV)[: len(lens) * max_pages].reshape(len(lens), max_pages)
+    return out + [table.to(torch.int32), torch.tensor(lens, dtype=torch.int32, device=DEV)]
+
+
+@pytest.mark.parametrize("t,d,group_size", [(1, 128, None), (4099, 128, None), (257, 64, 32), (63, 256, None),
+                                            (1000, 96, 24)])
+@pytest.mark.parametrize("clip_mode", ["kernel", "torch"])
+def test_quantize_bit_exact_on_gpu(t, d, group_size, clip_mode):
+    from runtime_kernels.quant.triton_quant import quantize_pack_into
+
+    gen = torch.Generator(device=DEV).manual_seed(t)
+    h = 8
+    x = torch.randn(t, h, d, generator=gen, device=DEV) * torch.exp(torch.randn(t, h, 1, generator=gen, device=DEV))
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
+    ratio = torch.linspace(0.85, 1.0, h, device=DEV)
+    g = group_size or d
+    want = naive.quantize_pack(x, rot, ratio, g)
+    xr = naive.rotate(x, rot).contiguous()
+    codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
+    scale = torch.empty(t, h, 1, d // g, dtype=torch.float16, device=DEV)
+    zero = torch.empty_like(scale)
+    idx = torch.arange(t, device=DEV, dtype=torch.int32)
+    quantize_pack_into(xr, naive.clip_index(ratio, d).to(torch.int32), codes, scale, zero, idx, idx * 0, g,
+                       clip_mode=clip_mode)
+    for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
+        assert torch.equal(a, b)
+    got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, group_size)
+    for a, b in zip(got, naive.quantize_pack(x.to(torch.bfloat16), rot, ratio, g)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_int2_decode_on_gpu(group, d):
+    lens = [0, 1, 7, 8, 63, 257, 4099, 20000]
+    pool = make_pool(lens, 2, d, seed=d + group)
+    q = torch.randn(len(lens), 2 * group, d, device=DEV, dtype=torch.bfloat16)
+    o, lse = A.int2_decode_attention(q, *pool)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 2e-2
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
+    o32, _ = A.int2_decode_attention(q.float(), *pool)  # fp32 queries: ieee dots
+    assert rel_rmse(o32, o_ref) < 1e-4
+
+
+def test_int2_group_scales_on_gpu():
+    pool = make_pool([3000, 70], 8, 128, group_size=32, seed=5)
+    q = torch.randn(2, 32, 128, device=DEV, dtype=torch.bfloat16)
+    o, _ = A.int2_decode_attention(q, *pool)
+    o_ref, _ = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 2e-2
+
+
+def test_full_decode_on_gpu_qwen3_8b_geometry():
+    lens = [0, 5000, 32768 - 320, 77]
+    pool = make_pool(lens, 8, 128, seed=1)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    k_win = torch.randn(6, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    v_win = torch.randn(6, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    slot_ids = torch.tensor([5, 0, 2, 3], dtype=torch.int32, device=DEV)
+    win_len = torch.tensor([40, 320, 320, 0], dtype=torch.int32, device=DEV)
+    q = torch.randn(4, 32, 128, device=DEV, dtype=torch.bfloat16)
+    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len)
+    o_ref, lse_ref = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="torch")
+    assert rel_rmse(o, o_ref) < 2e-2
+    assert torch.allclose(lse, lse_ref, atol=2e-2)
+    o_w, lse_w = A.window_attention(q, k_win, v_win, slot_ids, win_len)
+    o_h, lse_h = A.int2_decode_attention(q, *pool)
+    o_m, lse_m = A.merge_attention(o_h, lse_h, o_w, lse_w)
+    assert rel_rmse(o_m, o) < 1e-5
+
+
+def test_write_pages_on_gpu():
+    h, d, p = 8, 128, 64
+    x = torch.randn(200, h, d, device=DEV, dtype=torch.bfloat16)
+    rot = torch.linalg.qr(torch.randn(h, d, d, device=DEV))[0]
+    ratio = torch.full((h,), 0.96, device=DEV)
+    slots = torch.randperm(10 * p, device=DEV)[:200]
+    pools = []
+    for backend in ("triton", "torch"):
+        c = torch.zeros(10, h, p, d // 4, dtype=torch.uint8, device=DEV)
+        s = torch.zeros(10, h, p, 1, dtype=torch.float16, device=DEV)
+        z = torch.zeros_like(s)
+        quant.write_pages(x, rot, ratio, c, s, z, slots // p, slots % p, backend=backend)
+        pools.append((c, s, z))
+    for a, b in zip(*pools):
+        assert torch.equal(a, b)
