@@ -201,9 +201,12 @@ class OscarCache(Cache):
         if x.dim() != 4 or x.shape[1] != art.num_kv_heads or x.shape[3] != art.head_dim:
             raise ValueError(f"{name} (layer {layer.layer_idx}): expected shape [batch, kv_heads={art.num_kv_heads}, "
                              f"tokens, head_dim={art.head_dim}], got {list(x.shape)}")
-        if x.shape[0] != self.batch_rows:
+        if self.seq_ids is None and x.shape[0] > self._paged_kwargs["max_seqs"]:
+            raise ValueError(f"{name} (layer {layer.layer_idx}): batch size {x.shape[0]} exceeds the cache's "
+                             f"{self._paged_kwargs['max_seqs']} sequence slots (raise batch_size or max_seqs)")
+        if self.seq_ids is not None and x.shape[0] != self.batch_rows:
             raise ValueError(f"{name} (layer {layer.layer_idx}): batch size {x.shape[0]} does not match the "
-                             f"cache's batch_size={self.batch_rows}")
+                             f"{self.batch_rows} rows already in the cache")
         if self.paged is not None and x.device != self.paged.device:
             raise ValueError(f"{name} (layer {layer.layer_idx}): expected device {self.paged.device} (the "
                              f"cache's), got {x.device}")
@@ -266,8 +269,9 @@ class OscarCache(Cache):
         b, _, t, _ = k.shape
         if layer.local_idx == 0:
             valid = _valid_new_tokens(attention_mask, b, t, layer.columns, k.device)
-            if self.seq_ids is None:
+            if self.seq_ids is None:  # the first prompt fixes the batch (generate may have expanded it)
                 self.seq_ids = [self.paged.add_sequence() for _ in range(b)]
+                self.batch_rows = b
             self._valid = valid
             self._plan = self.paged.plan_append(self.seq_ids, valid.sum(dim=1).tolist())
         valid = self._valid.to(k.device)

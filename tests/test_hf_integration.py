@@ -281,3 +281,19 @@ def test_forgetting_enable_oscar_attention_is_an_error_not_a_silent_fallback():
     m(input_ids=torch.randint(0, 256, (1, 8)), use_cache=True, **cache_kw(m, cache=cache))
     with pytest.raises(RuntimeError, match="enable_oscar_attention"):
         m(input_ids=torch.tensor([[3]]), use_cache=True, **cache_kw(m, cache=cache))
+
+
+@torch.no_grad()
+def test_beam_search_and_sampling_match_the_fake_quant_reference():
+    art = random_artifact()
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    prompt = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(8))
+    for opts in (dict(num_beams=3, do_sample=False, num_return_sequences=2),
+                 dict(do_sample=True, top_k=4, num_return_sequences=3)):
+        cache = make_cache(art, m, batch_size=3)  # beams reorder rows (shared pages fork), samples expand
+        torch.manual_seed(0)
+        got = m.generate(input_ids=prompt, max_new_tokens=8, pad_token_id=0, **opts, **cache_kw(m, cache=cache))
+        torch.manual_seed(0)
+        want = ref.generate(input_ids=prompt, max_new_tokens=8, pad_token_id=0, **opts)
+        assert torch.equal(got, want)
+        assert all(cache.paged.hist_len(s) > 0 for s in cache.seq_ids)
