@@ -54,6 +54,18 @@ class CaptureSession:
         self.geometry: tuple[int, int, int] | None = None  # (H_q, H_kv, d)
         self.scaling: float | None = None
         self.calls = 0
+        self._finite: list[tuple[int, str, torch.Tensor]] = []
+
+    def check_finite(self) -> None:
+        """Raise CaptureError naming the first layer whose captured q/k/v held NaN or Inf."""
+        if not self._finite:
+            return
+        flags = torch.stack([f for _, _, f in self._finite]).cpu()
+        entries, self._finite = self._finite, []
+        if not bool(flags.all()):
+            layer, name, _ = entries[int((~flags).nonzero()[0, 0])]
+            raise CaptureError(f"layer {layer}: captured {name} activations contain NaN or Inf "
+                               "(check --dtype; float16 overflows on some models)")
 
     def observe(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor, scaling: float | None) -> None:
@@ -70,10 +82,10 @@ class CaptureSession:
                 "only standard multi-head / grouped-query attention is supported (not MLA)")
         if q.shape[1] % k.shape[1]:
             raise CaptureError(f"layer {layer}: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+        # Non-finite checks stay on the device (a host sync per layer would stall the forward pass);
+        # `check_finite` reads them once per batch.
         for name, t in (("query", q), ("key", k), ("value", v)):
-            if not torch.isfinite(t).all():
-                raise CaptureError(f"layer {layer}: captured {name} activations contain NaN or Inf "
-                                   "(check --dtype; float16 overflows on some models)")
+            self._finite.append((layer, name, torch.isfinite(t).all()))
         self.geometry = (q.shape[1], k.shape[1], q.shape[-1])
         self.scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
         if self.mode == "stats":
@@ -175,3 +187,5 @@ def forward_batch(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     """One forward pass through the decoder without a KV cache. input_ids `[B, T]`."""
     decoder = decoder_of(model)
     decoder(input_ids=input_ids, use_cache=False)
+    if _ACTIVE is not None:
+        _ACTIVE.check_finite()

@@ -32,18 +32,21 @@ def bit_reverse(i: int, nbits: int) -> int:
     return out
 
 
-def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
-    """`perm[bitrev(i)] = s[i]` with `s = argsort(eigenvalues, descending)`; `[d]` int64.
+def bit_reversal_indices(d: int) -> torch.Tensor:
+    """`[bitrev(j) for j in range(d)]` for a power-of-two `d`, int64."""
+    nbits = d.bit_length() - 1
+    return torch.tensor([bit_reverse(j, nbits) for j in range(d)], dtype=torch.int64)
 
-    With eigh's ascending order this is `perm[j] = d - 1 - bitrev(j)`.
+
+def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
+    """`perm[bitrev(i)] = s[i]` with `s = argsort(eigenvalues, descending)`; `[..., d]` int64 (batched).
+
+    bitrev is an involution, so `perm[j] = s[bitrev(j)]`. With eigh's ascending order and distinct
+    eigenvalues this is `perm[j] = d - 1 - bitrev(j)`.
     """
     d = eigenvalues.shape[-1]
-    nbits = d.bit_length() - 1
-    order = torch.sort(eigenvalues, descending=True, stable=True).indices
-    perm = torch.empty(d, dtype=torch.int64)
-    for i in range(d):
-        perm[bit_reverse(i, nbits)] = order[i]
-    return perm
+    order = torch.sort(eigenvalues, dim=-1, descending=True, stable=True).indices
+    return order[..., bit_reversal_indices(d)]
 
 
 def canonical_signs(vectors: torch.Tensor) -> torch.Tensor:
@@ -54,20 +57,27 @@ def canonical_signs(vectors: torch.Tensor) -> torch.Tensor:
     return vectors * signs
 
 
-def rotation_from_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`R = U H P` for one symmetric target `[d, d]`.
+def rotations_from_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`R = U H P` for a stack of symmetric targets `[..., d, d]` (one batched fp64 eigh).
 
     Returns:
-        R `[d, d]` float64 orthogonal, eigenvalues `[d]` float64 descending.
+        R `[..., d, d]` float64 orthogonal, eigenvalues `[..., d]` float64 descending.
     """
-    t = target.double()
-    t = 0.5 * (t + t.T)
+    t = targets.double()
+    t = 0.5 * (t + t.transpose(-1, -2))  # symmetrise: accumulation order leaves tiny asymmetries
     evals, evecs = torch.linalg.eigh(t)  # ascending
     evecs = canonical_signs(evecs)
     d = t.shape[-1]
-    perm = bit_reversal_permutation(evals)
-    rotation = (evecs @ hadamard(d))[:, perm]
-    return rotation, torch.sort(evals, descending=True).values
+    perm = bit_reversal_permutation(evals)  # [..., d]
+    u_h = evecs @ hadamard(d)
+    rotation = torch.gather(u_h, -1, perm.unsqueeze(-2).expand_as(u_h))  # columns reordered: (U H)[:, perm]
+    return rotation, torch.sort(evals, dim=-1, descending=True).values
+
+
+def rotation_from_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`R = U H P` for one target `[d, d]`; see `rotations_from_targets`."""
+    r, ev = rotations_from_targets(target[None])
+    return r[0], ev[0]
 
 
 def solve_rotations(targets: torch.Tensor, granularity: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,18 +94,13 @@ def solve_rotations(targets: torch.Tensor, granularity: str = "head") -> tuple[t
     a, h, d, _ = targets.shape
     if granularity not in ("head", "layer"):
         raise ValueError(f"granularity must be 'head' or 'layer', got '{granularity}'")
-    rotations = torch.empty(a, h, d, d, dtype=torch.float64)
-    eigenvalues = torch.empty(a, h, d, dtype=torch.float64)
-    for li in range(a):
-        if granularity == "layer":
-            r, ev = rotation_from_target(targets[li].double().mean(dim=0))
-            rotations[li] = r
-            eigenvalues[li] = ev
-        else:
-            for hi in range(h):
-                rotations[li, hi], eigenvalues[li, hi] = rotation_from_target(targets[li, hi])
-    rot32 = rotations.float()
+    if granularity == "layer":
+        rot, ev = rotations_from_targets(targets.double().mean(dim=1))
+        rotations, eigenvalues = rot[:, None].expand(a, h, d, d), ev[:, None].expand(a, h, d)
+    else:
+        rotations, eigenvalues = rotations_from_targets(targets)
+    rot32 = rotations.float().contiguous()
     err = orthogonality_error(rot32)
     if err > ORTHOGONALITY_TOL:
         raise ValueError(f"solver produced a non-orthogonal rotation (max |R R^T - I| = {err:.2e})")
-    return rot32, eigenvalues.float()
+    return rot32, eigenvalues.float().contiguous()

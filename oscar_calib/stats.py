@@ -14,9 +14,29 @@ Per-batch products are computed in fp32 on the activations' device and added int
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+
+@contextlib.contextmanager
+def exact_tf32_matmuls(dtype: torch.dtype) -> Iterator[None]:
+    """Allow TF32 for fp32 matmuls whose inputs came from bf16/fp16 tensors.
+
+    TF32 keeps 10 mantissa bits, enough to hold bf16 (7) and fp16 (10) values exactly, and accumulates
+    in fp32: on such inputs it computes the same products as full fp32, several times faster.
+    """
+    if dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @dataclass
@@ -44,9 +64,10 @@ class LayerStats:
         of = out.float().reshape(b, h_kv, g, t, d)
         kf = k.float()
         vf = v.float()
-        key_batch = torch.einsum("bhgtd,bhgte->hde", qf, qf)
+        with exact_tf32_matmuls(q.dtype):  # q and out hold bf16/fp16 values: TF32 products are exact
+            key_batch = torch.einsum("bhgtd,bhgte->hde", qf, qf)
+            self.attn_out_sum += torch.einsum("bhgtd,bhgte->hde", of, of).double()
         self.key_sum += key_batch.double()
-        self.attn_out_sum += torch.einsum("bhgtd,bhgte->hde", of, of).double()
         m_batch = key_batch / (b * t * g)  # [H_kv, d, d]
         w = torch.einsum("bhtd,hde,bhte->bht", kf, m_batch, kf)  # expected squared raw logit of each key
         self.logit_v_sum += torch.einsum("bht,bhtd,bhte->hde", w, vf, vf).double()

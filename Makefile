@@ -1,0 +1,32 @@
+# oscar-calib developer entry points. `make install demo test` on a fresh Linux machine with Python 3.11.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install demo test test-gpu bench bench-calib bench-decode quality lint
+
+install:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+
+demo:
+	oscar-calib run --out zoo/demo --overwrite
+
+test:
+	$(PYTHON) -m pytest -q tests
+
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests
+
+bench: bench-calib bench-decode
+
+bench-calib:
+	$(PYTHON) bench/bench_calibrate.py --out bench/results
+
+bench-decode:
+	$(PYTHON) bench/bench_decode.py --out bench/results
+
+quality:
+	$(PYTHON) -m pytest -q tests/test_eval.py
+
+lint:
+	ruff check .
