@@ -1,0 +1,220 @@
+"""`oscar-calib eval`: perplexity and per-layer attention error of BF16, INT2 baselines and OSCAR, side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from oscar_calib.cli.app import app
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
+from oscar_calib.errors import InputError
+
+_EXAMPLES = """
+Examples:
+
+  oscar-calib eval                                         # trained fixture, calibrated on the fly, 1K context
+  oscar-calib eval --context 4096 --device cuda --json-out eval.json --plot eval.png
+  oscar-calib eval --model Qwen/Qwen3-8B --artifact zoo/qwen3-8b --data text.txt --context 8192
+"""
+
+
+def _log(msg: str) -> None:
+    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, sink: int, recent: int) -> dict:
+    """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path`."""
+    import torch
+
+    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.config import SolverSettings
+    from oscar_calib.evaluate import make_windows, read_documents
+
+    w = make_windows(tokenizer, read_documents(calib_path), context)
+    ids = torch.cat([w.long, w.packed])[:samples]
+    if ids.shape[0] < 2:
+        raise InputError(f"--calib-data {calib_path}: gives {ids.shape[0]} window(s) of {context} tokens; "
+                         "expected at least 2 (one is held out for the clip fit); pass more text or a shorter --context")
+    device = next(model.parameters()).device
+    out = {}
+    for gran in ("head", "layer"):
+        t0 = time.perf_counter()
+        settings = SolverSettings(granularity=gran, sink_tokens=sink, recent_tokens=recent)
+        out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False)
+        _log(f"calibrated oscar-{gran} on {ids.shape[0]} x {context} tokens of {calib_path.name} "
+             f"({time.perf_counter() - t0:.1f}s)")
+    return out
+
+
+def _table(result: dict):
+    from rich.table import Table
+
+    t = Table(title=f"KV methods at context {result['context']} (sink {result['sink']}, recent {result['recent']}; "
+                    f"{result['windows']['long']} long + {result['windows']['packed']} packed windows)")
+    for col in ("method", "bits/elem", "bits@128K", "ppl", "Δ vs BF16", "ppl 2nd half", "ppl long", "ppl packed",
+                "attn KL", "out err"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for r in result["methods"]:
+        delta = r["ppl_delta_pct"]
+        t.add_row(r["name"], f"{r['effective_bits']:.2f}", f"{r['effective_bits_128k']:.2f}", f"{r['ppl']:.3f}",
+                  "" if delta is None else f"{delta:+.2f}%", f"{r['ppl_second_half']:.3f}", f"{r['ppl_long']:.3f}",
+                  f"{r['ppl_packed']:.3f}", f"{r['mean_attn_kl']:.4f}", f"{r['mean_out_rel_err']:.4f}")
+    return t
+
+
+def write_plot(result: dict, path: Path) -> None:
+    """Two panels: perplexity change vs BF16 per method (with its bits), per-layer attention KL per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["methods"] if r["name"] != "bf16"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [f"{r['name']}\n{r['effective_bits_128k']:.2f} b@128K" for r in rows]
+    a.bar(range(len(rows)), [r["ppl_delta_pct"] or 0.0 for r in rows], color="tab:blue")
+    a.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=8)
+    a.set_ylabel("perplexity vs BF16 (%)")
+    a.set_title(f"context {result['context']}")
+    for r in rows:
+        if r["layers"]:
+            b.plot([x["layer"] for x in r["layers"]], [max(x["attn_kl"], 1e-12) for x in r["layers"]], marker="o",
+                   label=r["name"])
+    b.set_yscale("log")
+    b.set_xlabel("layer")
+    b.set_ylabel("attention KL to BF16")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@app.command("eval", epilog=_EXAMPLES)
+def eval_cmd(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: the trained fixture).")] = None,
+    revision: RevisionOpt = None,
+    artifact: Annotated[Optional[list[Path]], typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
+    calib_data: Annotated[Optional[Path], typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit).")] = 16,
+    context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window.")] = 1024,
+    max_windows: Annotated[int, typer.Option("--max-windows", help="At most this many windows (long and packed share it).")] = 16,
+    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
+    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
+    page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
+    methods: Annotated[Optional[str], typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
+    generation_steps: Annotated[int, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip).")] = 64,
+    generation_windows: Annotated[int, typer.Option("--generation-windows", help="Windows used for the runtime agreement.")] = 2,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default: 1 on CPU, 4 on GPU).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the full results as JSON here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
+    import torch
+
+    from oscar_calib.demo import FIXTURE_DIR, fixture_available
+    from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
+    from oscar_calib.job import Choices, _load_model, _load_tokenizer, max_positions, resolve_device, resolve_dtype
+    from oscar_calib.methods import standard_methods
+    from runtime_kernels.artifact import check_against_model, read_artifact
+
+    if model is None:
+        if not fixture_available():
+            raise InputError("--model is required: the trained fixture is not installed with this package")
+        model = str(FIXTURE_DIR)
+        _log(f"model={model} (the trained fixture: no --model given)")
+    if data is None:
+        data = FIXTURE_DIR / "heldout.txt"
+        _log(f"data={data} (the fixture's held-out text: no --data given)")
+    if context < 8:
+        raise InputError(f"--context {context}: expected at least 8 tokens")
+    choices = Choices()
+    dev = resolve_device(device, choices)
+    torch_dtype = resolve_dtype(dtype, dev, choices)
+    for key, reason in choices.reasons.items():
+        _log(f"{key}={choices.values[key]} ({reason})")
+    bs = batch_size or (4 if dev.startswith("cuda") else 1)
+
+    tokenizer = _load_tokenizer(model, revision, False)
+    lm = _load_model(model, revision, torch_dtype, dev, False)
+    limit = max_positions(lm.config)
+    if limit is not None and context > limit:
+        raise InputError(f"--context {context}: the model's max_position_embeddings is {limit}")
+
+    arts = {}
+    for path in artifact or []:
+        art = read_artifact(path)
+        check_against_model(art, lm.config)
+        name = f"oscar-{art.metadata.get('granularity', 'head')}"
+        while name in arts:
+            name += "'"
+        arts[name] = art
+    if sink is None:
+        sink = next(iter(arts.values())).sink_tokens if arts else 64
+    if recent is None:
+        recent = next(iter(arts.values())).recent_tokens if arts else 256
+    if not arts:
+        calib_data = calib_data or FIXTURE_DIR / "calib.txt"
+        arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, sink, recent)
+
+    windows = make_windows(tokenizer, read_documents(data), context, max_windows)
+    if not windows.all():
+        raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
+    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    all_methods = standard_methods(head_dim, arts)
+    if methods:
+        wanted = [m.strip() for m in methods.split(",") if m.strip()]
+        known = [m.name for m in all_methods]
+        unknown = [m for m in wanted if m not in known]
+        if unknown:
+            raise InputError(f"--methods: unknown method(s) {unknown}; expected names from {known}")
+        all_methods = [m for m in all_methods if m.name in wanted]
+    _log(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
+         f"methods: {', '.join(m.name for m in all_methods)}")
+    t0 = time.perf_counter()
+    result = evaluate_methods(lm, all_methods, windows, bs, sink, recent, page_size,
+                              progress=lambda name, kind: _log(f"  {name}: {kind} windows done "
+                                                               f"({time.perf_counter() - t0:.1f}s)"))
+    if generation_steps > 0:
+        gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
+        if generation_steps >= context - sink - recent:
+            raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
+                             f"({sink + recent}) inside the {context}-token window")
+        result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps,
+                                                              sink=sink, recent=recent)
+        _log(f"generation agreement: {result['generation_agreement']}")
+    result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
+                   "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                   "seconds": round(time.perf_counter() - t0, 1)})
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=1))
+        _log(f"wrote {json_out}")
+    if plot is not None:
+        write_plot(result, plot)
+        _log(f"wrote {plot}")
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(_table(result))
+        agree = result.get("generation_agreement")
+        if agree and agree.get("status") == "ok":
+            for name, r in agree["methods"].items():
+                console.print(f"{name}: greedy next-token match with BF16 through the runtime "
+                              f"{100 * r['match_rate']:.1f}% over {agree['steps']} steps "
+                              f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
+        elif agree:
+            console.print(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")

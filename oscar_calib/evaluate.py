@@ -1,0 +1,441 @@
+"""Teacher-forced evaluation of KV-cache methods: what a decoder with a sink | INT2 history | recent cache sees.
+
+For query position `t` of a window, key/value position `j <= t` is read in BF16 when `j < sink` or
+`j > t - recent` and quantized otherwise (with `page_size = P > 1`, the history grows a whole page at a
+time as in `runtime_kernels.cache`: positions `[sink, sink + P * floor((t + 1 - sink - recent) / P))`).
+
+One forward pass per window and method, through a custom attention function registered with
+transformers' AttentionInterface (and the SDPA mask under the same name). Inside, for each layer:
+
+    S_exact = q . k_j,  S_quant = q . khat_j          (scaled; khat = fake-quantized keys)
+    S = where(exact[t, j], S_exact, S_quant), causal -inf above the diagonal
+    P = softmax(S);  O = (P * exact) V + (P * ~exact) Vhat
+
+which is exactly attention over the per-position mixed K/V. The layer's reference (same q, k, v, all
+BF16) comes for free, so each layer also reports the attention-score KL(P_ref || P) and the relative
+output error |O - O_ref| / |O_ref|, over the query positions that read at least one quantized key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from oscar_calib.errors import InputError
+from oscar_calib.methods import KVMethod
+
+EVAL_ATTENTION = "oscar_eval"
+DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
+
+_ACTIVE: EvalSession | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------------------------
+def exact_mask(q_len: int, sink: int = 64, recent: int = 256, page_size: int = 1,
+               device: torch.device | str = "cpu", prefill: int = 0) -> torch.Tensor:
+    """bool `[T, T]`: True where query `t` reads key `j` in BF16 (sink or recent window), False where quantized.
+
+    Entries above the diagonal are True (they are masked by causality anyway). Queries `t < prefill` read
+    everything in BF16: the runtime's prefill attends over the prompt at full precision.
+    """
+    t = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(q_len, device=device)[None, :]
+    n = t + 1  # sequence length when position t is decoded
+    hist = torch.clamp(n - sink - recent, min=0)
+    hist = (hist // page_size) * page_size
+    quantized = (j >= sink) & (j < sink + hist) & (t >= prefill)
+    return ~quantized
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the attention function
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class LayerStats:
+    """Sums over (sequences, query heads, affected query positions) for one layer."""
+
+    kl_sum: float = 0.0
+    queries: int = 0
+    err_num: float = 0.0
+    err_den: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"attn_kl": self.kl_sum / max(self.queries, 1),
+                "out_rel_err": math.sqrt(self.err_num / self.err_den) if self.err_den > 0 else 0.0,
+                "queries": self.queries}
+
+
+@dataclass
+class EvalSession:
+    """What the attention function applies while active: one method, the window sizes, the statistics."""
+
+    method: KVMethod
+    sink: int = 64
+    recent: int = 256
+    page_size: int = 1
+    collect_stats: bool = True
+    prefill: int = 0
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, n: int, device) -> torch.Tensor:
+        key = (n, str(device))
+        if key not in self._masks:
+            self._masks[key] = exact_mask(n, self.sink, self.recent, self.page_size, device, self.prefill)
+        return self._masks[key]
+
+
+def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor | None,
+                    v_hat: torch.Tensor | None, exact: torch.Tensor | None, allowed: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention over the per-position mixed cache, in fp32.
+
+    Args:
+        q: `[B, H_kv, g, T, d]` queries grouped by KV head. k, v, k_hat, v_hat: `[B, H_kv, S, d]`.
+        exact: bool `[T, S]` (True = BF16), or None for all-BF16. allowed: bool broadcastable to `[B, H_kv, g, T, S]`.
+    Returns:
+        out `[B, H_kv, g, T, d]`, scores `S` used (masked, `[B, H_kv, g, T, S]`), exact scores (masked).
+    """
+    s_exact = torch.einsum("bhgtd,bhsd->bhgts", q, k) * scale
+    s_exact = s_exact.masked_fill(~allowed, float("-inf"))
+    if exact is None:
+        p = torch.softmax(s_exact, dim=-1)
+        return torch.einsum("bhgts,bhsd->bhgtd", p, v), s_exact, s_exact
+    s_quant = torch.einsum("bhgtd,bhsd->bhgts", q, k_hat) * scale
+    s = torch.where(exact, s_exact, s_quant).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p_exact = p * exact
+    out = torch.einsum("bhgts,bhsd->bhgtd", p_exact, v) + torch.einsum("bhgts,bhsd->bhgtd", p - p_exact, v_hat)
+    return out, s, s_exact
+
+
+def _allowed_mask(attention_mask: torch.Tensor | None, b: int, t: int, s: int, device) -> torch.Tensor:
+    """bool broadcastable to `[B, 1, 1, T, S]`: causal, intersected with transformers' mask when given."""
+    allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t)
+    allowed = allowed[None, None, None]
+    if attention_mask is not None:
+        m = attention_mask[..., -t:, :s]
+        m = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        allowed = allowed & m.reshape(m.shape[0], 1, 1, t, s)
+    return allowed
+
+
+def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function. query `[B, H_q, T, d]`, key/value `[B, H_kv, S, d]` (post-RoPE)."""
+    session = _ACTIVE
+    b, h_q, t, d = query.shape
+    h_kv, s = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.float().reshape(b, h_kv, h_q // h_kv, t, d)
+    allowed = _allowed_mask(attention_mask, b, t, s, query.device)
+    layer = getattr(module, "layer_idx", 0)
+    quantize = session is not None and session.method.quantizes(layer)
+    if quantize and t != s:
+        raise InputError("oscar_eval attention: teacher-forced evaluation runs without a KV cache "
+                         f"(got {t} queries over {s} keys); call the model with use_cache=False")
+    if not quantize:
+        out, _, _ = mixed_attention(q, key.float(), value.float(), None, None, None, allowed, scale)
+    else:
+        k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.sink)
+        exact = session.mask(t, query.device)
+        out, scores, ref_scores = mixed_attention(q, key.float(), value.float(), k_hat, v_hat, exact, allowed, scale)
+        if session.collect_stats:
+            _accumulate(session, layer, scores, ref_scores, out, value.float(), exact, allowed)
+    return out.reshape(b, h_q, t, d).transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _accumulate(session: EvalSession, layer: int, scores, ref_scores, out, v, exact, allowed) -> None:
+    """Add this call's KL(P_ref || P) and output error over queries that read a quantized key."""
+    affected = ((~exact)[None, None, None] & allowed).any(dim=-1)  # [B?, 1, 1, T]
+    affected = affected.expand(out.shape[:-1])
+    if not bool(affected.any()):
+        return
+    logp = torch.log_softmax(scores, dim=-1)
+    logp_ref = torch.log_softmax(ref_scores, dim=-1)
+    p_ref = logp_ref.exp()
+    kl = torch.where(p_ref > 0, p_ref * (logp_ref - logp), torch.zeros_like(p_ref)).sum(dim=-1)
+    o_ref = torch.einsum("bhgts,bhsd->bhgtd", p_ref, v)
+    st = session.layers.setdefault(layer, LayerStats())
+    st.kl_sum += float(kl[affected].sum())
+    st.queries += int(affected.sum())
+    st.err_num += float(((out - o_ref) ** 2).sum(dim=-1)[affected].sum())
+    st.err_den += float((o_ref ** 2).sum(dim=-1)[affected].sum())
+
+
+def register_eval_attention() -> None:
+    """Register `oscar_eval` as an attention function and, under the same name, the SDPA mask function."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EVAL_ATTENTION, _eval_attention)
+    AttentionMaskInterface.register(EVAL_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module, session: EvalSession) -> Iterator[EvalSession]:
+    """Route `model`'s attention through the evaluation function for the block; restore it afterwards."""
+    global _ACTIVE
+    from oscar_calib.capture import set_attention_implementation
+
+    if _ACTIVE is not None:
+        raise RuntimeError("an evaluation session is already active")
+    register_eval_attention()
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    set_attention_implementation(model, EVAL_ATTENTION)
+    _ACTIVE = session
+    try:
+        yield session
+    finally:
+        _ACTIVE = None
+        set_attention_implementation(model, previous)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------------
+def read_documents(path: str | Path) -> list[str]:
+    """Documents of a text file: split on lines holding only `<|endoftext|>`; a file without one is one document."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--data {path}: no such file (expected a UTF-8 text file)")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    docs = [d.strip("\n") for d in text.split(f"\n{DOC_SEPARATOR}\n")]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise InputError(f"--data {path}: the file holds no text")
+    return docs
+
+
+@dataclass
+class Windows:
+    """Evaluation windows `[N, context]` int64: single long documents and packed short documents."""
+
+    long: torch.Tensor
+    packed: torch.Tensor
+
+    def all(self) -> list[tuple[str, torch.Tensor]]:
+        return [(kind, w) for kind, w in (("long", self.long), ("packed", self.packed)) if w.shape[0]]
+
+
+def make_windows(tokenizer, documents: list[str], context: int, max_windows: int | None = None) -> Windows:
+    """Cut documents into windows of `context` tokens.
+
+    A document of at least `context` tokens gives consecutive non-overlapping windows of its own ("long"
+    windows: one document, long-range structure); shorter documents are joined with EOS and packed
+    ("packed" windows). With `max_windows`, long and packed windows share the budget (half each when
+    both exist).
+    """
+    eos = tokenizer.eos_token_id
+    long_w, stream = [], []
+    for doc in documents:
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if len(ids) >= context:
+            long_w += [ids[i:i + context] for i in range(0, len(ids) - context + 1, context)]
+        else:
+            stream += ids + ([eos] if eos is not None else [])
+    packed_w = [stream[i:i + context] for i in range(0, len(stream) - context + 1, context)]
+    if max_windows is not None:
+        n_long = min(len(long_w), max(max_windows - min(len(packed_w), max_windows // 2), 0))
+        long_w, packed_w = long_w[:n_long], packed_w[:max_windows - n_long]
+
+    def stack(ws):
+        return torch.tensor(ws, dtype=torch.int64) if ws else torch.zeros(0, context, dtype=torch.int64)
+
+    return Windows(stack(long_w), stack(packed_w))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# perplexity
+# ----------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token negative log-likelihood `[B, T-1]` (fp32) of `input_ids [B, T]`, without a KV cache."""
+    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def method_nll(model, method: KVMethod, windows: torch.Tensor, batch_size: int = 1, sink: int = 64,
+               recent: int = 256, page_size: int = 1, collect_stats: bool = True) -> tuple[torch.Tensor, EvalSession]:
+    """NLL `[N, T-1]` of every window under `method`, and the session with per-layer statistics."""
+    session = EvalSession(method, sink, recent, page_size, collect_stats)
+    device = next(model.parameters()).device
+    parts = []
+    with evaluating(model, session):
+        for i in range(0, windows.shape[0], batch_size):
+            parts.append(token_nll(model, windows[i:i + batch_size].to(device)).cpu())
+    return torch.cat(parts), session
+
+
+def ppl(nll: torch.Tensor) -> float:
+    return math.exp(float(nll.double().mean())) if nll.numel() else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the comparison
+# ----------------------------------------------------------------------------------------------------------
+def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_size: int = 1, sink: int = 64,
+                     recent: int = 256, page_size: int = 1, progress=None) -> dict:
+    """Run every method over every window. Returns a JSON-ready dict (see `oscar-calib eval --json`)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    context = int(windows.long.shape[1])
+    rows = []
+    for method in methods:
+        nll_parts, layer_stats, kinds = [], {}, {}
+        for kind, w in windows.all():
+            nll, session = method_nll(model, method, w, batch_size, sink, recent, page_size)
+            nll_parts.append(nll)
+            kinds[kind] = ppl(nll)
+            for layer, st in session.layers.items():
+                acc = layer_stats.setdefault(layer, type(st)())
+                acc.kl_sum += st.kl_sum
+                acc.queries += st.queries
+                acc.err_num += st.err_num
+                acc.err_den += st.err_den
+            if progress:
+                progress(method.name, kind)
+        nll = torch.cat(nll_parts)
+        half = nll.shape[1] // 2
+        layers = [{"layer": i, **layer_stats[i].as_dict()} for i in sorted(layer_stats)]
+        rows.append({
+            "name": method.name,
+            "description": method.description,
+            "effective_bits": method.effective_bits(context, head_dim, sink, recent),
+            "history_bits": method.history_bits(head_dim),
+            "effective_bits_128k": method.effective_bits(131072, head_dim, sink, recent),
+            "ppl": ppl(nll),
+            "ppl_second_half": ppl(nll[:, half:]),
+            "ppl_long": kinds.get("long", float("nan")),
+            "ppl_packed": kinds.get("packed", float("nan")),
+            "mean_attn_kl": (sum(r["attn_kl"] for r in layers) / len(layers)) if layers else 0.0,
+            "mean_out_rel_err": (sum(r["out_rel_err"] for r in layers) / len(layers)) if layers else 0.0,
+            "layers": layers,
+        })
+    base = next((r for r in rows if r["name"] == "bf16"), None)
+    for r in rows:
+        r["ppl_delta_pct"] = 100.0 * (r["ppl"] / base["ppl"] - 1.0) if base else None
+    return {
+        "context": context,
+        "sink": sink,
+        "recent": recent,
+        "page_size": page_size,
+        "windows": {kind: int(w.shape[0]) for kind, w in (("long", windows.long), ("packed", windows.packed))},
+        "tokens_scored": int(sum(w.shape[0] for _, w in windows.all()) * (context - 1)),
+        "methods": rows,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation agreement through the real runtime
+# ----------------------------------------------------------------------------------------------------------
+def runtime_available() -> str | None:
+    """None when `runtime_kernels.hf.OscarCache` can be imported, else the reason it cannot."""
+    try:
+        from runtime_kernels.hf import OscarCache  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return f"runtime_kernels.hf.OscarCache is not available ({type(exc).__name__}: {exc})"
+    return None
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """BF16 (plain cache) greedy continuation: `prompt [1, P]` -> `[1, steps]` token ids."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    out = []
+    for _ in range(steps):
+        tok = logits.argmax(dim=-1, keepdim=True)
+        out.append(tok)
+        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int, page_size: int = 64,
+                          sink: int | None = None, recent: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Logits `[1, T - prompt_len, V]` of the real runtime (OscarCache) decoding `tokens [1, T]` one at a time.
+
+    The prompt `tokens[:, :prompt_len]` is prefilled (full precision, then written as sink | INT2 | recent);
+    every later token is a decode step whose attention reads the INT2 history. Row i of the result is
+    the prediction made at position `prompt_len - 1 + i`.
+    """
+    from runtime_kernels.hf import OscarCache, enable_oscar_attention
+
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    enable_oscar_attention(model)
+    try:
+        cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
+                                         page_size=page_size, sink_tokens=sink, recent_tokens=recent,
+                                         backend=backend)
+        logits = [model(input_ids=tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
+        for pos in range(prompt_len, tokens.shape[1] - 1):
+            logits.append(model(input_ids=tokens[:, pos:pos + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(logits, dim=1).float()
+    finally:
+        from oscar_calib.capture import set_attention_implementation
+
+        set_attention_implementation(model, previous)
+
+
+def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int = 128, page_size: int = 64,
+                         sink: int | None = None, recent: int | None = None) -> dict:
+    """Greedy next-token agreement with BF16 through the real runtime.
+
+    For each window, the first `T - steps` tokens are the prompt; BF16 generates `steps` tokens greedily;
+    the runtime (OscarCache, INT2 history) decodes the same tokens and predicts at every step. Reports the
+    fraction of steps where its argmax equals BF16's greedy token, and the first step where they differ
+    (the runtime's own greedy generation is identical to BF16 up to that step).
+    """
+    reason = runtime_available()
+    if reason is not None:
+        return {"status": "missing", "reason": reason}
+    device = next(model.parameters()).device
+    out: dict = {"status": "ok", "steps": steps, "windows": int(windows.shape[0]), "page_size": page_size,
+                 "methods": {}}
+    refs = []
+    for w in windows:
+        prompt = w[None, :w.shape[0] - steps].to(device)
+        refs.append(torch.cat([prompt, greedy_continuation(model, prompt, steps)], dim=1))
+    for name, art in artifacts.items():
+        matches, first = [], []
+        for seq in refs:
+            p = seq.shape[1] - steps
+            logits = runtime_decode_logits(model, art, seq, p, page_size, sink, recent)
+            pred = logits.argmax(dim=-1)[0, :steps]
+            ok = (pred == seq[0, p:]).float()
+            matches.append(float(ok.mean()))
+            miss = (ok == 0).nonzero()
+            first.append(int(miss[0, 0]) if miss.numel() else steps)
+        out["methods"][name] = {"match_rate": sum(matches) / len(matches),
+                                "first_divergence_mean": sum(first) / len(first)}
+    return out
+
+
+__all__ = [
+    "EvalSession",
+    "Windows",
+    "evaluate_methods",
+    "evaluating",
+    "exact_mask",
+    "make_windows",
+    "method_nll",
+    "mixed_attention",
+    "read_documents",
+    "generation_agreement",
+    "greedy_continuation",
+    "runtime_available",
+    "runtime_decode_logits",
+    "token_nll",
+]

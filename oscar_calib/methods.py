@@ -1,0 +1,237 @@
+"""KV-cache quantization methods compared by `oscar-calib eval` and `oscar-calib audit`.
+
+Every method fake-quantizes (quantize, then dequantize back to the model's basis) with the runtime's
+reference quantizer `runtime_kernels.quant.naive`, so evaluation and serving share one quantizer.
+
+Shapes: keys and values are `[B, H_kv, T, d]` as transformers' attention functions receive them
+(post-RoPE keys, not repeated for GQA). Positions are absolute within the sequence.
+
+Methods:
+- `bf16`: no quantization (the reference).
+- `int2`: per-token asymmetric min-max INT2 over groups of `group_size` channels (default d), no rotation.
+- `kivi2-gN`: KIVI-style: keys per channel over blocks of N tokens (blocks start at the end of the
+  sink, so the quantized history splits into whole blocks), values per token like `int2`.
+- `quarot-int2`: normalised Hadamard rotation, no clipping, then `int2`.
+- `hadamard-clip`: Hadamard rotation with the reference's global clip ratios (K 0.96, V 0.92).
+- `oscar[...]`: per-(layer, KV head) rotations and clip ratios from an artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime_kernels.artifact import OscarArtifact, effective_bits
+from runtime_kernels.quant import naive
+
+BF16_BITS = 16
+SCALE_BITS = 16  # scale and zero are stored in 16 bits each (OSCAR_METHOD section 5)
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """Normalised Sylvester Hadamard `[d, d]` float64 (`H[a, b] = (-1)^popcount(a & b) / sqrt(d)`)."""
+    from oscar_calib.solve import hadamard as _hadamard
+
+    return _hadamard(d)
+
+
+def history_bits_rowwise(group_size: int) -> float:
+    """Bits per element of a per-token (row-wise) INT2 history: 2-bit codes + 16-bit scale and zero per group."""
+    return 2 + 2 * SCALE_BITS / group_size
+
+
+def mixed_effective_bits(context_len: int, history_bits: float, sink: int = 64, recent: int = 256) -> float:
+    """Bits per KV element at `context_len` when the history costs `history_bits` and the windows are BF16."""
+    bf16 = min(context_len, sink + recent)
+    history = context_len - bf16
+    return (history * history_bits + bf16 * BF16_BITS) / max(context_len, 1)
+
+
+def _to_rows(x: torch.Tensor) -> torch.Tensor:
+    """`[B, H, T, d]` -> `[B*T, H, d]` (the `[T, H_kv, d]` layout of the naive quantizer)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b * t, h, d)
+
+
+def _from_rows(x: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """Inverse of `_to_rows`: `[B*T, H, d]` -> `[B, H, T, d]`."""
+    return x.reshape(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+@dataclass
+class KVMethod:
+    """Base class: a named way of storing the KV history. `bf16` itself is this class."""
+
+    name: str = "bf16"
+    description: str = "BF16 KV cache (reference)"
+
+    def quantizes(self, layer_idx: int) -> bool:
+        """Whether this method stores layer `layer_idx`'s history quantized."""
+        return False
+
+    def history_bits(self, head_dim: int) -> float:
+        """Bits per K/V element (mean of keys and values) inside the quantized history."""
+        return float(BF16_BITS)
+
+    def effective_bits(self, context_len: int, head_dim: int, sink: int = 64, recent: int = 256) -> float:
+        """Bits per KV element over a whole context of `context_len` tokens (BF16 windows included)."""
+        return mixed_effective_bits(context_len, self.history_bits(head_dim), sink, recent)
+
+    def fake_quantize(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                      sink: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-dequantize every position of `keys, values [B, H_kv, T, d]`; returns fp32 tensors.
+
+        Which positions a query actually reads quantized is decided by the caller (the mixed mask).
+        """
+        return keys.float(), values.float()
+
+
+@dataclass
+class RowwiseInt2(KVMethod):
+    """Per-token INT2 after an optional rotation `x @ R` and per-row clipping (naive / QuaRot / Hadamard-clip).
+
+    `k_rotation, v_rotation`: `[d, d]` shared, or None for no rotation. Clip ratios are scalars (1 = none).
+    """
+
+    k_rotation: torch.Tensor | None = None
+    v_rotation: torch.Tensor | None = None
+    k_clip: float = 1.0
+    v_clip: float = 1.0
+    group_size: int | None = None
+
+    def quantizes(self, layer_idx: int) -> bool:
+        return True
+
+    def history_bits(self, head_dim: int) -> float:
+        return history_bits_rowwise(self.group_size or head_dim)
+
+    def effective_bits(self, context_len: int, head_dim: int, sink: int = 64, recent: int = 256) -> float:
+        # Same formula as the runtime's artifact accounting (one definition of the OSCAR bits).
+        return effective_bits(context_len, self.group_size or head_dim, sink, recent, SCALE_BITS)
+
+    def _one(self, x: torch.Tensor, rotation: torch.Tensor | None, clip: float) -> torch.Tensor:
+        b, _, t, _ = x.shape
+        rot = None if rotation is None else rotation.to(x.device, torch.float32)
+        ratio = None if clip >= 1.0 else clip
+        return _from_rows(naive.fake_quantize(_to_rows(x.float()), rot, ratio, self.group_size), b, t)
+
+    def fake_quantize(self, layer_idx, keys, values, sink=64):
+        return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
+
+
+@dataclass
+class ArtifactInt2(RowwiseInt2):
+    """OSCAR: per-(layer, KV head) rotations `[H_kv, d, d]` and clip ratios `[H_kv]` from an artifact.
+
+    Layers the artifact does not list (e.g. sliding-window layers) stay BF16, as in the runtime.
+    """
+
+    artifact: OscarArtifact | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def quantizes(self, layer_idx: int) -> bool:
+        return self.artifact is not None and self.artifact.index_of_layer(layer_idx) is not None
+
+    def history_bits(self, head_dim: int) -> float:
+        return history_bits_rowwise(self.artifact.group_size)
+
+    def effective_bits(self, context_len, head_dim, sink=64, recent=256):
+        return effective_bits(context_len, self.artifact.group_size, sink, recent, SCALE_BITS)
+
+    def fake_quantize(self, layer_idx, keys, values, sink=64):
+        a = self.artifact.index_of_layer(layer_idx)
+        if a is None:
+            return keys.float(), values.float()
+        key = (a, keys.device)
+        if key not in self._cache:
+            art = self.artifact
+            self._cache[key] = tuple(t.to(keys.device, torch.float32) for t in (
+                art.k_rotation[a], art.v_rotation[a], art.k_clip_ratio[a], art.v_clip_ratio[a]))
+        rk, rv, ck, cv = self._cache[key]
+        b, _, t, _ = keys.shape
+        g = self.artifact.group_size
+        k_hat = naive.fake_quantize(_to_rows(keys.float()), rk, _clip_or_none(ck), g)
+        v_hat = naive.fake_quantize(_to_rows(values.float()), rv, _clip_or_none(cv), g)
+        return _from_rows(k_hat, b, t), _from_rows(v_hat, b, t)
+
+
+def _clip_or_none(ratio: torch.Tensor) -> torch.Tensor | None:
+    """Skip clipping entirely when every head's ratio is 1 (the order statistic would be the max anyway)."""
+    return None if bool((ratio >= 1.0).all()) else ratio
+
+
+@dataclass
+class Kivi2(KVMethod):
+    """KIVI-2: keys per channel over blocks of `token_group` tokens, values per token (`value_group` channels).
+
+    Blocks start at position `sink` (the sink is never quantized), so with the BF16 recent window the
+    quantized history is made of whole blocks, as in KIVI where a block is quantized once it is full.
+    A trailing partial block (only ever inside the recent window) is quantized over the tokens it has.
+    """
+
+    token_group: int = 32
+    value_group: int | None = None
+
+    def quantizes(self, layer_idx: int) -> bool:
+        return True
+
+    def history_bits(self, head_dim: int) -> float:
+        key_bits = 2 + 2 * SCALE_BITS / self.token_group
+        value_bits = history_bits_rowwise(self.value_group or head_dim)
+        return (key_bits + value_bits) / 2
+
+    def fake_quantize(self, layer_idx, keys, values, sink=64):
+        b, h, t, d = values.shape
+        v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group), b, t)
+        return kivi_keys(keys, self.token_group, sink), v_hat
+
+
+def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Tensor:
+    """Per-channel INT2 of `keys [B, H, T, d]` over token blocks `[start + i*G, start + (i+1)*G)`.
+
+    Positions before `start` are returned unchanged (fp32). Uses the runtime quantizer with the token
+    axis as the group axis: each (channel, block) gets its own min-max scale and zero.
+    """
+    k = keys.float()
+    out = k.clone()
+    t = k.shape[2]
+    pos = start
+    while pos < t:
+        n = min(token_group, t - pos)
+        block = k[:, :, pos:pos + n].transpose(-1, -2)  # [B, H, d, n]: channels as rows, tokens as the group
+        codes, scale, zero = naive.quantize(block, n)
+        out[:, :, pos:pos + n] = naive.dequantize(codes, scale, zero).transpose(-1, -2)
+        pos += n
+    return out
+
+
+def standard_methods(head_dim: int, artifacts: dict[str, OscarArtifact] | None = None) -> list[KVMethod]:
+    """The methods of the comparison table, in display order (BF16 first, then by family)."""
+    had = hadamard(head_dim).float()
+    methods: list[KVMethod] = [
+        KVMethod(),
+        RowwiseInt2("int2", "per-token min-max INT2 (group = head_dim), no rotation"),
+        Kivi2("kivi2-g128", "KIVI-2: keys per channel over 128-token blocks, values per token", token_group=128),
+        Kivi2("kivi2-g32", "KIVI-2: keys per channel over 32-token blocks, values per token", token_group=32),
+        RowwiseInt2("quarot-int2", "Hadamard rotation, no clipping (QuaRot-style)", k_rotation=had, v_rotation=had),
+        RowwiseInt2("hadamard-clip", "Hadamard rotation, global clip ratios K 0.96 / V 0.92",
+                    k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92),
+    ]
+    for name, art in (artifacts or {}).items():
+        gran = art.metadata.get("granularity", "?")
+        methods.append(ArtifactInt2(name, f"OSCAR artifact ({gran} rotations, fitted clips)", artifact=art))
+    return methods
+
+
+__all__ = [
+    "ArtifactInt2",
+    "KVMethod",
+    "Kivi2",
+    "RowwiseInt2",
+    "hadamard",
+    "history_bits_rowwise",
+    "kivi_keys",
+    "mixed_effective_bits",
+    "standard_methods",
+]

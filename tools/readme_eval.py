@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The README's quality table: calibrate OSCAR (per head and per layer) and compare every KV method.
+
+Same computation as `oscar-calib eval` (it calls the same functions), without the Typer CLI, so it also
+runs where only torch + transformers (+ pydantic) are installed. Writes `eval_<context>.json`,
+`eval_<context>.md` (a markdown table) and, when matplotlib is there, `eval_<context>.png` into `--out`.
+
+    python3 tools/readme_eval.py --model oscar_calib/fixtures/tiny-qwen3 --context 4096 --out /tmp/eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def markdown_table(result: dict) -> str:
+    lines = [f"Context {result['context']} tokens (BF16 sink {result['sink']} + recent {result['recent']}), "
+             f"{result['windows']['long']} single-document + {result['windows']['packed']} packed windows, "
+             f"{result['tokens_scored']:,} tokens scored; {result.get('device_name', '')}.", "",
+             "| method | bits/elem @ctx | bits/elem @128K | ppl | vs BF16 | ppl 2nd half | ppl long docs | "
+             "ppl packed | attn KL | attn out err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["methods"]:
+        d = r["ppl_delta_pct"]
+        lines.append(f"| {r['name']} | {r['effective_bits']:.2f} | {r['effective_bits_128k']:.2f} | {r['ppl']:.3f} | "
+                     f"{'' if d is None else f'{d:+.2f}%'} | {r['ppl_second_half']:.3f} | {r['ppl_long']:.3f} | "
+                     f"{r['ppl_packed']:.3f} | {r['mean_attn_kl']:.4f} | {r['mean_out_rel_err']:.4f} |")
+    agree = result.get("generation_agreement") or {}
+    if agree.get("status") == "ok":
+        lines.append("")
+        for name, a in agree["methods"].items():
+            lines.append(f"- {name} through the real runtime (OscarCache, page {agree['page_size']}): greedy "
+                         f"next-token match with BF16 {100 * a['match_rate']:.1f}% over {agree['steps']} steps x "
+                         f"{agree['windows']} windows, first divergence at step {a['first_divergence_mean']:.1f} "
+                         "on average.")
+    elif agree:
+        lines += ["", f"- generation agreement: {agree.get('status')} ({agree.get('reason', '')})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--max-windows", type=int, default=16)
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--generation-steps", type=int, default=128)
+    p.add_argument("--generation-windows", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.config import SolverSettings
+    from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
+    from oscar_calib.methods import standard_methods
+    from runtime_kernels.artifact import write_artifact
+
+    def log(msg: str) -> None:
+        print(f"[readme_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
+    ids = torch.cat([cal.long, cal.packed])[:args.calib_samples].to(device)
+    arts = {}
+    for gran in ("head", "layer"):
+        t0 = time.perf_counter()
+        arts[f"oscar-{gran}"] = calibrate_model(model, ids, SolverSettings(granularity=gran), compare_alternatives=False)
+        write_artifact(arts[f"oscar-{gran}"], args.out / f"oscar-{gran}-{args.context}")
+        log(f"calibrated oscar-{gran} on {ids.shape[0]} x {args.context} tokens in {time.perf_counter() - t0:.1f}s")
+    windows = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
+    t0 = time.perf_counter()
+    result = evaluate_methods(model, standard_methods(model.config.head_dim, arts), windows, args.batch_size)
+    log(f"evaluated in {time.perf_counter() - t0:.1f}s")
+    if args.generation_steps:
+        try:
+            gw = torch.cat([windows.long, windows.packed])[:args.generation_windows]
+            result["generation_agreement"] = generation_agreement(model, arts, gw, args.generation_steps)
+        except Exception as exc:  # noqa: BLE001 - the table is still worth keeping
+            result["generation_agreement"] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+        log(f"generation agreement: {result['generation_agreement']}")
+    result.update({"model": str(args.model), "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   "dtype": str(dtype), "torch": torch.__version__,
+                   "transformers": __import__("transformers").__version__})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"eval_{args.context}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"eval_{args.context}.md").write_text(markdown_table(result))
+    print(markdown_table(result))
+    try:
+        from oscar_calib.cli.eval_cmd import write_plot
+
+        write_plot(result, args.out / f"eval_{args.context}.png")
+    except Exception as exc:  # noqa: BLE001 - no matplotlib / typer on this machine: the JSON and table remain
+        log(f"no plot: {type(exc).__name__}: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
