@@ -279,10 +279,6 @@ class PagedKVCache:
         """Valid window rows (sink + recent) of a sequence of `n` tokens."""
         return n - self.history_tokens(n)
 
-    def _row(self, pos: int, hist: int) -> int:
-        """Window row of token `pos` in a sequence whose history holds `hist` tokens."""
-        return pos if pos < self.sink else pos - hist
-
     # -- sequences ------------------------------------------------------------------------------------------
     def _state(self, seq_id: int) -> SequenceState:
         try:
@@ -387,25 +383,26 @@ class PagedKVCache:
             pages = new_pages[taken:taken + need]
             taken += need
 
-            def source(pos: int) -> int:
-                # X index of token `pos`: an old recent row that was gathered, or a new token.
-                if pos >= n_old:
-                    return n_gather + base + (pos - n_old)
-                return g0 + (pos - self.sink - hist_old)
+            hist_lo, hist_hi = self.sink + hist_old, self.sink + hist_new  # demoted positions [lo, hi)
 
-            for pos in range(self.sink + hist_old, self.sink + hist_new):  # demoted tokens
-                hist_idx = pos - self.sink
-                demote_src.append(source(pos))
-                demote_pages.append(pages[(hist_idx - hist_old) // p])
-                demote_rows.append(hist_idx % p)
-            # Window rows to (re)write: every new token, plus old recent tokens that shift down.
-            first = n_old if not need else min(n_old, self.sink + hist_new)
-            for pos in range(first, n_new):
-                if self.sink <= pos < self.sink + hist_new:
-                    continue
-                win_src.append(source(pos))
-                win_slots.append(st.slot)
-                win_rows.append(self._row(pos, hist_new))
+            def sources(lo: int, hi: int) -> list[int]:
+                # X indices of tokens [lo, hi): gathered old recent rows first, then new tokens.
+                split = min(max(lo, n_old), hi)
+                return (list(range(g0 + lo - hist_lo, g0 + split - hist_lo))
+                        + list(range(n_gather + base + split - n_old, n_gather + base + hi - n_old)))
+
+            demote_src.extend(sources(hist_lo, hist_hi))
+            demote_pages.extend(pg for pg in pages for _ in range(p))
+            demote_rows.extend(list(range(p)) * need)
+            # Window rows to (re)write: every new token, plus the old recent tokens that shift down.
+            first = n_old if not need else min(n_old, hist_hi)
+            sink_lo, sink_hi = first, min(n_new, self.sink)  # new sink tokens, row = position
+            rec_lo = max(first, hist_hi, self.sink)  # recent tokens, row = position - history
+            for lo, hi, shift in ((sink_lo, sink_hi, 0), (rec_lo, n_new, hist_new)):
+                if hi > lo:
+                    win_src.extend(sources(lo, hi))
+                    win_slots.extend([st.slot] * (hi - lo))
+                    win_rows.extend(range(lo - shift, hi - shift))
             st.length = n_new
             st.pages.extend(pages)
         self._version += 1
@@ -494,18 +491,12 @@ class PagedKVCache:
             return self._meta_cache[1]
         states = [self._state(s) for s in key[0]]
         width = max([1] + [len(st.pages) for st in states])
-        table = torch.zeros(len(states), width, dtype=torch.int32)
-        for i, st in enumerate(states):
-            if st.pages:
-                table[i, :len(st.pages)] = torch.tensor(st.pages, dtype=torch.int32)
-        meta = BatchMetadata(
-            block_table=table.to(self.device),
-            hist_len=torch.tensor([len(st.pages) * self.page_size for st in states], dtype=torch.int32,
-                                  device=self.device),
-            slot_ids=torch.tensor([st.slot for st in states], dtype=torch.int32, device=self.device),
-            win_len=torch.tensor([self.window_len(st.length) for st in states], dtype=torch.int32,
-                                 device=self.device),
-        )
+        # One host tensor, one copy: per row [pages..., 0 padding, hist_len, slot, win_len].
+        rows = [st.pages + [0] * (width - len(st.pages))
+                + [len(st.pages) * self.page_size, st.slot, self.window_len(st.length)] for st in states]
+        packed = torch.tensor(rows, dtype=torch.int32).to(self.device)
+        meta = BatchMetadata(block_table=packed[:, :width].contiguous(), hist_len=packed[:, width].contiguous(),
+                             slot_ids=packed[:, width + 1].contiguous(), win_len=packed[:, width + 2].contiguous())
         self._meta_cache = (key, meta)
         return meta
 
