@@ -4,7 +4,10 @@ Usage::
 
     model = enable_oscar_attention(model)          # registers "oscar" and switches the model to it
     cache = OscarCache.from_artifact(artifact, model.config, batch_size=2, max_tokens=4096)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # `cache=` on transformers >= 5.2x
+
+The cache sizes its page pool from `max_tokens` per row; a prompt or generation beyond it raises
+"out of INT2 pages" and leaves that cache unusable (build a new one).
 
 How a step runs (per calibrated layer):
 - prefill (`q_len > 1`, or the first token of an empty cache): the layer returns the prompt's keys/values

@@ -297,3 +297,11 @@ def test_beam_search_and_sampling_match_the_fake_quant_reference():
         want = ref.generate(input_ids=prompt, max_new_tokens=8, pad_token_id=0, **opts)
         assert torch.equal(got, want)
         assert all(cache.paged.hist_len(s) > 0 for s in cache.seq_ids)
+
+
+@torch.no_grad()
+def test_prompt_longer_than_max_tokens_is_refused():
+    m = enable_oscar_attention(model())
+    cache = make_cache(random_artifact(), m, max_tokens=S + R + P)  # room for one page
+    with pytest.raises(RuntimeError, match="out of INT2 pages"):
+        m(input_ids=torch.randint(0, 256, (1, S + R + 3 * P)), use_cache=True, **cache_kw(m, cache=cache))
