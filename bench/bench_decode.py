@@ -96,6 +96,9 @@ def sdpa_baselines(batch: int, context: int, q: torch.Tensor, gen: torch.Generat
     q_fold = q.reshape(batch, H_KV, g, D)  # [B, H_kv, g, d]
     q_gqa = q.reshape(batch, H_Q, 1, D)
     out = {}
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*kernel not used.*|.*same num_heads.*|.*runtime disabled.*")
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         for gqa in ("fold", "enable_gqa"):
@@ -130,7 +133,7 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
     row["int2_bytes_read"] = read
     row["bits_per_element_allocated"] = allocated * 8 / (batch * context * H_KV * D * 2)
     variants = []
-    for block_n, stages, warps, pps in configs:
+    for impl, block_n, stages, warps, pps in configs:
         splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps,
                                       block_n=block_n)
         wsplits = A.default_num_splits(batch, H_KV, WIN, q.device, programs_per_sm=pps, block_n=block_n)
@@ -138,8 +141,8 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
         def fn():
             return A.decode_attention(q, *pools, table, hist_len, k_win, v_win, slot_ids, win_len,
                                       num_splits=splits, window_splits=wsplits, block_n=block_n,
-                                      num_warps=warps, num_stages=stages)
-        cfg = {"block_n": block_n, "num_stages": stages, "num_warps": warps, "programs_per_sm": pps,
+                                      num_warps=warps, num_stages=stages, impl=impl)
+        cfg = {"impl": impl, "block_n": block_n, "num_stages": stages, "num_warps": warps, "programs_per_sm": pps,
                "splits": splits, "window_splits": wsplits}
         try:
             fn()
@@ -166,7 +169,7 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
             return A.decode_attention(q, *pools, table, hist_len, k_win, v_win, slot_ids, win_len,
                                       num_splits=cfg["splits"], window_splits=cfg["window_splits"],
                                       block_n=cfg["block_n"], num_warps=cfg["num_warps"],
-                                      num_stages=cfg["num_stages"])
+                                      num_stages=cfg["num_stages"], impl=cfg["impl"])
         row["int2_host_ms_per_call"] = host_ms(best_fn)
     # Demotion / quantize cost: one token per sequence per step (K and V), or a page of tokens per 64 steps.
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device="cuda", generator=gen))[0]
@@ -216,7 +219,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{RECENT}). Times: median of `triton.testing.do_bench` (L2 flushed), ms; p20-p80 in the JSON.",
              f"Copy bandwidth in the same run: **{meta['copy']['gbps']:.0f} GB/s** (read+write of 1 GiB).", "",
              "| context | batch | BF16 best (ms) | BF16 backend | INT2 best (ms) | speedup | INT2 GB/s | % copy BW "
-             "| default cfg (ms) | best cfg (block_n/stages/warps/pps/splits) | host ms/call | bits/elem |",
+             "| default cfg (ms) | best cfg (impl/block_n/stages/warps/pps/splits) | host ms/call | bits/elem |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bf = {k: v["ms"] for k, v in r["bf16"].items() if "ms" in v}
@@ -228,7 +231,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['bf16_best_ms']:.4f} | {name} | {b['ms']:.4f} | "
             f"{r['speedup_vs_bf16_best']:.2f}x | {b['gbps']:.0f} | {r['pct_of_copy_bw']:.0f}% | {dft['ms']:.4f} | "
-            f"{b['block_n']}/{b['num_stages']}/{b['num_warps']}/{b['programs_per_sm']}/{b['splits']} | "
+            f"{b['impl']}/{b['block_n']}/{b['num_stages']}/{b['num_warps']}/{b['programs_per_sm']}/{b['splits']} | "
             f"{r.get('int2_host_ms_per_call', float('nan')):.4f} | {r['bits_per_element_allocated']:.3f} |")
     lines += ["", "Demotion (write_pages of K and V, rotation included) and rotation costs, vs the INT2 call:", "",
               "| context | batch | 1 token/seq per step (ms) | % of attn | 64 tokens/seq per 64 steps (ms, per step %) "
@@ -269,8 +272,11 @@ def main() -> None:
     meta["copy"] = copy_bandwidth()
     print(f"{gpu}: copy {meta['copy']['gbps']:.0f} GB/s", flush=True)
     # First config = the library default; the rest are the sweep.
-    configs = [(64, 2, 4, 4)] + [c for c in itertools.product((64, 128), (2, 3, 4), (4,), (2, 4, 8))
-                                 if c != (64, 2, 4, 4)] + [(128, 3, 8, 4)]
+    # (impl, block_n, num_stages, num_warps, programs_per_sm)
+    configs = [(0, 64, 2, 4, 4)] + [c for c in itertools.product((0, 1, 2), (64,), (2, 3), (4,), (4, 8))
+                                    if c != (0, 64, 2, 4, 4)]
+    configs += [(1, 128, 3, 4, 8), (1, 64, 3, 8, 8), (2, 32, 2, 4, 8), (2, 64, 2, 8, 8), (2, 128, 2, 8, 8),
+                (2, 32, 3, 4, 16), (1, 32, 3, 4, 16)]
     # Largest context first (the 128K / batch 8 target point leads), so a cut-short run still has it.
     contexts = sorted(map(int, args.contexts.split(",")), reverse=True)
     batches = [int(b) for b in args.batches.split(",")]

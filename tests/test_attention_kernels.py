@@ -115,6 +115,18 @@ def test_int2_group_sizes(group_size):
         assert_lse_close(lse, lse_ref, 1e-4 if dtype == torch.float32 else 5e-2)
 
 
+@pytest.mark.parametrize("impl", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int2_kernel_variants(impl, dtype):
+    """The three code paths of the INT2 kernel (dot on transposed tile, dot on pre-transposed load, no dot)."""
+    pool = make_pool([0, 70, 129], h_kv=2, d=64, page=64, seed=impl)
+    q = make_q(3, 8, 64, dtype)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[dtype]
+    assert_lse_close(lse, lse_ref, 1e-3)
+
+
 def test_int2_split_count_does_not_change_the_result():
     pool = make_pool([300], h_kv=1, d=64, page=16, seed=9)
     q = make_q(1, 4, 64, torch.float32)

@@ -43,6 +43,17 @@ def _dot(a, b, FP32: tl.constexpr, INTERP: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, INTERP: tl.constexpr):
+    """Codes `(b >> SHIFT) & 3` of a uint8 tile as `dt` (via fp32 in the interpreter, which casts int -> bf16
+    bitwise)."""
+    c = (b >> SHIFT) & 3
+    if INTERP:
+        return c.to(tl.float32).to(dt)
+    else:
+        return c.to(dt)
+
+
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -57,8 +68,10 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
     GS: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, IMPL: tl.constexpr,
 ):
+    # IMPL 0: K code tile loaded [BLOCK_N, Q] and transposed in registers for the dot; 1: K code tile loaded
+    # already transposed [Q, BLOCK_N]; 2: no tensor cores (broadcast multiply + sum, fp32), G_PAD = pow2(GROUP).
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -121,10 +134,22 @@ def _int2_decode_kernel(
             kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
             vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
             vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-            qc = _dot(q0, tl.trans((kb & 3).to(tl.float32).to(cdt)), FP32, INTERP)
-            qc += _dot(q1, tl.trans(((kb >> 2) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
-            qc += _dot(q2, tl.trans(((kb >> 4) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
-            qc += _dot(q3, tl.trans(((kb >> 6) & 3).to(tl.float32).to(cdt)), FP32, INTERP)
+            if IMPL == 0:
+                qc = _dot(q0, tl.trans(_codes(kb, 0, cdt, INTERP)), FP32, INTERP)
+                qc += _dot(q1, tl.trans(_codes(kb, 2, cdt, INTERP)), FP32, INTERP)
+                qc += _dot(q2, tl.trans(_codes(kb, 4, cdt, INTERP)), FP32, INTERP)
+                qc += _dot(q3, tl.trans(_codes(kb, 6, cdt, INTERP)), FP32, INTERP)
+            elif IMPL == 1:
+                kbt = tl.load(kc_ptr + kc_row[None, :] + offs_j[:, None], mask=t_ok[None, :] & j_ok[:, None], other=0)
+                qc = _dot(q0, _codes(kbt, 0, cdt, INTERP), FP32, INTERP)
+                qc += _dot(q1, _codes(kbt, 2, cdt, INTERP), FP32, INTERP)
+                qc += _dot(q2, _codes(kbt, 4, cdt, INTERP), FP32, INTERP)
+                qc += _dot(q3, _codes(kbt, 6, cdt, INTERP), FP32, INTERP)
+            else:
+                qc = tl.sum(q0.to(tl.float32)[:, None, :] * ((kb & 3).to(tl.float32))[None, :, :], axis=2)
+                qc += tl.sum(q1.to(tl.float32)[:, None, :] * (((kb >> 2) & 3).to(tl.float32))[None, :, :], axis=2)
+                qc += tl.sum(q2.to(tl.float32)[:, None, :] * (((kb >> 4) & 3).to(tl.float32))[None, :, :], axis=2)
+                qc += tl.sum(q3.to(tl.float32)[:, None, :] * (((kb >> 6) & 3).to(tl.float32))[None, :, :], axis=2)
             s = (qc - qsum[:, None] * kz[None, :]) * (ks * qk_scale)[None, :]
         else:
             # Several groups per row: per-channel scale/zero tiles, dequantize, then dot.
@@ -158,12 +183,20 @@ def _int2_decode_kernel(
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
         if NG == 1:
-            pv = (p * vs[None, :]).to(pdt)
-            acc_z = acc_z * alpha + tl.sum(pv.to(tl.float32) * vz[None, :], axis=1)
-            acc0 += _dot(pv, (vb & 3).to(tl.float32).to(pdt), FP32, INTERP)
-            acc1 += _dot(pv, ((vb >> 2) & 3).to(tl.float32).to(pdt), FP32, INTERP)
-            acc2 += _dot(pv, ((vb >> 4) & 3).to(tl.float32).to(pdt), FP32, INTERP)
-            acc3 += _dot(pv, ((vb >> 6) & 3).to(tl.float32).to(pdt), FP32, INTERP)
+            if IMPL == 2:
+                pw = p * vs[None, :]
+                acc_z = acc_z * alpha + tl.sum(pw * vz[None, :], axis=1)
+                acc0 += tl.sum(pw[:, :, None] * ((vb & 3).to(tl.float32))[None, :, :], axis=1)
+                acc1 += tl.sum(pw[:, :, None] * (((vb >> 2) & 3).to(tl.float32))[None, :, :], axis=1)
+                acc2 += tl.sum(pw[:, :, None] * (((vb >> 4) & 3).to(tl.float32))[None, :, :], axis=1)
+                acc3 += tl.sum(pw[:, :, None] * (((vb >> 6) & 3).to(tl.float32))[None, :, :], axis=1)
+            else:
+                pv = (p * vs[None, :]).to(pdt)
+                acc_z = acc_z * alpha + tl.sum(pv.to(tl.float32) * vz[None, :], axis=1)
+                acc0 += _dot(pv, _codes(vb, 0, pdt, INTERP), FP32, INTERP)
+                acc1 += _dot(pv, _codes(vb, 2, pdt, INTERP), FP32, INTERP)
+                acc2 += _dot(pv, _codes(vb, 4, pdt, INTERP), FP32, INTERP)
+                acc3 += _dot(pv, _codes(vb, 6, pdt, INTERP), FP32, INTERP)
         else:
             vss = vs_ptr + vs_row[:, None]
             vzs = vz_ptr + vs_row[:, None]
@@ -198,7 +231,7 @@ def _int2_decode_kernel(
 
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
-                       block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+                       block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0) -> None:
     """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
     `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
     functional API validates them. Last dims of codes/scale/zero and q must be contiguous."""
@@ -208,6 +241,8 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
     page = k_codes.shape[2]
     ng = k_scale.shape[3]
     q_quarter = d // 4
+    if ng > 1:
+        impl = min(impl, 1)  # the no-tensor-core variant exists for one group per row only
     grid = (b, h_kv, num_splits)
     _int2_decode_kernel[grid](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
@@ -220,8 +255,8 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, G_PAD=triton.next_power_of_2(group) if impl == 2 else max(16, triton.next_power_of_2(group)),
         Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
-        GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET,
+        GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET, IMPL=impl,
         num_warps=num_warps, num_stages=num_stages,
     )

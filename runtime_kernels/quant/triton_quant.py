@@ -38,6 +38,16 @@ def _encode(x, s, z):
     return tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.uint8)
 
 
+@triton.jit
+def _range_over_3(r, RECIP: tl.constexpr):
+    """`r / 3` exactly as torch computes `tensor / 3` on the same device: torch's CUDA kernel multiplies by the
+    fp32 reciprocal of a scalar divisor (RECIP), its CPU kernel divides (IEEE)."""
+    if RECIP:
+        return r * 0.3333333432674408  # fp32(1/3)
+    else:
+        return tl.math.div_rn(r, 3.0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _quantize_pack_kernel(
     x_ptr, clip_ptr, tau_ptr, codes_ptr, scale_ptr, zero_ptr, page_ptr, row_ptr,
@@ -45,7 +55,7 @@ def _quantize_pack_kernel(
     stride_cp, stride_ch, stride_cr,
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-    D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr,
+    D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
 ):
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
     pid_t = tl.program_id(0)
@@ -87,7 +97,7 @@ def _quantize_pack_kernel(
         lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
         lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
         hi = tl.where(t_ok, hi, 1.0)
-        s16 = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0).to(tl.float16)
+        s16 = _range_over_3(tl.maximum(hi - lo, 1e-8), RECIP).to(tl.float16)
         s = s16.to(tl.float32)
         z16 = tl.math.div_rn(-lo, s).to(tl.float16)
         z = z16.to(tl.float32)
@@ -123,7 +133,7 @@ def _quantize_pack_kernel(
             lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
             lo = tl.where(t_ok, lo, 0.0)
             hi = tl.where(t_ok, hi, 1.0)
-            s16 = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0).to(tl.float16)
+            s16 = _range_over_3(tl.maximum(hi - lo, 1e-8), RECIP).to(tl.float16)
             s = s16.to(tl.float32)
             z16 = tl.math.div_rn(-lo, s).to(tl.float16)
             z = z16.to(tl.float32)
@@ -190,6 +200,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=triton.next_power_of_2(d), Q_PAD=triton.next_power_of_2(q), ROWS=rows_pp,
-        CLIP=mode,
+        CLIP=mode, RECIP=x_rot.is_cuda,
         num_warps=4,
     )
