@@ -1,0 +1,338 @@
+"""Audit an OSCAR artifact per (layer, KV head): spectra, clip ratios, outliers, quantization error, flags.
+
+From the artifact alone: orthogonality of each rotation, NaN/Inf, spectrum concentration of the key and
+value targets (share of the top eigenvalue, effective rank), fitted clip ratios (and whether a ratio
+sits at the lowest ratio of the calibration grid). With activations (a model and some text): outlier
+measures of keys and values before and after the rotation (kurtosis, max/median channel RMS), and the
+simulated INT2 error of naive (no rotation), Hadamard (no clip) and OSCAR (the artifact) per head:
+keys by the relative logit error `E[(q . (k_hat - k))^2] / E[(q . k)^2]` over the head's query group,
+values by the relative error `|v_hat - v|^2 / |v|^2`.
+
+Flags: `non-orthogonal`, `nan`, `degenerate-spectrum` (non-positive top eigenvalue, negative
+eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge`,
+`oscar-worse-than-hadamard` (keys or values), `contract: ...` (the artifact breaks contract v1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from oscar_calib.errors import InputError
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    ORTHOGONALITY_TOL,
+    TENSOR_NAMES,
+    ArtifactError,
+    validate_tensors,
+)
+from runtime_kernels.quant import naive
+
+AUDIT_ATTENTION = "oscar_audit"
+
+
+@dataclass
+class RawArtifact:
+    """Artifact tensors and metadata as stored, before (or despite) validation."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    source: str
+    contract_error: str | None = None
+
+
+def load_raw(path: str | Path) -> RawArtifact:
+    """Read an artifact without refusing it, so that a broken one can still be audited."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    file = path / ARTIFACT_FILENAME if path.is_dir() else path
+    if not file.is_file():
+        raise InputError(f"artifact {path}: no '{ARTIFACT_FILENAME}' (expected an artifact directory or file)")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {n: handle.get_tensor(n) for n in handle.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a corrupt header
+        raise InputError(f"artifact {file}: not a readable safetensors file: {exc}") from exc
+    missing = [n for n in TENSOR_NAMES if n not in tensors]
+    if missing:
+        raise InputError(f"artifact {file}: field '{missing[0]}': missing tensor; nothing to audit")
+    error = None
+    try:
+        validate_tensors(tensors, metadata, str(file))
+    except ArtifactError as exc:
+        error = str(exc)
+    return RawArtifact(tensors, metadata, str(file), error)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# statistics
+# ----------------------------------------------------------------------------------------------------------
+def spectrum_stats(eig: torch.Tensor) -> dict[str, float]:
+    """Concentration of a spectrum `[d]`: top-1 share, top-8 share, effective rank exp(entropy)."""
+    e = eig.double().clamp_min(0)
+    total = float(e.sum())
+    if not math.isfinite(total) or total <= 0:
+        return {"top1_share": float("nan"), "top8_share": float("nan"), "effective_rank": float("nan")}
+    p = e / total
+    s = p.sort(descending=True).values
+    ent = float(-(p[p > 0] * p[p > 0].log()).sum())
+    return {"top1_share": float(s[0]), "top8_share": float(s[:8].sum()), "effective_rank": math.exp(ent)}
+
+
+def degenerate(eig: torch.Tensor) -> bool:
+    """Non-positive top eigenvalue, clearly negative eigenvalues, or an all-equal spectrum."""
+    e = eig.double()
+    if not bool(torch.isfinite(e).all()):
+        return True
+    top = float(e.max())
+    if top <= 0:
+        return True
+    if float(e.min()) < -1e-6 * top:
+        return True
+    return float(e.max() - e.min()) <= 1e-9 * top
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    """Kurtosis `E[(x - mu)^4] / var^2` of all entries of `x` (3 for a Gaussian)."""
+    x = x.double().flatten()
+    c = x - x.mean()
+    var = float((c ** 2).mean())
+    return float((c ** 4).mean()) / var ** 2 if var > 0 else float("nan")
+
+
+def channel_ratio(x: torch.Tensor) -> float:
+    """max / median of per-channel RMS of `x [T, d]` (a large value means outlier channels)."""
+    rms = x.double().pow(2).mean(dim=0).sqrt()
+    med = float(rms.median())
+    return float(rms.max()) / med if med > 0 else float("inf")
+
+
+def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int | None) -> torch.Tensor:
+    """Fake-quantize rows `x [T, d]` with the runtime quantizer (rotation `[d, d]` or None)."""
+    ratio = None if clip >= 1.0 else clip
+    return naive.fake_quantize(x.float()[:, None], rotation, ratio, group)[:, 0].float()
+
+
+def key_logit_error(k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> float:
+    """`E[(q . (k_hat - k))^2] / E[(q . k)^2]` over all (query, key) pairs. k, k_hat `[T, d]`, q `[n, d]`."""
+    num = float(((q.double() @ (k_hat - k).double().T) ** 2).mean())
+    den = float(((q.double() @ k.double().T) ** 2).mean())
+    return num / den if den > 0 else float("nan")
+
+
+def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    den = float(x.double().pow(2).sum())
+    return float((x_hat.double() - x.double()).pow(2).sum()) / den if den > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activations
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Activations:
+    """Post-RoPE queries, keys and values per layer: q `[N, H_q, T, d]`, k/v `[N, H_kv, T, d]` (fp32, CPU)."""
+
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+_RECORD: Activations | None = None
+
+
+def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _RECORD is not None:
+        i = module.layer_idx
+        for store, t in ((_RECORD.q, query), (_RECORD.k, key), (_RECORD.v, value)):
+            t = t.detach().float().cpu()
+            store[i] = torch.cat([store[i], t]) if i in store else t
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+@torch.no_grad()
+def capture_activations(model, input_ids: torch.Tensor) -> Activations:
+    """Run `input_ids [N, T]` through `model` and keep every layer's post-RoPE q, k and v."""
+    global _RECORD
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from oscar_calib.capture import set_attention_implementation
+
+    AttentionInterface.register(AUDIT_ATTENTION, _record_attention)
+    AttentionMaskInterface.register(AUDIT_ATTENTION, sdpa_mask)
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    set_attention_implementation(model, AUDIT_ATTENTION)
+    _RECORD = Activations()
+    try:
+        device = next(model.parameters()).device
+        for row in input_ids:
+            model(input_ids=row[None].to(device), use_cache=False)
+        return _RECORD
+    finally:
+        _RECORD = None
+        set_attention_implementation(model, previous)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the audit
+# ----------------------------------------------------------------------------------------------------------
+def _clip_grid(metadata: dict[str, str]) -> list[float] | None:
+    try:
+        grid = json.loads(metadata.get("calibration", "{}")).get("solver", {}).get("clip_grid")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return sorted(float(x) for x in grid) if grid else None
+
+
+def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_queries: int = 256) -> dict:
+    """Per-(layer, KV head) report, worst first. Returns a JSON-ready dict."""
+    t = raw.tensors
+    layer_ids = t["layer_ids"].tolist()
+    h_kv, d = t["k_rotation"].shape[1], t["k_rotation"].shape[-1]
+    group = int(raw.metadata.get("group_size", d) or d)
+    grid = _clip_grid(raw.metadata)
+    had = None
+    if acts is not None:
+        from oscar_calib.methods import hadamard
+
+        had = hadamard(d).float()
+    eye = torch.eye(d)
+    heads = []
+    for a, layer in enumerate(layer_ids):
+        for h in range(h_kv):
+            rk, rv = t["k_rotation"][a, h].float(), t["v_rotation"][a, h].float()
+            ck, cv = float(t["k_clip_ratio"][a, h]), float(t["v_clip_ratio"][a, h])
+            ek, evl = t["k_eigenvalues"][a, h], t["v_eigenvalues"][a, h]
+            row: dict = {"layer": int(layer), "head": h, "k_clip": ck, "v_clip": cv, "flags": []}
+            for name, r in (("k", rk), ("v", rv)):
+                err = float((r @ r.T - eye).abs().max()) if bool(torch.isfinite(r).all()) else float("nan")
+                row[f"{name}_orth_err"] = err
+                if not err <= ORTHOGONALITY_TOL:
+                    row["flags"].append(f"non-orthogonal-{name}")
+            finite = all(bool(torch.isfinite(x).all()) for x in (rk, rv, ek, evl, t["k_clip_ratio"][a, h],
+                                                                  t["v_clip_ratio"][a, h]))
+            if not finite:
+                row["flags"].append("nan")
+            for name, e in (("k", ek), ("v", evl)):
+                row.update({f"{name}_{key}": val for key, val in spectrum_stats(e).items()})
+                if degenerate(e):
+                    row["flags"].append(f"degenerate-spectrum-{name}")
+            if grid and len(grid) > 1:
+                for name, c in (("k", ck), ("v", cv)):
+                    if c <= grid[0] + 1e-6:
+                        row["flags"].append(f"clip-at-grid-edge-{name}")
+            if acts is not None and layer in acts.k and finite:
+                _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries)
+            heads.append(row)
+    heads.sort(key=_badness, reverse=True)
+    return {"artifact": raw.source, "model_id": raw.metadata.get("model_id"),
+            "granularity": raw.metadata.get("granularity"), "contract_error": raw.contract_error,
+            "clip_grid": grid, "with_activations": acts is not None, "heads": heads,
+            "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
+
+
+def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries) -> None:
+    k = acts.k[layer][:, h].reshape(-1, rk.shape[0])  # [N*T, d]
+    v = acts.v[layer][:, h].reshape(-1, rk.shape[0])
+    q_all = acts.q[layer]
+    g = q_all.shape[1] // h_kv
+    q = q_all[:, h * g:(h + 1) * g].transpose(1, 2).reshape(-1, rk.shape[0])  # [N*T*g, d]
+    q = q[torch.linspace(0, q.shape[0] - 1, min(max_queries, q.shape[0])).long()]
+    for name, x, r in (("k", k, rk), ("v", v, rv)):
+        xr = x @ r
+        row[f"{name}_kurtosis_before"] = kurtosis(x)
+        row[f"{name}_kurtosis_after"] = kurtosis(xr)
+        row[f"{name}_channel_ratio_before"] = channel_ratio(x)
+        row[f"{name}_channel_ratio_after"] = channel_ratio(xr)
+    variants = {"naive": (None, None, 1.0, 1.0), "hadamard": (had, had, 1.0, 1.0), "oscar": (rk, rv, ck, cv)}
+    for vname, (r_k, r_v, c_k, c_v) in variants.items():
+        row[f"k_err_{vname}"] = key_logit_error(k, _fq(k, r_k, c_k, group), q)
+        row[f"v_err_{vname}"] = rel_error(v, _fq(v, r_v, c_v, group))
+    for name in ("k", "v"):
+        if row[f"{name}_err_oscar"] > row[f"{name}_err_hadamard"]:
+            row["flags"].append(f"oscar-worse-than-hadamard-{name}")
+
+
+def _badness(row: dict) -> tuple:
+    """Sort key: broken before merely weak, then by OSCAR's error (keys + values) or the clip ratios."""
+    severe = sum(1 for f in row["flags"] if f.startswith(("nan", "non-orth", "degenerate")))
+    err = row.get("k_err_oscar", 0.0) + row.get("v_err_oscar", 0.0)
+    err = err if math.isfinite(err) else float("inf")
+    return (severe, len(row["flags"]), err, -min(row["k_clip"], row["v_clip"]))
+
+
+def write_heatmaps(report: dict, directory: str | Path) -> list[Path]:
+    """One PNG per metric family, each a layer x head heatmap per panel. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = report["heads"]
+    layers = sorted({r["layer"] for r in rows})
+    heads = sorted({r["head"] for r in rows})
+    families = {
+        "clip_ratios": ["k_clip", "v_clip"],
+        "spectrum": ["k_top1_share", "v_top1_share", "k_effective_rank", "v_effective_rank"],
+        "kurtosis": ["k_kurtosis_before", "k_kurtosis_after", "v_kurtosis_before", "v_kurtosis_after"],
+        "channel_ratio": ["k_channel_ratio_before", "k_channel_ratio_after", "v_channel_ratio_before",
+                          "v_channel_ratio_after"],
+        "quant_error": ["k_err_naive", "k_err_hadamard", "k_err_oscar", "v_err_naive", "v_err_hadamard",
+                        "v_err_oscar"],
+    }
+    written = []
+    for fam, keys in families.items():
+        keys = [k for k in keys if any(k in r for r in rows)]
+        if not keys:
+            continue
+        cols = min(3, len(keys)) if len(keys) != 4 else 2
+        nrows = -(-len(keys) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 0.35 * len(layers) * nrows + 1.5),
+                                 squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            grid = torch.full((len(layers), len(heads)), float("nan"))
+            for r in rows:
+                if key in r:
+                    grid[layers.index(r["layer"]), heads.index(r["head"])] = r[key]
+            im = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis")
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("KV head")
+            ax.set_ylabel("layer")
+            ax.set_yticks(range(len(layers)), layers, fontsize=7)
+            ax.set_xticks(range(len(heads)), heads, fontsize=7)
+            fig.colorbar(im, ax=ax)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = directory / f"{fam}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+__all__ = [
+    "Activations",
+    "RawArtifact",
+    "audit_artifact",
+    "capture_activations",
+    "channel_ratio",
+    "degenerate",
+    "key_logit_error",
+    "kurtosis",
+    "load_raw",
+    "rel_error",
+    "spectrum_stats",
+    "write_heatmaps",
+]
