@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import sys
@@ -119,6 +120,40 @@ def sdpa_baselines(batch: int, context: int, q: torch.Tensor, gen: torch.Generat
     return out
 
 
+def kernel_info(q, pools, table, hist_len, splits, block_n, warps, stages, impl, prefetch) -> dict:
+    """Registers per thread, spills and shared memory of the compiled INT2 kernel for this config."""
+    from runtime_kernels.attention.triton_int2 import launch_int2_decode
+
+    o_part = torch.empty(q.shape[0], H_Q, splits, D, device="cuda")
+    lse_part = torch.empty(q.shape[0], H_Q, splits, device="cuda")
+    k = launch_int2_decode(q, *pools, table, hist_len, o_part, lse_part, 1 / math.sqrt(D), splits, 0, block_n,
+                           warps, stages, impl, prefetch)
+    try:
+        return {"n_regs": k.n_regs, "n_spills": k.n_spills, "shared_bytes": k.metadata.shared}
+    except Exception as e:  # attribute names differ across Triton versions
+        return {"kernel_info_error": repr(e)}
+
+
+def breakdown(q, pools, table, hist_len, k_win, v_win, slot_ids, win_len, cfg) -> dict:
+    """Time of each launch of the best config alone: INT2 kernel, window kernel, split reduce (ms)."""
+    from runtime_kernels.attention import merge
+    from runtime_kernels.attention.triton_int2 import launch_int2_decode
+    from runtime_kernels.attention.triton_window import launch_window_decode
+
+    s_h, s_w = cfg["splits"], cfg["window_splits"]
+    o_part = torch.zeros(q.shape[0], H_Q, s_h + s_w, D, device="cuda")
+    lse_part = torch.zeros(q.shape[0], H_Q, s_h + s_w, device="cuda")
+    sc = 1 / math.sqrt(D)
+    return {
+        "int2": bench(lambda: launch_int2_decode(q, *pools, table, hist_len, o_part, lse_part, sc, s_h, 0,
+                                                 cfg["block_n"], cfg["num_warps"], cfg["num_stages"], cfg["impl"],
+                                                 cfg["prefetch"]))[0],
+        "window": bench(lambda: launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sc, s_w,
+                                                     s_h, cfg["block_n"]))[0],
+        "reduce": bench(lambda: merge.reduce_splits_triton(o_part, lse_part))[0],
+    }
+
+
 def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     q = torch.randn(batch, H_Q, D, device="cuda", generator=gen).to(torch.bfloat16)
@@ -133,7 +168,7 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
     row["int2_bytes_read"] = read
     row["bits_per_element_allocated"] = allocated * 8 / (batch * context * H_KV * D * 2)
     variants = []
-    for impl, block_n, stages, warps, pps in configs:
+    for impl, prefetch, block_n, stages, warps, pps in configs:
         splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps,
                                       block_n=block_n)
         wsplits = A.default_num_splits(batch, H_KV, WIN, q.device, programs_per_sm=pps, block_n=block_n)
@@ -141,14 +176,15 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
         def fn():
             return A.decode_attention(q, *pools, table, hist_len, k_win, v_win, slot_ids, win_len,
                                       num_splits=splits, window_splits=wsplits, block_n=block_n,
-                                      num_warps=warps, num_stages=stages, impl=impl)
-        cfg = {"impl": impl, "block_n": block_n, "num_stages": stages, "num_warps": warps, "programs_per_sm": pps,
+                                      num_warps=warps, num_stages=stages, impl=impl, prefetch=prefetch)
+        cfg = {"impl": impl, "prefetch": prefetch, "block_n": block_n, "num_stages": stages, "num_warps": warps, "programs_per_sm": pps,
                "splits": splits, "window_splits": wsplits}
         try:
             fn()
             torch.cuda.synchronize()
             med, lo, hi = bench(fn)
             cfg.update(ms=med, p20=lo, p80=hi, gbps=read / med / 1e6)
+            cfg.update(kernel_info(q, pools, table, hist_len, splits, block_n, warps, stages, impl, prefetch))
         except Exception as e:
             cfg["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(traceback.format_exc())
@@ -169,8 +205,9 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
             return A.decode_attention(q, *pools, table, hist_len, k_win, v_win, slot_ids, win_len,
                                       num_splits=cfg["splits"], window_splits=cfg["window_splits"],
                                       block_n=cfg["block_n"], num_warps=cfg["num_warps"],
-                                      num_stages=cfg["num_stages"], impl=cfg["impl"])
+                                      num_stages=cfg["num_stages"], impl=cfg["impl"], prefetch=cfg["prefetch"])
         row["int2_host_ms_per_call"] = host_ms(best_fn)
+        row["breakdown_ms"] = breakdown(q, pools, table, hist_len, k_win, v_win, slot_ids, win_len, cfg)
     # Demotion / quantize cost: one token per sequence per step (K and V), or a page of tokens per 64 steps.
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device="cuda", generator=gen))[0]
     ratio = torch.full((H_KV,), 0.96, device="cuda")
@@ -219,7 +256,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{RECENT}). Times: median of `triton.testing.do_bench` (L2 flushed), ms; p20-p80 in the JSON.",
              f"Copy bandwidth in the same run: **{meta['copy']['gbps']:.0f} GB/s** (read+write of 1 GiB).", "",
              "| context | batch | BF16 best (ms) | BF16 backend | INT2 best (ms) | speedup | INT2 GB/s | % copy BW "
-             "| default cfg (ms) | best cfg (impl/block_n/stages/warps/pps/splits) | host ms/call | bits/elem |",
+             "| default cfg (ms) | best cfg (impl/prefetch/block_n/stages/warps/pps/splits) | host ms/call | bits/elem |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bf = {k: v["ms"] for k, v in r["bf16"].items() if "ms" in v}
@@ -231,7 +268,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['bf16_best_ms']:.4f} | {name} | {b['ms']:.4f} | "
             f"{r['speedup_vs_bf16_best']:.2f}x | {b['gbps']:.0f} | {r['pct_of_copy_bw']:.0f}% | {dft['ms']:.4f} | "
-            f"{b['impl']}/{b['block_n']}/{b['num_stages']}/{b['num_warps']}/{b['programs_per_sm']}/{b['splits']} | "
+            f"{b['impl']}/{int(b['prefetch'])}/{b['block_n']}/{b['num_stages']}/{b['num_warps']}/{b['programs_per_sm']}/{b['splits']} | "
             f"{r.get('int2_host_ms_per_call', float('nan')):.4f} | {r['bits_per_element_allocated']:.3f} |")
     lines += ["", "Demotion (write_pages of K and V, rotation included) and rotation costs, vs the INT2 call:", "",
               "| context | batch | 1 token/seq per step (ms) | % of attn | 64 tokens/seq per 64 steps (ms, per step %) "
@@ -272,11 +309,11 @@ def main() -> None:
     meta["copy"] = copy_bandwidth()
     print(f"{gpu}: copy {meta['copy']['gbps']:.0f} GB/s", flush=True)
     # First config = the library default; the rest are the sweep.
-    # (impl, block_n, num_stages, num_warps, programs_per_sm)
-    configs = [(0, 64, 2, 4, 4)] + [c for c in itertools.product((0, 1, 2), (64,), (2, 3), (4,), (4, 8))
-                                    if c != (0, 64, 2, 4, 4)]
-    configs += [(1, 128, 3, 4, 8), (1, 64, 3, 8, 8), (2, 32, 2, 4, 8), (2, 64, 2, 8, 8), (2, 128, 2, 8, 8),
-                (2, 32, 3, 4, 16), (1, 32, 3, 4, 16)]
+    # (impl, prefetch, block_n, num_stages, num_warps, programs_per_sm); the first is the library default.
+    configs = [(0, False, 64, 2, 4, 4), (0, False, 64, 3, 4, 8), (1, False, 64, 3, 4, 8)]
+    configs += list(itertools.product((0, 2), (True,), (64,), (1, 2), (4,), (4, 8)))
+    configs += [(0, True, 32, 1, 4, 8), (0, True, 32, 1, 4, 16), (2, True, 32, 1, 4, 16), (0, True, 64, 1, 8, 8),
+                (2, True, 64, 1, 8, 8), (0, True, 128, 1, 4, 8)]
     # Largest context first (the 128K / batch 8 target point leads), so a cut-short run still has it.
     contexts = sorted(map(int, args.contexts.split(",")), reverse=True)
     batches = [int(b) for b in args.batches.split(",")]

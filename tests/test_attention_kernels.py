@@ -115,13 +115,14 @@ def test_int2_group_sizes(group_size):
         assert_lse_close(lse, lse_ref, 1e-4 if dtype == torch.float32 else 5e-2)
 
 
-@pytest.mark.parametrize("impl", [0, 1, 2])
+@pytest.mark.parametrize("impl,prefetch", [(0, False), (1, False), (2, False), (0, True), (2, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int2_kernel_variants(impl, dtype):
-    """The three code paths of the INT2 kernel (dot on transposed tile, dot on pre-transposed load, no dot)."""
-    pool = make_pool([0, 70, 129], h_kv=2, d=64, page=64, seed=impl)
-    q = make_q(3, 8, 64, dtype)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl)
+def test_int2_kernel_variants(impl, prefetch, dtype):
+    """The INT2 kernel's code paths (dot on transposed tile, dot on pre-transposed load, no dot; with or without
+    the software prefetch)."""
+    pool = make_pool([0, 70, 129, 300], h_kv=2, d=64, page=64, seed=impl)
+    q = make_q(4, 8, 64, dtype)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl, prefetch=prefetch)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < TOL[dtype]
     assert_lse_close(lse, lse_ref, 1e-3)

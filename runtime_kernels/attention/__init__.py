@@ -128,14 +128,15 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------------------------------- API
 def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                           sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, impl: int = 0):
+                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
+                          prefetch: bool = False):
     """Decode attention over the paged INT2 history.
 
     Args:
         q: `[B, H_q, d]` (rotated by R_K). k/v_codes: uint8 `[num_pages, H_kv, P, d // 4]`;
         k/v_scale, k/v_zero: fp16 `[num_pages, H_kv, P, d // G]`; block_table: int `[B, max_pages]`;
         hist_len: int `[B]`. num_splits: split-K factor (default from shapes, `default_num_splits`).
-        block_n, num_warps, num_stages, impl: kernel tuning (impl: see `triton_int2._int2_decode_kernel`).
+        block_n, num_warps, num_stages, impl, prefetch: kernel tuning (see `triton_int2`).
     Returns:
         o fp32 `[B, H_q, d]` (0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where hist_len == 0).
     """
@@ -153,7 +154,7 @@ def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                               q.device, block_n=block_n)
     o_part, lse_part = _partials(q, splits)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages, impl)
+                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages, impl, prefetch)
     return _merge().reduce_splits_triton(o_part, lse_part)
 
 
@@ -198,7 +199,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 2, impl: int = 0):
+                     num_warps: int = 4, num_stages: int = 2, impl: int = 0, prefetch: bool = False):
     """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
     and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
@@ -224,7 +225,7 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n)
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl)
+                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl, prefetch)
     launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n)
     return _merge().reduce_splits_triton(o_part, lse_part)
 

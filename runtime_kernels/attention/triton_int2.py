@@ -54,6 +54,30 @@ def _codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, INTERP: tl.constexpr):
         return c.to(dt)
 
 
+@triton.jit
+def _load_tile(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, t0, end, h,
+               stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+               stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+               offs_n, offs_j, j_ok, P: tl.constexpr):
+    """Codes `[BLOCK_N, Q_PAD]` uint8 (K, V) and fp32 scale/zero `[BLOCK_N]` (K, V) of tokens `t0 + offs_n` in
+    `page` (one group per row; tokens >= end masked to 0)."""
+    t = t0 + offs_n
+    t_ok = t < end
+    r = (t % P).to(tl.int64)
+    cm = t_ok[:, None] & j_ok[None, :]
+    kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr
+    vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
+    ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
+    vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
+    kb = tl.load(kc_ptr + kc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+    vb = tl.load(vc_ptr + vc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+    ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+    kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+    vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+    vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+    return kb, vb, ks, kz, vs, vz
+
+
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -68,7 +92,7 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
     GS: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
-    INTERP: tl.constexpr, IMPL: tl.constexpr,
+    INTERP: tl.constexpr, IMPL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # IMPL 0: K code tile loaded [BLOCK_N, Q] and transposed in registers for the dot; 1: K code tile loaded
     # already transposed [Q, BLOCK_N]; 2: no tensor cores (broadcast multiply + sum, fp32), G_PAD = pow2(GROUP).
@@ -113,27 +137,51 @@ def _int2_decode_kernel(
     acc3 = tl.zeros([G_PAD, Q_PAD], tl.float32)
     acc_z = tl.zeros([G_PAD], tl.float32)
 
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    if PREFETCH:
+        # Software prefetch, independent of the compiler's pipeliner: the tile i+1 loads are in flight while
+        # tile i is computed, and the page id is read two tiles ahead so no load waits on another.
+        page_c = tl.load(bt_row + start // P, mask=start < end, other=0).to(tl.int64)
+        page_n = tl.load(bt_row + (start + BLOCK_N) // P, mask=start + BLOCK_N < end, other=0).to(tl.int64)
+        kb_n, vb_n, ks_n, kz_n, vs_n, vz_n = _load_tile(
+            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page_c, start, end, h,
+            stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_j, j_ok, P)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + offs_n
         t_ok = t < end
-        if P % BLOCK_N == 0:
-            page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t0 // P).to(tl.int64)
+        if PREFETCH:
+            kb = kb_n
+            vb = vb_n
+            ks = ks_n
+            kz = kz_n
+            vs = vs_n
+            vz = vz_n
+            kb_n, vb_n, ks_n, kz_n, vs_n, vz_n = _load_tile(
+                kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page_n, t0 + BLOCK_N, end, h,
+                stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_j, j_ok, P)
+            page_n = tl.load(bt_row + (t0 + 2 * BLOCK_N) // P, mask=t0 + 2 * BLOCK_N < end, other=0).to(tl.int64)
         else:
-            page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t // P, mask=t_ok, other=0).to(tl.int64)
-        r = (t % P).to(tl.int64)
-        kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
-        vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
-        ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
-        vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
-        cm = t_ok[:, None] & j_ok[None, :]
-        kb = tl.load(kc_ptr + kc_row[:, None] + offs_j[None, :], mask=cm, other=0)
-        vb = tl.load(vc_ptr + vc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+            if P % BLOCK_N == 0:
+                page = tl.load(bt_row + t0 // P).to(tl.int64)
+            else:
+                page = tl.load(bt_row + t // P, mask=t_ok, other=0).to(tl.int64)
+            r = (t % P).to(tl.int64)
+            kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
+            vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
+            ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
+            vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
+            cm = t_ok[:, None] & j_ok[None, :]
+            kb = tl.load(kc_ptr + kc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+            vb = tl.load(vc_ptr + vc_row[:, None] + offs_j[None, :], mask=cm, other=0)
+            if NG == 1:
+                ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+                kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+                vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+                vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
 
         if NG == 1:
-            ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-            kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-            vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-            vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
             if IMPL == 0:
                 qc = _dot(q0, tl.trans(_codes(kb, 0, cdt, INTERP)), FP32, INTERP)
                 qc += _dot(q1, tl.trans(_codes(kb, 2, cdt, INTERP)), FP32, INTERP)
@@ -231,10 +279,12 @@ def _int2_decode_kernel(
 
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
-                       block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0) -> None:
+                       block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
+                       prefetch: bool = False):
     """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
     `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
-    functional API validates them. Last dims of codes/scale/zero and q must be contiguous."""
+    functional API validates them. Last dims of codes/scale/zero and q must be contiguous. Returns Triton's
+    compiled-kernel handle (registers, spills and shared memory are in it, for the benchmark)."""
     b, h_q, d = q.shape
     h_kv = k_codes.shape[1]
     group = h_q // h_kv
@@ -243,8 +293,10 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
     q_quarter = d // 4
     if ng > 1:
         impl = min(impl, 1)  # the no-tensor-core variant exists for one group per row only
+    # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (impl 0 or 2).
+    prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
     grid = (b, h_kv, num_splits)
-    _int2_decode_kernel[grid](
+    return _int2_decode_kernel[grid](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
         sm_scale * 1.4426950408889634, split_offset,
         q.stride(0), q.stride(1),
@@ -258,5 +310,6 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         GROUP=group, G_PAD=triton.next_power_of_2(group) if impl == 2 else max(16, triton.next_power_of_2(group)),
         Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
         GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET, IMPL=impl,
+        PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
