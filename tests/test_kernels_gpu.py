@@ -118,3 +118,15 @@ def test_write_pages_on_gpu():
         pools.append((c, s, z))
     for a, b in zip(*pools):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl,prefetch,block_n", [(0, True, 64), (2, True, 32), (1, False, 64), (2, False, 64)])
+def test_int2_variants_on_gpu(impl, prefetch, block_n):
+    lens = [0, 1, 63, 257, 4099, 20000]
+    pool = make_pool(lens, 8, 128, seed=impl)
+    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    o, lse = A.int2_decode_attention(q, *pool, impl=impl, prefetch=prefetch, block_n=block_n, num_stages=1)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 2e-2
+    fin = torch.isfinite(lse_ref)
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
