@@ -19,7 +19,7 @@ from oscar_calib import evaluate as ev
 from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention.naive import segment_attention
-from tests.tiny_models import tiny_model
+from tiny_models import tiny_model
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -290,3 +290,85 @@ def test_quality_regression_on_the_trained_fixture():
     oscar = res["oscar-head"]["ppl"]
     for rival in ("int2", "quarot-int2", "kivi2-g128"):
         assert oscar < res[rival]["ppl"], (rival, {n: r["ppl"] for n, r in res.items()})
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def run_cli(args, monkeypatch, capsys):
+    import sys
+
+    from oscar_calib.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from oscar_calib.demo import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("qwen3", head_dim=64, num_layers=2, vocab_size=260, max_position_embeddings=256).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "t.txt"
+    gen = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "rotation", "head", "token", "query"]
+    docs = [" ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=gen)) for n in (60, 5, 8, 7)]
+    path.write_text("\n<|endoftext|>\n".join(docs))
+    return path
+
+
+def test_cli_eval_with_an_artifact(tmp_path, monkeypatch, capsys, model_dir, text_file):
+    pytest.importorskip("matplotlib")
+    from runtime_kernels.artifact import write_artifact
+
+    write_artifact(_artifact(), tmp_path / "art")
+    code, out, err = run_cli(["eval", "--model", str(model_dir), "--artifact", str(tmp_path / "art"),
+                              "--data", str(text_file), "--context", "64", "--sink", "4", "--recent", "8",
+                              "--page-size", "1", "--generation-steps", "8", "--generation-windows", "1",
+                              "--json", "--json-out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert json.loads((tmp_path / "r.json").read_text())["methods"] == res["methods"]
+    assert [m["name"] for m in res["methods"]] == ["bf16", "int2", "kivi2-g128", "kivi2-g32", "quarot-int2",
+                                                   "hadamard-clip", "oscar-head"]
+    assert res["windows"]["long"] >= 1 and res["windows"]["packed"] >= 1
+    assert res["generation_agreement"]["status"] == "ok"
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_cli_eval_default_fixture_calibrates_on_the_fly(monkeypatch, capsys):
+    code, out, err = run_cli(["eval", "--context", "256", "--max-windows", "2", "--calib-samples", "3",
+                              "--sink", "16", "--recent", "64", "--generation-steps", "0",
+                              "--methods", "bf16,int2,oscar-head,oscar-layer"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "calibrated oscar-head" in err and "calibrated oscar-layer" in err
+    for name in ("bf16", "int2", "oscar-head", "oscar-layer"):
+        assert name in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--context", "4096"], "max_position_embeddings"),
+    (["--methods", "bf16,nope"], "unknown method"),
+    (["--data", "/nonexistent.txt"], "no such file"),
+])
+def test_cli_eval_bad_input(args, needle, tmp_path, monkeypatch, capsys, model_dir, text_file):
+    from runtime_kernels.artifact import write_artifact
+
+    write_artifact(_artifact(), tmp_path / "art")
+    base = ["eval", "--model", str(model_dir), "--artifact", str(tmp_path / "art"), "--data", str(text_file),
+            "--context", "64", "--json-out", str(tmp_path / "r.json")]
+    code, out, err = run_cli(base + args, monkeypatch, capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()  # nothing half-written

@@ -208,7 +208,7 @@ def eval_cmd(
     else:
         from rich.console import Console
 
-        console = Console()
+        console = Console(width=None if sys.stdout.isatty() else 200)  # no truncated columns in pipes/logs
         console.print(_table(result))
         agree = result.get("generation_agreement")
         if agree and agree.get("status") == "ok":
