@@ -300,7 +300,7 @@ def write_heatmaps(report: dict, directory: str | Path) -> list[Path]:
         nrows = -(-len(keys) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 0.35 * len(layers) * nrows + 1.5),
                                  squeeze=False)
-        for ax, key in zip(axes.flat, keys):
+        for ax, key in zip(axes.flat, keys, strict=False):  # more panels than metrics
             grid = torch.full((len(layers), len(heads)), float("nan"))
             for r in rows:
                 if key in r:

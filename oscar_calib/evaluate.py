@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from oscar_calib.errors import InputError
 from oscar_calib.methods import KVMethod

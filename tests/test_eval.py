@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -19,7 +20,6 @@ from oscar_calib import evaluate as ev
 from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention.naive import segment_attention
-from tiny_models import tiny_model
 
 
 def _hadamard(d: int) -> torch.Tensor:

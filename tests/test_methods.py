@@ -9,8 +9,8 @@ import torch
 
 from oscar_calib.methods import (
     ArtifactInt2,
-    KVMethod,
     Kivi2,
+    KVMethod,
     RowwiseInt2,
     kivi_keys,
     mixed_effective_bits,

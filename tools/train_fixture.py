@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -63,13 +63,13 @@ def _table(report: dict, top: int | None):
 @app.command("audit", epilog=_EXAMPLES)
 def audit_cmd(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory or oscar_kv.safetensors file.")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model to capture activations from (outlier and error measures).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model to capture activations from (outlier and error measures).")] = None,
     revision: RevisionOpt = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Text for the activations (default: the fixture's heldout.txt).")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Text for the activations (default: the fixture's heldout.txt).")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Sequences captured.")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per captured sequence.")] = 512,
-    top: Annotated[Optional[int], typer.Option("--top", help="Show only the N worst heads in the table.")] = None,
-    plots: Annotated[Optional[Path], typer.Option("--plots", help="Write heatmap PNGs into this directory.")] = None,
+    top: Annotated[int | None, typer.Option("--top", help="Show only the N worst heads in the table.")] = None,
+    plots: Annotated[Path | None, typer.Option("--plots", help="Write heatmap PNGs into this directory.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     as_json: JsonOpt = False,

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -97,25 +97,25 @@ def write_plot(result: dict, path: Path) -> None:
 
 @app.command("eval", epilog=_EXAMPLES)
 def eval_cmd(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: the trained fixture).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Hub model id or local directory (default: the trained fixture).")] = None,
     revision: RevisionOpt = None,
-    artifact: Annotated[Optional[list[Path]], typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
-    calib_data: Annotated[Optional[Path], typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
+    artifact: Annotated[list[Path] | None, typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
+    calib_data: Annotated[Path | None, typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit).")] = 16,
     context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window.")] = 1024,
     max_windows: Annotated[int, typer.Option("--max-windows", help="At most this many windows (long and packed share it).")] = 16,
-    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
-    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
+    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
     page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
-    methods: Annotated[Optional[str], typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
+    methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
     generation_steps: Annotated[int, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip).")] = 64,
     generation_windows: Annotated[int, typer.Option("--generation-windows", help="Windows used for the runtime agreement.")] = 2,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default: 1 on CPU, 4 on GPU).")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the full results as JSON here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot here.")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Windows per forward pass (default: 1 on CPU, 4 on GPU).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot here.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
@@ -123,7 +123,14 @@ def eval_cmd(
 
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.job import Choices, _load_model, _load_tokenizer, max_positions, resolve_device, resolve_dtype
+    from oscar_calib.job import (
+        Choices,
+        _load_model,
+        _load_tokenizer,
+        max_positions,
+        resolve_device,
+        resolve_dtype,
+    )
     from oscar_calib.methods import standard_methods
     from runtime_kernels.artifact import check_against_model, read_artifact
 
