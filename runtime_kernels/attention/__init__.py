@@ -53,9 +53,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device,
-                       programs_per_sm: int = 4, block_n: int = BLOCK_N) -> int:
+                       programs_per_sm: int = 8, block_n: int = BLOCK_N) -> int:
     """Splits per (sequence, KV head) so that about `programs_per_sm` programs run per SM, never more splits
-    than tiles. Decided from shapes only (capacity of the block table), so it never syncs the GPU."""
+    than tiles. Decided from shapes only (capacity of the block table), so it never syncs the GPU.
+    8 programs per SM (with num_stages=3) was the fastest setting at 128K / batch 8 on an H200
+    (bench/results/decode_NVIDIA_H200.md); 4 was slightly faster at batch 1."""
     tiles = max(1, -(-max_tokens // block_n))
     want = -(-programs_per_sm * _sm_count(device) // max(1, batch * kv_heads))
     return max(1, min(tiles, want))
@@ -128,7 +130,7 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------------------------------- API
 def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                           sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
+                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3, impl: int = 0,
                           prefetch: bool = False):
     """Decode attention over the paged INT2 history.
 
@@ -199,7 +201,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 2, impl: int = 0, prefetch: bool = False):
+                     num_warps: int = 4, num_stages: int = 3, impl: int = 0, prefetch: bool = False):
     """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
     and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
