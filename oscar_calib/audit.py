@@ -185,9 +185,11 @@ def capture_activations(model, input_ids: torch.Tensor) -> Activations:
 # ----------------------------------------------------------------------------------------------------------
 # the audit
 # ----------------------------------------------------------------------------------------------------------
-def _clip_grid(metadata: dict[str, str]) -> list[float] | None:
+def _clip_grid(metadata: dict[str, str], kind: str) -> list[float] | None:
+    """The recorded clip grid for `kind` ("k" or "v"): `<kind>_clip_grid`, or the older shared `clip_grid`."""
     try:
-        grid = json.loads(metadata.get("calibration", "{}")).get("solver", {}).get("clip_grid")
+        solver = json.loads(metadata.get("calibration", "{}")).get("solver", {})
+        grid = solver.get(f"{kind}_clip_grid") or solver.get("clip_grid")
     except (json.JSONDecodeError, AttributeError):
         return None
     return sorted(float(x) for x in grid) if grid else None
@@ -199,7 +201,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     layer_ids = t["layer_ids"].tolist()
     h_kv, d = t["k_rotation"].shape[1], t["k_rotation"].shape[-1]
     group = int(raw.metadata.get("group_size", d) or d)
-    grid = _clip_grid(raw.metadata)
+    grids = {"k": _clip_grid(raw.metadata, "k"), "v": _clip_grid(raw.metadata, "v")}
     had = None
     if acts is not None:
         from oscar_calib.methods import hadamard
@@ -226,17 +228,17 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
                 row.update({f"{name}_{key}": val for key, val in spectrum_stats(e).items()})
                 if degenerate(e):
                     row["flags"].append(f"degenerate-spectrum-{name}")
-            if grid and len(grid) > 1:
-                for name, c in (("k", ck), ("v", cv)):
-                    if c <= grid[0] + 1e-6:
-                        row["flags"].append(f"clip-at-grid-edge-{name}")
+            for name, c in (("k", ck), ("v", cv)):
+                grid = grids[name]
+                if grid and len(grid) > 1 and c <= grid[0] + 1e-6:
+                    row["flags"].append(f"clip-at-grid-edge-{name}")
             if acts is not None and layer in acts.k and finite:
                 _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries)
             heads.append(row)
     heads.sort(key=_badness, reverse=True)
     return {"artifact": raw.source, "model_id": raw.metadata.get("model_id"),
             "granularity": raw.metadata.get("granularity"), "contract_error": raw.contract_error,
-            "clip_grid": grid, "with_activations": acts is not None, "heads": heads,
+            "clip_grid": grids, "with_activations": acts is not None, "heads": heads,
             "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
 
 

@@ -36,33 +36,34 @@ class CalibrationReport:
     holdout_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     fits: dict[int, ClipFit] = field(default_factory=dict)
-    grid: tuple[float, ...] = ()
+    k_grid: tuple[float, ...] = ()
+    v_grid: tuple[float, ...] = ()
     comparison: dict[str, dict[str, float]] = field(default_factory=dict)
+    key_objective: str = "attn_kl"
 
     def summary(self) -> dict:
         """JSON-ready headline numbers: mean held-out errors at the fitted ratios vs the global ratios and no clip."""
         if not self.fits:
             return {}
-        grid = list(self.grid)
-
-        def at(err: torch.Tensor, ratio: float) -> float | None:
-            return float(err[grid.index(ratio)].mean()) if ratio in grid else None
+        def at(err: torch.Tensor, grid: tuple[float, ...], ratio: float) -> float | None:
+            return float(err[list(grid).index(ratio)].mean()) if ratio in grid else None
 
         k_fit = float(torch.stack([f.k_errors.min(dim=0).values.mean() for f in self.fits.values()]).mean())
         v_fit = float(torch.stack([f.v_errors.min(dim=0).values.mean() for f in self.fits.values()]).mean())
-        k_glob = [at(f.k_errors, 0.96) for f in self.fits.values()]
-        v_glob = [at(f.v_errors, 0.92) for f in self.fits.values()]
-        k_none = [at(f.k_errors, 1.0) for f in self.fits.values()]
-        v_none = [at(f.v_errors, 1.0) for f in self.fits.values()]
+        k_glob = [at(f.k_errors, self.k_grid, 0.96) for f in self.fits.values()]
+        v_glob = [at(f.v_errors, self.v_grid, 0.92) for f in self.fits.values()]
+        k_none = [at(f.k_errors, self.k_grid, 1.0) for f in self.fits.values()]
+        v_none = [at(f.v_errors, self.v_grid, 1.0) for f in self.fits.values()]
         mean = lambda xs: (sum(xs) / len(xs)) if xs and None not in xs else None  # noqa: E731
         k_ratios = torch.cat([f.k_ratio for f in self.fits.values()])
         v_ratios = torch.cat([f.v_ratio for f in self.fits.values()])
         return {
-            "key_logit_mse": {"fitted": k_fit, "global_0.96": mean(k_glob), "no_clip": mean(k_none)},
+            "key_objective": self.key_objective,
+            "key_error": {"fitted": k_fit, "global_0.96": mean(k_glob), "no_clip": mean(k_none)},
             "value_rel_out_err": {"fitted": v_fit, "global_0.92": mean(v_glob), "no_clip": mean(v_none)},
             "k_clip_ratio_mean": float(k_ratios.mean()),
             "v_clip_ratio_mean": float(v_ratios.mean()),
-            "clip_at_grid_edge": int(((k_ratios == min(grid)) | (v_ratios == min(grid))).sum()),
+            "clip_at_grid_edge": int(((k_ratios == min(self.k_grid)) | (v_ratios == min(self.v_grid))).sum()),
             "alternatives": self.comparison,
         }
 
@@ -116,14 +117,15 @@ def _solve_all(session: CaptureSession, layer_ids: list[int], settings: SolverSe
 
 
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
-             grid: tuple[float, ...] | None = None) -> dict[int, ClipFit]:
+             no_clip: bool = False) -> dict[int, ClipFit]:
     fits = {}
     for a, layer in enumerate(layer_ids):
         keys, values, queries, positions = session.holdout[layer].stacked()
         dev = keys.device
         fits[layer] = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev),
-                                grid or settings.clip_grid, session.scaling, settings.group_size,
-                                settings.sink_tokens, settings.recent_tokens)
+                                (1.0,) if no_clip else settings.k_clip_grid, session.scaling, settings.group_size,
+                                settings.sink_tokens, settings.recent_tokens, settings.key_clip_objective,
+                                (1.0,) if no_clip else settings.v_clip_grid)
     return fits
 
 
@@ -223,7 +225,8 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     ).validate()
     report = CalibrationReport(layer_ids=layer_ids, skipped_layers=sorted(skip), tokens=int(input_ids.numel()),
                                holdout_tokens=int(holdout_ids.numel()), timings=timings, fits=fits,
-                               grid=settings.clip_grid, comparison=comparison)
+                               k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,
+                               key_objective=settings.key_clip_objective)
     return artifact, report
 
 
@@ -253,7 +256,7 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
     fits = _fit_all(session, layer_ids, had, had, settings)
     out["hadamard_only"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     eye = torch.eye(d).expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, eye, eye, settings, grid=(1.0,))
+    fits = _fit_all(session, layer_ids, eye, eye, settings, no_clip=True)
     out["no_rotation_no_clip"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     return out
 

@@ -291,8 +291,8 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     summary = report.summary()
     console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
                   f"skipped {report.skipped_layers or 'none'}) in {timings['total_s']:.1f}s")
-    k, v = summary["key_logit_mse"], summary["value_rel_out_err"]
-    console.print(f"held-out key logit MSE {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
+    k, v = summary["key_error"], summary["value_rel_out_err"]
+    console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
                   f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")
     return out_dir
 

@@ -16,7 +16,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     meta = artifact.metadata
     calib = json.loads(meta["calibration"])
     summary = report.summary()
-    k, v = summary["key_logit_mse"], summary["value_rel_out_err"]
+    k, v = summary["key_error"], summary["value_rel_out_err"]
     g = int(meta["group_size"])
     lines = [
         "---",
@@ -51,7 +51,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         "",
         "| | fitted clip | global clip (K 0.96 / V 0.92) | no clip |",
         "|---|---|---|---|",
-        f"| key logit MSE | {_fmt(k['fitted'])} | {_fmt(k['global_0.96'])} | {_fmt(k['no_clip'])} |",
+        f"| key {summary['key_objective']} | {_fmt(k['fitted'])} | {_fmt(k['global_0.96'])} | {_fmt(k['no_clip'])} |",
         f"| value relative output error | {_fmt(v['fitted'])} | {_fmt(v['global_0.92'])} | {_fmt(v['no_clip'])} |",
         "",
         f"Mean fitted clip ratios: K {summary['k_clip_ratio_mean']:.3f}, V {summary['v_clip_ratio_mean']:.3f}; "
@@ -60,7 +60,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     ]
     if summary.get("alternatives"):
         lines += ["Alternatives on the same held-out tokens (best clip per head):", "",
-                  "| rotation | key logit MSE | value output error |", "|---|---|---|"]
+                  f"| rotation | key {summary['key_objective']} | value output error |", "|---|---|---|"]
         for name, errs in summary["alternatives"].items():
             lines.append(f"| {name} | {_fmt(errs['key'])} | {_fmt(errs['value'])} |")
         lines.append("")

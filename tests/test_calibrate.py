@@ -39,7 +39,7 @@ def test_artifact_contract_round_trip(tmp_path, arch, heads, kv, d):
     assert path.name == "oscar_kv.safetensors"
     # every ratio is on the grid
     for r in torch.cat([back.k_clip_ratio.flatten(), back.v_clip_ratio.flatten()]).tolist():
-        assert any(abs(r - g) < 1e-6 for g in SMALL.clip_grid), r
+        assert any(abs(r - g) < 1e-6 for g in SMALL.k_clip_grid + SMALL.v_clip_grid), r
 
 
 def test_two_runs_same_bytes(tmp_path, monkeypatch):
@@ -66,6 +66,7 @@ def _slow_clip_errors(keys, values, queries, positions, k_rot, v_rot, ratio, sca
     s, h_kv, t, d = keys.shape
     g = queries.shape[1] // h_kv
     k_err = torch.zeros(h_kv, dtype=torch.float64)
+    k_kl = torch.zeros(h_kv, dtype=torch.float64)
     v_num = torch.zeros(h_kv, dtype=torch.float64)
     v_den = torch.zeros(h_kv, dtype=torch.float64)
     pairs = torch.zeros(h_kv, dtype=torch.float64)
@@ -82,11 +83,14 @@ def _slow_clip_errors(keys, values, queries, positions, k_rot, v_rot, ratio, sca
                     mask = torch.tensor(quant, dtype=torch.float64)
                     dk = khat[si, : pos + 1].double() - kk
                     k_err[h] += ((dk @ q * scaling) ** 2 * mask).sum()
+                    kmix = kk + dk * mask[:, None]  # quantized keys only on quantized pairs
+                    p_hat = torch.softmax(kmix @ q * scaling, 0)
+                    k_kl[h] += (p * (p.log() - p_hat.log())).sum()
                     pairs[h] += mask.sum()
                     dv = vhat[si, : pos + 1].double() - values[si, h, : pos + 1].double()
                     v_num[h] += ((p * mask) @ dv).pow(2).sum()
                     v_den[h] += (p @ values[si, h, : pos + 1].double()).pow(2).sum()
-    return k_err / pairs, v_num / v_den
+    return k_err / pairs, k_kl / (s * g * positions.shape[1]), v_num / v_den
 
 
 def test_clip_errors_match_slow_loop():
@@ -98,11 +102,16 @@ def test_clip_errors_match_slow_loop():
     positions = torch.tensor([[12, 20, 25, 31, 36, 39]])
     rot = torch.linalg.qr(torch.randn(h_kv, d, d, generator=gen, dtype=torch.float64))[0].float()
     grid = (0.75, 0.9, 1.0)
-    k_err, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, None, sink=4, recent=8)
+    k_mse, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, None, sink=4, recent=8,
+                               key_objective="logit_mse")
+    k_kl, v_err2 = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, None, sink=4, recent=8,
+                               key_objective="attn_kl", v_grid=grid[::-1])
     for gi, ratio in enumerate(grid):
-        k_ref, v_ref = _slow_clip_errors(keys, values, queries, positions, rot, rot, ratio, 0.25, 4, 8)
-        assert torch.allclose(k_err[gi], k_ref, rtol=1e-4), (ratio, k_err[gi], k_ref)
+        mse_ref, kl_ref, v_ref = _slow_clip_errors(keys, values, queries, positions, rot, rot, ratio, 0.25, 4, 8)
+        assert torch.allclose(k_mse[gi], mse_ref, rtol=1e-4), (ratio, k_mse[gi], mse_ref)
+        assert torch.allclose(k_kl[gi], kl_ref, rtol=1e-3, atol=1e-9), (ratio, k_kl[gi], kl_ref)
         assert torch.allclose(v_err[gi], v_ref, rtol=1e-4), (ratio, v_err[gi], v_ref)
+        assert torch.allclose(v_err2[len(grid) - 1 - gi], v_ref, rtol=1e-4)
 
 
 def test_pick_ratios_prefers_less_clipping_on_ties():
@@ -120,7 +129,7 @@ def test_fitted_clip_beats_global_ratios_on_heldout():
     model = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=64, num_layers=2)
     _, report = calibrate_model_with_report(model, _ids(3, 48), SMALL, holdout_queries=24)
     summary = report.summary()
-    assert summary["key_logit_mse"]["fitted"] <= summary["key_logit_mse"]["global_0.96"] + 1e-12
+    assert summary["key_error"]["fitted"] <= summary["key_error"]["global_0.96"] + 1e-12
     assert summary["value_rel_out_err"]["fitted"] <= summary["value_rel_out_err"]["global_0.92"] + 1e-12
     assert set(summary["alternatives"]) >= {"head/attn_output", "layer/logit_weighted", "hadamard_only"}
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt
-from oscar_calib.config import DEFAULT_CLIP_GRID, CalibrationConfig, DataConfig, SolverSettings
+from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, CalibrationConfig, DataConfig, SolverSettings
 from oscar_calib.errors import InputError
 
 _EXAMPLES = """
@@ -23,13 +23,13 @@ Examples:
 """
 
 
-def _grid(text: Optional[str]) -> tuple[float, ...]:
+def _grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
     if text is None:
-        return DEFAULT_CLIP_GRID
+        return default
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
-        raise InputError(f"--clip-grid '{text}': expected comma-separated ratios in (0, 1]") from exc
+        raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
 
 
 @app.command("run", epilog=_EXAMPLES)
@@ -47,7 +47,9 @@ def run(
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
     granularity: Annotated[str, typer.Option("--granularity", help="head or layer.")] = "head",
     value_target: Annotated[str, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = "attn_output",
-    clip_grid: Annotated[Optional[str], typer.Option("--clip-grid", help="Comma-separated clip ratios; 1.0 is always added.")] = None,
+    k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated; 1.0 is always added.")] = None,
+    v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated; 1.0 is always added.")] = None,
+    key_objective: Annotated[str, typer.Option("--key-objective", help="attn_kl or logit_mse: held-out error for key clips.")] = "attn_kl",
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -67,8 +69,10 @@ def run(
             data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
                             split=split, text_column=text_column, samples=samples or (8 if demo else 32),
                             seq_len=seq_len or (256 if demo else 1024), seed=seed, chat_template=chat_template),
-            solver=SolverSettings(granularity=granularity, value_target=value_target, clip_grid=_grid(clip_grid),
-                                  group_size=group_size),
+            solver=SolverSettings(granularity=granularity, value_target=value_target,
+                                  k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
+                                  v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
+                                  key_clip_objective=key_objective, group_size=group_size),
             device=device, dtype=dtype, batch_size=batch_size, trust_remote_code=trust_remote_code,
         )
     except ValidationError as exc:
