@@ -220,6 +220,16 @@ class _Remote:
             raise HubError(f"field 'repo': '{self.repo}' has no 'main' branch")
         return branches["main"], {t.name: t.target_commit for t in refs.tags}
 
+    def refs_or_create(self, private: bool) -> tuple[str, dict[str, str]]:
+        """Refs of the repo, creating it first (exist_ok: a concurrent creator is fine) when it does not exist."""
+        from huggingface_hub.utils import RepositoryNotFoundError
+
+        try:
+            return self.refs()
+        except RepositoryNotFoundError:
+            self.api.create_repo(self.repo, private=private, exist_ok=True, repo_type="model")
+            return self.refs()
+
     def record(self, base: str, commit: str) -> dict[str, Any] | None:
         """The release record of `base` at `commit`, or None when there is none."""
         from huggingface_hub import hf_hub_download
@@ -274,8 +284,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     doing = f"push to {repo}"
     try:
         try:
-            remote.api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
-            head, tags = remote.refs()
+            head, tags = remote.refs_or_create(private)
             # 1. An explicit version that exists already: same content -> nothing to do; else refuse.
             if version is not None and version in tags:
                 rec = remote.record(base, tags[version])

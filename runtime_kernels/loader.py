@@ -117,7 +117,11 @@ def check_relative_file(value: Any, field_name: str = "file") -> str:
     if not isinstance(value, str) or not value or value.startswith("/") or "\\" in value:
         raise UnsafeNameError(f"field '{field_name}': expected a relative path, got {_describe(value)}")
     for part in value.split("/"):
-        check_component(part, field_name)
+        try:
+            check_component(part, field_name)
+        except UnsafeNameError:
+            raise UnsafeNameError(f"field '{field_name}': expected a relative path of safe components (letters, "
+                                  f"digits, '.', '_', '-'; no '..'), got {_describe(value)}") from None
     return value
 
 

@@ -385,11 +385,15 @@ class HubServer:
 
     def start(self) -> HubServer:
         self._thread.start()
+        self._running = True
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop serving (idempotent): later requests get 'connection refused', like a Hub that is down."""
+        if getattr(self, "_running", False):
+            self._running = False
+            self._httpd.shutdown()
+            self._httpd.server_close()
 
     def __enter__(self) -> HubServer:
         return self.start()
