@@ -81,9 +81,10 @@ class _StrictLoader(yaml.SafeLoader):
 
 def safe_load_yaml(text: str, source: str = "<string>") -> Any:
     """Parse YAML with `_StrictLoader`. Every failure is a ManifestError naming `source` and the line."""
-    loader = _StrictLoader(text)
-    loader._source = source
+    loader = None
     try:
+        loader = _StrictLoader(text)  # the reader already rejects some characters here
+        loader._source = source
         return loader.get_single_data()
     except ManifestError:
         raise
@@ -95,7 +96,8 @@ def safe_load_yaml(text: str, source: str = "<string>") -> Any:
     except RecursionError:
         raise ManifestError(f"{source}: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 # --- schema --------------------------------------------------------------------------------------

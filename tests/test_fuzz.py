@@ -1,0 +1,186 @@
+"""Property-based fuzzing on a fixed budget: the artifact loader, the release record, the reference
+importer and the manifest parser raise only their documented errors, whatever the input.
+
+Documented errors: ArtifactError (artifact, release record), ReferenceFormatError (reference files),
+ManifestError (manifest). Anything else escaping (KeyError, TypeError, RecursionError, ...) is a bug.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from oscar_calib.manifest import ManifestError, parse_manifest
+from oscar_calib.reference_format import ReferenceFormatError, load_reference, validate_reference
+from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, identity_artifact, read_artifact, write_artifact
+from runtime_kernels.loader import load_artifact, parse_release_record
+
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+_TMP = tempfile.TemporaryDirectory(prefix="oscar-fuzz-")
+_VALID_DIR = Path(_TMP.name) / "valid"
+write_artifact(identity_artifact(2, 2, 4, 16, model_id="tiny/m"), _VALID_DIR)
+VALID_BYTES = (_VALID_DIR / ARTIFACT_FILENAME).read_bytes()
+
+
+def _mutate(data: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
+    buf = bytearray(data)
+    for pos, value in edits:
+        buf[pos % len(buf)] = value
+    return bytes(buf[:cut]) if cut is not None else bytes(buf)
+
+
+def _read_file(data: bytes) -> None:
+    with tempfile.TemporaryDirectory(dir=_TMP.name) as d:
+        path = Path(d) / ARTIFACT_FILENAME
+        path.write_bytes(data)
+        try:
+            read_artifact(path)
+            load_artifact(d)
+        except ArtifactError:
+            pass
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, len(VALID_BYTES))))
+def test_artifact_loader_on_mutated_files(edits, cut):
+    _read_file(_mutate(VALID_BYTES, edits, cut))
+
+
+_META_KEYS = ["format", "schema_version", "model_id", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "bits", "group_size", "granularity", "calibration", "sink_tokens"]
+
+
+@FUZZ
+@given(meta=st.dictionaries(st.sampled_from(_META_KEYS), st.text(max_size=12), max_size=6),
+       drop=st.lists(st.sampled_from(["layer_ids", "k_rotation", "v_clip_ratio"]), max_size=2),
+       shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int8]),
+       scale=st.sampled_from([1.0, -1.0, 0.0, float("nan"), float("inf"), 1e30]))
+def test_artifact_loader_on_wrong_contents(meta, drop, shape, dtype, scale):
+    art = identity_artifact(2, 2, 4, 16, model_id="tiny/m")
+    tensors = {k: v.clone() for k, v in art.tensors().items()}
+    for name in drop:
+        tensors.pop(name, None)
+    tensors["k_clip_ratio"] = (torch.ones(shape) * scale).to(dtype) if shape else tensors["k_clip_ratio"] * scale
+    metadata = {**art.metadata, **meta}
+    buf = Path(_TMP.name) / "contents.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(buf), metadata=metadata)
+    _read_file(buf.read_bytes())
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     max_leaves=12)
+
+
+@FUZZ
+@given(patch=st.dictionaries(st.sampled_from(["format", "schema_version", "model_id", "calibration", "version", "files",
+                                              "model_revision", "other"]), _JSON, max_size=3),
+       raw=st.one_of(st.none(), st.binary(max_size=64)))
+def test_release_record_parser(patch, raw):
+    good = {"format": "oscar-kv-release", "schema_version": 1, "model_id": "a/b", "model_revision": "r",
+            "calibration": "default", "version": "v1", "files": {ARTIFACT_FILENAME: {"sha256": "a" * 64, "size": 1}}}
+    data = raw if raw is not None else json.dumps({**good, **patch}).encode()
+    try:
+        parse_release_record(data, "release.json")
+    except ArtifactError:
+        pass
+
+
+_TENSORS = st.builds(lambda shape, dtype: torch.zeros(shape, dtype=dtype),
+                     st.lists(st.integers(0, 4), max_size=3), st.sampled_from([torch.float32, torch.int64, torch.bool]))
+_PLAIN = st.recursive(st.none() | st.integers() | st.floats() | st.text(max_size=6) | _TENSORS,
+                      lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+                      | st.dictionaries(st.one_of(st.integers(-2, 40), st.text(max_size=6)), inner, max_size=3),
+                      max_leaves=10)
+
+
+@FUZZ
+@given(obj=_PLAIN, layers=st.dictionaries(st.integers(-1, 3), _PLAIN, max_size=3))
+def test_reference_validator_on_arbitrary_structures(obj, layers):
+    for candidate in (obj, {"format_version": 1, "objective": "x", "layers": layers}):
+        try:
+            validate_reference(candidate, "ref.pt")
+        except ReferenceFormatError:
+            pass
+
+
+def _reference_bytes() -> bytes:
+    buf = io.BytesIO()
+    rot = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0].float()
+    torch.save({"format_version": 1, "objective": "q", "layers": {0: {"rotation": rot, "eigenvalues": torch.ones(8)}}},
+               buf)
+    return buf.getvalue()
+
+
+REFERENCE_BYTES = _reference_bytes()
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, len(REFERENCE_BYTES))))
+def test_reference_importer_on_mutated_files(edits, cut):
+    path = Path(_TMP.name) / "ref.pt"
+    path.write_bytes(_mutate(REFERENCE_BYTES, edits, cut))
+    try:
+        load_reference(path)
+    except ReferenceFormatError:
+        pass
+
+
+MANIFEST = f"""schema_version: 1
+repo: org/zoo
+recipes:
+  - model_id: Qwen/Qwen3-8B
+    model_revision: "{'c' * 40}"
+    data: {{dataset: calib.txt, samples: 4}}
+releases:
+  - model_id: Qwen/Qwen3-8B
+    model_revision: "{'c' * 40}"
+    repo: org/zoo
+    version: v1
+    commit: "{'d' * 40}"
+    files:
+      - {{name: oscar_kv.safetensors, sha256: "{'e' * 64}", size: 10}}
+      - {{name: release.json, sha256: "{'f' * 64}", size: 5}}
+"""
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 2000), st.sampled_from(list(":-[]{}!&*?|>'\"#%@`\n\t ,0aZ\x00\x85\u2028"))),
+                      max_size=5))
+def test_manifest_parser_on_mutated_text(edits):
+    text = list(MANIFEST)
+    for pos, ch in edits:
+        text[pos % len(text)] = ch
+    try:
+        parse_manifest("".join(text))
+    except ManifestError:
+        pass
+
+
+@FUZZ
+@given(text=st.text(max_size=300))
+def test_manifest_parser_on_arbitrary_text(text):
+    try:
+        parse_manifest(text)
+    except ManifestError:
+        pass
+
+
+def test_manifest_parser_on_deep_nesting():
+    for text in ("[" * 5000 + "]" * 5000, "a:\n" + "".join(" " * i + "b:\n" for i in range(1, 400))):
+        try:
+            parse_manifest(text)
+        except ManifestError:
+            pass
