@@ -115,7 +115,8 @@ def test_int2_group_sizes(group_size):
         assert_lse_close(lse, lse_ref, 1e-4 if dtype == torch.float32 else 5e-2)
 
 
-@pytest.mark.parametrize("impl,prefetch", [(0, False), (1, False), (2, False), (0, True), (2, True)])
+@pytest.mark.parametrize("impl,prefetch", [(0, False), (1, False), (2, False), (0, True), (2, True), (3, False),
+                                           (4, False), (4, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int2_kernel_variants(impl, prefetch, dtype):
     """The INT2 kernel's code paths (dot on transposed tile, dot on pre-transposed load, no dot; with or without
@@ -126,6 +127,113 @@ def test_int2_kernel_variants(impl, prefetch, dtype):
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < TOL[dtype]
     assert_lse_close(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int2_bitcast_codes_half_queries(group, d, dtype):
+    """The bitcast-code variant (impl 4 = the default; plain Triton under the interpreter) with half queries: bf16
+    folds the +128 code offset into the zero term, fp16 subtracts 1024 exactly. Odd lengths, GQA 1/4/8."""
+    lens = [0, 1, 7, 63, 257]
+    pool = make_pool(lens, h_kv=2, d=d, page=64, seed=group * d + 1)
+    q = make_q(len(lens), 2 * group, d, dtype, seed=group)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=4)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[dtype]
+    assert_lse_close(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int2_bitcast_codes_long_history(dtype):
+    """4099 tokens over several tiles and splits (the V accumulator carries the exact codes across tiles)."""
+    pool = make_pool([4099, 1], h_kv=1, d=128, page=64, seed=41)
+    q = make_q(2, 4, 128, dtype)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=3, impl=3)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < TOL[dtype]
+    assert_lse_close(lse, lse_ref, 1e-3)
+
+
+def _run_ptx(text: str, word: int) -> tuple[int, int]:
+    """Tiny emulator for the few PTX instructions of the INT2 kernel's inline-asm blocks (mov/shr/and/prmt on b32,
+    fma.rn.bf16x2, sub.f16x2), so the block text itself is checked without a GPU. `$2` = input, returns `$0, $1`."""
+    import re
+
+    import numpy as np
+
+    regs = {"$2": word}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    def halves(x, dt):
+        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(dt).astype(np.float64) if dt == np.float16 \
+            else np.array([(x & 0xFFFF) << 16, (x >> 16) << 16], dtype=np.uint32).view(np.float32).astype(np.float64)
+
+    def pack(v, dt):
+        if dt == np.float16:
+            h = v.astype(np.float16).view(np.uint16).astype(np.int64)
+        else:  # round to nearest even bf16 (the values here are exact)
+            f = v.astype(np.float32).view(np.uint32).astype(np.int64)
+            h = (f + 0x7FFF + ((f >> 16) & 1)) >> 16
+        return int(h[0]) | (int(h[1]) << 16)
+
+    for ins in [i.strip() for i in text.strip("{} ").split(";") if i.strip()]:
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "prmt.b32":
+            src = val(a[1]) | (val(a[2]) << 32)
+            sel = val(a[3])
+            regs[a[0]] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "fma.rn.bf16x2":
+            regs[a[0]] = pack(halves(val(a[1]), "bf16") * halves(val(a[2]), "bf16") + halves(val(a[3]), "bf16"),
+                              "bf16")
+        elif op == "sub.f16x2":
+            regs[a[0]] = pack(halves(val(a[1]), np.float16) - halves(val(a[2]), np.float16), np.float16)
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op!r}")
+        assert re.fullmatch(r"\$[01]|t|m|one|off", a[0])
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("sub", [False, True])
+def test_inline_ptx_blocks_give_offset_plus_code(half, sub):
+    """Every inline-PTX block of impl 4 (4 shifts x bf16/fp16 x folded/exact), run by the emulator above on random
+    packed words, equals the reference codes (b >> shift) & 3 (+ the magic offset when not subtracted), element i
+    from byte i, as two half2 registers (elements 0, 1 and 2, 3, low half first)."""
+    import numpy as np
+
+    from runtime_kernels.attention import triton_int2 as T
+
+    body = {"bf16": T._ASM_BF16, "fp16": T._ASM_FP16}[half].value
+    if sub:
+        body += {"bf16": T._ASM_SUB_BF16, "fp16": T._ASM_SUB_FP16}[half].value
+    offset = 0.0 if sub else {"bf16": 128.0, "fp16": 1024.0}[half]
+    gen = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF]
+    for shift, shr in zip((0, 2, 4, 6), (T._ASM_SHR0, T._ASM_SHR2, T._ASM_SHR4, T._ASM_SHR6)):
+        text = T._ASM_HEAD.value + shr.value + body + T._ASM_TAIL.value
+        for w in words:
+            r0, r1 = _run_ptx(text, w)
+            got = []
+            for r in (r0, r1):
+                for hbits in (r & 0xFFFF, r >> 16):
+                    if half == "fp16":
+                        got.append(float(np.array([hbits], dtype=np.uint16).view(np.float16)[0]))
+                    else:
+                        got.append(float(np.array([hbits << 16], dtype=np.uint32).view(np.float32)[0]))
+            want = [offset + ((w >> (8 * i + shift)) & 3) for i in range(4)]
+            assert got == want, (hex(w), shift, got, want)
 
 
 def test_int2_split_count_does_not_change_the_result():

@@ -40,6 +40,11 @@ __all__ = [
 ]
 
 BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile never straddles pages)
+# INT2 kernel variant used by default (see `triton_int2`): 4 = codes turned into MMA operands by magic-number
+# bitcasts in inline PTX (falls back to 3, the same in plain Triton, if the PTX does not compile); 0 was the
+# conversion-instruction kernel measured in bench/results/decode_NVIDIA_H200_v3.
+INT2_IMPL = 4
+MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -53,14 +58,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device,
-                       programs_per_sm: int = 8, block_n: int = BLOCK_N) -> int:
-    """Splits per (sequence, KV head) so that about `programs_per_sm` programs run per SM, never more splits
-    than tiles. Decided from shapes only (capacity of the block table), so it never syncs the GPU.
-    8 programs per SM (with num_stages=3) was the fastest setting at 128K / batch 8 on an H200
-    (bench/results/decode_NVIDIA_H200.md); 4 was slightly faster at batch 1."""
-    tiles = max(1, -(-max_tokens // block_n))
+                       programs_per_sm: int = 8, block_n: int = BLOCK_N,
+                       min_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """Splits per (sequence, KV head) so that about `programs_per_sm` programs run per SM, never a chunk shorter
+    than `max(min_tokens, block_n)` tokens. Decided from shapes only (capacity of the block table), so it never
+    syncs the GPU. 8 programs per SM (with num_stages=3) was the fastest setting at 128K / batch 8 on an H200
+    (bench/results/decode_NVIDIA_H200.md). The chunk floor caps the splits at small shapes, where the split
+    reduce cost more than the INT2 kernel (123 splits at 8K / batch 1 before it)."""
+    chunks = max(1, -(-max_tokens // max(min_tokens, block_n)))
     want = -(-programs_per_sm * _sm_count(device) // max(1, batch * kv_heads))
-    return max(1, min(tiles, want))
+    return max(1, min(chunks, want))
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -130,15 +137,16 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------------------------------- API
 def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                           sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3, impl: int = 0,
-                          prefetch: bool = False):
+                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+                          impl: int | None = None, prefetch: bool = False):
     """Decode attention over the paged INT2 history.
 
     Args:
         q: `[B, H_q, d]` (rotated by R_K). k/v_codes: uint8 `[num_pages, H_kv, P, d // 4]`;
         k/v_scale, k/v_zero: fp16 `[num_pages, H_kv, P, d // G]`; block_table: int `[B, max_pages]`;
         hist_len: int `[B]`. num_splits: split-K factor (default from shapes, `default_num_splits`).
-        block_n, num_warps, num_stages, impl, prefetch: kernel tuning (see `triton_int2`).
+        block_n, num_warps, num_stages, impl, prefetch: kernel tuning (see `triton_int2`; impl None =
+        `INT2_IMPL`).
     Returns:
         o fp32 `[B, H_q, d]` (0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where hist_len == 0).
     """
@@ -156,7 +164,8 @@ def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                               q.device, block_n=block_n)
     o_part, lse_part = _partials(q, splits)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages, impl, prefetch)
+                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages,
+                       INT2_IMPL if impl is None else impl, prefetch)
     return _merge().reduce_splits_triton(o_part, lse_part)
 
 
@@ -177,7 +186,8 @@ def window_attention(q, k_win, v_win, slot_ids, win_len, sm_scale: float | None 
     from runtime_kernels.attention.triton_window import launch_window_decode
 
     q = q.contiguous()
-    splits = num_splits or default_num_splits(q.shape[0], k_win.shape[1], k_win.shape[2], q.device, block_n=block_n)
+    splits = num_splits or default_num_splits(q.shape[0], k_win.shape[1], k_win.shape[2], q.device, block_n=block_n,
+                                              min_tokens=block_n)
     o_part, lse_part = _partials(q, splits)
     launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, splits, 0, block_n)
     return _merge().reduce_splits_triton(o_part, lse_part)
@@ -201,7 +211,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 3, impl: int = 0, prefetch: bool = False):
+                     num_warps: int = 4, num_stages: int = 3, impl: int | None = None, prefetch: bool = False):
     """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
     and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
@@ -224,10 +234,12 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     h_kv = k_codes.shape[1]
     s_h = num_splits or default_num_splits(b, h_kv, block_table.shape[1] * k_codes.shape[2], q.device,
                                            block_n=block_n)
-    s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n)
+    s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
+                                              min_tokens=block_n)
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl, prefetch)
+                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages,
+                       INT2_IMPL if impl is None else impl, prefetch)
     launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n)
     return _merge().reduce_splits_triton(o_part, lse_part)
 

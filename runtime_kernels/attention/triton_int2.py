@@ -15,11 +15,21 @@ With one scale/zero group per row (group size = d, the default) dequantization f
     sum_t p_t v_t = dot(p * s, c) - sum_t p_t s_t z_t          (per output channel)
 so the dots run on the raw codes (exact in fp16/bf16) and only `[BLOCK_N]` vectors are scaled. With several
 groups per row the tile is dequantized elementwise (`(c - z) * s`) before the dots.
+
+Turning codes into MMA operands (impl 3/4, the CUDA default): an int -> float conversion (I2F) issues at a
+quarter of the ALU rate on Hopper and would be needed 256 times per token and KV head. Instead the 2-bit code is
+OR-ed into the mantissa of a float whose mantissa spacing is 1 and the bits are reinterpreted: bf16 bits
+`0x4300 | c` are 128 + c, fp16 `0x6400 | c` are 1024 + c, both exact; the offset is then subtracted exactly
+(V side, whose accumulator runs over the whole chunk) or folded into the zero term (K side with bf16 queries,
+`q.(c + 128) - (z + 128) sum q`: the score dot restarts from zero on every tile, so the extra rounding is fp32
+rounding of a sum about 128 sum|q| large, far below the bf16 rounding of q itself). Impl 4 does this in inline
+PTX, four codes per `shr, and, prmt, prmt` block (about one instruction per code).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import triton
 import triton.language as tl
@@ -52,6 +62,106 @@ def _codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, INTERP: tl.constexpr):
         return c.to(tl.float32).to(dt)
     else:
         return c.to(dt)
+
+
+@triton.jit
+def _magic_codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
+    """Codes `(b >> SHIFT) & 3` of a uint8 tile as `dt` without any int -> float conversion instruction.
+
+    The code is OR-ed into the low mantissa bits of a float whose exponent makes the mantissa spacing 1
+    (bf16 128.0 = 0x4300, fp16 1024.0 = 0x6400, fp32 2^23 = 0x4B000000) and the bits are reinterpreted
+    (same-width bitcast): the value is exactly OFFSET + code. SUB: subtract OFFSET (exact) and return the
+    code; else return OFFSET + code (the caller folds OFFSET out). The interpreter does bf16 arithmetic on
+    raw bits, so there the subtraction runs in fp32.
+    """
+    c = (b >> SHIFT) & 3
+    if dt == tl.float32:
+        x = (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+        off: tl.constexpr = 8388608.0
+    elif dt == tl.bfloat16:
+        x = (c.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        off: tl.constexpr = 128.0
+    else:
+        x = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        off: tl.constexpr = 1024.0
+    if SUB:
+        if INTERP:
+            x = (x.to(tl.float32) - off).to(dt)
+        else:
+            x = x - off
+    return x
+
+
+# Inline PTX pieces of `_asm_codes` (module-level constexpr strings: jit code may only read constexpr globals).
+_ASM_HEAD = tl.constexpr("{ .reg .b32 t, m, one, off; ")
+_ASM_SHR0 = tl.constexpr("mov.b32 t, $2; ")
+_ASM_SHR2 = tl.constexpr("shr.b32 t, $2, 2; ")
+_ASM_SHR4 = tl.constexpr("shr.b32 t, $2, 4; ")
+_ASM_SHR6 = tl.constexpr("shr.b32 t, $2, 6; ")
+# Mask the four code bytes, then put byte i of t under the magic exponent byte in m (prmt selectors 0x4140, 0x4342:
+# result bytes = t.b0, m.b0, t.b1, m.b0 and t.b2, m.b0, t.b3, m.b0).
+_ASM_BF16 = tl.constexpr("and.b32 t, t, 0x03030303; mov.b32 m, 0x43434343; "
+                         "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; ")
+_ASM_FP16 = tl.constexpr("and.b32 t, t, 0x03030303; mov.b32 m, 0x64646464; "
+                         "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; ")
+# Exact removal of the offset: bf16 x * 1 + (-128) (fma.rn.bf16x2 exists from sm_80), fp16 x - 1024.
+_ASM_SUB_BF16 = tl.constexpr("mov.b32 one, 0x3F803F80; mov.b32 off, 0xC300C300; "
+                             "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; ")
+_ASM_SUB_FP16 = tl.constexpr("mov.b32 off, 0x64006400; sub.f16x2 $0, $0, off; sub.f16x2 $1, $1, off; ")
+_ASM_TAIL = tl.constexpr("}")
+
+
+@triton.jit
+def _asm_half2(b, TEXT: tl.constexpr, BF16: tl.constexpr):
+    """Run the inline-PTX TEXT once per four packed bytes of `b` (`$2`), two half2 outputs (`$0`, `$1`)."""
+    if BF16:
+        y = tl.inline_asm_elementwise(TEXT, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(TEXT, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    return y
+
+
+@triton.jit
+def _asm_block(b, SHIFT: tl.constexpr, BODY: tl.constexpr, BF16: tl.constexpr):
+    """`t = b >> SHIFT`, then BODY, as one inline-PTX block per four packed code bytes."""
+    if SHIFT == 0:
+        y = _asm_half2(b, _ASM_HEAD + _ASM_SHR0 + BODY + _ASM_TAIL, BF16)
+    elif SHIFT == 2:
+        y = _asm_half2(b, _ASM_HEAD + _ASM_SHR2 + BODY + _ASM_TAIL, BF16)
+    elif SHIFT == 4:
+        y = _asm_half2(b, _ASM_HEAD + _ASM_SHR4 + BODY + _ASM_TAIL, BF16)
+    else:
+        y = _asm_half2(b, _ASM_HEAD + _ASM_SHR6 + BODY + _ASM_TAIL, BF16)
+    return y
+
+
+@triton.jit
+def _asm_codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, SUB: tl.constexpr):
+    """CUDA-only version of `_magic_codes` for bf16/fp16 (same values), four codes per inline-PTX block: one 32-bit
+    register of four packed code bytes -> shift, mask, and two `prmt` that put each code byte under the exponent
+    byte of the magic float, giving two packed half2 registers (OFFSET + code); with SUB a packed exact subtraction
+    of OFFSET follows. About one instruction per code, no conversion instruction."""
+    if dt == tl.bfloat16:
+        if SUB:
+            y = _asm_block(b, SHIFT, _ASM_BF16 + _ASM_SUB_BF16, True)
+        else:
+            y = _asm_block(b, SHIFT, _ASM_BF16, True)
+    else:
+        if SUB:
+            y = _asm_block(b, SHIFT, _ASM_FP16 + _ASM_SUB_FP16, False)
+        else:
+            y = _asm_block(b, SHIFT, _ASM_FP16, False)
+    return y
+
+
+@triton.jit
+def _codes_nc(b, SHIFT: tl.constexpr, dt: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr,
+              ASM: tl.constexpr):
+    """Codes without conversion instructions: inline PTX when ASM (CUDA, bf16/fp16), else plain Triton bitcasts."""
+    if ASM and dt != tl.float32:
+        return _asm_codes(b, SHIFT, dt, SUB)
+    else:
+        return _magic_codes(b, SHIFT, dt, SUB, INTERP)
 
 
 @triton.jit
@@ -92,10 +202,16 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
     GS: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
-    INTERP: tl.constexpr, IMPL: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERP: tl.constexpr, IMPL: tl.constexpr, PREFETCH: tl.constexpr, KFOLD: tl.constexpr,
 ):
     # IMPL 0: K code tile loaded [BLOCK_N, Q] and transposed in registers for the dot; 1: K code tile loaded
-    # already transposed [Q, BLOCK_N]; 2: no tensor cores (broadcast multiply + sum, fp32), G_PAD = pow2(GROUP).
+    # already transposed [Q, BLOCK_N]; 2: no tensor cores (broadcast multiply + sum, fp32), G_PAD = pow2(GROUP);
+    # 3: as 0, but codes become MMA operands through magic-number bitcasts (no int -> float conversion
+    # instruction, see `_magic_codes`); 4: as 3 with the bitcasts done four codes at a time in inline PTX on CUDA
+    # (`_asm_codes`; plain 3 under the interpreter). KFOLD (bf16 queries, IMPL >= 3): the K codes keep their
+    # +128 offset and it is folded into the zero term, s * (q.(c + 128) - (z + 128) * sum(q)); the V codes are
+    # always exact.
+    ASM: tl.constexpr = IMPL == 4 and not INTERP
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -187,6 +303,13 @@ def _int2_decode_kernel(
                 qc += _dot(q1, tl.trans(_codes(kb, 2, cdt, INTERP)), FP32, INTERP)
                 qc += _dot(q2, tl.trans(_codes(kb, 4, cdt, INTERP)), FP32, INTERP)
                 qc += _dot(q3, tl.trans(_codes(kb, 6, cdt, INTERP)), FP32, INTERP)
+            elif IMPL >= 3:
+                qc = _dot(q0, tl.trans(_codes_nc(kb, 0, cdt, not KFOLD, INTERP, ASM)), FP32, INTERP)
+                qc += _dot(q1, tl.trans(_codes_nc(kb, 2, cdt, not KFOLD, INTERP, ASM)), FP32, INTERP)
+                qc += _dot(q2, tl.trans(_codes_nc(kb, 4, cdt, not KFOLD, INTERP, ASM)), FP32, INTERP)
+                qc += _dot(q3, tl.trans(_codes_nc(kb, 6, cdt, not KFOLD, INTERP, ASM)), FP32, INTERP)
+                if KFOLD:
+                    kz = kz + 128.0  # the bf16 magic offset of every code, folded into the zero term
             elif IMPL == 1:
                 kbt = tl.load(kc_ptr + kc_row[None, :] + offs_j[:, None], mask=t_ok[None, :] & j_ok[:, None], other=0)
                 qc = _dot(q0, _codes(kbt, 0, cdt, INTERP), FP32, INTERP)
@@ -238,6 +361,13 @@ def _int2_decode_kernel(
                 acc1 += tl.sum(pw[:, :, None] * (((vb >> 2) & 3).to(tl.float32))[None, :, :], axis=1)
                 acc2 += tl.sum(pw[:, :, None] * (((vb >> 4) & 3).to(tl.float32))[None, :, :], axis=1)
                 acc3 += tl.sum(pw[:, :, None] * (((vb >> 6) & 3).to(tl.float32))[None, :, :], axis=1)
+            elif IMPL >= 3:
+                pv = (p * vs[None, :]).to(pdt)
+                acc_z = acc_z * alpha + tl.sum(pv.to(tl.float32) * vz[None, :], axis=1)
+                acc0 += _dot(pv, _codes_nc(vb, 0, pdt, True, INTERP, ASM), FP32, INTERP)
+                acc1 += _dot(pv, _codes_nc(vb, 2, pdt, True, INTERP, ASM), FP32, INTERP)
+                acc2 += _dot(pv, _codes_nc(vb, 4, pdt, True, INTERP, ASM), FP32, INTERP)
+                acc3 += _dot(pv, _codes_nc(vb, 6, pdt, True, INTERP, ASM), FP32, INTERP)
             else:
                 pv = (p * vs[None, :]).to(pdt)
                 acc_z = acc_z * alpha + tl.sum(pv.to(tl.float32) * vz[None, :], axis=1)
@@ -277,6 +407,9 @@ def _int2_decode_kernel(
              lse, mask=g_ok)
 
 
+_ASM_BROKEN: list[str] = []  # first error of the inline-PTX variant on this process (then impl 3 is used)
+
+
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
@@ -284,7 +417,10 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
     """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
     `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
     functional API validates them. Last dims of codes/scale/zero and q must be contiguous. Returns Triton's
-    compiled-kernel handle (registers, spills and shared memory are in it, for the benchmark)."""
+    compiled-kernel handle (registers, spills and shared memory are in it, for the benchmark).
+
+    impl 4 (inline PTX) falls back to impl 3 (same arithmetic in plain Triton) if it fails to compile, once
+    per process (the error is kept in `_ASM_BROKEN`); `strict_impl()` turns the fallback off for tests."""
     b, h_q, d = q.shape
     h_kv = k_codes.shape[1]
     group = h_q // h_kv
@@ -292,24 +428,56 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
     ng = k_scale.shape[3]
     q_quarter = d // 4
     if ng > 1:
-        impl = min(impl, 1)  # the no-tensor-core variant exists for one group per row only
-    # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (impl 0 or 2).
+        impl = min(impl, 1)  # the no-tensor-core and bitcast variants exist for one group per row only
+    if impl == 4 and _ASM_BROKEN and not _STRICT:
+        impl = 3
+    # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
     grid = (b, h_kv, num_splits)
-    return _int2_decode_kernel[grid](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-        sm_scale * 1.4426950408889634, split_offset,
-        q.stride(0), q.stride(1),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-        block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        GROUP=group, G_PAD=triton.next_power_of_2(group) if impl == 2 else max(16, triton.next_power_of_2(group)),
-        Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
-        GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET, IMPL=impl,
-        PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+            sm_scale * 1.4426950408889634, split_offset,
+            q.stride(0), q.stride(1),
+            k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1))
+
+    def go(impl_: int):
+        return _int2_decode_kernel[grid](
+            *args,
+            GROUP=group,
+            G_PAD=triton.next_power_of_2(group) if impl_ == 2 else max(16, triton.next_power_of_2(group)),
+            Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
+            GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET, IMPL=impl_,
+            PREFETCH=prefetch, KFOLD=impl_ >= 3 and q.dtype == _torch_bf16(),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+    if impl != 4 or _STRICT:
+        return go(impl)
+    try:
+        return go(4)
+    except Exception as e:  # noqa: BLE001 - any compile failure of the inline PTX: same math without it
+        _ASM_BROKEN.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        warnings.warn(f"INT2 decode: inline-PTX variant (impl 4) failed, using impl 3: {_ASM_BROKEN[0]}",
+                      RuntimeWarning, stacklevel=2)
+        return go(3)
+
+
+_STRICT = False
+
+
+def strict_impl(on: bool = True) -> None:
+    """Tests and benchmarks: never replace impl 4 by impl 3 (a failure raises instead)."""
+    global _STRICT
+    _STRICT = bool(on)
+
+
+def _torch_bf16():
+    """torch.bfloat16, imported lazily (the kernels themselves need only triton)."""
+    import torch
+
+    return torch.bfloat16
