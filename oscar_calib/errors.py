@@ -36,8 +36,10 @@ class HubError(OscarError):
 EXIT_CODES = {
     0: "success",
     1: "other known error",
-    2: "bad input (model, dataset, option, output path, manifest, artifact for another model)",
+    2: "bad input (model, dataset, option, output path, manifest, artifact for another model, "
+       "unsafe repo id / file name / revision, unreadable or malformed reference RotationZoo file)",
     3: "capture failed (unsupported attention, NaN/Inf in activations)",
     4: "integrity check failed (sha256 mismatch, artifact breaks the contract)",
-    5: "hub refused the operation (tag exists with other content, concurrent publisher, unknown release)",
+    5: "hub refused the operation (tag exists with other content, concurrent publisher, unknown release, "
+       "bad credentials, release not in the cache while offline)",
 }

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oscar_calib.errors import HubError, InputError, IntegrityError
 from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_artifact
 from runtime_kernels.loader import (
     COMMIT_RE,
@@ -37,8 +38,6 @@ from runtime_kernels.loader import (
     release_dir,
     release_record,
 )
-
-from oscar_calib.errors import HubError, InputError, IntegrityError
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +113,17 @@ def _receipts(files: dict[str, Path]) -> dict[str, Any]:
     return out
 
 
+def _strip_front_matter(text: str) -> str:
+    if text.startswith("---\n"):
+        end = text.find("\n---", 4)
+        if end != -1:
+            return text[end + 4:].lstrip("\n")
+    return text
+
+
 def model_card(metadata: dict[str, str], repo: str, version: str, calibration: str,
-               files: dict[str, dict[str, Any]], receipts: dict[str, Any], recipe: dict[str, Any] | None) -> str:
+               files: dict[str, dict[str, Any]], receipts: dict[str, Any], recipe: dict[str, Any] | None,
+               run_report: str | None = None) -> str:
     """The release's README.md: base model, calibration recipe, evaluation receipts, how to load it."""
     model_id = metadata["model_id"]
     base = f"{model_id}/{calibration}"
@@ -174,6 +182,11 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
         "|---|---|---|",
     ]
     lines += [f"| `{base}/{n}` | {e['size']} | `{e['sha256']}` |" for n, e in sorted(files.items())]
+    if run_report:
+        # The calibration run's own report (the README written by `oscar-calib run`), headings demoted.
+        body = _strip_front_matter(run_report)
+        lines += ["", "## Calibration run report", ""]
+        lines += [("#" + line) if line.startswith("#") else line for line in body.splitlines()]
     lines.append("")
     return "\n".join(lines)
 
@@ -277,6 +290,8 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     contents = {name: path.read_bytes() for name, path in files.items()}
     hashes = {name: {"sha256": _sha256(data), "size": len(data)} for name, data in contents.items()}
     receipts = _receipts(files)
+    local_card = directory / CARD_FILENAME
+    run_report = local_card.read_text(encoding="utf-8", errors="replace") if local_card.is_file() else None
     if is_offline():
         raise HubError("push needs the Hub but HF_HUB_OFFLINE is set; unset it to publish")
 
@@ -311,7 +326,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
                                       f"identical content is already released as {tag}; nothing pushed", hashes)
             # 3. A new release: one commit on top of `head`, then the tag on that commit's sha.
             version = version or next_version(list(tags))
-            card = model_card(meta, repo, version, calibration, hashes, receipts, recipe).encode()
+            card = model_card(meta, repo, version, calibration, hashes, receipts, recipe, run_report).encode()
             listed = {**hashes, CARD_FILENAME: {"sha256": _sha256(card), "size": len(card)}}
             record = release_record(meta["model_id"], meta["model_revision"], calibration, version, listed)
             record_bytes = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -120,7 +120,7 @@ class Recipe(_Strict):
     calibration: str = Field("default", description="Calibration name; the release path is '<model_id>/<calibration>/'.")
     data: DataConfig = Field(description="Calibration data (oscar_calib.config.DataConfig).")
     solver: SolverSettings = Field(default_factory=SolverSettings, description="Solver settings (oscar_calib.config.SolverSettings).")
-    dtype: Optional[str] = Field(None, pattern=r"^(bfloat16|float16|float32)$")
+    dtype: str | None = Field(None, pattern=r"^(bfloat16|float16|float32)$")
     description: str = ""
 
     @field_validator("model_id")

@@ -19,7 +19,13 @@ from safetensors.torch import save_file
 
 from oscar_calib.manifest import ManifestError, parse_manifest
 from oscar_calib.reference_format import ReferenceFormatError, load_reference, validate_reference
-from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, identity_artifact, read_artifact, write_artifact
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    ArtifactError,
+    identity_artifact,
+    read_artifact,
+    write_artifact,
+)
 from runtime_kernels.loader import load_artifact, parse_release_record
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,

@@ -15,11 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hub_server import HubServer
 from tiny_models import tiny_config
-from oscar_calib.errors import HubError, InputError, IntegrityError
-from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, identity_artifact, read_artifact, write_artifact
+
+from oscar_calib.errors import HubError, InputError
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    ArtifactError,
+    identity_artifact,
+    read_artifact,
+    write_artifact,
+)
 from runtime_kernels.loader import (
     ModelMismatchError,
     ReleaseNotFoundError,
@@ -106,7 +112,8 @@ def run_cli(args, monkeypatch, capsys):
 
 # --- push -------------------------------------------------------------------------------------
 def test_push_creates_one_tagged_commit_and_load_verifies(hub, tmp_path):
-    local = make_artifact(tmp_path / "a", extra={"eval_results.json": json.dumps({"ppl_delta": 0.0123})})
+    local = make_artifact(tmp_path / "a", extra={"eval_results.json": json.dumps({"ppl_delta": 0.0123}),
+                                                 "README.md": "---\nx: 1\n---\n# Run report\nheld-out MSE 0.5\n"})
     result = do_push(hub, local)
     assert result.created and result.version == "v1"
     refs = hub.store.refs(REPO)
@@ -123,6 +130,7 @@ def test_push_creates_one_tagged_commit_and_load_verifies(hub, tmp_path):
     card = hub.store.blob(REPO, files[f"{base}/README.md"]).decode()
     assert record["files"]["README.md"]["sha256"] == hashlib.sha256(card.encode()).hexdigest()
     assert "base_model: \"tiny/qwen3\"" in card and REV in card and "ppl_delta" in card and "load_artifact(" in card
+    assert "## Run report" in card and "held-out MSE 0.5" in card and "x: 1" not in card
     cfg = tiny_config("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)
     loaded = do_load(hub, tmp_path, model_config=cfg)
     expected = read_artifact(local)

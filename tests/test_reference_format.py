@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from tiny_models import tiny_config
 
 from oscar_calib.errors import InputError
 from oscar_calib.reference_format import (
@@ -19,7 +20,6 @@ from oscar_calib.reference_format import (
     validate_reference,
 )
 from runtime_kernels.artifact import identity_artifact, read_artifact, write_artifact
-from tiny_models import tiny_config
 
 D = 16
 

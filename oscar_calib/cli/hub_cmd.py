@@ -12,8 +12,9 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated
 
 import typer
 
@@ -26,7 +27,7 @@ CalibrationOpt = Annotated[
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
 
 
-def endpoint() -> Optional[str]:
+def endpoint() -> str | None:
     """HF_ENDPOINT read now (the client reads it once at import)."""
     return os.environ.get("HF_ENDPOINT") or None
 
@@ -56,7 +57,7 @@ def translate_errors() -> Iterator[None]:
         raise HubError(f"the Hub answered HTTP {status}: {str(exc).splitlines()[0]}") from None
 
 
-def _load_config(path: Optional[Path]):
+def _load_config(path: Path | None):
     if path is None:
         return None
     from transformers import AutoConfig
@@ -80,7 +81,7 @@ Examples:
 def push_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
     repo: RepoOpt,
-    version: Annotated[Optional[str], typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
+    version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
     calibration: CalibrationOpt = "default",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
     token: TokenOpt = None,
@@ -114,9 +115,9 @@ def pull_cmd(
     repo: RepoOpt,
     revision: RevisionOpt = None,
     calibration: CalibrationOpt = "default",
-    local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Hub cache (default: HF_HOME's).")] = None,
-    model_config: Annotated[Optional[Path], typer.Option("--model-config", help="Local model dir or config.json to check the artifact against.")] = None,
+    local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Hub cache (default: HF_HOME's).")] = None,
+    model_config: Annotated[Path | None, typer.Option("--model-config", help="Local model dir or config.json to check the artifact against.")] = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

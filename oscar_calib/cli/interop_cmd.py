@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -37,11 +37,10 @@ def import_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
 ) -> None:
     """Convert a reference key file + value file into a validated OSCAR artifact (layer granularity)."""
-    from runtime_kernels.artifact import write_artifact
-    from runtime_kernels.loader import check_model_id
-
     from oscar_calib import __version__
     from oscar_calib.reference_format import load_reference, reference_to_artifact
+    from runtime_kernels.artifact import write_artifact
+    from runtime_kernels.loader import check_model_id
 
     with translate_errors():
         check_model_id(model_id, "--model-id")
@@ -74,12 +73,11 @@ def export_cmd(
     head_reduce: Annotated[str, typer.Option("--head-reduce", help="none: refuse differing per-head rotations; "
                                                                    "first: use KV head 0's rotation per layer.")] = "none",
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
-    model_config: Annotated[Optional[Path], typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
+    model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
-    from runtime_kernels.artifact import check_against_model, read_artifact
-
     from oscar_calib.reference_format import export_reference
+    from runtime_kernels.artifact import check_against_model, read_artifact
 
     if fmt != "reference":
         raise InputError(f"--format {fmt!r}: expected 'reference'")

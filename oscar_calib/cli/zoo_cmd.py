@@ -16,7 +16,7 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -32,13 +32,13 @@ app.add_typer(zoo_app, name="zoo")
 ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
 OutRootOpt = Annotated[Path, typer.Option("--out-root", help="Where built artifact directories go.")]
 LocalModelOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--local-model", help="MODEL_ID=DIR: read MODEL_ID's weights from a local mirror of its pinned "
                                        "revision (repeatable)."),
 ]
 
 
-def _local_models(pairs: Optional[list[str]]) -> dict[str, Path]:
+def _local_models(pairs: list[str] | None) -> dict[str, Path]:
     out = {}
     for pair in pairs or []:
         model_id, sep, directory = pair.partition("=")
@@ -55,7 +55,7 @@ def build_dir(out_root: Path, model_id: str, calibration: str) -> Path:
 
 
 # --- validate ------------------------------------------------------------------------------------
-def check_release_online(release, token: Optional[str]) -> None:
+def check_release_online(release, token: str | None) -> None:
     """The release exists as recorded: tag -> recorded commit, every recorded file with its sha256/size."""
     from huggingface_hub import HfApi
 
@@ -89,9 +89,8 @@ def validate_cmd(
     token: TokenOpt = None,
 ) -> None:
     """Check the manifest against its schema and (online) that every release exists as recorded."""
-    from runtime_kernels.loader import is_offline
-
     from oscar_calib.manifest import load_manifest
+    from runtime_kernels.loader import is_offline
 
     zoo = load_manifest(manifest)
     print(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok", file=sys.stderr)
@@ -175,7 +174,7 @@ def _metrics(directory: Path) -> dict[str, float]:
 def publish_cmd(
     manifest: ManifestOpt = Path("zoo_manifest.yaml"),
     out_root: OutRootOpt = Path("zoo/build"),
-    repo: Annotated[Optional[str], typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
+    repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
     private: Annotated[bool, typer.Option("--private")] = False,
     token: TokenOpt = None,
 ) -> None:
@@ -222,7 +221,7 @@ def publish_cmd(
 # --- schema --------------------------------------------------------------------------------------
 @zoo_app.command("schema")
 def schema_cmd(
-    write: Annotated[Optional[Path], typer.Option("--write", help="Write the schema to this file instead of stdout.")] = None,
+    write: Annotated[Path | None, typer.Option("--write", help="Write the schema to this file instead of stdout.")] = None,
 ) -> None:
     """Print the manifest's JSON Schema (generated from the pydantic models)."""
     from oscar_calib.manifest import json_schema
