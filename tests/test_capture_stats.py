@@ -75,7 +75,8 @@ def _naive_targets(q, k, v, o):
 
 @pytest.mark.parametrize(
     "arch,heads,kv_heads,head_dim",
-    [("qwen3", 4, 4, 64), ("qwen3", 4, 2, 128), ("llama", 8, 2, 64), ("qwen2", 8, 1, 64), ("mistral", 8, 2, 64)],
+    [("qwen3", 4, 4, 64), ("qwen3", 4, 2, 128), ("llama", 8, 2, 64), ("qwen2", 8, 1, 64), ("mistral", 8, 2, 64),
+     ("qwen3", 2, 1, 256)],
 )
 def test_targets_match_naive_recomputation(arch, heads, kv_heads, head_dim):
     model = tiny_model(arch, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=2)

@@ -155,3 +155,55 @@ def test_demo_runs_without_arguments(tmp_path, monkeypatch, capsys):
     art = read_artifact(tmp_path / "zoo" / "demo")
     assert art.num_layers >= 1
     assert "no --model" in stderr and "no --dataset" in stderr
+
+
+def test_interrupted_run_leaves_nothing(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    import oscar_calib.job as job
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "write_artifact", interrupted)  # interrupt while the artifact is being written
+    code, _, stderr = run_cli(_args(model_dir, text_file, tmp_path / "out"), monkeypatch, capsys)
+    assert code == 130 and "nothing was written" in stderr
+    _nothing_written(tmp_path, "out")
+
+
+def test_chat_template_wraps_texts_and_messages(tmp_path, monkeypatch, capsys):
+    from oscar_calib.config import DataConfig
+    from oscar_calib.data import load_calibration_data
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    rows = [{"messages": [{"role": "user", "content": f"q{i} " * 20}, {"role": "assistant", "content": "a " * 20}]}
+            for i in range(10)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    data = load_calibration_data(DataConfig(dataset=str(path), samples=2, seq_len=32, chat_template=True), tok)
+    text = tok.decode(data.input_ids[0].tolist() + data.holdout_ids[0].tolist())
+    assert "<user>q" in text and "<assistant>a" in text
+    # Without --chat-template the 'messages' rows have no text column: a clear error.
+    from oscar_calib.errors import InputError
+
+    with pytest.raises(InputError, match="no text column 'text'"):
+        load_calibration_data(DataConfig(dataset=str(path), samples=2, seq_len=32), tok)
+    tok.chat_template = None
+    with pytest.raises(InputError, match="has no chat template"):
+        load_calibration_data(DataConfig(dataset=str(path), samples=2, seq_len=32, chat_template=True), tok)
+
+
+def test_packing_and_seeded_shuffle(tmp_path):
+    from oscar_calib.config import DataConfig
+    from oscar_calib.data import load_calibration_data
+
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(f"doc{i:02d} " + "x" * 10 for i in range(30)))
+    tok = byte_tokenizer()
+    a = load_calibration_data(DataConfig(dataset=str(path), samples=3, seq_len=40, seed=1), tok)
+    b = load_calibration_data(DataConfig(dataset=str(path), samples=3, seq_len=40, seed=1), tok)
+    c = load_calibration_data(DataConfig(dataset=str(path), samples=3, seq_len=40, seed=2), tok)
+    assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
+    assert a.input_ids.shape == (3, 40) and a.holdout_ids.shape == (1, 40)
+    # Documents are packed back to back with EOS between them: no padding, full sequences.
+    flat = torch.cat([a.input_ids.flatten(), a.holdout_ids.flatten()]).tolist()
+    assert flat.count(tok.eos_token_id) >= 160 // 17 - 1

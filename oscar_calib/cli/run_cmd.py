@@ -83,5 +83,9 @@ def run(
         if not demo:
             raise InputError("--out is required with --model (the artifact directory to create)")
         out = Path("zoo/demo")
-    run_calibration(config, out, overwrite=overwrite)
+    try:
+        run_calibration(config, out, overwrite=overwrite)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted; nothing was written.", err=True)
+        raise typer.Exit(130) from None
     typer.echo(str(out))
