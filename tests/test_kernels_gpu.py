@@ -14,6 +14,17 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+@pytest.fixture(autouse=True)
+def _strict_impl():
+    """A failing inline-PTX variant must fail the tests, not fall back to impl 3 silently."""
+    from runtime_kernels.attention import triton_int2
+
+    triton_int2.strict_impl(True)
+    yield
+    triton_int2.strict_impl(False)
+    triton_int2.FOLD_K_OFFSET = True
+
+
 def rel_rmse(got, want, floor=1e-3):
     err = (got.float() - want.float()).pow(2).mean().sqrt()
     return (err / want.float().pow(2).mean().sqrt().clamp_min(floor)).item()
@@ -120,13 +131,39 @@ def test_write_pages_on_gpu():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("impl,prefetch,block_n", [(0, True, 64), (2, True, 32), (1, False, 64), (2, False, 64)])
-def test_int2_variants_on_gpu(impl, prefetch, block_n):
+@pytest.mark.parametrize("impl,prefetch,block_n,warps", [(0, True, 64, 4), (2, True, 32, 4), (1, False, 64, 4),
+                                                         (2, False, 64, 4), (3, False, 64, 4), (3, False, 64, 1),
+                                                         (4, False, 64, 4), (4, False, 64, 1), (4, False, 32, 2),
+                                                         (4, True, 64, 4)])
+def test_int2_variants_on_gpu(impl, prefetch, block_n, warps):
     lens = [0, 1, 63, 257, 4099, 20000]
     pool = make_pool(lens, 8, 128, seed=impl)
     q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
-    o, lse = A.int2_decode_attention(q, *pool, impl=impl, prefetch=prefetch, block_n=block_n, num_stages=1)
+    o, lse = A.int2_decode_attention(q, *pool, impl=impl, prefetch=prefetch, block_n=block_n, num_stages=1,
+                                     num_warps=warps)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 2e-2
     fin = torch.isfinite(lse_ref)
     assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", [3, 4])
+@pytest.mark.parametrize("dtype,fold", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)])
+@pytest.mark.parametrize("d,group", [(64, 1), (128, 4), (256, 8)])
+def test_int2_bitcast_codes_on_gpu(impl, dtype, fold, d, group):
+    """Bitcast-code variants (plain Triton 3, inline PTX 4) with bf16 (K offset folded or exact) and fp16 queries."""
+    from runtime_kernels.attention import triton_int2
+
+    triton_int2.FOLD_K_OFFSET = fold
+    lens = [0, 1, 7, 63, 257, 4099]
+    pool = make_pool(lens, 2, d, seed=d + impl)
+    q = torch.randn(len(lens), 2 * group, d, device=DEV).to(dtype)
+    o, lse = A.int2_decode_attention(q, *pool, impl=impl)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    fin = torch.isfinite(lse_ref)
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=5e-3)
+    # Same partials as the conversion kernel up to rounding.
+    o0, lse0 = A.int2_decode_attention(q, *pool, impl=0)
+    assert rel_rmse(o, o0) < 5e-3
