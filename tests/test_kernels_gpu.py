@@ -147,9 +147,10 @@ def test_int2_variants_on_gpu(impl, prefetch, block_n, warps):
     assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
 
 
-@pytest.mark.parametrize("impl", [3, 4])
-@pytest.mark.parametrize("dtype,fold", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)])
-@pytest.mark.parametrize("d,group", [(64, 1), (128, 4), (256, 8)])
+@pytest.mark.parametrize("impl,dtype,fold,d,group", [
+    (4, torch.bfloat16, True, 128, 4), (4, torch.bfloat16, False, 128, 4), (4, torch.float16, True, 128, 4),
+    (4, torch.bfloat16, True, 64, 1), (4, torch.bfloat16, True, 256, 8), (4, torch.float16, True, 64, 8),
+    (3, torch.bfloat16, True, 128, 4), (3, torch.float16, True, 256, 1)])
 def test_int2_bitcast_codes_on_gpu(impl, dtype, fold, d, group):
     """Bitcast-code variants (plain Triton 3, inline PTX 4) with bf16 (K offset folded or exact) and fp16 queries."""
     from runtime_kernels.attention import triton_int2

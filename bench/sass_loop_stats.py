@@ -1,0 +1,103 @@
+"""Offline instruction counts of the INT2 decode kernel's main loop (no GPU needed): compile for sm_90 with the
+installed Triton, disassemble with its bundled nvdisasm/cuobjdump, and count SASS instructions per thread between
+the loop's label and its backward branch (one tile of BLOCK_N tokens), plus registers per thread.
+
+    python3 bench/sass_loop_stats.py --impl 0 4 --warps 1 4        # Qwen3-8B geometry, bf16 queries
+Prints one line per config: loop instructions per thread, per tile for the whole program (x warps), I2F count,
+registers. Needs only triton (imports the kernel file directly, not the torch-dependent package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL = os.path.join(HERE, "..", "runtime_kernels", "attention", "triton_int2.py")
+PTR = {"q_ptr": None, "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
+       "vz_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
+OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+
+
+def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool):
+    spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = mod._int2_decode_kernel
+    const = dict(GROUP=4, G_PAD=16, Q=32, Q_PAD=32, GS=128, NG=1, P=64, BLOCK_N=block_n, FP32=False, INTERP=False,
+                 IMPL=impl, PREFETCH=False, KFOLD=fold and impl >= 3 and qdtype == "bf16")
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in PTR:
+            sig[n] = PTR[n] or f"*{qdtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride") and n not in ("stride_ksr", "stride_vsr", "stride_lh"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def loop_stats(kernel) -> dict:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                             text=True).stdout
+    lines = sass.splitlines()
+    labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
+    span = None  # the longest backward branch is the tile loop
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            if span is None or i - labels[m.group(1)] > span[1] - span[0]:
+                span = (labels[m.group(1)], i)
+    ops = collections.Counter()
+    for ln in lines[span[0]:span[1] + 1] if span else []:
+        m = OP.match(ln)
+        if m:
+            ops[m.group(2).split(".")[0]] += 1
+    regs = re.search(r"REG:(\d+)", res)
+    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", type=int, nargs="+", default=[0, 3, 4])
+    ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[64])
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--exact-k", action="store_true", help="do not fold the K code offset")
+    ap.add_argument("--top", type=int, default=8, help="most frequent opcodes to print")
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
+    for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
+        st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k))
+        per64 = st["loop"] * warps * 64 / bn
+        top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
+        print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "
+              f"64 tokens, I2F {st['ops'].get('I2F', 0)}, regs {st['regs']} | {top}")
+
+
+if __name__ == "__main__":
+    main()
