@@ -44,6 +44,10 @@ BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile 
 # bitcasts in inline PTX (falls back to 3, the same in plain Triton, if the PTX does not compile); 0 was the
 # conversion-instruction kernel measured in bench/results/decode_NVIDIA_H200_v3.
 INT2_IMPL = 4
+# Launch shape of the INT2 kernel: 1 warp and 16 programs per SM was the fastest impl-4 configuration at every
+# point where decode is not launch-bound (128K and 32K at batch 8 and 32; bench/results/decode_cmp_NVIDIA_H200.md).
+INT2_NUM_WARPS = 1
+INT2_PROGRAMS_PER_SM = 16
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
 _SM_COUNT: dict[int, int] = {}
 
@@ -137,7 +141,7 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------------------------------- API
 def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                           sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+                          block_n: int = BLOCK_N, num_warps: int = INT2_NUM_WARPS, num_stages: int = 3,
                           impl: int | None = None, prefetch: bool = False):
     """Decode attention over the paged INT2 history.
 
@@ -161,7 +165,7 @@ def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     q = q.contiguous()
     b, _, _ = q.shape
     splits = num_splits or default_num_splits(b, k_codes.shape[1], block_table.shape[1] * k_codes.shape[2],
-                                              q.device, block_n=block_n)
+                                              q.device, programs_per_sm=INT2_PROGRAMS_PER_SM, block_n=block_n)
     o_part, lse_part = _partials(q, splits)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages,
@@ -211,7 +215,8 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 3, impl: int | None = None, prefetch: bool = False):
+                     num_warps: int = INT2_NUM_WARPS, num_stages: int = 3, impl: int | None = None,
+                     prefetch: bool = False):
     """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
     and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
@@ -233,7 +238,7 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     b, _, _ = q.shape
     h_kv = k_codes.shape[1]
     s_h = num_splits or default_num_splits(b, h_kv, block_table.shape[1] * k_codes.shape[2], q.device,
-                                           block_n=block_n)
+                                           programs_per_sm=INT2_PROGRAMS_PER_SM, block_n=block_n)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
                                               min_tokens=block_n)
     o_part, lse_part = _partials(q, s_h + s_w)
