@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oscar_calib.calibrate import calibrate_model_with_report  # noqa: E402
-from oscar_calib.config import SolverSettings  # noqa: E402
 from oscar_calib.capture import decoder_of  # noqa: E402
+from oscar_calib.config import SolverSettings  # noqa: E402
 from runtime_kernels.artifact import write_artifact  # noqa: E402
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     path = args.out / f"calibrate_{tag}{'_nocompare' if args.no_compare else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     s = result["seconds"]
-    print(f"| load | forward+capture | solve+clip fit | write | end to end | plain forward | capture overhead | peak GiB |")
+    print("| load | forward+capture | solve+clip fit | write | end to end | plain forward | capture overhead | peak GiB |")
     print(f"| {s['load']:.1f} s | {s['forward_capture']:.1f} s | {s['solve_and_clip_fit']:.1f} s | {s['write']:.2f} s | "
           f"{s['end_to_end_excluding_plain_forward_reference']:.1f} s | {s['plain_forward_same_tokens']:.1f} s | "
           f"{100 * result['capture_overhead_vs_plain_forward']:+.0f} % | "

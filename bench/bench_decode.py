@@ -237,8 +237,8 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
             row[f"demote_{name}_error"] = f"{type(e).__name__}: {e}"
             log(traceback.format_exc())
     for clip_mode in ("kernel", "torch"):
-        from runtime_kernels.quant.triton_quant import quantize_pack_into
         from runtime_kernels.quant import naive
+        from runtime_kernels.quant.triton_quant import quantize_pack_into
 
         x = torch.randn(batch * PAGE, H_KV, D, device=DEV, generator=gen)
         idx = naive.clip_index(ratio, D).to(torch.int32)

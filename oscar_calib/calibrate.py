@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_calib import __version__
-from oscar_calib.capture import CaptureSession, capturing, forward_batch, sliding_window_layers, unsupported_attention_reason
+from oscar_calib.capture import (
+    CaptureSession,
+    capturing,
+    forward_batch,
+    sliding_window_layers,
+    unsupported_attention_reason,
+)
 from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError

@@ -16,7 +16,12 @@ import torch
 from rich.console import Console
 
 from oscar_calib import __version__
-from oscar_calib.calibrate import CalibrationReport, calibrate_model_with_report, check_supported, model_geometry
+from oscar_calib.calibrate import (
+    CalibrationReport,
+    calibrate_model_with_report,
+    check_supported,
+    model_geometry,
+)
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError

@@ -28,7 +28,6 @@ The window of a sequence is therefore always chronological and its valid rows ar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 

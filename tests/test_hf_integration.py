@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -22,7 +23,6 @@ from runtime_kernels.artifact import ArtifactError, identity_artifact, write_art
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.hf import OscarCache, OscarLayer, enable_oscar_attention
 from runtime_kernels.quant import naive as quant_naive
-from tiny_models import tiny_model
 
 S, R, P = 4, 8, 4
 HQ, H, D, G = 4, 2, 16, 8

@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import sys
 
+from oscar_calib.cli import (
+    audit_cmd,  # noqa: F401  (registers `audit`)
+    eval_cmd,  # noqa: F401  (registers `eval`)
+    hub_cmd,  # noqa: F401  (registers `push`, `pull`)
+    interop_cmd,  # noqa: F401  (registers `import`, `export`)
+    run_cmd,  # noqa: F401  (registers `run`)
+    zoo_cmd,  # noqa: F401  (registers `zoo`)
+)
 from oscar_calib.cli.app import app
-from oscar_calib.cli import run_cmd  # noqa: F401  (registers `run`)
-from oscar_calib.cli import eval_cmd  # noqa: F401  (registers `eval`)
-from oscar_calib.cli import audit_cmd  # noqa: F401  (registers `audit`)
-from oscar_calib.cli import hub_cmd  # noqa: F401  (registers `push`, `pull`)
-from oscar_calib.cli import zoo_cmd  # noqa: F401  (registers `zoo`)
-from oscar_calib.cli import interop_cmd  # noqa: F401  (registers `import`, `export`)
 from oscar_calib.errors import OscarError
 
 

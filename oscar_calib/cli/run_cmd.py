@@ -10,7 +10,13 @@ from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt
-from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, CalibrationConfig, DataConfig, SolverSettings
+from oscar_calib.config import (
+    DEFAULT_K_CLIP_GRID,
+    DEFAULT_V_CLIP_GRID,
+    CalibrationConfig,
+    DataConfig,
+    SolverSettings,
+)
 from oscar_calib.errors import InputError
 
 _EXAMPLES = """

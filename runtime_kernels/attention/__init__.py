@@ -17,7 +17,14 @@ import math
 
 import torch
 
-from runtime_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_dim, check_head_dim, check_tensor, resolve_backend
+from runtime_kernels._validate import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_dim,
+    check_head_dim,
+    check_tensor,
+    resolve_backend,
+)
 from runtime_kernels.attention import naive, paged_ref
 
 

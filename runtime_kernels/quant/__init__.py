@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_dim, check_head_dim, check_tensor, resolve_backend
+from runtime_kernels._validate import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_dim,
+    check_head_dim,
+    check_tensor,
+    resolve_backend,
+)
 from runtime_kernels.quant import naive
 
 __all__ = ["naive", "quantize_pack", "write_pages"]
