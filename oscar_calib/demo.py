@@ -14,11 +14,22 @@ import torch
 PACKAGE_DIR = Path(__file__).resolve().parent
 FIXTURE_DIR = PACKAGE_DIR / "fixtures" / "tiny-qwen3"
 DEMO_TEXT = PACKAGE_DIR / "demo_data" / "demo.txt"
-DEMO_MODEL_ID = "oscar-calib/demo-tiny-qwen3"
+DEMO_MODEL_ID = "oscar-calib/demo-tiny-qwen3"  # the random fallback
+FIXTURE_MODEL_ID = "oscar-calib/tiny-qwen3"  # the trained fixture
 
 
 def fixture_available() -> bool:
     return (FIXTURE_DIR / "config.json").is_file() and any(FIXTURE_DIR.glob("*.safetensors"))
+
+
+def fixture_revision() -> str:
+    """A content revision for the fixture: the first 12 hex digits of its weights' sha256."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(FIXTURE_DIR.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return f"fixture-{digest.hexdigest()[:12]}"
 
 
 def demo_text_path() -> Path:

@@ -240,8 +240,9 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
         check_supported(model_config)
         model = None
         tokenizer = _load_tokenizer(model_ref, config.model_revision, config.trust_remote_code)
-        model_id = config.model or demo.DEMO_MODEL_ID
-        revision = config.model_revision or getattr(model_config, "_commit_hash", None) or "local"
+        model_id = config.model or demo.FIXTURE_MODEL_ID
+        revision = (config.model_revision or getattr(model_config, "_commit_hash", None)
+                    or (demo.fixture_revision() if config.model is None else "local"))
     check_supported(model_config)
     limit = max_positions(model_config)
     if limit is not None and data_cfg.seq_len > limit:

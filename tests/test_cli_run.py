@@ -207,3 +207,14 @@ def test_packing_and_seeded_shuffle(tmp_path):
     # Documents are packed back to back with EOS between them: no padding, full sequences.
     flat = torch.cat([a.input_ids.flatten(), a.holdout_ids.flatten()]).tolist()
     assert flat.count(tok.eos_token_id) >= 160 // 17 - 1
+
+
+def test_demo_falls_back_to_a_random_model_without_the_fixture(tmp_path, monkeypatch, capsys):
+    import oscar_calib.demo as demo
+
+    monkeypatch.setattr(demo, "fixture_available", lambda: False)
+    code, _, stderr = run_cli(["run", "--out", str(tmp_path / "d")], monkeypatch, capsys)
+    assert code == 0, stderr
+    art = read_artifact(tmp_path / "d")
+    assert art.metadata["model_id"] == demo.DEMO_MODEL_ID and art.head_dim == 64
+    assert json.loads(art.metadata["calibration"])["dataset"].endswith("demo.txt")
