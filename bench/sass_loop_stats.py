@@ -29,19 +29,25 @@ PTR = {"q_ptr": None, "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_p
 OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool):
+def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    fn = mod._int2_decode_kernel
-    const = dict(GROUP=4, G_PAD=16, Q=32, Q_PAD=32, GS=128, NG=1, P=64, BLOCK_N=block_n, FP32=False, INTERP=False,
-                 IMPL=impl, PREFETCH=False, KFOLD=fold and impl >= 3 and qdtype == "bf16")
+    if impl == 5:  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
+        fn = mod._int2_decode_kernel_t
+        const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold)
+        ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
+    else:
+        fn = mod._int2_decode_kernel
+        const = dict(GROUP=4, G_PAD=16, Q=32, Q_PAD=32, GS=128, NG=1, P=64, BLOCK_N=block_n, FP32=False,
+                     INTERP=False, IMPL=impl, PREFETCH=False, KFOLD=fold and impl >= 3 and qdtype == "bf16")
+        ptr = PTR
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in const:
             sig[n] = "constexpr"
-        elif n in PTR:
-            sig[n] = PTR[n] or f"*{qdtype}"
+        elif n in ptr:
+            sig[n] = ptr[n] or f"*{qdtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
             sig[n] = "fp32"
@@ -88,11 +94,12 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--exact-k", action="store_true", help="do not fold the K code offset")
+    ap.add_argument("--vfold", action="store_true", help="impl 5: V code offset subtracted after a fresh dot")
     ap.add_argument("--top", type=int, default=8, help="most frequent opcodes to print")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
-        st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k))
+        st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "

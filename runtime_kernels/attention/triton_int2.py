@@ -406,6 +406,262 @@ def _int2_decode_kernel(
              lse, mask=g_ok)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# impl 5: tokens on the MMA M dimension, 16 codes per packed word without byte moves.
+#
+# impl 0-4 put the GQA group (4 query heads, padded to 16) on the MMA rows, so 3/4 of every dot, every softmax
+# step and every accumulator rescale works on padding. impl 5 transposes both dots:
+#     S^T [BLOCK_N tokens, NQ] = sum_p X_p [BLOCK_N, U] @ QB_p [U, NQ]       (M = tokens: no padding)
+#     O^T_p [U, NQ]           += Y_p [U, BLOCK_N] @ PB [BLOCK_N, NQ]          (M = channel groups)
+# with NQ = 2 * GP columns (GP = query heads padded to >= 4): the score columns are (head, channel half) pairs,
+# so summing column pairs (a register-local add) leaves a [BLOCK_N, GP] score tile with no padding at GROUP = 4;
+# the V columns are (head, copy) pairs, which puts head i on the same lanes in both dots.
+#
+# Codes: the tile is read as int16 elements u (bytes 2u, 2u+1 of a row = 8 codes). For code position p (0-3: bits
+# 2p of byte 2u = channel 2u + pQ; 4-7: byte 2u+1, code p-4 = channel 2u+1 + (p-4)Q) one `lop3` per 32-bit register
+# gives two fp16 values 1024 + M_p * code, M_p = 4^(bit position / 2) with the code left where it is (the fp16
+# mantissa holds bits 0-9, so positions 0-4 need no shift, 5-7 share one `shr`): 9 instructions per 16 codes,
+# element-wise in the int16 elements (pack=2), so correct in any register layout. The per-position factor M_p
+# is folded into the query (QB_p = q * 16 / M_p, a power of two: exact) and into the output (acc_p / M_p).
+# K side: the 1024 offset is folded out of the fresh per-tile score, s = ks * (S - 1024 sum q' - 16 z sum q) / 16.
+# V side (VFOLD False): the offset is subtracted exactly in fp16 (`sub.f16x2`, 8 more per 16 codes), because the
+# accumulator spans the whole chunk; VFOLD True: the tile's dot starts from zero and 1024 * sum_t pv is subtracted
+# from it in fp32 before it is added to the accumulator (same precision, the subtraction moves to the accumulator).
+# ------------------------------------------------------------------------------------------------------------
+_M5 = (1, 4, 16, 64, 256, 16, 64, 256)  # M_p: the multiplier of code position p in its fp16 value
+_ASM5_HEAD = tl.constexpr("{ .reg .b32 t, m; mov.b32 m, 0x64006400; ")
+# One lop3 per output ((a & b) | c, LUT 0xEA): code position p of both int16 halves of $8, under the fp16 exponent
+# of 1024 (the magic register m), into output $p; positions 5-7 (bits 10-15) come from one shift by 6.
+_ASM5_BODY = tl.constexpr(
+    "lop3.b32 $0, $8, 0x00030003, m, 0xEA; "
+    "lop3.b32 $1, $8, 0x000C000C, m, 0xEA; "
+    "lop3.b32 $2, $8, 0x00300030, m, 0xEA; "
+    "lop3.b32 $3, $8, 0x00C000C0, m, 0xEA; "
+    "lop3.b32 $4, $8, 0x03000300, m, 0xEA; "
+    "shr.b32 t, $8, 6; "
+    "lop3.b32 $5, t, 0x00300030, m, 0xEA; "
+    "lop3.b32 $6, t, 0x00C000C0, m, 0xEA; "
+    "lop3.b32 $7, t, 0x03000300, m, 0xEA; ")
+_ASM5_SUB = tl.constexpr(
+    "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; "
+    "sub.f16x2 $4, $4, m; sub.f16x2 $5, $5, m; sub.f16x2 $6, $6, m; sub.f16x2 $7, $7, m; ")
+_ASM5_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
+
+
+@triton.jit
+def _pos_codes(w, SH: tl.constexpr, MASK: tl.constexpr, SUB: tl.constexpr):
+    """Plain-Triton code position of an int16 tile (interpreter): fp16 bits `((w >> SH) & MASK) | 0x6400`, i.e.
+    1024 + M_p * code (SUB: minus 1024, exact)."""
+    x = (((w.to(tl.int32) >> SH) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    if SUB:
+        x = (x.to(tl.float32) - 1024.0).to(tl.float16)
+    return x
+
+
+@triton.jit
+def _codes8(w, SUB: tl.constexpr, ASM: tl.constexpr):
+    """int16 code tile `w [R, C]` -> 8 fp16 tiles `[R, C]`, tile p = 1024 + M_p * (code p of each element) (SUB:
+    without the 1024). Element-wise, so the register layout Triton picks does not matter."""
+    if ASM:
+        if SUB:
+            x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                _ASM5_HEAD + _ASM5_BODY + _ASM5_SUB + _ASM_TAIL, _ASM5_CONSTRAINTS, [w],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                _ASM5_HEAD + _ASM5_BODY + _ASM_TAIL, _ASM5_CONSTRAINTS, [w],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        x0 = _pos_codes(w, 0, 0x0003, SUB)
+        x1 = _pos_codes(w, 0, 0x000C, SUB)
+        x2 = _pos_codes(w, 0, 0x0030, SUB)
+        x3 = _pos_codes(w, 0, 0x00C0, SUB)
+        x4 = _pos_codes(w, 0, 0x0300, SUB)
+        x5 = _pos_codes(w, 6, 0x0030, SUB)
+        x6 = _pos_codes(w, 6, 0x00C0, SUB)
+        x7 = _pos_codes(w, 6, 0x0300, SUB)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INTERP: tl.constexpr):
+    """`acc + a @ b` (fp16 operands, fp32 accumulator; widened to fp32 under the interpreter)."""
+    if INTERP:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _qb(q_cols, offs_u, u_ok, c_half, c_ok, POS: tl.constexpr, Q: tl.constexpr, FAC: tl.constexpr):
+    """Query operand of code position POS: `[U_PAD, NQ]` fp16, row u = channel 2u + POS // 4 + (POS % 4) * Q,
+    column (i, e) = query head i times FAC = 16 / M_POS where e == POS // 4 (the channel half), else 0."""
+    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
+    m = u_ok[:, None] & c_ok[None, :] & (c_half == POS // 4)[None, :]
+    return (tl.load(q_cols + ch[:, None], mask=m, other=0.0).to(tl.float32) * FAC).to(tl.float16)
+
+
+@triton.jit
+def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.constexpr, INV_M: tl.constexpr):
+    """Store code position POS of the output: channels 2u + POS // 4 + (POS % 4) * Q, `(acc / M - z) / l`."""
+    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
+    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :], mask=omask)
+
+
+@triton.jit(do_not_specialize=["split_offset"])
+def _int2_decode_kernel_t(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    qk_scale, split_offset,
+    stride_qb, stride_qh,
+    stride_kcp, stride_kch, stride_kcr,
+    stride_ksp, stride_ksh, stride_ksr,
+    stride_vcp, stride_vch, stride_vcr,
+    stride_vsp, stride_vsh, stride_vsr,
+    stride_btb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
+):
+    # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
+    # q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row. Same outputs as `_int2_decode_kernel`.
+    ASM: tl.constexpr = not INTERP
+    NQ: tl.constexpr = 2 * GP
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    L = tl.load(len_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, L)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_u = tl.arange(0, U_PAD)
+    u_ok = offs_u < U
+    offs_c = tl.arange(0, NQ)
+    c_head = offs_c // 2
+    c_half = offs_c % 2
+    c_ok = c_head < GROUP
+    q_cols = q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + c_head)[None, :] * stride_qh  # [1, NQ]
+    qb0 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 0, Q, 16.0)
+    qb1 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 1, Q, 4.0)
+    qb2 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 2, Q, 1.0)
+    qb3 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 3, Q, 0.25)
+    qb4 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 4, Q, 0.0625)
+    qb5 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 5, Q, 1.0)
+    qb6 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 6, Q, 0.25)
+    qb7 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 7, Q, 0.0625)
+    # 1024 * sum q' (the folded K offset) and 16 * sum q (the zero term), per head, from the operands themselves.
+    qoff_c = tl.sum(qb0.to(tl.float32) + qb1.to(tl.float32) + qb2.to(tl.float32) + qb3.to(tl.float32)
+                    + qb4.to(tl.float32) + qb5.to(tl.float32) + qb6.to(tl.float32) + qb7.to(tl.float32), axis=0)
+    qsum_c = tl.sum(qb0.to(tl.float32) + 4.0 * qb1.to(tl.float32) + 16.0 * qb2.to(tl.float32)
+                    + 64.0 * qb3.to(tl.float32) + 256.0 * qb4.to(tl.float32) + 16.0 * qb5.to(tl.float32)
+                    + 64.0 * qb6.to(tl.float32) + 256.0 * qb7.to(tl.float32), axis=0)
+    qoff = 1024.0 * tl.sum(tl.reshape(qoff_c, [GP, 2]), axis=1)  # [GP]
+    qsum = tl.sum(tl.reshape(qsum_c, [GP, 2]), axis=1)  # [GP], = 16 * sum_j q_j
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_z = tl.zeros([GP], tl.float32)
+    acc0 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc1 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc2 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc3 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc4 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc5 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc6 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc7 = tl.zeros([U_PAD, NQ], tl.float32)
+    ksc = qk_scale * 0.0625
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + offs_n
+        t_ok = t < end
+        if P % BLOCK_N == 0:
+            page = tl.load(bt_row + t0 // P).to(tl.int64)
+        else:
+            page = tl.load(bt_row + t // P, mask=t_ok, other=0).to(tl.int64)
+        r = (t % P).to(tl.int64)
+        kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
+        vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
+        ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
+        vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
+        kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :], mask=t_ok[:, None] & u_ok[None, :], other=0)
+        vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None], mask=u_ok[:, None] & t_ok[None, :], other=0)
+        ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+
+        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, False, ASM)
+        st = tl.zeros([BLOCK_N, NQ], tl.float32)
+        st = _dot_acc(x0, qb0, st, INTERP)
+        st = _dot_acc(x1, qb1, st, INTERP)
+        st = _dot_acc(x2, qb2, st, INTERP)
+        st = _dot_acc(x3, qb3, st, INTERP)
+        st = _dot_acc(x4, qb4, st, INTERP)
+        st = _dot_acc(x5, qb5, st, INTERP)
+        st = _dot_acc(x6, qb6, st, INTERP)
+        st = _dot_acc(x7, qb7, st, INTERP)
+        sc = tl.sum(tl.reshape(st, [BLOCK_N, GP, 2]), axis=2)  # both channel halves: [BLOCK_N, GP]
+        s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
+        s = tl.where(t_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        pv = (p * vs[:, None]).to(tl.float16)  # p * scale <= 65504: the scale is stored in fp16
+        pvf = pv.to(tl.float32)
+        acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
+        pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
+        a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
+
+        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, not VFOLD, ASM)
+        if VFOLD:
+            ps = tl.sum(pvf, axis=0) * 1024.0
+            poff = tl.reshape(tl.join(ps, ps), [NQ])[None, :]
+            zero = tl.zeros([U_PAD, NQ], tl.float32)
+            acc0 = acc0 * a2[None, :] + (_dot_acc(y0, pb, zero, INTERP) - poff)
+            acc1 = acc1 * a2[None, :] + (_dot_acc(y1, pb, zero, INTERP) - poff)
+            acc2 = acc2 * a2[None, :] + (_dot_acc(y2, pb, zero, INTERP) - poff)
+            acc3 = acc3 * a2[None, :] + (_dot_acc(y3, pb, zero, INTERP) - poff)
+            acc4 = acc4 * a2[None, :] + (_dot_acc(y4, pb, zero, INTERP) - poff)
+            acc5 = acc5 * a2[None, :] + (_dot_acc(y5, pb, zero, INTERP) - poff)
+            acc6 = acc6 * a2[None, :] + (_dot_acc(y6, pb, zero, INTERP) - poff)
+            acc7 = acc7 * a2[None, :] + (_dot_acc(y7, pb, zero, INTERP) - poff)
+        else:
+            acc0 = _dot_acc(y0, pb, acc0 * a2[None, :], INTERP)
+            acc1 = _dot_acc(y1, pb, acc1 * a2[None, :], INTERP)
+            acc2 = _dot_acc(y2, pb, acc2 * a2[None, :], INTERP)
+            acc3 = _dot_acc(y3, pb, acc3 * a2[None, :], INTERP)
+            acc4 = _dot_acc(y4, pb, acc4 * a2[None, :], INTERP)
+            acc5 = _dot_acc(y5, pb, acc5 * a2[None, :], INTERP)
+            acc6 = _dot_acc(y6, pb, acc6 * a2[None, :], INTERP)
+            acc7 = _dot_acc(y7, pb, acc7 * a2[None, :], INTERP)
+        m_i = m_new
+
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv2 = tl.reshape(tl.join(inv, inv), [NQ])
+    z2 = tl.reshape(tl.join(acc_z, acc_z), [NQ])
+    o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + c_head)[None, :] * stride_oh
+              + (split_offset + sp) * stride_os)
+    omask = u_ok[:, None] & (c_ok & (c_half == 0))[None, :]
+    _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, 1.0)
+    _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, 0.25)
+    _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, 0.0625)
+    _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, 0.015625)
+    _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, 0.00390625)
+    _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, 0.0625)
+    _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, 0.015625)
+    _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, 0.00390625)
+    offs_g = tl.arange(0, GP)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
+             lse, mask=offs_g < GROUP)
+
+
 # Fold the bf16 +128 code offset of the K side into the zero term (False: subtract it exactly, ~3-7 % more
 # instructions in the loop; the fold's extra logit error is about 1e-4, far below the bf16 rounding of q).
 FOLD_K_OFFSET = True
@@ -433,6 +689,12 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         impl = min(impl, 1)  # the no-tensor-core and bitcast variants exist for one group per row only
     if impl == 4 and _ASM_BROKEN and not _STRICT:
         impl = 3
+    if impl == 5:
+        if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
+            return _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                 o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
+                                 num_stages)
+        impl = 3  # fp32 queries, several groups per row, odd code rows: the same bitcast math in plain Triton
     # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
     grid = (b, h_kv, num_splits)
@@ -470,6 +732,47 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
 
 
 _STRICT = False
+IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a fresh per-tile dot (see above)
+
+
+def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
+    """impl 5 needs half queries, one scale/zero group per row, int16-viewable code rows (d % 8 == 0, even
+    strides) and tiles that do not straddle pages unless the page id is looked up per token (any block_n works)."""
+    import torch
+
+    return (q.dtype in (torch.float16, torch.bfloat16) and ng == 1 and k_codes.shape[3] % 2 == 0
+            and all(t.stride(3) == 1 and all(st % 2 == 0 for st in t.stride()[:3]) and t.storage_offset() % 2 == 0
+                    for t in (k_codes, v_codes)) and block_n >= 16)
+
+
+def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                  sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
+                  num_stages: int):
+    """Launch `_int2_decode_kernel_t` (impl 5) on int16 views of the code pools."""
+    import torch
+
+    b, h_q, d = q.shape
+    h_kv = k_codes.shape[1]
+    group = h_q // h_kv
+    kc = k_codes.view(torch.int16)
+    vc = v_codes.view(torch.int16)
+    u = kc.shape[3]
+    grid = (b, h_kv, num_splits)
+    return _int2_decode_kernel_t[grid](
+        q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+        sm_scale * 1.4426950408889634, split_offset,
+        q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u, U_PAD=max(16, triton.next_power_of_2(u)),
+        P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD,
+        num_warps=num_warps, num_stages=num_stages,
+    )
 
 
 def strict_impl(on: bool = True) -> None:
