@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 LEVELS = 4  # 2 bits
-SCALE_EPS = 1e-8
+# Floors of the fp16 scale, so that degenerate rows stay finite (all powers of two times small integers,
+# so the torch reference and the Triton kernel compute them bit-identically):
+# - SCALE_EPS: the smallest range; /3 gives 2^-14, the smallest normal fp16 (an all-zero row would otherwise
+#   get scale 0 and NaN codes);
+# - ZERO_LIMIT: the scale is at least max|x| / 2^15, so the zero point `-lo / scale` fits in fp16 (65504)
+#   even for a nearly constant row far from 0.
+SCALE_EPS = 3 * 2.0**-14
+ZERO_LIMIT = 2.0**15
 
 
 def clip_index(ratio: float | torch.Tensor, d: int) -> torch.Tensor:
@@ -51,7 +58,8 @@ def quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tens
     xg = x.float().reshape(*x.shape[:-1], d // g, g)
     lo = xg.amin(dim=-1)
     hi = xg.amax(dim=-1)
-    scale = (torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1)).to(torch.float16)
+    scale = torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1)
+    scale = torch.maximum(scale, torch.maximum(lo.abs(), hi.abs()) * (1.0 / ZERO_LIMIT)).to(torch.float16)
     zero = (-lo / scale.float()).to(torch.float16)
     codes = torch.floor(xg / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1) + 0.5)
     codes = codes.clamp(0, LEVELS - 1).to(torch.uint8).reshape(x.shape)

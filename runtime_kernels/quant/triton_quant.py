@@ -39,6 +39,14 @@ def _encode(x, s, z):
 
 
 @triton.jit
+def _scale_fp16(lo, hi, RECIP: tl.constexpr):
+    """The fp16 scale of `naive.quantize`: `max(max(hi - lo, 3 * 2^-14) / 3, max(|lo|, |hi|) * 2^-15)`."""
+    s = _range_over_3(tl.maximum(hi - lo, 0.00018310546875), RECIP)  # 3 * 2^-14
+    s = tl.maximum(s, tl.maximum(tl.abs(lo), tl.abs(hi)) * 3.0517578125e-05)  # 2^-15
+    return s.to(tl.float16)
+
+
+@triton.jit
 def _range_over_3(r, RECIP: tl.constexpr):
     """`r / 3` exactly as torch computes `tensor / 3` on the same device: torch's CUDA kernel multiplies by the
     fp32 reciprocal of a scalar divisor (RECIP), its CPU kernel divides (IEEE)."""
@@ -97,7 +105,7 @@ def _quantize_pack_kernel(
         lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
         lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
         hi = tl.where(t_ok, hi, 1.0)
-        s16 = _range_over_3(tl.maximum(hi - lo, 1e-8), RECIP).to(tl.float16)
+        s16 = _scale_fp16(lo, hi, RECIP)
         s = s16.to(tl.float32)
         z16 = tl.math.div_rn(-lo, s).to(tl.float16)
         z = z16.to(tl.float32)
@@ -133,7 +141,7 @@ def _quantize_pack_kernel(
             lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
             lo = tl.where(t_ok, lo, 0.0)
             hi = tl.where(t_ok, hi, 1.0)
-            s16 = _range_over_3(tl.maximum(hi - lo, 1e-8), RECIP).to(tl.float16)
+            s16 = _scale_fp16(lo, hi, RECIP)
             s = s16.to(tl.float32)
             z16 = tl.math.div_rn(-lo, s).to(tl.float16)
             z = z16.to(tl.float32)
