@@ -314,6 +314,14 @@ COMPARE_CONFIGS = [
     ("impl4_w4_exactK", 4, 4, 64, 3, 8, 256),  # K offset subtracted exactly instead of folded (FOLD_K_OFFSET)
     ("impl3_w4", 3, 4, 64, 3, 8, 256),
     ("impl3_w1", 3, 1, 64, 3, 16, 256),
+    # impl 5: tokens on the MMA rows, lop3 codes (`_int2_decode_kernel_t`); 127 registers at 1 warp, so 16 programs
+    # per SM are all resident (impl4_w1 had 252: 8 resident). "_vfold": V offset subtracted after a fresh dot.
+    ("impl5_w1", 5, 1, 64, 3, 16, 256),
+    ("impl5_w1_p32", 5, 1, 64, 3, 32, 256),
+    ("impl5_w1_vfold", 5, 1, 64, 3, 16, 256),
+    ("impl5_w1_s2", 5, 1, 64, 2, 16, 256),
+    ("impl5_w2", 5, 2, 64, 3, 8, 256),
+    ("impl5_w4", 5, 4, 64, 3, 8, 256),
 ]
 OLD = {"v3_impl0", "v3_impl1"}
 
@@ -321,14 +329,17 @@ OLD = {"v3_impl0", "v3_impl1"}
 def _cfg_dict(c) -> dict:
     name, impl, warps, block_n, stages, pps, floor = c
     return {"name": name, "impl": impl, "num_warps": warps, "block_n": block_n, "num_stages": stages,
-            "programs_per_sm": pps, "min_tokens": floor, "prefetch": False, "fold_k": not name.endswith("exactK")}
+            "programs_per_sm": pps, "min_tokens": floor, "prefetch": False, "fold_k": not name.endswith("exactK"),
+            "vfold": name.endswith("_vfold")}
 
 
 def _set_fold(cfg: dict) -> None:
-    """The K-offset fold is a module switch of the kernel launcher (read at every launch)."""
+    """The K-offset fold (impl 3/4) and the V-offset fold (impl 5) are module switches of the kernel launcher (read at
+    every launch)."""
     from runtime_kernels.attention import triton_int2
 
     triton_int2.FOLD_K_OFFSET = cfg.get("fold_k", True)
+    triton_int2.IMPL5_VFOLD = cfg.get("vfold", False)
 
 
 def _err(e: BaseException) -> str:
@@ -359,12 +370,13 @@ def reference_check(log) -> dict:
         q = torch.randn(len(lens), H_Q, D, device=DEV, generator=gen).to(dtype)
         o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pools, table, hist)
         fin = torch.isfinite(lse_ref)
-        for impl, fold in ((0, True), (3, True), (4, True), (4, False)):
-            key = f"impl{impl}{'' if fold else '_exactK'}_{str(dtype).replace('torch.', '')}"
+        for impl, fold, vfold in ((0, True, False), (3, True, False), (4, True, False), (4, False, False),
+                                  (5, True, False), (5, True, True)):
+            key = f"impl{impl}{'' if fold else '_exactK'}{'_vfold' if vfold else ''}_{str(dtype).replace('torch.', '')}"
             if not fold and dtype != torch.bfloat16:
                 continue  # the fold exists for bf16 queries only
             try:
-                _set_fold({"fold_k": fold})
+                _set_fold({"fold_k": fold, "vfold": vfold})
                 o, lse = A.int2_decode_attention(q, *pools, table, hist, impl=impl)
                 torch.cuda.synchronize()
                 err = ((o - o_ref).pow(2).mean().sqrt() / o_ref.pow(2).mean().sqrt()).item()
@@ -491,7 +503,8 @@ def markdown_compare(meta: dict, rows: list[dict]) -> str:
             f"| {f(n and n['ms'])} | {n and n['name'] or '-'} | {f(n and n['gbps'], 0)} | "
             f"{f(n and n['pct_copy_bw'], 0)}% | {f(n and n['speedup_vs_bf16'], 2)}x | "
             f"{f(r.get('new_vs_old_speedup'), 2)}x | {f(dft and dft['ms'])} | {f(r['int2_floor_ms_at_copy_bw'])} |")
-    names = [c[0] for c in COMPARE_CONFIGS]
+    ran = {v["name"] for r in rows for v in r.get("int2_variants", [])}
+    names = [c[0] for c in COMPARE_CONFIGS if c[0] in ran]
     lines += ["", "Every config (ms; `WRONG` = output differs from v3_impl0 by > 1e-2; regs = registers per thread):",
               "", "| context | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in rows:
@@ -541,6 +554,9 @@ def main_compare(args, meta, log) -> None:
     batches = sorted((int(b) for b in args.batches.split(",")), key=lambda b: (b != 8, b))
     points = [(b, c) for c in contexts for b in batches]
     points = [(8, 131072)] + [p for p in points if p != (8, 131072)] if (8, 131072) in points else points
+    if args.only_points:
+        want = [tuple(int(x) for x in p.lower().split("x")) for p in args.only_points.split(",")]  # CONTEXTxBATCH
+        points = [(b, c) for c, b in want]
     rows = []
     for batch, context in points:
         t0 = time.time()
@@ -576,6 +592,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--configs", default="", help="compare mode: comma-separated config names to keep")
+    ap.add_argument("--only-points", default="",
+                    help="compare mode: comma-separated CONTEXTxBATCH points, run in this order (overrides "
+                         "--contexts/--batches), e.g. 131072x8,131072x32,32768x8")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="compare mode: start no new point after this many seconds")
     args = ap.parse_args()

@@ -116,7 +116,7 @@ def test_int2_group_sizes(group_size):
 
 
 @pytest.mark.parametrize("impl,prefetch", [(0, False), (1, False), (2, False), (0, True), (2, True), (3, False),
-                                           (4, False), (4, True)])
+                                           (4, False), (4, True), (5, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int2_kernel_variants(impl, prefetch, dtype):
     """The INT2 kernel's code paths (dot on transposed tile, dot on pre-transposed load, no dot; with or without
@@ -153,6 +153,101 @@ def test_int2_bitcast_codes_long_history(dtype):
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < TOL[dtype]
     assert_lse_close(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("dtype,vfold,group,d", [(torch.bfloat16, False, 4, 128), (torch.float16, True, 4, 128),
+                                                 (torch.bfloat16, True, 7, 64), (torch.float16, False, 1, 256)])
+def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d):
+    """impl 5 (tokens on the MMA rows, 16 codes per word with the code left in place, scale 4^k folded into q and
+    the output): odd lengths, GQA 1/4/7 (padded heads), d 64/128/256, V offset exact or subtracted after a fresh
+    per-tile dot. The partly folded K offset must keep the lse within 2e-4 (the bf16/fp16 query is exact in fp16)."""
+    from runtime_kernels.attention import triton_int2
+
+    lens = [0, 1, 7, 63, 257]
+    pool = make_pool(lens, h_kv=2, d=d, page=64, seed=group * d + 5)
+    q = make_q(len(lens), 2 * group, d, dtype, seed=group + 1)
+    triton_int2.IMPL5_VFOLD = vfold
+    try:
+        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=5)
+    finally:
+        triton_int2.IMPL5_VFOLD = False
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 1e-3
+    assert_lse_close(lse, lse_ref, 2e-4)
+
+
+def test_int2_impl5_long_history_and_page_straddling_tiles():
+    """impl 5 over 4099 tokens and 3 splits (the accumulators carry the exact V codes across tiles), and with
+    32-token pages under 64-token tiles (per-token page lookup, masked code loads)."""
+    pool = make_pool([4099, 1], h_kv=1, d=128, page=64, seed=43)
+    q = make_q(2, 4, 128, torch.bfloat16)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=3, impl=5)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 1e-3
+    assert_lse_close(lse, lse_ref, 2e-4)
+    pool = make_pool([200, 33], h_kv=2, d=64, page=32, seed=44)
+    q = make_q(2, 8, 64, torch.float16)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=5, block_n=64)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 1e-3
+    assert_lse_close(lse, lse_ref, 2e-4)
+
+
+def _run_ptx5(text: str, word: int) -> list[int]:
+    """Emulator for impl 5's inline-PTX block (mov/shr/lop3/sub.f16x2 on b32): `$8` = input, returns `$0 .. $7`."""
+    import numpy as np
+
+    regs = {"$8": word}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    def f16x2(x):
+        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    for ins in [i.strip() for i in text.strip("{} ").split(";") if i.strip()]:
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "lop3.b32":
+            lut = val(a[4])
+            x, y, z = val(a[1]), val(a[2]), val(a[3])
+            regs[a[0]] = sum(((lut >> (((x >> i) & 1) << 2 | ((y >> i) & 1) << 1 | ((z >> i) & 1))) & 1) << i
+                             for i in range(32))
+        elif op == "sub.f16x2":
+            h = (f16x2(val(a[1])) - f16x2(val(a[2]))).astype(np.float16).view(np.uint16).astype(np.int64)
+            regs[a[0]] = int(h[0]) | (int(h[1]) << 16)
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op!r}")
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("sub", [0, 1, 2])
+def test_inline_ptx_impl5_block_gives_scaled_codes(sub):
+    """impl 5's inline-PTX block, run by the emulator above on random words (two int16 elements each): output p holds,
+    in each half, 1024 + M_p * (code p of that element) with code p = bits 2(p % 4) of byte p // 4 and
+    M = 1, 4, 16, 64, 256, 16, 64, 256 (minus 1024 at the subtracted positions: all, or 0 and 1)."""
+    import numpy as np
+
+    from runtime_kernels.attention import triton_int2 as T
+
+    text = T._ASM5_HEAD.value + T._ASM5_BODY.value + {0: "", 1: T._ASM5_SUB01.value, 2: T._ASM5_SUB.value}[sub]
+    text += T._ASM_TAIL.value
+    gen = torch.Generator().manual_seed(6)
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF]
+    for w in words:
+        outs = _run_ptx5(text, w)
+        for pos, r in enumerate(outs):
+            got = [float(np.array([hb], dtype=np.uint16).view(np.float16)[0]) for hb in (r & 0xFFFF, r >> 16)]
+            offset = 0.0 if sub == 2 or (sub == 1 and pos < 2) else 1024.0
+            want = [offset + T._M5[pos] * ((((w >> (16 * e)) & 0xFFFF) >> (8 * (pos // 4) + 2 * (pos % 4))) & 3)
+                    for e in range(2)]
+            assert got == want, (hex(w), pos, got, want)
 
 
 def _run_ptx(text: str, word: int) -> tuple[int, int]:

@@ -423,7 +423,8 @@ def _int2_decode_kernel(
 # mantissa holds bits 0-9, so positions 0-4 need no shift, 5-7 share one `shr`): 9 instructions per 16 codes,
 # element-wise in the int16 elements (pack=2), so correct in any register layout. The per-position factor M_p
 # is folded into the query (QB_p = q * 16 / M_p, a power of two: exact) and into the output (acc_p / M_p).
-# K side: the 1024 offset is folded out of the fresh per-tile score, s = ks * (S - 1024 sum q' - 16 z sum q) / 16.
+# K side: the 1024 offset of positions 0 and 1 (offset / code ratio 1024 and 256) is subtracted exactly in fp16, that
+# of the others folded out of the fresh per-tile score, s = ks * (S - 1024 sum_{p >= 2} q' - 16 z sum q) / 16.
 # V side (VFOLD False): the offset is subtracted exactly in fp16 (`sub.f16x2`, 8 more per 16 codes), because the
 # accumulator spans the whole chunk; VFOLD True: the tile's dot starts from zero and 1024 * sum_t pv is subtracted
 # from it in fp32 before it is added to the accumulator (same precision, the subtraction moves to the accumulator).
@@ -445,6 +446,7 @@ _ASM5_BODY = tl.constexpr(
 _ASM5_SUB = tl.constexpr(
     "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; "
     "sub.f16x2 $4, $4, m; sub.f16x2 $5, $5, m; sub.f16x2 $6, $6, m; sub.f16x2 $7, $7, m; ")
+_ASM5_SUB01 = tl.constexpr("sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; ")
 _ASM5_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
 
 
@@ -460,26 +462,31 @@ def _pos_codes(w, SH: tl.constexpr, MASK: tl.constexpr, SUB: tl.constexpr):
 
 @triton.jit
 def _codes8(w, SUB: tl.constexpr, ASM: tl.constexpr):
-    """int16 code tile `w [R, C]` -> 8 fp16 tiles `[R, C]`, tile p = 1024 + M_p * (code p of each element) (SUB:
-    without the 1024). Element-wise, so the register layout Triton picks does not matter."""
+    """int16 code tile `w [R, C]` -> 8 fp16 tiles `[R, C]`, tile p = 1024 + M_p * (code p of each element) (SUB 2:
+    all without the 1024; SUB 1: positions 0 and 1 only, the two with the largest offset-to-code ratio). Element-wise,
+    so the register layout Triton picks does not matter."""
     if ASM:
-        if SUB:
+        if SUB == 2:
             x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
                 _ASM5_HEAD + _ASM5_BODY + _ASM5_SUB + _ASM_TAIL, _ASM5_CONSTRAINTS, [w],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        elif SUB == 1:
+            x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                _ASM5_HEAD + _ASM5_BODY + _ASM5_SUB01 + _ASM_TAIL, _ASM5_CONSTRAINTS, [w],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=2)
         else:
             x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
                 _ASM5_HEAD + _ASM5_BODY + _ASM_TAIL, _ASM5_CONSTRAINTS, [w],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=2)
     else:
-        x0 = _pos_codes(w, 0, 0x0003, SUB)
-        x1 = _pos_codes(w, 0, 0x000C, SUB)
-        x2 = _pos_codes(w, 0, 0x0030, SUB)
-        x3 = _pos_codes(w, 0, 0x00C0, SUB)
-        x4 = _pos_codes(w, 0, 0x0300, SUB)
-        x5 = _pos_codes(w, 6, 0x0030, SUB)
-        x6 = _pos_codes(w, 6, 0x00C0, SUB)
-        x7 = _pos_codes(w, 6, 0x0300, SUB)
+        x0 = _pos_codes(w, 0, 0x0003, SUB >= 1)
+        x1 = _pos_codes(w, 0, 0x000C, SUB >= 1)
+        x2 = _pos_codes(w, 0, 0x0030, SUB == 2)
+        x3 = _pos_codes(w, 0, 0x00C0, SUB == 2)
+        x4 = _pos_codes(w, 0, 0x0300, SUB == 2)
+        x5 = _pos_codes(w, 6, 0x0030, SUB == 2)
+        x6 = _pos_codes(w, 6, 0x00C0, SUB == 2)
+        x7 = _pos_codes(w, 6, 0x0300, SUB == 2)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -552,9 +559,9 @@ def _int2_decode_kernel_t(
     qb5 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 5, Q, 1.0)
     qb6 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 6, Q, 0.25)
     qb7 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 7, Q, 0.0625)
-    # 1024 * sum q' (the folded K offset) and 16 * sum q (the zero term), per head, from the operands themselves.
-    qoff_c = tl.sum(qb0.to(tl.float32) + qb1.to(tl.float32) + qb2.to(tl.float32) + qb3.to(tl.float32)
-                    + qb4.to(tl.float32) + qb5.to(tl.float32) + qb6.to(tl.float32) + qb7.to(tl.float32), axis=0)
+    # 1024 * sum q' over positions 2-7 (the folded K offset; 0 and 1 are exact) and 16 * sum q (the zero term), per
+    # head, from the operands themselves.
+    qoff_c = tl.sum(qb2.to(tl.float32) + qb3.to(tl.float32) + qb4.to(tl.float32) + qb5.to(tl.float32) + qb6.to(tl.float32) + qb7.to(tl.float32), axis=0)
     qsum_c = tl.sum(qb0.to(tl.float32) + 4.0 * qb1.to(tl.float32) + 16.0 * qb2.to(tl.float32)
                     + 64.0 * qb3.to(tl.float32) + 256.0 * qb4.to(tl.float32) + 16.0 * qb5.to(tl.float32)
                     + 64.0 * qb6.to(tl.float32) + 256.0 * qb7.to(tl.float32), axis=0)
@@ -587,14 +594,20 @@ def _int2_decode_kernel_t(
         vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
         ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
         vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
-        kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :], mask=t_ok[:, None] & u_ok[None, :], other=0)
-        vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None], mask=u_ok[:, None] & t_ok[None, :], other=0)
+        # Code rows past `end` are read unmasked when the tile lies in one page (in bounds, the page is allocated):
+        # any code is a finite operand, and those tokens get s = -inf, p = 0 (their scale/zero loads stay masked).
+        if P % BLOCK_N == 0 and U == U_PAD:
+            kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :])
+            vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None])
+        else:
+            kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :], mask=t_ok[:, None] & u_ok[None, :], other=0)
+            vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None], mask=u_ok[:, None] & t_ok[None, :], other=0)
         ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
         vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
         vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
 
-        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, False, ASM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
         st = tl.zeros([BLOCK_N, NQ], tl.float32)
         st = _dot_acc(x0, qb0, st, INTERP)
         st = _dot_acc(x1, qb1, st, INTERP)
@@ -617,7 +630,7 @@ def _int2_decode_kernel_t(
         pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
         a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
 
-        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, not VFOLD, ASM)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
         if VFOLD:
             ps = tl.sum(pvf, axis=0) * 1024.0
             poff = tl.reshape(tl.join(ps, ps), [NQ])[None, :]
