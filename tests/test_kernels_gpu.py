@@ -134,7 +134,8 @@ def test_write_pages_on_gpu():
 @pytest.mark.parametrize("impl,prefetch,block_n,warps", [(0, True, 64, 4), (2, True, 32, 4), (1, False, 64, 4),
                                                          (2, False, 64, 4), (3, False, 64, 4), (3, False, 64, 1),
                                                          (4, False, 64, 4), (4, False, 64, 1), (4, False, 32, 2),
-                                                         (4, True, 64, 4)])
+                                                         (4, True, 64, 4), (5, False, 64, 1), (5, False, 64, 2),
+                                                         (5, False, 64, 4), (5, False, 32, 1)])
 def test_int2_variants_on_gpu(impl, prefetch, block_n, warps):
     lens = [0, 1, 63, 257, 4099, 20000]
     pool = make_pool(lens, 8, 128, seed=impl)
@@ -166,5 +167,30 @@ def test_int2_bitcast_codes_on_gpu(impl, dtype, fold, d, group):
     fin = torch.isfinite(lse_ref)
     assert torch.allclose(lse[fin], lse_ref[fin], atol=5e-3)
     # Same partials as the conversion kernel up to rounding.
+    o0, lse0 = A.int2_decode_attention(q, *pool, impl=0)
+    assert rel_rmse(o, o0) < 5e-3
+
+
+@pytest.mark.parametrize("dtype,vfold,d,group", [
+    (torch.bfloat16, False, 128, 4), (torch.bfloat16, True, 128, 4), (torch.float16, False, 128, 4),
+    (torch.bfloat16, False, 64, 1), (torch.float16, True, 256, 8), (torch.bfloat16, False, 128, 7)])
+def test_int2_impl5_on_gpu(dtype, vfold, d, group):
+    """impl 5 (tokens on the MMA rows, lop3 codes in inline PTX) vs the torch reference and vs impl 0, with the V
+    offset exact or subtracted after a fresh per-tile dot."""
+    from runtime_kernels.attention import triton_int2
+
+    lens = [0, 1, 7, 63, 257, 4099]
+    pool = make_pool(lens, 2, d, seed=d + group)
+    q = torch.randn(len(lens), 2 * group, d, device=DEV).to(dtype)
+    triton_int2.IMPL5_VFOLD = vfold
+    try:
+        o, lse = A.int2_decode_attention(q, *pool, impl=5)
+    finally:
+        triton_int2.IMPL5_VFOLD = False
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    fin = torch.isfinite(lse_ref)
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=1e-3)
     o0, lse0 = A.int2_decode_attention(q, *pool, impl=0)
     assert rel_rmse(o, o0) < 5e-3
