@@ -47,12 +47,14 @@ __all__ = [
 ]
 
 BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile never straddles pages)
-# INT2 kernel variant used by default (see `triton_int2`): 4 = codes turned into MMA operands by magic-number
-# bitcasts in inline PTX (falls back to 3, the same in plain Triton, if the PTX does not compile); 0 was the
-# conversion-instruction kernel measured in bench/results/decode_NVIDIA_H200_v3.
-INT2_IMPL = 4
-# Launch shape of the INT2 kernel: 1 warp and 16 programs per SM was the fastest impl-4 configuration at every
-# point where decode is not launch-bound (128K and 32K at batch 8 and 32; bench/results/decode_cmp_NVIDIA_H200.md).
+# INT2 kernel variant used by default (see `triton_int2`): 5 = transposed dots (tokens as the MMA rows, so no
+# row is padding) with codes turned into fp16 operands by one lop3 per two codes; 1.68x faster than impl 4 at
+# 128K / batch 8 on an H200 (bench/results/decode_impl5_NVIDIA_H200.md). It needs bf16/fp16 queries with
+# |q| < 4096 and one scale group per row; other inputs run impl 3 (the same bitcast math in plain Triton).
+# 4 = the same conversion through prmt in inline PTX on padded MMA rows; 0 = the conversion-instruction kernel.
+INT2_IMPL = 5
+# Launch shape of the INT2 kernel: 1 warp and 16 programs per SM was the fastest configuration of impl 4 and of
+# impl 5 at every point where decode is not launch-bound (128K and 32K at batch 8 and 32).
 INT2_NUM_WARPS = 1
 INT2_PROGRAMS_PER_SM = 16
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
