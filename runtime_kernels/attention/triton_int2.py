@@ -529,6 +529,7 @@ def _int2_decode_kernel_t(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
+    TILE_ACC: tl.constexpr,
 ):
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
     # q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row. Same outputs as `_int2_decode_kernel`.
@@ -643,7 +644,21 @@ def _int2_decode_kernel_t(
             acc5 = acc5 * a2[None, :] + (_dot_acc(y5, pb, zero, INTERP) - poff)
             acc6 = acc6 * a2[None, :] + (_dot_acc(y6, pb, zero, INTERP) - poff)
             acc7 = acc7 * a2[None, :] + (_dot_acc(y7, pb, zero, INTERP) - poff)
+        elif TILE_ACC:
+            # Fresh per-tile dot, added to the chunk accumulator by an fp32 FFMA (round to nearest). tl.fma, not
+            # `+`: Triton would fuse `acc + dot(a, b, 0)` back into the MMA's accumulator (the chained form below).
+            zero = tl.zeros([U_PAD, NQ], tl.float32)
+            acc0 = tl.fma(acc0, a2[None, :], _dot_acc(y0, pb, zero, INTERP))
+            acc1 = tl.fma(acc1, a2[None, :], _dot_acc(y1, pb, zero, INTERP))
+            acc2 = tl.fma(acc2, a2[None, :], _dot_acc(y2, pb, zero, INTERP))
+            acc3 = tl.fma(acc3, a2[None, :], _dot_acc(y3, pb, zero, INTERP))
+            acc4 = tl.fma(acc4, a2[None, :], _dot_acc(y4, pb, zero, INTERP))
+            acc5 = tl.fma(acc5, a2[None, :], _dot_acc(y5, pb, zero, INTERP))
+            acc6 = tl.fma(acc6, a2[None, :], _dot_acc(y6, pb, zero, INTERP))
+            acc7 = tl.fma(acc7, a2[None, :], _dot_acc(y7, pb, zero, INTERP))
         else:
+            # Chained: the MMA accumulates onto the chunk accumulator. Tensor cores add in fp32 with truncation, so
+            # this sum of positive terms drifts low by ~(tokens / 16) ulp over a chunk (see TILE_ACC).
             acc0 = _dot_acc(y0, pb, acc0 * a2[None, :], INTERP)
             acc1 = _dot_acc(y1, pb, acc1 * a2[None, :], INTERP)
             acc2 = _dot_acc(y2, pb, acc2 * a2[None, :], INTERP)
@@ -746,6 +761,12 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
 
 _STRICT = False
 IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a fresh per-tile dot (see above)
+# impl 5, exact V offset: True = each tile's V dot starts from zero and is added to the chunk accumulator by an fp32
+# FFMA; False = the MMA accumulates onto it (chained). Hopper tensor cores add in fp32 with truncation, so the chained
+# sum of positive terms p * s * code drifts low by about (chunk tokens / 16) ulp; after `acc - acc_z` (the zero term)
+# cancels most of it, that was up to 1e-2 relative error of o on near-zero-mean random V at 26K-token chunks
+# (bench 131072 x 32; emulated in bench/NOTES_decode.md). Per tile the error stays at the fp16 rounding of p * s.
+IMPL5_TILE_ACC = True
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -783,7 +804,7 @@ def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u, U_PAD=max(16, triton.next_power_of_2(u)),
-        P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD,
+        P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC,
         num_warps=num_warps, num_stages=num_stages,
     )
 
