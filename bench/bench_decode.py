@@ -320,6 +320,9 @@ COMPARE_CONFIGS = [
     ("impl5_w1", 5, 1, 64, 3, 16, 256),
     ("impl5_w1_p32", 5, 1, 64, 3, 32, 256),
     ("impl5_w1_vfold", 5, 1, 64, 3, 16, 256),
+    # "_chain": the V dot accumulates onto the chunk accumulator inside the MMA (before IMPL5_TILE_ACC).
+    ("impl5_w1_chain", 5, 1, 64, 3, 16, 256),
+    ("impl5_w1_p32_chain", 5, 1, 64, 3, 32, 256),
     ("impl5_w1_s2", 5, 1, 64, 2, 16, 256),
     ("impl5_w2", 5, 2, 64, 3, 8, 256),
     ("impl5_w4", 5, 4, 64, 3, 8, 256),
@@ -331,7 +334,7 @@ def _cfg_dict(c) -> dict:
     name, impl, warps, block_n, stages, pps, floor = c
     return {"name": name, "impl": impl, "num_warps": warps, "block_n": block_n, "num_stages": stages,
             "programs_per_sm": pps, "min_tokens": floor, "prefetch": False, "fold_k": not name.endswith("exactK"),
-            "vfold": name.endswith("_vfold")}
+            "vfold": name.endswith("_vfold"), "tile_acc": not name.endswith("_chain")}
 
 
 def _set_fold(cfg: dict) -> None:
@@ -341,11 +344,40 @@ def _set_fold(cfg: dict) -> None:
 
     triton_int2.FOLD_K_OFFSET = cfg.get("fold_k", True)
     triton_int2.IMPL5_VFOLD = cfg.get("vfold", False)
+    triton_int2.IMPL5_TILE_ACC = cfg.get("tile_acc", True)
 
 
 def _err(e: BaseException) -> str:
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {(lines[-1] if lines else '')[:300]}"
+
+
+EXACT_ROWS = 2  # sequences checked against float64 at every point
+EXACT_TOL = 1e-2
+
+
+def exact_decode(q, pools, table, hist_len, k_win, v_win, slot_ids, win_len, rows: int):
+    """float64 decode attention (INT2 history dequantized + window) of the first `rows` sequences:
+    o `[rows, H_q, d]`, lse `[rows, H_q]` (float64)."""
+    from runtime_kernels.attention import paged_ref
+
+    kc, ks, kz, vc, vs, vz = pools
+    g = q.shape[1] // kc.shape[1]
+    outs, lses = [], []
+    for i in range(min(rows, q.shape[0])):
+        n = int(hist_len[i])
+        slot, w = int(slot_ids[i]), int(win_len[i])
+        k = torch.cat([paged_ref.gather_history(kc, ks, kz, table[i], n).double(),
+                       k_win[slot, :, :w].double()], dim=1)  # [H_kv, n + w, d]
+        v = torch.cat([paged_ref.gather_history(vc, vs, vz, table[i], n).double(),
+                       v_win[slot, :, :w].double()], dim=1)
+        qi = q[i].double().reshape(kc.shape[1], g, -1)  # [H_kv, g, d]
+        s = torch.einsum("hgd,hnd->hgn", qi, k) / math.sqrt(q.shape[2])
+        lse = torch.logsumexp(s, dim=2)
+        outs.append(torch.einsum("hgn,hnd->hgd", torch.exp(s - lse[..., None]), v).reshape(q.shape[1], -1))
+        lses.append(lse.reshape(-1))
+        del k, v, s
+    return torch.stack(outs), torch.stack(lses)
 
 
 def reference_check(log) -> dict:
@@ -411,6 +443,7 @@ def run_point_compare(batch: int, context: int, configs: list[dict], copy_gbps: 
     row["int2_floor_ms_at_copy_bw"] = read / copy_gbps / 1e6
     row["bits_per_element_allocated"] = allocated * 8 / (batch * context * H_KV * D * 2)
     ref_o = None
+    exact_o, exact_lse = exact_decode(q, pools, table, hist_len, k_win, v_win, slot_ids, win_len, EXACT_ROWS)
     variants = []
     for c in configs:
         cfg = dict(c)
@@ -435,9 +468,14 @@ def run_point_compare(batch: int, context: int, configs: list[dict], copy_gbps: 
                 cfg["rel_rmse_vs_v3_impl0"] = ((o - ref_o).pow(2).mean().sqrt()
                                                / ref_o.pow(2).mean().sqrt()).item()
                 cfg["lse_max_diff_vs_v3_impl0"] = (lse - ref_lse).abs().max().item()
-                cfg["correct"] = cfg["rel_rmse_vs_v3_impl0"] < 1e-2 and cfg["lse_max_diff_vs_v3_impl0"] < 1e-2
-            else:
-                cfg["correct"] = bool(torch.isfinite(o).all())
+            # Correct = close to the float64 answer (not to v3, whose chained tensor-core accumulator is itself off
+            # by up to ~1e-2 on this cancelling data at 26K-token chunks).
+            n = exact_o.shape[0]
+            cfg["rel_rmse_vs_exact"] = ((o[:n].double() - exact_o).pow(2).mean().sqrt()
+                                        / exact_o.pow(2).mean().sqrt()).item()
+            cfg["lse_max_diff_vs_exact"] = (lse[:n].double() - exact_lse).abs().max().item()
+            cfg["correct"] = (bool(torch.isfinite(o).all()) and cfg["rel_rmse_vs_exact"] < EXACT_TOL
+                              and cfg["lse_max_diff_vs_exact"] < 1e-2)
             med, lo, hi = bench(fn)
             cfg.update(ms=med, p20=lo, p80=hi, gbps=read / med / 1e6, pct_copy_bw=100 * read / med / 1e6 / copy_gbps,
                        speedup_vs_bf16=row["bf16_best_ms"] / med)
@@ -449,6 +487,7 @@ def run_point_compare(batch: int, context: int, configs: list[dict], copy_gbps: 
             log(f"--- {context}/{batch} {cfg['name']}\n" + traceback.format_exc())
         variants.append(cfg)
         print(f"    {cfg['name']:<18} " + (f"{cfg['ms']:.4f} ms {cfg['gbps']:.0f} GB/s"
+                                           f" err {cfg.get('rel_rmse_vs_exact', float('nan')):.1e}"
                                            f"{'' if cfg.get('correct') else '  WRONG'}" if "ms" in cfg
                                            else f"ERROR {cfg.get('error', '')[:120]}"), flush=True)
     row["int2_variants"] = variants
@@ -506,7 +545,7 @@ def markdown_compare(meta: dict, rows: list[dict]) -> str:
             f"{f(r.get('new_vs_old_speedup'), 2)}x | {f(dft and dft['ms'])} | {f(r['int2_floor_ms_at_copy_bw'])} |")
     ran = {v["name"] for r in rows for v in r.get("int2_variants", [])}
     names = [c[0] for c in COMPARE_CONFIGS if c[0] in ran]
-    lines += ["", "Every config (ms; `WRONG` = output differs from v3_impl0 by > 1e-2; regs = registers per thread):",
+    lines += ["", "Every config (ms; e = relative RMSE of o vs float64 on the first sequences; `WRONG` = e > 1e-2 or lse off by > 1e-2; r = registers per thread):",
               "", "| context | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in rows:
         by = {v["name"]: v for v in r.get("int2_variants", [])}
@@ -517,7 +556,8 @@ def markdown_compare(meta: dict, rows: list[dict]) -> str:
                 cells.append("-")
             elif "ms" in v:
                 cells.append(f"{v['ms']:.4f}" + ("" if v.get("correct") else " WRONG")
-                             + (f" ({v['n_regs']}r)" if "n_regs" in v else ""))
+                             + (f" ({v['n_regs']}r" if "n_regs" in v else " (")
+                             + (f", e {v['rel_rmse_vs_exact']:.1e})" if "rel_rmse_vs_exact" in v else ")"))
             else:
                 cells.append("error")
         lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
@@ -550,7 +590,7 @@ def main_compare(args, meta, log) -> None:
     configs = [_cfg_dict(c) for c in COMPARE_CONFIGS]
     if args.configs:
         keep = set(args.configs.split(","))
-        configs = [c for c in configs if c["name"] in keep or c["name"] == "v3_impl0"]
+        configs = [c for c in configs if c["name"] in keep or c["name"] in ("v3_impl0", "new_default")]
     contexts = sorted(map(int, args.contexts.split(",")), reverse=True)
     batches = sorted((int(b) for b in args.batches.split(",")), key=lambda b: (b != 8, b))
     points = [(b, c) for c in contexts for b in batches]
