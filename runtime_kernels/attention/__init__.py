@@ -53,10 +53,12 @@ BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile 
 # |q| < 4096 and one scale group per row; other inputs run impl 3 (the same bitcast math in plain Triton).
 # 4 = the same conversion through prmt in inline PTX on padded MMA rows; 0 = the conversion-instruction kernel.
 INT2_IMPL = 5
-# Launch shape of the INT2 kernel: 1 warp and 16 programs per SM was the fastest configuration of impl 4 and of
-# impl 5 at every point where decode is not launch-bound (128K and 32K at batch 8 and 32).
+# Launch shape of the INT2 kernel: 1 warp was the fastest configuration of impl 4 and of impl 5 at every point
+# where decode is not launch-bound (128K and 32K at batch 8 and 32).
 INT2_NUM_WARPS = 1
-INT2_PROGRAMS_PER_SM = 16
+# 32 programs per SM (more, shorter splits) tied 16 at 128K/B8 and 32K/B8 and was 1.24x faster at 128K/B32
+# (bench/results/decode_impl5_accuracy_NVIDIA_H200.md); shorter chunks also accumulate less rounding error.
+INT2_PROGRAMS_PER_SM = 32
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
 _SM_COUNT: dict[int, int] = {}
 
