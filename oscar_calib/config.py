@@ -76,6 +76,9 @@ class CalibrationConfig(_Strict):
     device: Optional[str] = Field(None, description="cpu, cuda, cuda:N or auto; None = auto.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
     batch_size: Optional[int] = Field(None, ge=1, description="Sequences per forward pass; None = auto.")
+    device_map: Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]] = Field(
+        None, description="accelerate placement across all visible devices (models larger than one GPU); "
+                          "None = the whole model on `device`.")
     trust_remote_code: bool = False
 
     @model_validator(mode="after")

@@ -115,11 +115,15 @@ def _load_tokenizer(model_ref: str, revision: str | None, trust_remote_code: boo
         raise InputError(f"--model {model_ref}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from exc
 
 
-def _load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device: str, trust_remote_code: bool):
+def _load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device: str, trust_remote_code: bool,
+                device_map: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    # accelerate places the weights straight onto the device (no full CPU copy first).
-    device_map = {"": device} if device != "cpu" else None
+    # accelerate places the weights straight onto the device (no full CPU copy first), or spreads the layers
+    # over every visible device with an accelerate strategy ("auto", "balanced", ...). Statistics then live on
+    # each layer's own device and only the d x d targets move to the CPU for the solver.
+    if device_map is None:
+        device_map = {"": device} if device != "cpu" else None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_ref, revision=revision, dtype=dtype, device_map=device_map,
                                                      trust_remote_code=trust_remote_code)
@@ -248,6 +252,10 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     if limit is not None and data_cfg.seq_len > limit:
         raise InputError(f"--seq-len {data_cfg.seq_len}: above the model's max_position_embeddings={limit}")
     batch_size = resolve_batch_size(config.batch_size, device, data_cfg.seq_len, choices)
+    if config.device_map is not None:
+        if model_ref is None:
+            raise InputError("--device-map needs --model (the demo model is built in memory)")
+        choices.set("device_map", config.device_map, "given on the command line: accelerate spreads the layers")
     for key, reason in choices.reasons.items():
         console.print(f"[cyan]{key}[/]={choices.values[key]}: {reason}")
 
@@ -256,7 +264,8 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
                   f"{data.holdout_ids.shape[0]} x {data_cfg.seq_len} held out, from {data.documents} documents of "
                   f"'{data.source}'")
     if model is None:
-        model = _load_model(model_ref, config.model_revision, dtype, device, config.trust_remote_code)
+        model = _load_model(model_ref, config.model_revision, dtype, device, config.trust_remote_code,
+                            config.device_map)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timings["load_s"] = time.perf_counter() - t0

@@ -218,3 +218,15 @@ def test_demo_falls_back_to_a_random_model_without_the_fixture(tmp_path, monkeyp
     art = read_artifact(tmp_path / "d")
     assert art.metadata["model_id"] == demo.DEMO_MODEL_ID and art.head_dim == 64
     assert json.loads(art.metadata["calibration"])["dataset"].endswith("demo.txt")
+
+
+def test_device_map_places_the_model_with_accelerate(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    code, _, stderr = run_cli(_args(model_dir, text_file, tmp_path / "dm", "--device-map", "auto"), monkeypatch, capsys)
+    assert code == 0, stderr
+    assert "device_map=auto" in stderr
+    log = json.loads((tmp_path / "dm" / "calibration_log.json").read_text())
+    assert log["config"]["device_map"] == "auto"
+    code, _, stderr = run_cli(_args(model_dir, text_file, tmp_path / "dm2", "--device-map", "everywhere"),
+                              monkeypatch, capsys)
+    assert code == 2 and "device_map" in stderr
+    _nothing_written(tmp_path, "dm2")

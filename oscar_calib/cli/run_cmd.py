@@ -60,6 +60,7 @@ def run(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size")] = None,
+    device_map: Annotated[Optional[str], typer.Option("--device-map", help="auto, balanced, balanced_low_0 or sequential: spread a large model over all visible devices with accelerate.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
@@ -79,7 +80,8 @@ def run(
                                   k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                                   v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
                                   key_clip_objective=key_objective, group_size=group_size),
-            device=device, dtype=dtype, batch_size=batch_size, trust_remote_code=trust_remote_code,
+            device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
+            trust_remote_code=trust_remote_code,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
