@@ -27,7 +27,7 @@ from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.solve import solve_rotations
-from runtime_kernels.artifact import FORMAT_NAME, SCHEMA_VERSION, OscarArtifact
+from runtime_kernels.artifact import FORMAT_NAME, SCHEMA_VERSION, OscarArtifact, model_geometry
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
 
@@ -79,15 +79,6 @@ def created_at() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     now = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
     return now.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def model_geometry(config) -> tuple[int, int, int, int]:
-    """(num_layers, H_q, H_kv, head_dim) of a causal-LM config (text config for multimodal ones)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h_q = int(cfg.num_attention_heads)
-    h_kv = int(getattr(cfg, "num_key_value_heads", None) or h_q)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q)
-    return int(cfg.num_hidden_layers), h_q, h_kv, d
 
 
 def check_supported(config) -> None:

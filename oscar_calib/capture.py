@@ -16,6 +16,7 @@ import torch
 
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.stats import LayerStats
+from runtime_kernels.artifact import text_config
 
 CAPTURE_NAME = "oscar_capture"
 _ACTIVE: CaptureSession | None = None
@@ -132,7 +133,7 @@ def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
 
 def unsupported_attention_reason(config) -> str | None:
     """Why a config's attention cannot be calibrated (MLA, no heads), or None if it looks supported."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "q_lora_rank", None):
         return (f"model_type '{cfg.model_type}' uses multi-head latent attention (MLA); "
                 "OSCAR needs per-head keys and values (standard MHA/GQA)")
@@ -143,7 +144,7 @@ def unsupported_attention_reason(config) -> str | None:
 
 def sliding_window_layers(config) -> set[int]:
     """Decoder layers whose attention is sliding-window (skipped: their KV cache is already bounded)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     layer_types = getattr(cfg, "layer_types", None)
     n = cfg.num_hidden_layers
     if layer_types:

@@ -28,6 +28,7 @@ import torch
 
 from oscar_calib.errors import InputError
 from oscar_calib.methods import KVMethod
+from runtime_kernels.artifact import model_geometry
 
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
@@ -285,8 +286,7 @@ def ppl(nll: torch.Tensor) -> float:
 def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_size: int = 1, sink: int = 64,
                      recent: int = 256, page_size: int = 1, progress=None) -> dict:
     """Run every method over every window. Returns a JSON-ready dict (see `oscar-calib eval --json`)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = model_geometry(model.config)[3]
     context = int(windows.long.shape[1])
     rows = []
     for method in methods:

@@ -20,13 +20,12 @@ from oscar_calib.calibrate import (
     CalibrationReport,
     calibrate_model_with_report,
     check_supported,
-    model_geometry,
 )
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
 from oscar_calib.model_card import render_model_card
-from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
+from runtime_kernels.artifact import ARTIFACT_FILENAME, model_geometry, text_config, write_artifact
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -133,8 +132,7 @@ def _load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device
 
 
 def max_positions(config) -> int | None:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(cfg, "max_position_embeddings", None)
+    return getattr(text_config(config), "max_position_embeddings", None)
 
 
 class _Progress:

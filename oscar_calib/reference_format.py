@@ -46,6 +46,7 @@ from runtime_kernels.artifact import (
     SCHEMA_VERSION,
     ArtifactError,
     OscarArtifact,
+    model_geometry,
     orthogonality_error,
 )
 
@@ -147,19 +148,11 @@ def load_reference(path: str | os.PathLike) -> dict[str, Any]:
     return validate_reference(obj, str(path))
 
 
-def _model_shape(config: Any) -> tuple[int, int, int, int]:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h_q = int(cfg.num_attention_heads)
-    h_kv = int(getattr(cfg, "num_key_value_heads", None) or h_q)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q)
-    return h_q, h_kv, d, int(cfg.num_hidden_layers)
-
-
 def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_config: Any, model_id: str,
                           model_revision: str = "unknown", k_clip: float = DEFAULT_K_CLIP,
                           v_clip: float = DEFAULT_V_CLIP, tool_version: str = "oscar-calib") -> OscarArtifact:
     """Build a validated layer-granularity artifact from a key file and a value file (validated dicts)."""
-    h_q, h_kv, d, n_layers = _model_shape(model_config)
+    n_layers, h_q, h_kv, d = model_geometry(model_config)
     if set(keys["layers"]) != set(values["layers"]):
         raise ReferenceFormatError("field 'layers': the key and value files name different layers "
                                    f"({sorted(keys['layers'])} vs {sorted(values['layers'])})")

@@ -288,17 +288,27 @@ def effective_bits(context_len: int, group_size: int, sink: int = 64, recent: in
     return (history * (2 + per_group) + bf16 * 16) / max(context_len, 1)
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config (the text config of a multimodal model; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_geometry(config: Any) -> tuple[int, int, int, int]:
+    """(num_hidden_layers, H_q, H_kv, head_dim) of a causal-LM config; head_dim defaults to hidden / H_q."""
+    cfg = text_config(config)
+    h_q = int(cfg.num_attention_heads)
+    h_kv = int(getattr(cfg, "num_key_value_heads", None) or h_q)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q)
+    return int(cfg.num_hidden_layers), h_q, h_kv, d
+
+
 def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | None = None,
                         model_revision: str | None = None) -> None:
     """Refuse an artifact that does not fit `config` (a transformers PretrainedConfig or its text config).
 
     Each mismatch names the field, the artifact's value and the model's value.
     """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h_q = int(cfg.num_attention_heads)
-    h_kv = int(getattr(cfg, "num_key_value_heads", None) or h_q)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q)
-    n_layers = int(cfg.num_hidden_layers)
+    n_layers, h_q, h_kv, d = model_geometry(config)
     meta = artifact.metadata
     src = artifact.source
     for name, model_value in (("num_attention_heads", h_q), ("num_key_value_heads", h_kv), ("head_dim", d)):
@@ -354,8 +364,10 @@ __all__ = [
     "check_against_model",
     "effective_bits",
     "identity_artifact",
+    "model_geometry",
     "orthogonality_error",
     "read_artifact",
+    "text_config",
     "validate_tensors",
     "write_artifact",
 ]

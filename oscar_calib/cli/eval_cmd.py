@@ -132,7 +132,7 @@ def eval_cmd(
         resolve_dtype,
     )
     from oscar_calib.methods import standard_methods
-    from runtime_kernels.artifact import check_against_model, read_artifact
+    from runtime_kernels.artifact import check_against_model, model_geometry, read_artifact
 
     if model is None:
         if not fixture_available():
@@ -176,8 +176,7 @@ def eval_cmd(
     windows = make_windows(tokenizer, read_documents(data), context, max_windows)
     if not windows.all():
         raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
-    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = model_geometry(lm.config)[3]
     all_methods = standard_methods(head_dim, arts)
     if methods:
         wanted = [m.strip() for m in methods.split(",") if m.strip()]
