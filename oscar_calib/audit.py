@@ -24,10 +24,10 @@ import torch
 
 from oscar_calib.errors import InputError
 from runtime_kernels.artifact import (
-    ARTIFACT_FILENAME,
     ORTHOGONALITY_TOL,
     TENSOR_NAMES,
     ArtifactError,
+    read_raw,
     validate_tensors,
 )
 from runtime_kernels.quant import naive
@@ -47,18 +47,10 @@ class RawArtifact:
 
 def load_raw(path: str | Path) -> RawArtifact:
     """Read an artifact without refusing it, so that a broken one can still be audited."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    file = path / ARTIFACT_FILENAME if path.is_dir() else path
-    if not file.is_file():
-        raise InputError(f"artifact {path}: no '{ARTIFACT_FILENAME}' (expected an artifact directory or file)")
     try:
-        with safe_open(str(file), framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-            tensors = {n: handle.get_tensor(n) for n in handle.keys()}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a corrupt header
-        raise InputError(f"artifact {file}: not a readable safetensors file: {exc}") from exc
+        file, tensors, metadata = read_raw(path)
+    except ArtifactError as exc:
+        raise InputError(f"artifact {exc}") from exc
     missing = [n for n in TENSOR_NAMES if n not in tensors]
     if missing:
         raise InputError(f"artifact {file}: field '{missing[0]}': missing tensor; nothing to audit")

@@ -222,8 +222,11 @@ def orthogonality_error(rotations: torch.Tensor) -> float:
     return float((r @ r.transpose(-1, -2) - eye).abs().amax()) if r.numel() else 0.0
 
 
-def read_artifact(path: str | os.PathLike) -> OscarArtifact:
-    """Load and validate an artifact from a directory or a `.safetensors` file."""
+def read_raw(path: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of an artifact file or directory, not validated: (file, tensors, metadata).
+
+    Raises ArtifactError if there is no artifact file or it is not readable safetensors.
+    """
     path = Path(path)
     file = path / ARTIFACT_FILENAME if path.is_dir() else path
     if not file.is_file():
@@ -234,6 +237,12 @@ def read_artifact(path: str | os.PathLike) -> OscarArtifact:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except Exception as exc:  # safetensors raises several types for a corrupt header
         raise ArtifactError(f"{file}: not a readable safetensors file: {exc}") from exc
+    return file, tensors, metadata
+
+
+def read_artifact(path: str | os.PathLike) -> OscarArtifact:
+    """Load and validate an artifact from a directory or a `.safetensors` file."""
+    file, tensors, metadata = read_raw(path)
     validate_tensors(tensors, metadata, str(file))
     return OscarArtifact(**{n: tensors[n] for n in TENSOR_NAMES}, metadata=metadata, source=str(file))
 
