@@ -154,24 +154,17 @@ def _record_attention(module, query, key, value, attention_mask, scaling=None, d
 def capture_activations(model, input_ids: torch.Tensor) -> Activations:
     """Run `input_ids [N, T]` through `model` and keep every layer's post-RoPE q, k and v."""
     global _RECORD
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from oscar_calib.capture import routed_attention
 
-    from oscar_calib.capture import set_attention_implementation
-
-    AttentionInterface.register(AUDIT_ATTENTION, _record_attention)
-    AttentionMaskInterface.register(AUDIT_ATTENTION, sdpa_mask)
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    set_attention_implementation(model, AUDIT_ATTENTION)
-    _RECORD = Activations()
-    try:
-        device = next(model.parameters()).device
-        for row in input_ids:
-            model(input_ids=row[None].to(device), use_cache=False)
-        return _RECORD
-    finally:
-        _RECORD = None
-        set_attention_implementation(model, previous)
+    with routed_attention(model, AUDIT_ATTENTION, _record_attention):
+        _RECORD = Activations()
+        try:
+            device = next(model.parameters()).device
+            for row in input_ids:
+                model(input_ids=row[None].to(device), use_cache=False)
+            return _RECORD
+        finally:
+            _RECORD = None
 
 
 # ----------------------------------------------------------------------------------------------------------

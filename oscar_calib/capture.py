@@ -114,13 +114,31 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     return out, weights
 
 
-def register_capture_attention() -> None:
-    """Register `oscar_capture` as an attention function and as a mask function (the SDPA mask)."""
+def register_attention(name: str, fn) -> None:
+    """Register `fn` as attention function `name`, and SDPA's mask function under the same name
+    (without a mask function of that name transformers silently drops the causal mask)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(CAPTURE_NAME, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+@contextlib.contextmanager
+def routed_attention(model: torch.nn.Module, name: str, fn=None) -> Iterator[None]:
+    """Route `model`'s attention through implementation `name` (registering `fn` under it when given) for
+    the duration of the block; the previous implementation is restored afterwards, also on error."""
+    if fn is not None:
+        register_attention(name, fn)
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    try:
+        set_attention_implementation(model, name)
+    except Exception as exc:  # noqa: BLE001 - transformers raises several types here
+        raise InputError(f"model {type(model).__name__}: cannot route attention through AttentionInterface: {exc}") from exc
+    try:
+        yield
+    finally:
+        set_attention_implementation(model, previous)
 
 
 def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
@@ -163,18 +181,12 @@ def capturing(model: torch.nn.Module, session: CaptureSession) -> Iterator[Captu
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("a capture session is already active")
-    register_capture_attention()
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    try:
-        set_attention_implementation(model, CAPTURE_NAME)
-    except Exception as exc:  # noqa: BLE001 - transformers raises several types here
-        raise InputError(f"model {type(model).__name__}: cannot route attention through AttentionInterface: {exc}") from exc
-    _ACTIVE = session
-    try:
-        yield session
-    finally:
-        _ACTIVE = None
-        set_attention_implementation(model, previous)
+    with routed_attention(model, CAPTURE_NAME, _capture_attention):
+        _ACTIVE = session
+        try:
+            yield session
+        finally:
+            _ACTIVE = None
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_calib.capture import routed_attention
 from oscar_calib.errors import InputError
 from oscar_calib.methods import KVMethod
 from runtime_kernels.artifact import model_geometry
@@ -170,32 +171,18 @@ def _accumulate(session: EvalSession, layer: int, scores, ref_scores, out, v, ex
     st.err_den += float((o_ref ** 2).sum(dim=-1)[affected].sum())
 
 
-def register_eval_attention() -> None:
-    """Register `oscar_eval` as an attention function and, under the same name, the SDPA mask function."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(EVAL_ATTENTION, _eval_attention)
-    AttentionMaskInterface.register(EVAL_ATTENTION, sdpa_mask)
-
-
 @contextlib.contextmanager
 def evaluating(model: torch.nn.Module, session: EvalSession) -> Iterator[EvalSession]:
     """Route `model`'s attention through the evaluation function for the block; restore it afterwards."""
     global _ACTIVE
-    from oscar_calib.capture import set_attention_implementation
-
     if _ACTIVE is not None:
         raise RuntimeError("an evaluation session is already active")
-    register_eval_attention()
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    set_attention_implementation(model, EVAL_ATTENTION)
-    _ACTIVE = session
-    try:
-        yield session
-    finally:
-        _ACTIVE = None
-        set_attention_implementation(model, previous)
+    with routed_attention(model, EVAL_ATTENTION, _eval_attention):
+        _ACTIVE = session
+        try:
+            yield session
+        finally:
+            _ACTIVE = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -370,11 +357,9 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
     every later token is a decode step whose attention reads the INT2 history. Row i of the result is
     the prediction made at position `prompt_len - 1 + i`.
     """
-    from runtime_kernels.hf import OscarCache, enable_oscar_attention
+    from runtime_kernels.hf import ATTENTION_NAME, OscarCache, oscar_attention_forward
 
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    enable_oscar_attention(model)
-    try:
+    with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
                                          page_size=page_size, sink_tokens=sink, recent_tokens=recent,
                                          backend=backend)
@@ -382,10 +367,6 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
         for pos in range(prompt_len, tokens.shape[1] - 1):
             logits.append(model(input_ids=tokens[:, pos:pos + 1], past_key_values=cache, use_cache=True).logits)
         return torch.cat(logits, dim=1).float()
-    finally:
-        from oscar_calib.capture import set_attention_implementation
-
-        set_attention_implementation(model, previous)
 
 
 def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int = 128, page_size: int = 64,
