@@ -15,16 +15,18 @@ Tokens are passed to huggingface_hub and never printed or logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oscar_calib.errors import HubError, InputError, IntegrityError
+from oscar_calib.errors import HubError, InputError, IntegrityError, OscarError
 from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_artifact
 from runtime_kernels.loader import (
     COMMIT_RE,
@@ -360,6 +362,31 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Runtime and client errors -> OscarErrors with documented exit codes (message only, never headers)."""
+    from huggingface_hub.utils import HfHubHTTPError
+
+    from runtime_kernels.artifact import ArtifactError
+    from runtime_kernels.loader import ModelMismatchError, ReleaseNotFoundError, UnsafeNameError
+
+    try:
+        yield
+    except OscarError:
+        raise
+    except UnsafeNameError as exc:
+        raise InputError(str(exc)) from None
+    except ModelMismatchError as exc:
+        raise InputError(str(exc)) from None
+    except ArtifactError as exc:
+        raise IntegrityError(str(exc)) from None
+    except ReleaseNotFoundError as exc:
+        raise HubError(str(exc)) from None
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        raise HubError(f"the Hub answered HTTP {status}: {str(exc).splitlines()[0]}") from None
+
+
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
          endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None):
@@ -368,7 +395,7 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
     from runtime_kernels.artifact import check_against_model
     from runtime_kernels.loader import ModelMismatchError, copy_release_files, pull_release
 
-    try:
+    with translate_errors():
         pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
                               cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256)
         artifact = read_artifact(pulled.artifact_path)
@@ -382,10 +409,4 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
                 raise ModelMismatchError(str(exc)) from None
         if local_dir is not None:
             pulled.files = copy_release_files(pulled.files, Path(local_dir))
-    except UnsafeNameError as exc:
-        raise InputError(str(exc)) from None
-    except ModelMismatchError as exc:
-        raise InputError(str(exc)) from None
-    except ArtifactError as exc:
-        raise IntegrityError(str(exc)) from None
     return pulled

@@ -8,11 +8,9 @@ concurrent publisher, unknown repo/revision/release).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +18,8 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
-from oscar_calib.errors import HubError, InputError, IntegrityError, OscarError
+from oscar_calib.errors import InputError
+from oscar_calib.hub import translate_errors
 
 CalibrationOpt = Annotated[
     str, typer.Option("--calibration", help="Calibration name: the release lives in '<model_id>/<calibration>/'.")]
@@ -30,31 +29,6 @@ RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on th
 def endpoint() -> str | None:
     """HF_ENDPOINT read now (the client reads it once at import)."""
     return os.environ.get("HF_ENDPOINT") or None
-
-
-@contextlib.contextmanager
-def translate_errors() -> Iterator[None]:
-    """Runtime and client errors -> OscarErrors with documented exit codes (message only, never headers)."""
-    from huggingface_hub.utils import HfHubHTTPError
-
-    from runtime_kernels.artifact import ArtifactError
-    from runtime_kernels.loader import ModelMismatchError, ReleaseNotFoundError, UnsafeNameError
-
-    try:
-        yield
-    except OscarError:
-        raise
-    except UnsafeNameError as exc:
-        raise InputError(str(exc)) from None
-    except ModelMismatchError as exc:
-        raise InputError(str(exc)) from None
-    except ArtifactError as exc:
-        raise IntegrityError(str(exc)) from None
-    except ReleaseNotFoundError as exc:
-        raise HubError(str(exc)) from None
-    except HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        raise HubError(f"the Hub answered HTTP {status}: {str(exc).splitlines()[0]}") from None
 
 
 def _load_config(path: Path | None):
