@@ -25,7 +25,13 @@ from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
 from oscar_calib.model_card import render_model_card
-from runtime_kernels.artifact import ARTIFACT_FILENAME, model_geometry, text_config, write_artifact
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    current_umask,
+    model_geometry,
+    text_config,
+    write_artifact,
+)
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -167,9 +173,7 @@ def atomic_output_dir(out_dir: Path, overwrite: bool):
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp creates 0700
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp creates 0700
     try:
         yield tmp
         if out_dir.exists():

@@ -112,7 +112,21 @@ def _name_check(check, value: str, field_name: str) -> str:
         raise ValueError(str(exc)) from None
 
 
-class Recipe(_Strict):
+class _ModelKeyed(_Strict):
+    """Checks shared by recipes and releases: the model id and calibration name become Hub path parts."""
+
+    @field_validator("model_id", check_fields=False)
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        return _name_check(check_model_id, value, "model_id")
+
+    @field_validator("calibration", check_fields=False)
+    @classmethod
+    def _calibration(cls, value: str) -> str:
+        return _name_check(check_component, value, "calibration")
+
+
+class Recipe(_ModelKeyed):
     """What to calibrate: a pinned model and the calibration settings (sections of CalibrationConfig)."""
 
     model_id: str = Field(description="Hub model id, e.g. 'Qwen/Qwen3-8B'.")
@@ -122,16 +136,6 @@ class Recipe(_Strict):
     solver: SolverSettings = Field(default_factory=SolverSettings, description="Solver settings (oscar_calib.config.SolverSettings).")
     dtype: str | None = Field(None, pattern=r"^(bfloat16|float16|float32)$")
     description: str = ""
-
-    @field_validator("model_id")
-    @classmethod
-    def _model_id(cls, value: str) -> str:
-        return _name_check(check_model_id, value, "model_id")
-
-    @field_validator("calibration")
-    @classmethod
-    def _calibration(cls, value: str) -> str:
-        return _name_check(check_component, value, "calibration")
 
     @model_validator(mode="after")
     def _data_pinned(self) -> Recipe:
@@ -165,7 +169,7 @@ class ReleaseFile(_Strict):
         return _name_check(check_relative_file, value, "name")
 
 
-class Release(_Strict):
+class Release(_ModelKeyed):
     """What was published: where, which version tag, which commit, and every file's hash."""
 
     model_id: str
@@ -176,16 +180,6 @@ class Release(_Strict):
     commit: str = Field(pattern=SHA1_RE, description="The commit the tag named when it was published.")
     files: list[ReleaseFile] = Field(min_length=1)
     metrics: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("model_id")
-    @classmethod
-    def _model_id(cls, value: str) -> str:
-        return _name_check(check_model_id, value, "model_id")
-
-    @field_validator("calibration")
-    @classmethod
-    def _calibration(cls, value: str) -> str:
-        return _name_check(check_component, value, "calibration")
 
     @field_validator("repo")
     @classmethod

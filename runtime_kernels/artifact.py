@@ -261,7 +261,7 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -283,7 +283,8 @@ def canonical_safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict
     return struct.pack("<Q", len(text)) + text + raw[8 + n:]
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (reading it means setting it, so it is set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
