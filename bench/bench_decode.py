@@ -326,6 +326,12 @@ COMPARE_CONFIGS = [
     ("impl5_w1_s2", 5, 1, 64, 2, 16, 256),
     ("impl5_w2", 5, 2, 64, 3, 8, 256),
     ("impl5_w4", 5, 4, 64, 3, 8, 256),
+    # impl 6: impl 5 with the codes as exact fp16 subnormals (no code offset to subtract or fold).
+    ("impl6_w1", 6, 1, 64, 3, 16, 256),
+    ("impl6_w1_p32", 6, 1, 64, 3, 32, 256),
+    ("impl6_w1_p24", 6, 1, 64, 3, 24, 256),
+    ("impl6_w1_s2", 6, 1, 64, 2, 32, 256),
+    ("impl6_w1_s4", 6, 1, 64, 4, 32, 256),
 ]
 OLD = {"v3_impl0", "v3_impl1"}
 
@@ -404,7 +410,7 @@ def reference_check(log) -> dict:
         o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pools, table, hist)
         fin = torch.isfinite(lse_ref)
         for impl, fold, vfold in ((0, True, False), (3, True, False), (4, True, False), (4, False, False),
-                                  (5, True, False), (5, True, True)):
+                                  (5, True, False), (5, True, True), (6, True, False)):
             key = f"impl{impl}{'' if fold else '_exactK'}{'_vfold' if vfold else ''}_{str(dtype).replace('torch.', '')}"
             if not fold and dtype != torch.bfloat16:
                 continue  # the fold exists for bf16 queries only

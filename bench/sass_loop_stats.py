@@ -33,9 +33,10 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    if impl == 5:  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
+    if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
-        const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold)
+        const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
+                     TILE_ACC=True, SUBN=impl == 6)
         ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
     else:
         fn = mod._int2_decode_kernel

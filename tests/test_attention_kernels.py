@@ -155,12 +155,14 @@ def test_int2_bitcast_codes_long_history(dtype):
     assert_lse_close(lse, lse_ref, 1e-3)
 
 
+@pytest.mark.parametrize("impl", [5, 6])
 @pytest.mark.parametrize("dtype,vfold,group,d", [(torch.bfloat16, False, 4, 128), (torch.float16, True, 4, 128),
                                                  (torch.bfloat16, True, 7, 64), (torch.float16, False, 1, 256)])
-def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d):
+def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d, impl):
     """impl 5 (tokens on the MMA rows, 16 codes per word with the code left in place, scale 4^k folded into q and
     the output): odd lengths, GQA 1/4/7 (padded heads), d 64/128/256, V offset exact or subtracted after a fresh
-    per-tile dot. The partly folded K offset must keep the lse within 2e-4 (the bf16/fp16 query is exact in fp16)."""
+    per-tile dot. The partly folded K offset must keep the lse within 2e-4 (the bf16/fp16 query is exact in fp16).
+    impl 6 (codes as fp16 subnormals, no offset; VFOLD does not apply) must meet the same bounds."""
     from runtime_kernels.attention import triton_int2
 
     lens = [0, 1, 7, 63, 257]
@@ -168,7 +170,7 @@ def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d):
     q = make_q(len(lens), 2 * group, d, dtype, seed=group + 1)
     triton_int2.IMPL5_VFOLD = vfold
     try:
-        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=5)
+        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl)
     finally:
         triton_int2.IMPL5_VFOLD = False
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
@@ -176,18 +178,19 @@ def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d):
     assert_lse_close(lse, lse_ref, 2e-4)
 
 
-def test_int2_impl5_long_history_and_page_straddling_tiles():
+@pytest.mark.parametrize("impl", [5, 6])
+def test_int2_impl5_long_history_and_page_straddling_tiles(impl):
     """impl 5 over 4099 tokens and 3 splits (the accumulators carry the exact V codes across tiles), and with
     32-token pages under 64-token tiles (per-token page lookup, masked code loads)."""
     pool = make_pool([4099, 1], h_kv=1, d=128, page=64, seed=43)
     q = make_q(2, 4, 128, torch.bfloat16)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=3, impl=5)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=3, impl=impl)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 1e-3
     assert_lse_close(lse, lse_ref, 2e-4)
     pool = make_pool([200, 33], h_kv=2, d=64, page=32, seed=44)
     q = make_q(2, 8, 64, torch.float16)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=5, block_n=64)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl, block_n=64)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 1e-3
     assert_lse_close(lse, lse_ref, 2e-4)

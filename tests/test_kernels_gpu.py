@@ -171,10 +171,11 @@ def test_int2_bitcast_codes_on_gpu(impl, dtype, fold, d, group):
     assert rel_rmse(o, o0) < 5e-3
 
 
+@pytest.mark.parametrize("impl", [5, 6])
 @pytest.mark.parametrize("dtype,vfold,d,group", [
     (torch.bfloat16, False, 128, 4), (torch.bfloat16, True, 128, 4), (torch.float16, False, 128, 4),
     (torch.bfloat16, False, 64, 1), (torch.float16, True, 256, 8), (torch.bfloat16, False, 128, 7)])
-def test_int2_impl5_on_gpu(dtype, vfold, d, group):
+def test_int2_impl5_on_gpu(dtype, vfold, d, group, impl):
     """impl 5 (tokens on the MMA rows, lop3 codes in inline PTX) vs the torch reference and vs impl 0, with the V
     offset exact or subtracted after a fresh per-tile dot."""
     from runtime_kernels.attention import triton_int2
@@ -184,7 +185,7 @@ def test_int2_impl5_on_gpu(dtype, vfold, d, group):
     q = torch.randn(len(lens), 2 * group, d, device=DEV).to(dtype)
     triton_int2.IMPL5_VFOLD = vfold
     try:
-        o, lse = A.int2_decode_attention(q, *pool, impl=5)
+        o, lse = A.int2_decode_attention(q, *pool, impl=impl)
     finally:
         triton_int2.IMPL5_VFOLD = False
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)

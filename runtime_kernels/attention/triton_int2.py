@@ -448,6 +448,21 @@ _ASM5_SUB = tl.constexpr(
     "sub.f16x2 $4, $4, m; sub.f16x2 $5, $5, m; sub.f16x2 $6, $6, m; sub.f16x2 $7, $7, m; ")
 _ASM5_SUB01 = tl.constexpr("sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; ")
 _ASM5_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
+# impl 6: the code bits alone, without an exponent, ARE an fp16 subnormal: bits `M_p * code` read as fp16 equal
+# M_p * code * 2^-24 exactly. So one `and` per output gives the operand with no offset to subtract or fold (the V side
+# of impl 5 spent 8 `sub.f16x2` per 16 codes on it); the 2^24 goes into the fp32 scale after the dot. Needs tensor
+# cores that keep fp16 subnormal operands (Hopper does; the bench and GPU tests check against float64).
+_ASM6_BODY = tl.constexpr(
+    "{ .reg .b32 t; "
+    "and.b32 $0, $8, 0x00030003; "
+    "and.b32 $1, $8, 0x000C000C; "
+    "and.b32 $2, $8, 0x00300030; "
+    "and.b32 $3, $8, 0x00C000C0; "
+    "and.b32 $4, $8, 0x03000300; "
+    "shr.b32 t, $8, 6; "
+    "and.b32 $5, t, 0x00300030; "
+    "and.b32 $6, t, 0x00C000C0; "
+    "and.b32 $7, t, 0x03000300; }")
 
 
 @triton.jit
@@ -458,6 +473,31 @@ def _pos_codes(w, SH: tl.constexpr, MASK: tl.constexpr, SUB: tl.constexpr):
     if SUB:
         x = (x.to(tl.float32) - 1024.0).to(tl.float16)
     return x
+
+
+@triton.jit
+def _pos_codes_subn(w, SH: tl.constexpr, MASK: tl.constexpr):
+    """Plain-Triton code position as an fp16 subnormal (interpreter): bits `(w >> SH) & MASK` = M_p * code * 2^-24."""
+    return ((w.to(tl.int32) >> SH) & MASK).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _codes8_subn(w, ASM: tl.constexpr):
+    """int16 code tile `w [R, C]` -> 8 fp16 tiles `[R, C]`, tile p = M_p * (code p of each element) * 2^-24 (impl 6:
+    fp16 subnormals, exact, no offset)."""
+    if ASM:
+        x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+            _ASM6_BODY, _ASM5_CONSTRAINTS, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        x0 = _pos_codes_subn(w, 0, 0x0003)
+        x1 = _pos_codes_subn(w, 0, 0x000C)
+        x2 = _pos_codes_subn(w, 0, 0x0030)
+        x3 = _pos_codes_subn(w, 0, 0x00C0)
+        x4 = _pos_codes_subn(w, 0, 0x0300)
+        x5 = _pos_codes_subn(w, 6, 0x0030)
+        x6 = _pos_codes_subn(w, 6, 0x00C0)
+        x7 = _pos_codes_subn(w, 6, 0x0300)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -529,8 +569,9 @@ def _int2_decode_kernel_t(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
-    TILE_ACC: tl.constexpr,
+    TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False,
 ):
+    # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
     # q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row. Same outputs as `_int2_decode_kernel`.
     ASM: tl.constexpr = not INTERP
@@ -568,6 +609,8 @@ def _int2_decode_kernel_t(
                     + 64.0 * qb6.to(tl.float32) + 256.0 * qb7.to(tl.float32), axis=0)
     qoff = 1024.0 * tl.sum(tl.reshape(qoff_c, [GP, 2]), axis=1)  # [GP]
     qsum = tl.sum(tl.reshape(qsum_c, [GP, 2]), axis=1)  # [GP], = 16 * sum_j q_j
+    # SUBN: the score dot gives 2^-24 * (16 q . code); both the zero term and the scale move by 2^24.
+    qsum_s = qsum * 5.9604644775390625e-08  # 2^-24: fp16 subnormal bits n = n * 2^-24
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -581,6 +624,7 @@ def _int2_decode_kernel_t(
     acc6 = tl.zeros([U_PAD, NQ], tl.float32)
     acc7 = tl.zeros([U_PAD, NQ], tl.float32)
     ksc = qk_scale * 0.0625
+    ksc_s = ksc * 16777216.0
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     for t0 in range(start, end, BLOCK_N):
@@ -608,7 +652,10 @@ def _int2_decode_kernel_t(
         vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
         vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
 
-        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
+        if SUBN:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
         st = tl.zeros([BLOCK_N, NQ], tl.float32)
         st = _dot_acc(x0, qb0, st, INTERP)
         st = _dot_acc(x1, qb1, st, INTERP)
@@ -619,7 +666,10 @@ def _int2_decode_kernel_t(
         st = _dot_acc(x6, qb6, st, INTERP)
         st = _dot_acc(x7, qb7, st, INTERP)
         sc = tl.sum(tl.reshape(st, [BLOCK_N, GP, 2]), axis=2)  # both channel halves: [BLOCK_N, GP]
-        s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
+        if SUBN:
+            s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
+        else:
+            s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
         s = tl.where(t_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
         alpha = tl.exp2(m_i - m_new)
@@ -631,8 +681,11 @@ def _int2_decode_kernel_t(
         pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
         a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
 
-        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
-        if VFOLD:
+        if SUBN:
+            y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
+        else:
+            y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
+        if VFOLD and not SUBN:
             ps = tl.sum(pvf, axis=0) * 1024.0
             poff = tl.reshape(tl.join(ps, ps), [NQ])[None, :]
             zero = tl.zeros([U_PAD, NQ], tl.float32)
@@ -677,14 +730,15 @@ def _int2_decode_kernel_t(
     o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + c_head)[None, :] * stride_oh
               + (split_offset + sp) * stride_os)
     omask = u_ok[:, None] & (c_ok & (c_half == 0))[None, :]
-    _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, 1.0)
-    _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, 0.25)
-    _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, 0.0625)
-    _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, 0.015625)
-    _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, 0.00390625)
-    _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, 0.0625)
-    _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, 0.015625)
-    _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, 0.00390625)
+    US: tl.constexpr = 16777216.0 if SUBN else 1.0  # SUBN: the V operands carried a factor 2^-24
+    _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, US * 1.0)
+    _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, US * 0.25)
+    _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, US * 0.0625)
+    _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, US * 0.015625)
+    _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, US * 0.00390625)
+    _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, US * 0.0625)
+    _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, US * 0.015625)
+    _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, US * 0.00390625)
     offs_g = tl.arange(0, GP)
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
              lse, mask=offs_g < GROUP)
@@ -717,11 +771,11 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         impl = min(impl, 1)  # the no-tensor-core and bitcast variants exist for one group per row only
     if impl == 4 and _ASM_BROKEN and not _STRICT:
         impl = 3
-    if impl == 5:
+    if impl in (5, 6):
         if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
             return _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                  o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
-                                 num_stages)
+                                 num_stages, subnormal=impl == 6)
         impl = 3  # fp32 queries, several groups per row, odd code rows: the same bitcast math in plain Triton
     # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
@@ -781,8 +835,8 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
 
 def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
-                  num_stages: int):
-    """Launch `_int2_decode_kernel_t` (impl 5) on int16 views of the code pools."""
+                  num_stages: int, subnormal: bool = False):
+    """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools."""
     import torch
 
     b, h_q, d = q.shape
@@ -805,7 +859,7 @@ def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u, U_PAD=max(16, triton.next_power_of_2(u)),
         P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC,
-        num_warps=num_warps, num_stages=num_stages,
+        SUBN=subnormal, num_warps=num_warps, num_stages=num_stages,
     )
 
 

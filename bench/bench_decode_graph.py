@@ -1,0 +1,286 @@
+"""Decode attention the way a serving engine runs it: one CUDA graph per decode step, one attention call per layer,
+each layer reading its own cache. INT2 history + BF16 window (this library) vs BF16 SDPA (flash and cuDNN).
+
+Why a second benchmark: `bench_decode.py` times one call at a time with `do_bench` (eager, L2 flushed). At small
+shapes an eager call is bound by Python and launch overhead (three launches, argument checks), which a serving
+engine removes by capturing the whole decode step in a CUDA graph. Here both sides are captured the same way:
+a graph of `calls` attention calls over `layers` distinct caches (enough layers that their bytes are at least 3x the
+L2, so no call finds its data in L2), replayed; time per call = replay time / calls. Eager time of the same call
+sequence is reported next to it.
+
+    python3 bench/bench_decode_graph.py --out bench/results                 # 9 points, ~1-2 minutes on an H200
+    python3 bench/bench_decode_graph.py --out OUT --impls 5,6 --points 131072x8,8192x1
+
+Writes `decode_graph_<gpu>.{json,md}`: per point, BF16 best backend and INT2 (each impl) ms per call under the graph
+and eager, achieved bandwidth (bytes of codes + scales + BF16 windows per second) against a device-to-device copy
+measured in the same run, and the relative RMSE of the INT2 output against a float64 reference (first sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from runtime_kernels import attention as A  # noqa: E402
+
+H_Q, H_KV, D, PAGE, SINK, RECENT = 32, 8, 128, 64, 64, 256
+WIN = SINK + RECENT
+DEV = "cuda"
+MIN_CALLS = 48  # calls per graph replay: the replay's own launch cost is spread over this many calls
+
+
+def l2_bytes() -> int:
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+
+
+def layers_for(bytes_per_call: int) -> int:
+    """Distinct caches so that one pass over them reads at least 3x the L2 (at least 2)."""
+    return max(2, math.ceil(3 * l2_bytes() / bytes_per_call))
+
+
+def time_graph(calls, replays: int = 15) -> float:
+    """Median ms per call of a CUDA graph made of `calls` (a list of no-argument functions), replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in calls[:3]:  # warm up (compiles, autotunes, allocator) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def time_eager(calls, reps: int = 5) -> float:
+    """Median ms per call of the same call sequence issued eagerly from Python (launch overhead included)."""
+    for fn in calls[:3]:
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def repeat_to(calls: list, n: int) -> list:
+    return [calls[i % len(calls)] for i in range(max(n, len(calls)))]
+
+
+def copy_gbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = time_graph([lambda: dst.copy_(src)] * 8)
+    return 2 * n / ms / 1e6
+
+
+# ----------------------------------------------------------------------------------------------------- BF16 side
+def bf16_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    per_layer = 2 * batch * H_KV * context * D * 2
+    layers = layers_for(per_layer)
+    kv = [tuple(torch.empty(batch, H_KV, context, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
+                for _ in range(2)) for _ in range(layers)]
+    qg = q.reshape(batch, H_Q, 1, D)
+    out = {"layers": layers, "bytes_per_call": per_layer}
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*kernel not used.*|.*same num_heads.*|.*runtime disabled.*")
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                calls = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(qg, k, v, enable_gqa=True)
+                         for k, v in kv]
+                calls = repeat_to(calls, MIN_CALLS)
+                out[name] = {"graph_ms": time_graph(calls), "eager_ms": time_eager(calls)}
+        except Exception as e:  # a backend that refuses the shape is recorded, not fatal
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    del kv
+    ok = {k: v["graph_ms"] for k, v in out.items() if isinstance(v, dict) and "graph_ms" in v}
+    out["best"] = min(ok, key=ok.get) if ok else None
+    out["best_graph_ms"] = ok[out["best"]] if ok else float("nan")
+    out["best_eager_ms"] = min(v["eager_ms"] for v in out.values() if isinstance(v, dict) and "eager_ms" in v) \
+        if ok else float("nan")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- INT2 side
+def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
+    """`layers` distinct INT2 caches in one pool (each layer its own scattered pages and its own windows)."""
+    hist = context - WIN
+    pps = -(-hist // PAGE)
+    n_pages = layers * batch * pps
+    kc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
+    vc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
+    ks = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 0.5 + 0.1).half()
+    vs = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 0.5 + 0.1).half()
+    kz = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 3).half()
+    vz = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 3).half()
+    perm = torch.randperm(n_pages, device=DEV, generator=gen).to(torch.int32).reshape(layers, batch, pps)
+    k_win = torch.randn(layers * batch, H_KV, WIN, D, device=DEV, generator=gen).to(torch.bfloat16)
+    v_win = torch.randn(layers * batch, H_KV, WIN, D, device=DEV, generator=gen).to(torch.bfloat16)
+    slots = torch.arange(layers * batch, dtype=torch.int32, device=DEV).reshape(layers, batch)
+    hist_len = torch.full((batch,), hist, dtype=torch.int32, device=DEV)
+    win_len = torch.full((batch,), WIN, dtype=torch.int32, device=DEV)
+    return (kc, ks, kz, vc, vs, vz), perm, hist_len, k_win, v_win, slots, win_len
+
+
+def exact_first_row(q, pools, table, hist_len, k_win, v_win, slot, win_len):
+    """float64 decode attention of sequence 0: o `[H_q, d]`."""
+    from runtime_kernels.attention import paged_ref
+
+    kc, ks, kz, vc, vs, vz = pools
+    n, w, s = int(hist_len[0]), int(win_len[0]), int(slot[0])
+    k = torch.cat([paged_ref.gather_history(kc, ks, kz, table[0], n).double(), k_win[s, :, :w].double()], dim=1)
+    v = torch.cat([paged_ref.gather_history(vc, vs, vz, table[0], n).double(), v_win[s, :, :w].double()], dim=1)
+    qi = q[0].double().reshape(H_KV, H_Q // H_KV, D)
+    p = torch.softmax(torch.einsum("hgd,hnd->hgn", qi, k) / math.sqrt(D), dim=-1)
+    return torch.einsum("hgn,hnd->hgd", p, v).reshape(H_Q, D)
+
+
+def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[int],
+               copy: float) -> dict:
+    hist = context - WIN
+    read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
+    layers = layers_for(read)
+    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+    out = {"layers": layers, "bytes_per_call": read, "floor_ms_at_copy_bw": read / copy / 1e6}
+    exact = exact_first_row(q, pools, tables[0], hist_len, k_win, v_win, slots[0], win_len)
+    for impl in impls:
+        key = f"impl{impl}"
+        try:
+            calls = [lambda t=tables[i], s=slots[i]: A.decode_attention(q, *pools, t, hist_len, k_win, v_win, s,
+                                                                        win_len, impl=impl)
+                     for i in range(layers)]
+            o, _ = calls[0]()
+            err = ((o[0].double() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
+            calls = repeat_to(calls, MIN_CALLS)
+            g = time_graph(calls)
+            out[key] = {"graph_ms": g, "eager_ms": time_eager(calls), "rel_rmse_vs_float64": err,
+                        "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
+        except Exception as e:
+            out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            traceback.print_exc()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- report
+def markdown(meta: dict, rows: list[dict], impls: list[int]) -> str:
+    f = lambda x, n=4: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{n}f}"  # noqa: E731
+    lines = [f"# Decode attention under CUDA graphs ({meta['gpu']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Qwen3-8B geometry (H_q={H_Q}, "
+             f"H_kv={H_KV}, d={D}), page {PAGE}, window {WIN} BF16 tokens. One graph = {MIN_CALLS}+ calls over "
+             f"distinct per-layer caches (>= 3x L2 of bytes per pass); ms per call = replay time / calls. "
+             f"Copy bandwidth (same run, graph of 1 GiB copies): **{meta['copy_gbps']:.0f} GB/s**. "
+             f"`python3 bench/bench_decode_graph.py --out DIR`", "",
+             "| context | batch | BF16 best (graph ms) | backend | " + " | ".join(
+                 f"impl {i} graph ms | impl {i} vs BF16 | impl {i} GB/s (% copy) | impl {i} err" for i in impls)
+             + " | BF16 eager ms | " + " | ".join(f"impl {i} eager ms" for i in impls) + " | floor ms |",
+             "|---|---|---|---|" + "---|---|---|---|" * len(impls) + "---|" + "---|" * len(impls) + "---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['context']} | {r['batch']} | ERROR {r['error'][:100]} |")
+            continue
+        b = r["bf16"]
+        cells = [str(r["context"]), str(r["batch"]), f(b["best_graph_ms"]), str(b["best"])]
+        eager = []
+        for i in impls:
+            v = r["int2"].get(f"impl{i}", {})
+            if "graph_ms" in v:
+                cells += [f(v["graph_ms"]), f"{b['best_graph_ms'] / v['graph_ms']:.2f}x",
+                          f"{v['gbps']:.0f} ({v['pct_copy']:.0f}%)",
+                          f"{v['rel_rmse_vs_float64']:.1e}" + ("" if v["correct"] else " WRONG")]
+                eager.append(f(v["eager_ms"]))
+            else:
+                cells += ["error", "-", "-", v.get("error", "")[:60]]
+                eager.append("-")
+        cells += [f(b["best_eager_ms"])] + eager + [f(r["int2"]["floor_ms_at_copy_bw"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--impls", default=str(A.INT2_IMPL), help="comma-separated INT2 kernel variants (default: library)")
+    ap.add_argument("--points", default="131072x8,131072x32,131072x1,32768x1,32768x8,32768x32,8192x1,8192x8,8192x32",
+                    help="CONTEXTxBATCH, comma-separated")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_graph: needs a CUDA GPU")
+    import triton
+
+    from runtime_kernels.attention import triton_int2
+
+    triton_int2.strict_impl(True)
+    impls = [int(x) for x in args.impls.split(",")]
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "l2_bytes": l2_bytes(),
+            "calls_per_graph_min": MIN_CALLS, "default_impl": A.INT2_IMPL}
+    meta["copy_gbps"] = copy_gbps()
+    print(f"copy {meta['copy_gbps']:.0f} GB/s", flush=True)
+    rows = []
+    t0 = time.time()
+    for p in args.points.split(","):
+        context, batch = (int(x) for x in p.lower().split("x"))
+        gen = torch.Generator(device=DEV).manual_seed(context + batch)
+        q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+        row = {"context": context, "batch": batch}
+        try:
+            row["bf16"] = bf16_point(batch, context, q, gen)
+            torch.cuda.empty_cache()
+            row["int2"] = int2_point(batch, context, q, gen, impls, meta["copy_gbps"])
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        rows.append(row)
+        msg = f"{context}x{batch}: bf16 {row.get('bf16', {}).get('best_graph_ms', float('nan')):.4f}"
+        for i in impls:
+            v = row.get("int2", {}).get(f"impl{i}", {})
+            msg += f" | impl{i} {v.get('graph_ms', float('nan')):.4f} (eager {v.get('eager_ms', float('nan')):.4f})"
+        print(msg, flush=True)
+    meta["wall_s"] = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "decode_graph_" + meta["gpu"].replace(" ", "_"))
+    with open(stem + ".json", "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    md = markdown(meta, rows, impls)
+    with open(stem + ".md", "w") as fh:
+        fh.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""One INT2 decode kernel launch per variant at a chosen point, for Nsight Compute (stall reasons, occupancy,
+bandwidth). Run on the GPU machine:
+
+    ncu --clock-control none -k regex:_int2_decode --section WarpStateStats --section SchedulerStats \\
+        --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        python3 bench/profile_decode.py --impls 5,6 --point 131072x8
+
+Each variant is launched twice (the first compiles); time the same launches with `--time` (no ncu)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode import H_KV, H_Q, PAGE, D, make_int2_cache  # noqa: E402
+
+from runtime_kernels import attention as A  # noqa: E402
+from runtime_kernels.attention import triton_int2  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="5,6")
+    ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
+    ap.add_argument("--pps", type=int, default=A.INT2_PROGRAMS_PER_SM, help="programs per SM (split rule)")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--time", action="store_true", help="also time each launch with do_bench")
+    args = ap.parse_args()
+    triton_int2.strict_impl(True)
+    context, batch = (int(x) for x in args.point.lower().split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    pools, table, hist_len, *_ = make_int2_cache(batch, context, gen)
+    q = torch.randn(batch, H_Q, D, device="cuda", generator=gen).to(torch.bfloat16)
+    splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=args.pps)
+    o = torch.empty(batch, H_Q, splits, D, device="cuda")
+    lse = torch.empty(batch, H_Q, splits, device="cuda")
+    for impl in (int(x) for x in args.impls.split(",")):
+        fn = lambda: triton_int2.launch_int2_decode(q, *pools, table, hist_len, o, lse, 1 / math.sqrt(D),  # noqa: E731
+                                                    splits, 0, 64, 1, args.stages, impl)
+        k = fn()
+        fn()
+        torch.cuda.synchronize()
+        line = f"impl {impl}: {splits} splits, {k.n_regs} regs"
+        if args.time:
+            line += f", {triton.testing.do_bench(fn, warmup=20, rep=100):.4f} ms"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
