@@ -10,6 +10,7 @@ Each variant is launched twice (the first compiles); time the same launches with
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -30,8 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="5,6")
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
-    ap.add_argument("--pps", type=int, default=A.INT2_PROGRAMS_PER_SM, help="programs per SM (split rule)")
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--pps", default=str(A.INT2_PROGRAMS_PER_SM), help="programs per SM (split rule), comma-separated")
+    ap.add_argument("--stages", default="3", help="comma-separated")
+    ap.add_argument("--maxnreg", default="0", help="register caps, comma-separated (0: none)")
     ap.add_argument("--time", action="store_true", help="also time each launch with do_bench")
     args = ap.parse_args()
     triton_int2.strict_impl(True)
@@ -39,19 +41,29 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     pools, table, hist_len, *_ = make_int2_cache(batch, context, gen)
     q = torch.randn(batch, H_Q, D, device="cuda", generator=gen).to(torch.bfloat16)
-    splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=args.pps)
-    o = torch.empty(batch, H_Q, splits, D, device="cuda")
-    lse = torch.empty(batch, H_Q, splits, device="cuda")
-    for impl in (int(x) for x in args.impls.split(",")):
+    for impl, pps, stages, maxnreg in itertools.product(
+            [int(x) for x in args.impls.split(",")], [int(x) for x in args.pps.split(",")],
+            [int(x) for x in args.stages.split(",")], [int(x) for x in args.maxnreg.split(",")]):
+        splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps)
+        o = torch.empty(batch, H_Q, splits, D, device="cuda")
+        lse = torch.empty(batch, H_Q, splits, device="cuda")
+        triton_int2.IMPL5_MAXNREG = maxnreg or None
         fn = lambda: triton_int2.launch_int2_decode(q, *pools, table, hist_len, o, lse, 1 / math.sqrt(D),  # noqa: E731
-                                                    splits, 0, 64, 1, args.stages, impl)
-        k = fn()
-        fn()
-        torch.cuda.synchronize()
-        line = f"impl {impl}: {splits} splits, {k.n_regs} regs"
+                                                    splits, 0, 64, 1, stages, impl)
+        try:
+            k = fn()
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the others still run
+            print(f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg}: ERROR {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+            continue
+        line = (f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg}: {splits} splits, {k.n_regs} regs, "
+                f"{k.n_spills} spills, {k.metadata.shared} B smem")
         if args.time:
             line += f", {triton.testing.do_bench(fn, warmup=20, rep=100):.4f} ms"
         print(line, flush=True)
+    triton_int2.IMPL5_MAXNREG = None
 
 
 if __name__ == "__main__":

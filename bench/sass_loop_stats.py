@@ -29,14 +29,16 @@ PTR = {"q_ptr": None, "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_p
 OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False):
+def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False,
+                   maxnreg: int | None = None):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
-                     TILE_ACC=True, SUBN=impl == 6)
+                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64,
+                     stride_ksr=1, stride_vsr=1)  # a launch specializes integer arguments equal to 1
         ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
     else:
         fn = mod._int2_decode_kernel
@@ -58,7 +60,8 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
                 attrs[(i,)] = [["tt.divisibility", 16]]
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def loop_stats(kernel) -> dict:
@@ -72,19 +75,22 @@ def loop_stats(kernel) -> dict:
                              text=True).stdout
     lines = sass.splitlines()
     labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
-    span = None  # the longest backward branch is the tile loop
+    span = None  # the tile loop: the innermost backward branch whose body holds the MMAs
     for i, ln in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            if span is None or i - labels[m.group(1)] > span[1] - span[0]:
-                span = (labels[m.group(1)], i)
+            lo = labels[m.group(1)]
+            if any("HMMA" in x for x in lines[lo:i]) and (span is None or i - lo < span[1] - span[0]):
+                span = (lo, i)
     ops = collections.Counter()
     for ln in lines[span[0]:span[1] + 1] if span else []:
         m = OP.match(ln)
         if m:
             ops[m.group(2).split(".")[0]] += 1
     regs = re.search(r"REG:(\d+)", res)
-    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None}
+    stack = re.search(r"STACK:(\d+)", res)
+    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None,
+            "stack": int(stack.group(1)) if stack else None}
 
 
 def main() -> None:
@@ -97,14 +103,16 @@ def main() -> None:
     ap.add_argument("--exact-k", action="store_true", help="do not fold the K code offset")
     ap.add_argument("--vfold", action="store_true", help="impl 5: V code offset subtracted after a fresh dot")
     ap.add_argument("--top", type=int, default=8, help="most frequent opcodes to print")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas spills above it)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
-        st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold))
+        st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
+                                         args.maxnreg))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "
-              f"64 tokens, I2F {st['ops'].get('I2F', 0)}, regs {st['regs']} | {top}")
+              f"64 tokens, I2F {st['ops'].get('I2F', 0)}, regs {st['regs']}, stack {st['stack']} | {top}")
 
 
 if __name__ == "__main__":

@@ -555,6 +555,84 @@ def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.co
     tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :], mask=omask)
 
 
+@triton.jit
+def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+            ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr):
+    """One tile of `_int2_decode_kernel_t`: int16 code tiles kw `[BLOCK_N, U_PAD]`, vw `[U_PAD, BLOCK_N]`, fp32
+    scale/zero vectors `[BLOCK_N]` (vs, vz zero where not t_ok) -> the updated online-softmax state."""
+    if SUBN:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
+    st = tl.zeros([BLOCK_N, NQ], tl.float32)
+    st = _dot_acc(x0, qb0, st, INTERP)
+    st = _dot_acc(x1, qb1, st, INTERP)
+    st = _dot_acc(x2, qb2, st, INTERP)
+    st = _dot_acc(x3, qb3, st, INTERP)
+    st = _dot_acc(x4, qb4, st, INTERP)
+    st = _dot_acc(x5, qb5, st, INTERP)
+    st = _dot_acc(x6, qb6, st, INTERP)
+    st = _dot_acc(x7, qb7, st, INTERP)
+    sc = tl.sum(tl.reshape(st, [BLOCK_N, GP, 2]), axis=2)  # both channel halves: [BLOCK_N, GP]
+    if SUBN:
+        s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
+    else:
+        s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
+    s = tl.where(t_ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    pv = (p * vs[:, None]).to(tl.float16)  # p * scale <= 65504: the scale is stored in fp16
+    pvf = pv.to(tl.float32)
+    acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
+    pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
+    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
+
+    if SUBN:
+        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
+    else:
+        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
+    if VFOLD and not SUBN:
+        ps = tl.sum(pvf, axis=0) * 1024.0
+        poff = tl.reshape(tl.join(ps, ps), [NQ])[None, :]
+        zero = tl.zeros([U_PAD, NQ], tl.float32)
+        acc0 = acc0 * a2[None, :] + (_dot_acc(y0, pb, zero, INTERP) - poff)
+        acc1 = acc1 * a2[None, :] + (_dot_acc(y1, pb, zero, INTERP) - poff)
+        acc2 = acc2 * a2[None, :] + (_dot_acc(y2, pb, zero, INTERP) - poff)
+        acc3 = acc3 * a2[None, :] + (_dot_acc(y3, pb, zero, INTERP) - poff)
+        acc4 = acc4 * a2[None, :] + (_dot_acc(y4, pb, zero, INTERP) - poff)
+        acc5 = acc5 * a2[None, :] + (_dot_acc(y5, pb, zero, INTERP) - poff)
+        acc6 = acc6 * a2[None, :] + (_dot_acc(y6, pb, zero, INTERP) - poff)
+        acc7 = acc7 * a2[None, :] + (_dot_acc(y7, pb, zero, INTERP) - poff)
+    elif TILE_ACC:
+        # Fresh per-tile dot, added to the chunk accumulator by an fp32 FFMA (round to nearest). tl.fma, not
+        # `+`: Triton would fuse `acc + dot(a, b, 0)` back into the MMA's accumulator (the chained form below).
+        zero = tl.zeros([U_PAD, NQ], tl.float32)
+        acc0 = tl.fma(acc0, a2[None, :], _dot_acc(y0, pb, zero, INTERP))
+        acc1 = tl.fma(acc1, a2[None, :], _dot_acc(y1, pb, zero, INTERP))
+        acc2 = tl.fma(acc2, a2[None, :], _dot_acc(y2, pb, zero, INTERP))
+        acc3 = tl.fma(acc3, a2[None, :], _dot_acc(y3, pb, zero, INTERP))
+        acc4 = tl.fma(acc4, a2[None, :], _dot_acc(y4, pb, zero, INTERP))
+        acc5 = tl.fma(acc5, a2[None, :], _dot_acc(y5, pb, zero, INTERP))
+        acc6 = tl.fma(acc6, a2[None, :], _dot_acc(y6, pb, zero, INTERP))
+        acc7 = tl.fma(acc7, a2[None, :], _dot_acc(y7, pb, zero, INTERP))
+    else:
+        # Chained: the MMA accumulates onto the chunk accumulator. Tensor cores add in fp32 with truncation, so
+        # this sum of positive terms drifts low by ~(tokens / 16) ulp over a chunk (see TILE_ACC).
+        acc0 = _dot_acc(y0, pb, acc0 * a2[None, :], INTERP)
+        acc1 = _dot_acc(y1, pb, acc1 * a2[None, :], INTERP)
+        acc2 = _dot_acc(y2, pb, acc2 * a2[None, :], INTERP)
+        acc3 = _dot_acc(y3, pb, acc3 * a2[None, :], INTERP)
+        acc4 = _dot_acc(y4, pb, acc4 * a2[None, :], INTERP)
+        acc5 = _dot_acc(y5, pb, acc5 * a2[None, :], INTERP)
+        acc6 = _dot_acc(y6, pb, acc6 * a2[None, :], INTERP)
+        acc7 = _dot_acc(y7, pb, acc7 * a2[None, :], INTERP)
+    return m_new, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel_t(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -569,7 +647,7 @@ def _int2_decode_kernel_t(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
-    TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False,
+    TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -627,100 +705,79 @@ def _int2_decode_kernel_t(
     ksc_s = ksc * 16777216.0
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + offs_n
-        t_ok = t < end
-        if P % BLOCK_N == 0:
-            page = tl.load(bt_row + t0 // P).to(tl.int64)
-        else:
-            page = tl.load(bt_row + t // P, mask=t_ok, other=0).to(tl.int64)
-        r = (t % P).to(tl.int64)
-        kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
-        vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
-        ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
-        vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
-        # Code rows past `end` are read unmasked when the tile lies in one page (in bounds, the page is allocated):
-        # any code is a finite operand, and those tokens get s = -inf, p = 0 (their scale/zero loads stay masked).
-        if P % BLOCK_N == 0 and U == U_PAD:
-            kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :])
-            vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None])
-        else:
-            kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :], mask=t_ok[:, None] & u_ok[None, :], other=0)
-            vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None], mask=u_ok[:, None] & t_ok[None, :], other=0)
-        ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-        vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-
-        if SUBN:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
-        st = tl.zeros([BLOCK_N, NQ], tl.float32)
-        st = _dot_acc(x0, qb0, st, INTERP)
-        st = _dot_acc(x1, qb1, st, INTERP)
-        st = _dot_acc(x2, qb2, st, INTERP)
-        st = _dot_acc(x3, qb3, st, INTERP)
-        st = _dot_acc(x4, qb4, st, INTERP)
-        st = _dot_acc(x5, qb5, st, INTERP)
-        st = _dot_acc(x6, qb6, st, INTERP)
-        st = _dot_acc(x7, qb7, st, INTERP)
-        sc = tl.sum(tl.reshape(st, [BLOCK_N, GP, 2]), axis=2)  # both channel halves: [BLOCK_N, GP]
-        if SUBN:
-            s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
-        else:
-            s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
-        s = tl.where(t_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        pv = (p * vs[:, None]).to(tl.float16)  # p * scale <= 65504: the scale is stored in fp16
-        pvf = pv.to(tl.float32)
-        acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
-        pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
-        a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
-
-        if SUBN:
-            y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
-        else:
-            y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
-        if VFOLD and not SUBN:
-            ps = tl.sum(pvf, axis=0) * 1024.0
-            poff = tl.reshape(tl.join(ps, ps), [NQ])[None, :]
-            zero = tl.zeros([U_PAD, NQ], tl.float32)
-            acc0 = acc0 * a2[None, :] + (_dot_acc(y0, pb, zero, INTERP) - poff)
-            acc1 = acc1 * a2[None, :] + (_dot_acc(y1, pb, zero, INTERP) - poff)
-            acc2 = acc2 * a2[None, :] + (_dot_acc(y2, pb, zero, INTERP) - poff)
-            acc3 = acc3 * a2[None, :] + (_dot_acc(y3, pb, zero, INTERP) - poff)
-            acc4 = acc4 * a2[None, :] + (_dot_acc(y4, pb, zero, INTERP) - poff)
-            acc5 = acc5 * a2[None, :] + (_dot_acc(y5, pb, zero, INTERP) - poff)
-            acc6 = acc6 * a2[None, :] + (_dot_acc(y6, pb, zero, INTERP) - poff)
-            acc7 = acc7 * a2[None, :] + (_dot_acc(y7, pb, zero, INTERP) - poff)
-        elif TILE_ACC:
-            # Fresh per-tile dot, added to the chunk accumulator by an fp32 FFMA (round to nearest). tl.fma, not
-            # `+`: Triton would fuse `acc + dot(a, b, 0)` back into the MMA's accumulator (the chained form below).
-            zero = tl.zeros([U_PAD, NQ], tl.float32)
-            acc0 = tl.fma(acc0, a2[None, :], _dot_acc(y0, pb, zero, INTERP))
-            acc1 = tl.fma(acc1, a2[None, :], _dot_acc(y1, pb, zero, INTERP))
-            acc2 = tl.fma(acc2, a2[None, :], _dot_acc(y2, pb, zero, INTERP))
-            acc3 = tl.fma(acc3, a2[None, :], _dot_acc(y3, pb, zero, INTERP))
-            acc4 = tl.fma(acc4, a2[None, :], _dot_acc(y4, pb, zero, INTERP))
-            acc5 = tl.fma(acc5, a2[None, :], _dot_acc(y5, pb, zero, INTERP))
-            acc6 = tl.fma(acc6, a2[None, :], _dot_acc(y6, pb, zero, INTERP))
-            acc7 = tl.fma(acc7, a2[None, :], _dot_acc(y7, pb, zero, INTERP))
-        else:
-            # Chained: the MMA accumulates onto the chunk accumulator. Tensor cores add in fp32 with truncation, so
-            # this sum of positive terms drifts low by ~(tokens / 16) ulp over a chunk (see TILE_ACC).
-            acc0 = _dot_acc(y0, pb, acc0 * a2[None, :], INTERP)
-            acc1 = _dot_acc(y1, pb, acc1 * a2[None, :], INTERP)
-            acc2 = _dot_acc(y2, pb, acc2 * a2[None, :], INTERP)
-            acc3 = _dot_acc(y3, pb, acc3 * a2[None, :], INTERP)
-            acc4 = _dot_acc(y4, pb, acc4 * a2[None, :], INTERP)
-            acc5 = _dot_acc(y5, pb, acc5 * a2[None, :], INTERP)
-            acc6 = _dot_acc(y6, pb, acc6 * a2[None, :], INTERP)
-            acc7 = _dot_acc(y7, pb, acc7 * a2[None, :], INTERP)
-        m_i = m_new
+    if PAGE_VEC:
+        # Tiles never straddle pages (P % BLOCK_N == 0). Page ids come NPV at a time into registers, and each tile's
+        # id is picked out of them, so every load address of a tile is a function of the loop index alone: Triton's
+        # pipeliner then keeps num_stages - 1 tiles of codes AND scales in flight (cp.async). Loading the id per tile
+        # from global memory made it wait on all copies every tile (ncu: 53 % of stalls on long scoreboard).
+        offs_pv = tl.arange(0, NPV)
+        k_off = offs_n[:, None] * stride_kcr + offs_u[None, :]  # [BLOCK_N, U_PAD]
+        v_off = offs_n[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, BLOCK_N]
+        n_tiles = tl.cdiv(end - start, BLOCK_N)
+        for jb in range(0, n_tiles, NPV):
+            ti = jb + offs_pv
+            pg = tl.load(bt_row + (start + ti * BLOCK_N) // P, mask=ti < n_tiles, other=0)
+            for jj in range(0, tl.minimum(NPV, n_tiles - jb)):
+                t0 = start + (jb + jj) * BLOCK_N
+                page = tl.sum(tl.where(offs_pv == jj, pg, 0), axis=0).to(tl.int64)
+                r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                t = t0 + offs_n
+                t_ok = t < end
+                kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
+                vbase = page * stride_vcp + h * stride_vch + r0 * stride_vcr
+                ksb = ks_ptr + page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
+                kzb = kz_ptr + page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
+                vsb = vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr
+                vzb = vz_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr
+                if U == U_PAD:
+                    kw = tl.load(kc_ptr + kbase + k_off)
+                    vw = tl.load(vc_ptr + vbase + v_off)
+                else:
+                    kw = tl.load(kc_ptr + kbase + k_off, mask=u_ok[None, :], other=0)
+                    vw = tl.load(vc_ptr + vbase + v_off, mask=u_ok[:, None], other=0)
+                # Unmasked (in bounds: the tile lies in an allocated page), so the loads vectorize and go through
+                # cp.async; rows past `end` may hold anything, so their V scale/zero are zeroed (p is 0 there, and
+                # 0 * NaN would not be), and their scores become -inf in the tile.
+                ks = tl.load(ksb).to(tl.float32)
+                kz = tl.load(kzb).to(tl.float32)
+                vs = tl.where(t_ok, tl.load(vsb).to(tl.float32), 0.0)
+                vz = tl.where(t_ok, tl.load(vzb).to(tl.float32), 0.0)
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
+                    ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                    GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN)
+    else:
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + offs_n
+            t_ok = t < end
+            if P % BLOCK_N == 0:
+                page = tl.load(bt_row + t0 // P).to(tl.int64)
+            else:
+                page = tl.load(bt_row + t // P, mask=t_ok, other=0).to(tl.int64)
+            r = (t % P).to(tl.int64)
+            kc_row = page * stride_kcp + h * stride_kch + r * stride_kcr  # [BLOCK_N]
+            vc_row = page * stride_vcp + h * stride_vch + r * stride_vcr
+            ks_row = page * stride_ksp + h * stride_ksh + r * stride_ksr
+            vs_row = page * stride_vsp + h * stride_vsh + r * stride_vsr
+            # Code rows past `end` are read unmasked when the tile lies in one page (in bounds, the page is
+            # allocated): any code is a finite operand, and those tokens get s = -inf, p = 0 (their scale/zero
+            # loads stay masked).
+            if P % BLOCK_N == 0 and U == U_PAD:
+                kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :])
+                vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None])
+            else:
+                kw = tl.load(kc_ptr + kc_row[:, None] + offs_u[None, :], mask=t_ok[:, None] & u_ok[None, :],
+                             other=0)
+                vw = tl.load(vc_ptr + vc_row[None, :] + offs_u[:, None], mask=u_ok[:, None] & t_ok[None, :],
+                             other=0)
+            ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN)
 
     has = l_i > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -821,6 +878,7 @@ IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a
 # cancels most of it, that was up to 1e-2 relative error of o on near-zero-mean random V at 26K-token chunks
 # (bench 131072 x 32; emulated in bench/NOTES_decode.md). Per tile the error stays at the fp16 rounding of p * s.
 IMPL5_TILE_ACC = True
+IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to ptxas (None: ptxas decides)
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -859,7 +917,8 @@ def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u, U_PAD=max(16, triton.next_power_of_2(u)),
         P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC,
-        SUBN=subnormal, num_warps=num_warps, num_stages=num_stages,
+        SUBN=subnormal, PAGE_VEC=subnormal and k_codes.shape[2] % block_n == 0,
+        **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}), num_warps=num_warps, num_stages=num_stages,
     )
 
 
