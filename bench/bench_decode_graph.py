@@ -173,7 +173,29 @@ def exact_first_row(q, pools, table, hist_len, k_win, v_win, slot, win_len):
     return torch.einsum("hgn,hnd->hgd", p, v).reshape(H_Q, D)
 
 
-def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[int],
+def apply_variant(variant: str) -> int:
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages) -> set the library switches, return the impl."""
+    from runtime_kernels.attention import triton_int2
+
+    impl, *opts = variant.split(":")
+    triton_int2.IMPL5_MAXNREG = None
+    A.INT2_WAVES = 1
+    for o in opts:
+        k, v = o.split("=")
+        if k == "maxnreg":
+            triton_int2.IMPL5_MAXNREG = int(v)
+        elif k == "waves":
+            A.INT2_WAVES = float(v)
+        elif k != "stages":
+            raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages)")
+    return int(impl)
+
+
+def variant_stages(variant: str) -> int:
+    return next((int(o.split("=")[1]) for o in variant.split(":")[1:] if o.startswith("stages=")), 3)
+
+
+def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[str],
                copy: float) -> dict:
     hist = context - WIN
     read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
@@ -181,26 +203,30 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
     pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
     out = {"layers": layers, "bytes_per_call": read, "floor_ms_at_copy_bw": read / copy / 1e6}
     exact = exact_first_row(q, pools, tables[0], hist_len, k_win, v_win, slots[0], win_len)
-    for impl in impls:
-        key = f"impl{impl}"
+    for variant in impls:
+        key = f"impl{variant}"
         try:
-            calls = [lambda t=tables[i], s=slots[i]: A.decode_attention(q, *pools, t, hist_len, k_win, v_win, s,
-                                                                        win_len, impl=impl)
-                     for i in range(layers)]
+            impl, stages = apply_variant(variant), variant_stages(variant)
+            calls = [lambda t=tables[i], s=slots[i], impl=impl, stages=stages: A.decode_attention(
+                q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages)
+                for i in range(layers)]
             o, _ = calls[0]()
             err = ((o[0].double() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
             calls = repeat_to(calls, MIN_CALLS)
             g = time_graph(calls)
             out[key] = {"graph_ms": g, "eager_ms": time_eager(calls), "rel_rmse_vs_float64": err,
+                        "splits": A.int2_num_splits(q, *pools, tables[0], hist_len, A.BLOCK_N, A.INT2_NUM_WARPS,
+                                                    stages, impl),
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             traceback.print_exc()
+    apply_variant(str(A.INT2_IMPL))
     return out
 
 
 # ------------------------------------------------------------------------------------------------------- report
-def markdown(meta: dict, rows: list[dict], impls: list[int]) -> str:
+def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
     f = lambda x, n=4: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{n}f}"  # noqa: E731
     lines = [f"# Decode attention under CUDA graphs ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Qwen3-8B geometry (H_q={H_Q}, "
@@ -237,7 +263,8 @@ def markdown(meta: dict, rows: list[dict], impls: list[int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--impls", default=str(A.INT2_IMPL), help="comma-separated INT2 kernel variants (default: library)")
+    ap.add_argument("--impls", default=str(A.INT2_IMPL),
+                    help="comma-separated INT2 variants IMPL[:maxnreg=N][:waves=W][:stages=S] (default: library)")
     ap.add_argument("--points", default="131072x8,131072x32,131072x1,32768x1,32768x8,32768x32,8192x1,8192x8,8192x32",
                     help="CONTEXTxBATCH, comma-separated")
     args = ap.parse_args()
@@ -248,7 +275,7 @@ def main() -> None:
     from runtime_kernels.attention import triton_int2
 
     triton_int2.strict_impl(True)
-    impls = [int(x) for x in args.impls.split(",")]
+    impls = args.impls.split(",")
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "l2_bytes": l2_bytes(),
             "calls_per_graph_min": MIN_CALLS, "default_impl": A.INT2_IMPL}

@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="5,6")
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
-    ap.add_argument("--pps", default=str(A.INT2_PROGRAMS_PER_SM), help="programs per SM (split rule), comma-separated")
+    ap.add_argument("--pps", default=str(A.INT2_PROGRAMS_PER_SM), help="programs per SM (split rule; 0 = the library's wave rule), comma-separated")
     ap.add_argument("--stages", default="3", help="comma-separated")
     ap.add_argument("--maxnreg", default="0", help="register caps, comma-separated (0: none)")
     ap.add_argument("--time", action="store_true", help="also time each launch with do_bench")
@@ -44,7 +44,11 @@ def main() -> None:
     for impl, pps, stages, maxnreg in itertools.product(
             [int(x) for x in args.impls.split(",")], [int(x) for x in args.pps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.maxnreg.split(",")]):
-        splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps)
+        triton_int2.IMPL5_MAXNREG = maxnreg or None
+        if pps:
+            splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps)
+        else:  # the library rule: whole waves of resident programs
+            splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, stages, impl)
         o = torch.empty(batch, H_Q, splits, D, device="cuda")
         lse = torch.empty(batch, H_Q, splits, device="cuda")
         triton_int2.IMPL5_MAXNREG = maxnreg or None

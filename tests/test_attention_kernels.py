@@ -482,6 +482,40 @@ def test_rotate_queries_and_unrotate_output():
     assert torch.allclose(A.rotate_queries(q, rk)[:, :4] @ (k @ rk[0]), q[:, :4] @ k, atol=1e-4)
 
 
+def test_programs_per_sm_limit_matches_the_occupancy_ncu_reported():
+    """Nsight Compute on the H200: impl 6 (165 registers, 12032 B shared, 1 warp) -> 12 blocks per SM, limited by
+    registers; impl 5 (127 registers, 7172 B) -> 16; the 32-block limit and the thread limit bind for tiny kernels."""
+    from runtime_kernels.attention import triton_int2
+
+    assert triton_int2.programs_per_sm_limit(165, 12032, 1) == 12
+    assert triton_int2.programs_per_sm_limit(127, 7172, 1) == 16
+    assert triton_int2.programs_per_sm_limit(32, 0, 1) == 32
+    assert triton_int2.programs_per_sm_limit(32, 0, 8) == 8  # 2048 threads / 256
+    assert triton_int2.programs_per_sm_limit(64, 100_000, 1) == 2  # shared memory binds
+
+
+def test_int2_splits_fill_whole_waves(monkeypatch):
+    """With the occupancy known, the split count is the largest that keeps every program in one wave:
+    floor(waves * slots * SMs / (B * H_kv)), capped by MIN_SPLIT_TOKENS chunks; without it, the fixed rule."""
+    from runtime_kernels.attention import triton_int2
+
+    pool = make_pool([4000, 100], h_kv=2, d=64, page=64, seed=3)
+    q = make_q(2, 4, 64, torch.bfloat16)
+    fixed = A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6)
+    assert fixed == A.default_num_splits(2, 2, pool[6].shape[1] * 64, q.device,
+                                         programs_per_sm=A.INT2_PROGRAMS_PER_SM)
+    monkeypatch.setattr(triton_int2, "resident_programs_per_sm", lambda *a, **k: 3)
+    monkeypatch.setattr(A, "_sm_count", lambda device: 5)
+    assert A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6) == (3 * 5) // (2 * 2)  # 3 (<= 16 chunks of 256)
+    monkeypatch.setattr(A, "INT2_WAVES", 2)
+    assert A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6) == (2 * 3 * 5) // (2 * 2)
+    monkeypatch.setattr(A, "_sm_count", lambda device: 1000)
+    assert A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6) == -(-pool[6].shape[1] * 64 // A.MIN_SPLIT_TOKENS)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", impl=6)  # the launch uses that split count
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 1e-3
+
+
 def test_default_num_splits_is_bounded():
     assert A.default_num_splits(1, 8, 64, torch.device("cpu")) == 1  # one tile: one split
     assert 1 <= A.default_num_splits(32, 8, 131072, torch.device("cpu")) <= 2048

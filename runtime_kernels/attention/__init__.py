@@ -37,6 +37,7 @@ def _merge():
 __all__ = [
     "decode_attention",
     "default_num_splits",
+    "int2_num_splits",
     "int2_decode_attention",
     "merge_attention",
     "naive",
@@ -60,6 +61,10 @@ INT2_NUM_WARPS = 1
 # (bench/results/decode_impl5_accuracy_NVIDIA_H200.md); shorter chunks also accumulate less rounding error.
 INT2_PROGRAMS_PER_SM = 32
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
+# impl 5/6: the split count fills every SM with INT2_WAVES waves of programs, counted from the compiled kernel's
+# registers and shared memory (`triton_int2.resident_programs_per_sm`), rounded down so that no wave is left
+# partly empty (ncu at 128K / batch 8: 2.67 waves with the fixed rule, a third of the last wave idle).
+INT2_WAVES = 1
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -83,6 +88,23 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     chunks = max(1, -(-max_tokens // max(min_tokens, block_n)))
     want = -(-programs_per_sm * _sm_count(device) // max(1, batch * kv_heads))
     return max(1, min(chunks, want))
+
+
+def int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n: int,
+                    num_warps: int, num_stages: int, impl: int) -> int:
+    """Splits per (sequence, KV head) of the INT2 kernel: whole waves of resident programs where the kernel's
+    occupancy is known (impl 5/6 on a GPU), else `default_num_splits` with INT2_PROGRAMS_PER_SM. Never a chunk
+    shorter than MIN_SPLIT_TOKENS; decided from shapes and the compiled kernel only (no GPU sync)."""
+    from runtime_kernels.attention import triton_int2
+
+    b, h_kv, max_tokens = q.shape[0], k_codes.shape[1], block_table.shape[1] * k_codes.shape[2]
+    slots = triton_int2.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                                 hist_len, block_n, num_warps, num_stages, impl)
+    if slots is None:
+        return default_num_splits(b, h_kv, max_tokens, q.device, programs_per_sm=INT2_PROGRAMS_PER_SM,
+                                  block_n=block_n)
+    chunks = max(1, -(-max_tokens // max(MIN_SPLIT_TOKENS, block_n)))
+    return max(1, min(chunks, int(INT2_WAVES * slots * _sm_count(q.device)) // max(1, b * h_kv)))
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -174,13 +196,12 @@ def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     from runtime_kernels.attention.triton_int2 import launch_int2_decode
 
     q = q.contiguous()
-    b, _, _ = q.shape
-    splits = num_splits or default_num_splits(b, k_codes.shape[1], block_table.shape[1] * k_codes.shape[2],
-                                              q.device, programs_per_sm=INT2_PROGRAMS_PER_SM, block_n=block_n)
+    impl = INT2_IMPL if impl is None else impl
+    splits = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                           hist_len, block_n, num_warps, num_stages, impl)
     o_part, lse_part = _partials(q, splits)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages,
-                       INT2_IMPL if impl is None else impl, prefetch)
+                       o_part, lse_part, scale, splits, 0, block_n, num_warps, num_stages, impl, prefetch)
     return _merge().reduce_splits_triton(o_part, lse_part)
 
 
@@ -248,14 +269,14 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     q = q.contiguous()
     b, _, _ = q.shape
     h_kv = k_codes.shape[1]
-    s_h = num_splits or default_num_splits(b, h_kv, block_table.shape[1] * k_codes.shape[2], q.device,
-                                           programs_per_sm=INT2_PROGRAMS_PER_SM, block_n=block_n)
+    impl = INT2_IMPL if impl is None else impl
+    s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                        hist_len, block_n, num_warps, num_stages, impl)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
                                               min_tokens=block_n)
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages,
-                       INT2_IMPL if impl is None else impl, prefetch)
+                       o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl, prefetch)
     launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n)
     return _merge().reduce_splits_triton(o_part, lse_part)
 

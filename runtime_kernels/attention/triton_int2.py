@@ -717,10 +717,22 @@ def _int2_decode_kernel_t(
         for jb in range(0, n_tiles, NPV):
             ti = jb + offs_pv
             pg = tl.load(bt_row + (start + ti * BLOCK_N) // P, mask=ti < n_tiles, other=0)
-            for jj in range(0, tl.minimum(NPV, n_tiles - jb)):
+            n_in = tl.minimum(NPV, n_tiles - jb)
+            # V zeros feed no dot, so the pipeliner leaves their load synchronous (ncu: the largest stall left);
+            # they are prefetched by hand one tile ahead instead, as a loop-carried register.
+            pg0 = tl.sum(tl.where(offs_pv == 0, pg, 0), axis=0).to(tl.int64)
+            vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
+                              + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr + offs_n * stride_vsr)
+            for jj in range(0, n_in):
                 t0 = start + (jb + jj) * BLOCK_N
                 page = tl.sum(tl.where(offs_pv == jj, pg, 0), axis=0).to(tl.int64)
                 r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                vz_cur = vz_next
+                jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
+                pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
+                vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
+                                  + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                  + offs_n * stride_vsr)
                 t = t0 + offs_n
                 t_ok = t < end
                 kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
@@ -728,7 +740,6 @@ def _int2_decode_kernel_t(
                 ksb = ks_ptr + page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
                 kzb = kz_ptr + page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
                 vsb = vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr
-                vzb = vz_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr
                 if U == U_PAD:
                     kw = tl.load(kc_ptr + kbase + k_off)
                     vw = tl.load(vc_ptr + vbase + v_off)
@@ -741,7 +752,7 @@ def _int2_decode_kernel_t(
                 ks = tl.load(ksb).to(tl.float32)
                 kz = tl.load(kzb).to(tl.float32)
                 vs = tl.where(t_ok, tl.load(vsb).to(tl.float32), 0.0)
-                vz = tl.where(t_ok, tl.load(vzb).to(tl.float32), 0.0)
+                vz = tl.where(t_ok, vz_cur.to(tl.float32), 0.0)
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
                     kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
                     ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
@@ -893,8 +904,9 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
 
 def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
-                  num_stages: int, subnormal: bool = False):
-    """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools."""
+                  num_stages: int, subnormal: bool = False, warmup: bool = False):
+    """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools
+    (`warmup`: compile only, return the compiled kernel without running it)."""
     import torch
 
     b, h_q, d = q.shape
@@ -904,22 +916,72 @@ def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     vc = v_codes.view(torch.int16)
     u = kc.shape[3]
     grid = (b, h_kv, num_splits)
-    return _int2_decode_kernel_t[grid](
-        q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-        sm_scale * 1.4426950408889634, split_offset,
-        q.stride(0), q.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
-        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-        block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u, U_PAD=max(16, triton.next_power_of_2(u)),
-        P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET, VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC,
-        SUBN=subnormal, PAGE_VEC=subnormal and k_codes.shape[2] % block_n == 0,
-        **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}), num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+            sm_scale * 1.4426950408889634, split_offset,
+            q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1))
+    kw = dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u,
+              U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
+              VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal,
+              PAGE_VEC=subnormal and k_codes.shape[2] % block_n == 0,
+              num_warps=num_warps, num_stages=num_stages,
+              **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
+    if warmup:
+        return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
+    return _int2_decode_kernel_t[grid](*args, **kw)
+
+
+_SLOTS: dict[tuple, int] = {}  # compiled-kernel key -> programs resident per SM (see `resident_programs_per_sm`)
+
+
+def programs_per_sm_limit(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
+                          smem_per_sm: int = 233472, threads_per_sm: int = 2048, max_blocks: int = 32) -> int:
+    """Programs of a compiled kernel that one SM holds at once: the tightest of registers (allocated per warp in
+    units of 256), shared memory (1 KiB reserved per block), threads and the block limit. Defaults: Hopper."""
+    regs_per_warp = -(-max(1, n_regs) * 32 // 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = smem_per_sm // (shared_bytes + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(max_blocks, by_regs, by_smem, by_threads))
+
+
+def _slots_of(kernel, num_warps: int, device) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return programs_per_sm_limit(int(kernel.n_regs), int(kernel.metadata.shared), num_warps,
+                                 int(getattr(props, "regs_per_multiprocessor", 65536)),
+                                 int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+                                 int(getattr(props, "max_threads_per_multi_processor", 2048)))
+
+
+def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                             block_n: int, num_warps: int, num_stages: int, impl: int) -> int | None:
+    """How many programs of the INT2 kernel that this call would launch fit on one SM at once, from its compiled
+    registers and shared memory (compiled once per configuration, then cached; no launch, no sync). None where it
+    does not apply: the interpreter, or a variant other than impl 5/6 (those keep the fixed programs-per-SM rule)."""
+    if INTERPRET or q.device.type != "cuda" or impl not in (5, 6):
+        return None
+    ng = k_scale.shape[3]
+    if not _impl5_ok(q, k_codes, v_codes, ng, k_codes.shape[2], block_n):
+        return None
+    key = (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
+           num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC)
+    if key not in _SLOTS:
+        import torch
+
+        o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2], dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(q.shape[0], q.shape[1], 3, dtype=torch.float32, device=q.device)
+        kernel = _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
+                               lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6, warmup=True)
+        _SLOTS[key] = _slots_of(kernel, num_warps, q.device)
+    return _SLOTS[key]
 
 
 def strict_impl(on: bool = True) -> None:
