@@ -222,6 +222,33 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             traceback.print_exc()
     apply_variant(str(A.INT2_IMPL))
+    out["demotion"] = demotion_cost(batch, pools, gen)
+    return out
+
+
+def demotion_cost(batch: int, pools, gen: torch.Generator) -> dict:
+    """Quantize + pack + write into the pools (K and V, rotation and clip included, `quant.write_pages`), eager
+    (`do_bench`, so launch overhead counts: an upper bound): one page per sequence every PAGE steps, and one token
+    per sequence every step; ms per decode step."""
+    import triton.testing
+
+    from runtime_kernels import quant
+
+    rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0]
+    ratio = torch.full((H_KV,), 0.96, device=DEV)
+    out = {}
+    for name, t, per in (("page_batched", batch * PAGE, PAGE), ("one_token", batch, 1)):
+        x = torch.randn(t, H_KV, D, device=DEV, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, pools[0].shape[0], (t,), device=DEV, generator=gen, dtype=torch.int32)
+        rows = torch.randint(0, PAGE, (t,), device=DEV, generator=gen, dtype=torch.int32)
+
+        def demote():
+            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows)
+            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows)
+        try:
+            out[f"{name}_ms_per_step"] = triton.testing.do_bench(demote, warmup=10, rep=50) / per
+        except Exception as e:  # noqa: BLE001 - recorded, the benchmark goes on
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return out
 
 
@@ -233,11 +260,14 @@ def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
              f"H_kv={H_KV}, d={D}), page {PAGE}, window {WIN} BF16 tokens. One graph = {MIN_CALLS}+ calls over "
              f"distinct per-layer caches (>= 3x L2 of bytes per pass); ms per call = replay time / calls. "
              f"Copy bandwidth (same run, eager 1 GiB device-to-device copy): **{meta['copy_gbps']:.0f} GB/s**. "
-             f"`python3 bench/bench_decode_graph.py --out DIR`", "",
+             f"`python3 bench/bench_decode_graph.py --out DIR`. Demotion: `quant.write_pages` of K and V (rotation "
+             f"and clip included), eager `do_bench` (launch overhead counted), per decode step: one page per sequence "
+             f"every {PAGE} steps (page batched) or one token per sequence every step.", "",
              "| context | batch | BF16 best (graph ms) | backend | " + " | ".join(
                  f"impl {i} graph ms | impl {i} vs BF16 | impl {i} GB/s (% copy) | impl {i} err" for i in impls)
-             + " | BF16 eager ms | " + " | ".join(f"impl {i} eager ms" for i in impls) + " | floor ms |",
-             "|---|---|---|---|" + "---|---|---|---|" * len(impls) + "---|" + "---|" * len(impls) + "---|"]
+             + " | BF16 eager ms | " + " | ".join(f"impl {i} eager ms" for i in impls)
+             + " | floor ms | demotion ms/step (page batched) | % of default impl | demotion ms/step (1 token) |",
+             "|---|---|---|---|" + "---|---|---|---|" * len(impls) + "---|" + "---|" * len(impls) + "---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['context']} | {r['batch']} | ERROR {r['error'][:100]} |")
@@ -255,7 +285,14 @@ def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
             else:
                 cells += ["error", "-", "-", v.get("error", "")[:60]]
                 eager.append("-")
-        cells += [f(b["best_eager_ms"])] + eager + [f(r["int2"]["floor_ms_at_copy_bw"])]
+        dem = r["int2"].get("demotion", {})
+        dflt = r["int2"].get(f"impl{impls[0]}", {}) if len(impls) == 1 else r["int2"].get(
+            f"impl{meta['default_impl']}", {})
+        pct = (100 * dem["page_batched_ms_per_step"] / dflt["graph_ms"]
+               if "page_batched_ms_per_step" in dem and "graph_ms" in dflt else float("nan"))
+        cells += [f(b["best_eager_ms"])] + eager + [f(r["int2"]["floor_ms_at_copy_bw"]),
+                                                     f(dem.get("page_batched_ms_per_step"), 5), f(pct, 1) + "%",
+                                                     f(dem.get("one_token_ms_per_step"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -48,12 +48,15 @@ __all__ = [
 ]
 
 BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile never straddles pages)
-# INT2 kernel variant used by default (see `triton_int2`): 5 = transposed dots (tokens as the MMA rows, so no
-# row is padding) with codes turned into fp16 operands by one lop3 per two codes; 1.68x faster than impl 4 at
-# 128K / batch 8 on an H200 (bench/results/decode_impl5_NVIDIA_H200.md). It needs bf16/fp16 queries with
-# |q| < 4096 and one scale group per row; other inputs run impl 3 (the same bitcast math in plain Triton).
-# 4 = the same conversion through prmt in inline PTX on padded MMA rows; 0 = the conversion-instruction kernel.
-INT2_IMPL = 5
+# INT2 kernel variant used by default (`triton_int2`):
+# 6 = tokens on the MMA rows (transposed dots, no padding rows), codes turned into fp16 operands by one `and` per two
+#     codes that leaves them as exact fp16 subnormals (no offset to remove), page ids read a vector at a time so codes
+#     AND scales are pipelined by cp.async; 4.24x over cuDNN BF16 at 128K / batch 8 under CUDA graphs, 1.26x faster
+#     than impl 5 (bench/results/decode_graph_NVIDIA_H200.md). Needs bf16/fp16 queries with |q| < 4096 and one scale
+#     group per row; other inputs run impl 3 (the same bitcast math in plain Triton).
+# 5 = the same dots with codes at fp16 exponent 1024 (offset subtracted in fp16), page id loaded per tile.
+# 4 = prmt codes in inline PTX on padded MMA rows; 0 = the conversion-instruction kernel (v3).
+INT2_IMPL = 6
 # Launch shape of the INT2 kernel: 1 warp was the fastest configuration of impl 4 and of impl 5 at every point
 # where decode is not launch-bound (128K and 32K at batch 8 and 32).
 INT2_NUM_WARPS = 1
@@ -248,15 +251,19 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
                      num_warps: int = INT2_NUM_WARPS, num_stages: int = 3, impl: int | None = None,
-                     prefetch: bool = False):
+                     prefetch: bool = False, validate: bool = True):
     """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
     and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
-    and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`."""
-    _check_q(q)
-    _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
-    _check_window(q, k_win, v_win, slot_ids, win_len)
-    if k_win.shape[1] != k_codes.shape[1]:
-        raise ValueError(f"k_win: {k_win.shape[1]} KV heads, but k_codes has {k_codes.shape[1]}")
+    and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`.
+
+    `validate=False` skips the argument checks (about half of the host time of an eager call): only for callers
+    that built the pools and tables themselves, like `PagedKVCache`, which checks them once."""
+    if validate:
+        _check_q(q)
+        _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
+        _check_window(q, k_win, v_win, slot_ids, win_len)
+        if k_win.shape[1] != k_codes.shape[1]:
+            raise ValueError(f"k_win: {k_win.shape[1]} KV heads, but k_codes has {k_codes.shape[1]}")
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
         o_h, l_h = paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

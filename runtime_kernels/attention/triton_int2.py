@@ -955,6 +955,8 @@ def _slots_of(kernel, num_warps: int, device) -> int:
     import torch
 
     props = torch.cuda.get_device_properties(device)
+    if getattr(kernel, "n_regs", None) is None:  # a kernel compiled by `warmup` loads (and counts) lazily
+        kernel._init_handles()
     return programs_per_sm_limit(int(kernel.n_regs), int(kernel.metadata.shared), num_warps,
                                  int(getattr(props, "regs_per_multiprocessor", 65536)),
                                  int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
