@@ -1,0 +1,108 @@
+"""Cost of demotion (quantize + pack + write the oldest recent tokens into the INT2 pools) per decode step, against the
+decode attention call of the same point, both as a serving engine runs them (CUDA graphs).
+
+Demotion per step, for a batch of B sequences, K and V, rotation and clip included (`quant.write_pages`):
+- page batched: one page (64 tokens) per sequence every 64 steps -> time of one call / 64;
+- one token: one token per sequence every step.
+Each is timed under a CUDA graph (16 calls per replay, each to its own scattered pages) and eagerly (`do_bench`,
+launch overhead included). The attention time per point is read from the graph benchmark's results file.
+
+    python3 bench/bench_demotion.py --out bench/results --attention bench/results/decode_graph_NVIDIA_H200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode_graph import D, DEV, H_KV, PAGE, time_graph  # noqa: E402
+
+from runtime_kernels import quant  # noqa: E402
+
+
+def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator):
+    """`n_calls` write_pages calls (K and V) of `tokens` tokens each, to distinct random pages and rows."""
+    rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0]
+    ratio = torch.full((H_KV,), 0.96, device=DEV)
+    calls = []
+    for _ in range(n_calls):
+        x = torch.randn(tokens, H_KV, D, device=DEV, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, pools[0].shape[0], (tokens,), device=DEV, generator=gen, dtype=torch.int32)
+        rows = torch.randint(0, PAGE, (tokens,), device=DEV, generator=gen, dtype=torch.int32)
+
+        def call(x=x, ids=ids, rows=rows):
+            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows)
+            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows)
+        calls.append(call)
+    return calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--attention", required=True, help="decode_graph_<gpu>.json of the graph benchmark")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_demotion: needs a CUDA GPU")
+    import triton.testing
+
+    with open(args.attention) as fh:
+        att = json.load(fh)
+    impl_key = f"impl{att['meta']['default_impl']}"
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    n_pages = 8192
+    pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV))
+    per_batch = {}
+    for batch in sorted({r["batch"] for r in att["rows"]}):
+        res = {}
+        for name, tokens, steps in (("page_batched", batch * PAGE, PAGE), ("one_token", batch, 1)):
+            calls = demote_calls(tokens, 16, pools, gen)
+            res[f"{name}_graph_ms_per_step"] = time_graph(calls) / steps
+            res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
+        per_batch[batch] = res
+        print(batch, res, flush=True)
+    rows = []
+    for r in att["rows"]:
+        a = r.get("int2", {}).get(impl_key, {})
+        if "graph_ms" not in a:
+            continue
+        d = per_batch[r["batch"]]
+        rows.append({"context": r["context"], "batch": r["batch"], "attention_graph_ms": a["graph_ms"], **d,
+                     **{f"{k.replace('_ms_per_step', '')}_pct_of_attention": 100 * v / a["graph_ms"]
+                        for k, v in d.items()}})
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "attention_file": os.path.basename(args.attention), "attention_impl": impl_key}
+    stem = os.path.join(args.out, "decode_demotion_" + meta["gpu"].replace(" ", "_"))
+    with open(stem + ".json", "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    lines = [f"# Demotion cost per decode step vs decode attention ({meta['gpu']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; `quant.write_pages` of K and V (rotation and clip "
+             f"included), Qwen3-8B geometry; attention = {impl_key} under CUDA graphs from "
+             f"`{meta['attention_file']}`. `python3 bench/bench_demotion.py --out DIR --attention FILE`", "",
+             "| context | batch | attention (ms) | page batched, graph (ms/step) | % | page batched, eager (ms/step) | % "
+             "| one token, graph (ms/step) | % | one token, eager (ms/step) | % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [str(r["context"]), str(r["batch"]), f"{r['attention_graph_ms']:.4f}"]
+        for k in ("page_batched_graph", "page_batched_eager", "one_token_graph", "one_token_eager"):
+            cells += [f"{r[k + '_ms_per_step']:.5f}", f"{r[k + '_pct_of_attention']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
