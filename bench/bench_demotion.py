@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_graph import D, DEV, H_KV, PAGE, time_graph  # noqa: E402
+from bench_decode_graph import DEV, H_KV, PAGE, D, time_graph  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
 

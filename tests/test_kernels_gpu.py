@@ -195,3 +195,35 @@ def test_int2_impl5_on_gpu(dtype, vfold, d, group, impl):
     assert torch.allclose(lse[fin], lse_ref[fin], atol=1e-3)
     o0, lse0 = A.int2_decode_attention(q, *pool, impl=0)
     assert rel_rmse(o, o0) < 5e-3
+
+
+def test_paged_cache_serving_shapes_on_gpu():
+    """The engine-facing cache at serving settings (page 64, sink 64, recent 256, bf16, Qwen3-8B heads) on the GPU
+    with the default kernel, against the same workload through the torch path on the CPU: ragged prompts, decode
+    steps that demote a page, rotations and clipping from a random artifact."""
+    from runtime_kernels.artifact import identity_artifact
+    from runtime_kernels.cache import PagedKVCache
+
+    h, hq, d = 8, 32, 128
+    art = identity_artifact(1, h, hq, d)
+    gen = torch.Generator().manual_seed(5)
+    for name in ("k_rotation", "v_rotation"):
+        setattr(art, name, torch.linalg.qr(torch.randn(1, h, d, d, generator=gen, dtype=torch.float64))[0]
+                .float().contiguous())
+    art.k_clip_ratio = torch.full((1, h), 0.96)
+    art.v_clip_ratio = torch.full((1, h), 0.92)
+    art.validate()
+    prompts = [torch.randn(n, h, d, generator=gen) for n in (330, 1000, 4500)]
+    steps = [torch.randn(3, h, d, generator=gen) for _ in range(70)]  # every sequence demotes a page
+    q = torch.randn(3, hq, d, generator=gen)
+    out = {}
+    for dev, backend in (("cuda", "auto"), ("cpu", "torch")):
+        cache = PagedKVCache.from_artifact(art, max_pages=128, max_seqs=3, device=dev, dtype=torch.bfloat16,
+                                           backend=backend)
+        ids = [cache.add_sequence() for _ in prompts]
+        cache.append(ids, [[p.to(dev) for p in prompts]], [[p.to(dev) for p in prompts]])
+        for x in steps:
+            cache.append(ids, [x.to(dev)], [x.to(dev)])
+        out[dev] = cache.decode_attention(0, q.to(dev).to(torch.bfloat16), ids).cpu()
+        assert [cache.hist_len(i) for i in ids] == [64 * ((n + 70 - 64 - 256) // 64) for n in (330, 1000, 4500)]
+    assert rel_rmse(out["cuda"], out["cpu"]) < 1e-2
