@@ -15,6 +15,15 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
 
 
+def normalize_device(device: torch.device | str) -> torch.device:
+    """`"cuda"` -> `cuda:<current>`: tensors always carry an index, so a device kept for comparisons must too
+    (`torch.device("cuda") != torch.device("cuda:0")`)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype] | None = None, ndim: int | None = None,
                  device: torch.device | None = None) -> None:
     """Raise TypeError/ValueError naming `name` when `t` is not a tensor of the expected dtype, rank or device."""

@@ -35,9 +35,8 @@ import torch
 
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
+from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -218,7 +217,7 @@ class PagedKVCache:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype: window dtype must be float16, bfloat16 or float32, got {dtype}")
 
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
         self.page_size, self.sink, self.recent = int(page_size), int(sink_tokens), int(recent_tokens)

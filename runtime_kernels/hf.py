@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
 from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 
@@ -130,7 +131,7 @@ class OscarCache(Cache):
         self.artifact = artifact
         self.batch_rows = int(batch_size)
         self.max_tokens = int(max_tokens)
-        self.device = torch.device(device) if device is not None else None
+        self.device = normalize_device(device) if device is not None else None
         self.dtype = dtype
         self._paged_kwargs = dict(
             page_size=int(page_size), backend=backend, clip=clip,

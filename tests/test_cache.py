@@ -326,3 +326,13 @@ def test_triton_backend_matches_torch_backend():
         assert cache.hist_len(ids[1]) == expected_history(27 + P) > 0
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
     assert torch.equal(caches["triton"].pools[0].k_codes, caches["torch"].pools[0].k_codes)
+
+
+def test_cuda_device_without_index_is_normalized(monkeypatch):
+    """`device="cuda"` must compare equal to tensors on `cuda:0` (found on the H200: every append was refused)."""
+    from runtime_kernels._validate import normalize_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert normalize_device("cuda") == torch.device("cuda", 0)
+    assert normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert normalize_device("cpu") == torch.device("cpu")
