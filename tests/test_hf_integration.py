@@ -305,3 +305,26 @@ def test_prompt_longer_than_max_tokens_is_refused():
     cache = make_cache(random_artifact(), m, max_tokens=S + R + P)  # room for one page
     with pytest.raises(RuntimeError, match="out of INT2 pages"):
         m(input_ids=torch.randint(0, 256, (1, S + R + 3 * P)), use_cache=True, **cache_kw(m, cache=cache))
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.skipif(not (FIXTURE / "model.safetensors").is_file(), reason="trained fixture not present")
+def test_readme_serving_example_on_gpu():
+    """The README's serving snippet on a GPU: bf16 fixture, `device="cuda"`, the default layout (page 64, sink 64,
+    recent 256) and kernels, a prompt long enough to fill INT2 pages. The first new token comes from the
+    full-precision prefill, so it equals plain generation's; the rest decode over a 2-bit history."""
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    load = lambda: AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.bfloat16).cuda().eval()  # noqa: E731
+    m, plain = enable_oscar_attention(load()), load()
+    cfg = m.config
+    art = random_artifact(num_layers=cfg.num_hidden_layers, heads=(cfg.num_attention_heads, cfg.num_key_value_heads),
+                          head_dim=cfg.head_dim, group_size=cfg.head_dim, clip=(0.96, 0.92))
+    text = (Path(__file__).resolve().parents[1] / "runtime_kernels" / "cache.py").read_text()
+    prompt = tok(text, return_tensors="pt", truncation=True, max_length=1200).to("cuda")
+    n = prompt["input_ids"].shape[1]
+    cache = OscarCache.from_artifact(art, cfg, batch_size=1, max_tokens=2048, device="cuda")
+    out = m.generate(**prompt, max_new_tokens=16, do_sample=False, **cache_kw(m, cache=cache))
+    ref = plain.generate(**prompt, max_new_tokens=16, do_sample=False)
+    assert out.shape == ref.shape and out[0, n] == ref[0, n]
+    assert cache.paged.hist_len(cache.seq_ids[0]) >= 64 * ((n - 64 - 256) // 64) > 0
