@@ -23,7 +23,8 @@ bench-calib:
 	$(PYTHON) bench/bench_calibrate.py --out bench/results
 
 bench-decode:
-	$(PYTHON) bench/bench_decode.py --out bench/results
+	$(PYTHON) bench/bench_decode_graph.py --out bench/results
+	$(PYTHON) bench/bench_demotion.py --out bench/results --attention "bench/results/decode_graph_$$($(PYTHON) -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_"))').json"
 
 quality:
 	$(PYTHON) -m pytest -q tests/test_eval.py

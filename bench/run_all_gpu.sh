@@ -8,7 +8,14 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-echo "== decode attention benchmark"
+echo "== decode attention under CUDA graphs (the headline table) and demotion cost"
+timeout "${GRAPH_S:-240}" python3 bench/bench_decode_graph.py --out "$OUT" --impls 6,5 > /tmp/graph.log 2>&1
+echo "rc=$?"; tail -14 /tmp/graph.log
+timeout 150 python3 bench/bench_demotion.py --out "$OUT" \
+    --attention "$OUT/decode_graph_$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_"))').json" \
+    > /tmp/demotion.log 2>&1; echo "rc=$?"; tail -12 /tmp/demotion.log
+
+echo "== decode attention benchmark (eager, per-config compare)"
 timeout "${DECODE_S:-210}" python3 bench/bench_decode.py --out "$OUT" --quick --budget-s "${DECODE_BUDGET_S:-110}" \
     > /tmp/bench_cmp.log 2>&1; echo "rc=$?" >> /tmp/bench_cmp.log; tail -40 /tmp/bench_cmp.log; cp /tmp/bench_cmp.log "$OUT/"
 
@@ -21,5 +28,6 @@ timeout "${EVAL_S:-170}" python3 tools/readme_eval.py --model oscar_calib/fixtur
 tail -16 /tmp/ev.log; tar -C /tmp -cf "$OUT/ev.tar" ev 2>/dev/null
 
 echo "== GPU kernel tests"
-timeout "${TESTS_S:-90}" python3 -m pytest tests/test_kernels_gpu.py -q -x -p no:cacheprovider -k "int2 or full_decode" \
+timeout "${TESTS_S:-300}" python3 -m pytest -m gpu tests/test_kernels_gpu.py tests/test_decode_split_accuracy.py \
+    tests/test_hf_integration.py -q -p no:cacheprovider \
     > "$OUT/gpu_tests_int2.txt" 2>&1; tail -3 "$OUT/gpu_tests_int2.txt"
