@@ -818,6 +818,22 @@ FOLD_K_OFFSET = True
 _ASM_BROKEN: list[str] = []  # first error of the inline-PTX variant on this process (then impl 3 is used)
 
 
+def _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                 sm_scale: float, split_offset: int) -> tuple:
+    """Runtime arguments shared by both INT2 kernels: tensors, log2-scaled softmax scale, split offset, strides
+    (codes in units of the view passed: uint8 or int16)."""
+    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+            sm_scale * 1.4426950408889634, split_offset,
+            q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+            block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1))
+
+
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
@@ -848,16 +864,8 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
     # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
     grid = (b, h_kv, num_splits)
-    args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-            sm_scale * 1.4426950408889634, split_offset,
-            q.stride(0), q.stride(1),
-            k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-            block_table.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1))
+    args = _kernel_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
+                        lse_part, sm_scale, split_offset)
 
     def go(impl_: int):
         return _int2_decode_kernel[grid](
@@ -916,16 +924,8 @@ def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     vc = v_codes.view(torch.int16)
     u = kc.shape[3]
     grid = (b, h_kv, num_splits)
-    args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-            sm_scale * 1.4426950408889634, split_offset,
-            q.stride(0), q.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2),
-            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2),
-            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-            block_table.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1))
+    args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                        sm_scale, split_offset)
     kw = dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u,
               U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
               VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal,
