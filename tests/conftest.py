@@ -23,9 +23,21 @@ def _no_network(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    """`gpu` tests need a CUDA device and compiled kernels; `interpreter` tests launch Triton kernels on CPU tensors,
+    which only the interpreter can do. One process runs Triton one way or the other (TRITON_INTERPRET is read when
+    the kernels are defined), so on a GPU machine `make test` runs the GPU tests and skips the interpreter ones, and
+    `CUDA_VISIBLE_DEVICES= make test` runs the CPU suite there."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
+    elif interpret:
+        skips["gpu"] = pytest.mark.skip(reason="TRITON_INTERPRET=1: the GPU tests check the compiled kernels")
+    if not interpret:
+        skips["interpreter"] = pytest.mark.skip(
+            reason="launches Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (set automatically without a "
+                   "GPU; on a GPU machine run `CUDA_VISIBLE_DEVICES= make test`)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -14,6 +14,8 @@ from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention import paged_ref
 from runtime_kernels.quant import naive as qnaive
 
+pytestmark = pytest.mark.interpreter  # Triton kernels on CPU tensors (see conftest)
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 

@@ -306,6 +306,7 @@ def test_pool_layout_matches_the_contract():
     assert cache.memory_bytes() == 2 * 10 * H * P * (D // 4 + 2 * 2 * (D // G)) + 2 * 3 * H * w * D * 4
 
 
+@pytest.mark.interpreter
 def test_triton_backend_matches_torch_backend():
     """The same workload through the Triton kernels (interpreter on CPU) and the torch references."""
     art = random_artifact(num_layers=1)

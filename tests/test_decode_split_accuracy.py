@@ -59,6 +59,7 @@ def rel(got, want) -> float:
     return ((got.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tile_acc", [True, False])
 def test_split_count_does_not_change_the_answer_cpu(tile_acc):
     """Scaled-down 131072 x 32 structure: a 4160-token history over 65 scattered pages, split 5 / 9 / 17 ways

@@ -10,6 +10,8 @@ from runtime_kernels import quant
 from runtime_kernels.attention import paged_ref
 from runtime_kernels.quant import naive
 
+pytestmark = pytest.mark.interpreter  # Triton kernels on CPU tensors (see conftest)
+
 
 def _rotations(h: int, d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
