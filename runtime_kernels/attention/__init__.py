@@ -51,7 +51,7 @@ BLOCK_N = 64  # tokens per inner tile (divides the default page size, so a tile 
 # INT2 kernel variant used by default (`triton_int2`):
 # 6 = tokens on the MMA rows (transposed dots, no padding rows), codes turned into fp16 operands by one `and` per two
 #     codes that leaves them as exact fp16 subnormals (no offset to remove), page ids read a vector at a time so codes
-#     AND scales are pipelined by cp.async; 4.24x over cuDNN BF16 at 128K / batch 8 under CUDA graphs, 1.26x faster
+#     AND scales are pipelined by cp.async; 4.34x over cuDNN BF16 at 128K / batch 8 under CUDA graphs, 1.29x faster
 #     than impl 5 (bench/results/decode_graph_NVIDIA_H200.md). Needs bf16/fp16 queries with |q| < 4096 and one scale
 #     group per row; other inputs run impl 3 (the same bitcast math in plain Triton).
 # 5 = the same dots with codes at fp16 exponent 1024 (offset subtracted in fp16), page id loaded per tile.

@@ -857,7 +857,7 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         impl = 3
     if impl in (5, 6):
         if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
-            return _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+            return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                  o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
                                  num_stages, subnormal=impl == 6)
         impl = 3  # fp32 queries, several groups per row, odd code rows: the same bitcast math in plain Triton
@@ -910,7 +910,7 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
                     for t in (k_codes, v_codes)) and block_n >= 16)
 
 
-def _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
                   num_stages: int, subnormal: bool = False, warmup: bool = False):
     """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools
@@ -980,7 +980,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
         o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2], dtype=torch.float32, device=q.device)
         lse_part = torch.empty(q.shape[0], q.shape[1], 3, dtype=torch.float32, device=q.device)
-        kernel = _launch_impl5(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
+        kernel = _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
                                lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6, warmup=True)
         _SLOTS[key] = _slots_of(kernel, num_warps, q.device)
     return _SLOTS[key]
