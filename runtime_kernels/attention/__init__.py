@@ -60,8 +60,9 @@ INT2_IMPL = 6
 # Launch shape of the INT2 kernel: 1 warp was the fastest configuration of impl 4 and of impl 5 at every point
 # where decode is not launch-bound (128K and 32K at batch 8 and 32).
 INT2_NUM_WARPS = 1
-# 32 programs per SM (more, shorter splits) tied 16 at 128K/B8 and 32K/B8 and was 1.24x faster at 128K/B32
-# (bench/results/decode_impl5_accuracy_NVIDIA_H200.md); shorter chunks also accumulate less rounding error.
+# Fixed split rule, for the kernels whose occupancy is not computed (impl 0-4, and the interpreter): 32 programs
+# per SM tied 16 at 128K/B8 and 32K/B8 and was 1.24x faster at 128K/B32 with impl 5
+# (bench/results/decode_impl5_accuracy_NVIDIA_H200.md). impl 5/6 on a GPU use the whole-wave rule below.
 INT2_PROGRAMS_PER_SM = 32
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
 # impl 5/6: the split count fills every SM with INT2_WAVES waves of programs, counted from the compiled kernel's
