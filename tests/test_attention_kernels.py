@@ -219,8 +219,20 @@ def test_int2_impl6_ignores_garbage_past_the_end_of_a_page():
     assert_lse_close(lse, lse_ref, 2e-4)
 
 
+def test_impl6_reads_more_than_one_block_of_page_ids():
+    """impl 6 loads page ids 64 tiles at a time: one split of 70 tiles (4480 tokens) crosses into the second block,
+    with pages in shuffled order, and must still match the reference."""
+    pool = make_pool([4480, 4200], h_kv=1, d=64, page=64, seed=46)
+    q = make_q(2, 4, 64, torch.float16)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=1, impl=6)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 1e-3
+    assert_lse_close(lse, lse_ref, 2e-4)
+
+
 def _run_ptx5(text: str, word: int) -> list[int]:
-    """Emulator for impl 5's inline-PTX block (mov/shr/lop3/sub.f16x2 on b32): `$8` = input, returns `$0 .. $7`."""
+    """Emulator for impl 5's and impl 6's inline-PTX blocks (mov/shr/and/lop3/sub.f16x2 on b32): `$8` = input,
+    returns `$0 .. $7`."""
     import numpy as np
 
     regs = {"$8": word}
@@ -240,6 +252,8 @@ def _run_ptx5(text: str, word: int) -> list[int]:
             regs[a[0]] = val(a[1])
         elif op == "shr.b32":
             regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
         elif op == "lop3.b32":
             lut = val(a[4])
             x, y, z = val(a[1]), val(a[2]), val(a[3])
@@ -272,6 +286,23 @@ def test_inline_ptx_impl5_block_gives_scaled_codes(sub):
             got = [float(np.array([hb], dtype=np.uint16).view(np.float16)[0]) for hb in (r & 0xFFFF, r >> 16)]
             offset = 0.0 if sub == 2 or (sub == 1 and pos < 2) else 1024.0
             want = [offset + T._M5[pos] * ((((w >> (16 * e)) & 0xFFFF) >> (8 * (pos // 4) + 2 * (pos % 4))) & 3)
+                    for e in range(2)]
+            assert got == want, (hex(w), pos, got, want)
+
+
+def test_inline_ptx_impl6_block_gives_subnormal_codes():
+    """impl 6's inline-PTX block on random words: output p holds, in each half, the fp16 subnormal
+    M_p * (code p of that element) * 2^-24, exactly (read back as float64)."""
+    import numpy as np
+
+    from runtime_kernels.attention import triton_int2 as T
+
+    gen = torch.Generator().manual_seed(7)
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF]
+    for w in words:
+        for pos, r in enumerate(_run_ptx5(T._ASM6_BODY.value, w)):
+            got = [float(np.array([hb], dtype=np.uint16).view(np.float16)[0]) for hb in (r & 0xFFFF, r >> 16)]
+            want = [T._M5[pos] * ((((w >> (16 * e)) & 0xFFFF) >> (8 * (pos // 4) + 2 * (pos % 4))) & 3) * 2.0**-24
                     for e in range(2)]
             assert got == want, (hex(w), pos, got, want)
 
@@ -485,12 +516,17 @@ def test_rotate_queries_and_unrotate_output():
 
 
 def test_programs_per_sm_limit_matches_the_occupancy_ncu_reported():
-    """Nsight Compute on the H200: impl 6 (165 registers, 12032 B shared, 1 warp) -> 12 blocks per SM, limited by
-    registers; impl 5 (127 registers, 7172 B) -> 16; the 32-block limit and the thread limit bind for tiny kernels."""
+    """Nsight Compute on the H200: impl 6 (167 registers, 12032 B shared, 1 warp) -> 12 blocks per SM (registers and
+    shared memory both bind); impl 5 (127 registers, 7172 B) -> 16. Registers per warp come from one of 4
+    sub-partitions (CUDA's occupancy calculator): 136-168 registers all give 12 one-warp blocks, 200 give 8. The
+    32-block limit and the thread limit bind for tiny kernels."""
     from runtime_kernels.attention import triton_int2
 
-    assert triton_int2.programs_per_sm_limit(165, 12032, 1) == 12
+    assert triton_int2.programs_per_sm_limit(167, 12032, 1) == 12
     assert triton_int2.programs_per_sm_limit(127, 7172, 1) == 16
+    for regs, blocks in ((128, 16), (136, 12), (144, 12), (152, 12), (168, 12), (170, 8), (200, 8), (255, 8)):
+        assert triton_int2.programs_per_sm_limit(regs, 0, 1) == blocks, regs
+    assert triton_int2.programs_per_sm_limit(144, 0, 4) == 3  # 12 warps of 144 registers, 4 per block
     assert triton_int2.programs_per_sm_limit(32, 0, 1) == 32
     assert triton_int2.programs_per_sm_limit(32, 0, 8) == 8  # 2048 threads / 256
     assert triton_int2.programs_per_sm_limit(64, 100_000, 1) == 2  # shared memory binds
@@ -513,7 +549,12 @@ def test_int2_splits_fill_whole_waves(monkeypatch):
     assert A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6) == (2 * 3 * 5) // (2 * 2)
     monkeypatch.setattr(A, "_sm_count", lambda device: 1000)
     assert A.int2_num_splits(q, *pool, A.BLOCK_N, 1, 3, 6) == -(-pool[6].shape[1] * 64 // A.MIN_SPLIT_TOKENS)
+    launched = []
+    real_launch = triton_int2.launch_int2_decode
+    monkeypatch.setattr(triton_int2, "launch_int2_decode",
+                        lambda *a, **k: launched.append(a[12]) or real_launch(*a, **k))
     o, lse = A.int2_decode_attention(q, *pool, backend="triton", impl=6)  # the launch uses that split count
+    assert launched == [-(-pool[6].shape[1] * 64 // A.MIN_SPLIT_TOKENS)]
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 1e-3
 

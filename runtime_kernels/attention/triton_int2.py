@@ -942,10 +942,12 @@ _SLOTS: dict[tuple, int] = {}  # compiled-kernel key -> programs resident per SM
 
 def programs_per_sm_limit(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
                           smem_per_sm: int = 233472, threads_per_sm: int = 2048, max_blocks: int = 32) -> int:
-    """Programs of a compiled kernel that one SM holds at once: the tightest of registers (allocated per warp in
-    units of 256), shared memory (1 KiB reserved per block), threads and the block limit. Defaults: Hopper."""
+    """Programs of a compiled kernel that one SM holds at once: the tightest of registers, shared memory (1 KiB
+    reserved per block), threads and the block limit. Defaults: Hopper. Registers follow CUDA's occupancy rules:
+    allocated per warp in units of 256, and a warp's registers come from one of the SM's 4 sub-partitions, so
+    warps per SM = 4 * floor(regs_per_sm / 4 / regs_per_warp) (136 registers: 12 warps, not 15)."""
     regs_per_warp = -(-max(1, n_regs) * 32 // 256) * 256
-    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_regs = 4 * (regs_per_sm // 4 // regs_per_warp) // num_warps
     by_smem = smem_per_sm // (shared_bytes + 1024)
     by_threads = threads_per_sm // (32 * num_warps)
     return max(1, min(max_blocks, by_regs, by_smem, by_threads))
@@ -973,8 +975,11 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     ng = k_scale.shape[3]
     if not _impl5_ok(q, k_codes, v_codes, ng, k_codes.shape[2], block_n):
         return None
+    # Everything that selects a different compiled kernel: constexprs, dtypes, and Triton's specialisation of the
+    # block-table stride (the warmup uses the real table; the split buffers' strides barely move registers).
     key = (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
-           num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC)
+           num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, block_table.dtype, hist_len.dtype,
+           block_table.stride(0) % 16 == 0)
     if key not in _SLOTS:
         import torch
 
