@@ -67,7 +67,9 @@ INT2_PROGRAMS_PER_SM = 32
 MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (fewer partials to reduce)
 # impl 5/6: the split count fills every SM with INT2_WAVES waves of programs, counted from the compiled kernel's
 # registers and shared memory (`triton_int2.resident_programs_per_sm`), rounded down so that no wave is left
-# partly empty (ncu at 128K / batch 8: 2.67 waves with the fixed rule, a third of the last wave idle).
+# partly empty (the fixed rule launched 2.67 waves at 128K / batch 8). Kernel time there: 0.2067 ms vs 0.2031 ms
+# for the fixed rule, i.e. no gain; kept for 2.75x fewer partials and for following the kernel's occupancy
+# (bench/NOTES_decode.md, v6). Under CUDA graphs 2 waves were slower or equal at every point.
 INT2_WAVES = 1
 _SM_COUNT: dict[int, int] = {}
 
