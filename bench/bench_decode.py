@@ -306,7 +306,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 COMPARE_CONFIGS = [
     ("v3_impl0", 0, 4, 64, 3, 8, 64),
     ("v3_impl1", 1, 4, 64, 3, 8, 64),
-    ("new_default", A.INT2_IMPL, A.INT2_NUM_WARPS, A.BLOCK_N, 3, A.INT2_PROGRAMS_PER_SM, A.MIN_SPLIT_TOKENS),
+    ("new_default", A.INT2_IMPL, A.INT2_NUM_WARPS, A.BLOCK_N, 3, 0, A.MIN_SPLIT_TOKENS),  # 0: the library's rule
     ("impl4_w4_floor64", 4, 4, 64, 3, 8, 64),
     ("impl4_w2", 4, 2, 64, 3, 8, 256),
     ("impl4_w2_n32", 4, 2, 32, 3, 8, 256),
@@ -453,10 +453,16 @@ def run_point_compare(batch: int, context: int, configs: list[dict], copy_gbps: 
     variants = []
     for c in configs:
         cfg = dict(c)
-        cfg["splits"] = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device,
-                                             programs_per_sm=cfg["programs_per_sm"], block_n=cfg["block_n"],
-                                             min_tokens=cfg["min_tokens"])
-        cfg["window_splits"] = A.default_num_splits(batch, H_KV, WIN, q.device, programs_per_sm=cfg["programs_per_sm"],
+        if cfg["programs_per_sm"]:
+            cfg["splits"] = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device,
+                                                 programs_per_sm=cfg["programs_per_sm"], block_n=cfg["block_n"],
+                                                 min_tokens=cfg["min_tokens"])
+        else:  # the library's split rule (whole waves for impl 5/6)
+            _set_fold(cfg)
+            cfg["splits"] = A.int2_num_splits(q, *pools, table, hist_len, cfg["block_n"], cfg["num_warps"],
+                                              cfg["num_stages"], cfg["impl"])
+        cfg["window_splits"] = A.default_num_splits(batch, H_KV, WIN, q.device,
+                                                    programs_per_sm=cfg["programs_per_sm"] or 8,
                                                     block_n=cfg["block_n"], min_tokens=cfg["block_n"])
 
         def fn(cfg=cfg):
