@@ -33,11 +33,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_decode import DEV, H_KV, H_Q, PAGE, WIN, D, exact_decode, make_int2_cache  # noqa: E402
+
 from runtime_kernels import attention as A  # noqa: E402
 
-H_Q, H_KV, D, PAGE, SINK, RECENT = 32, 8, 128, 64, 64, 256
-WIN = SINK + RECENT
-DEV = "cuda"
 MIN_CALLS = 48  # calls per graph replay: the replay's own launch cost is spread over this many calls
 
 
@@ -141,36 +140,11 @@ def bf16_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 
 # ----------------------------------------------------------------------------------------------------- INT2 side
 def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
-    """`layers` distinct INT2 caches in one pool (each layer its own scattered pages and its own windows)."""
-    hist = context - WIN
-    pps = -(-hist // PAGE)
-    n_pages = layers * batch * pps
-    kc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
-    vc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
-    ks = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 0.5 + 0.1).half()
-    vs = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 0.5 + 0.1).half()
-    kz = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 3).half()
-    vz = (torch.rand(n_pages, H_KV, PAGE, 1, device=DEV, generator=gen) * 3).half()
-    perm = torch.randperm(n_pages, device=DEV, generator=gen).to(torch.int32).reshape(layers, batch, pps)
-    k_win = torch.randn(layers * batch, H_KV, WIN, D, device=DEV, generator=gen).to(torch.bfloat16)
-    v_win = torch.randn(layers * batch, H_KV, WIN, D, device=DEV, generator=gen).to(torch.bfloat16)
-    slots = torch.arange(layers * batch, dtype=torch.int32, device=DEV).reshape(layers, batch)
-    hist_len = torch.full((batch,), hist, dtype=torch.int32, device=DEV)
-    win_len = torch.full((batch,), WIN, dtype=torch.int32, device=DEV)
-    return (kc, ks, kz, vc, vs, vz), perm, hist_len, k_win, v_win, slots, win_len
-
-
-def exact_first_row(q, pools, table, hist_len, k_win, v_win, slot, win_len):
-    """float64 decode attention of sequence 0: o `[H_q, d]`."""
-    from runtime_kernels.attention import paged_ref
-
-    kc, ks, kz, vc, vs, vz = pools
-    n, w, s = int(hist_len[0]), int(win_len[0]), int(slot[0])
-    k = torch.cat([paged_ref.gather_history(kc, ks, kz, table[0], n).double(), k_win[s, :, :w].double()], dim=1)
-    v = torch.cat([paged_ref.gather_history(vc, vs, vz, table[0], n).double(), v_win[s, :, :w].double()], dim=1)
-    qi = q[0].double().reshape(H_KV, H_Q // H_KV, D)
-    p = torch.softmax(torch.einsum("hgd,hnd->hgn", qi, k) / math.sqrt(D), dim=-1)
-    return torch.einsum("hgn,hnd->hgd", p, v).reshape(H_Q, D)
+    """`layers` distinct INT2 caches in one pool: `bench_decode.make_int2_cache` for layers * batch sequences, its
+    block table and window slots split per layer (each layer its own scattered pages and its own windows)."""
+    pools, table, hist_len, k_win, v_win, slot_ids, win_len, _, _ = make_int2_cache(layers * batch, context, gen)
+    return (pools, table.view(layers, batch, -1), hist_len[:batch], k_win, v_win, slot_ids.view(layers, batch),
+            win_len[:batch])
 
 
 def apply_variant(variant: str) -> int:
@@ -202,7 +176,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
     layers = layers_for(read)
     pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
     out = {"layers": layers, "bytes_per_call": read, "floor_ms_at_copy_bw": read / copy / 1e6}
-    exact = exact_first_row(q, pools, tables[0], hist_len, k_win, v_win, slots[0], win_len)
+    exact = exact_decode(q, pools, tables[0], hist_len, k_win, v_win, slots[0], win_len, rows=1)[0][0]
     for variant in impls:
         key = f"impl{variant}"
         try:

@@ -13,29 +13,16 @@ import math
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import H_KV, H_Q, D, make_int2_cache  # noqa: E402
+from bench_decode import H_KV, H_Q, D, host_ms, make_int2_cache  # noqa: E402
 
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import merge, triton_int2, triton_window  # noqa: E402
-
-
-def us_per_call(fn, n: int = 2000) -> float:
-    """Wall microseconds per call issued back to back (launch queue never drains: host-bound)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, 8K / batch 1, impl {A.INT2_IMPL}, "
           f"splits {s_h}+{s_w}")
     for name, fn in rows.items():
-        print(f"{name:<36} {us_per_call(fn):8.1f} us per call")
+        print(f"{name:<36} {host_ms(fn, n=2000) * 1e3:8.1f} us per call")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):
