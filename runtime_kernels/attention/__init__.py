@@ -91,9 +91,13 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     syncs the GPU. 8 programs per SM (with num_stages=3) was the fastest setting at 128K / batch 8 on an H200
     (bench/results/decode_NVIDIA_H200.md). The chunk floor caps the splits at small shapes, where the split
     reduce cost more than the INT2 kernel (123 splits at 8K / batch 1 before it)."""
-    chunks = max(1, -(-max_tokens // max(min_tokens, block_n)))
     want = -(-programs_per_sm * _sm_count(device) // max(1, batch * kv_heads))
-    return max(1, min(chunks, want))
+    return max(1, min(_max_chunks(max_tokens, block_n, min_tokens), want))
+
+
+def _max_chunks(max_tokens: int, block_n: int, min_tokens: int) -> int:
+    """The most splits a sequence of `max_tokens` takes: no chunk shorter than max(min_tokens, block_n)."""
+    return max(1, -(-max_tokens // max(min_tokens, block_n)))
 
 
 def int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n: int,
@@ -109,8 +113,8 @@ def int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block
     if slots is None:
         return default_num_splits(b, h_kv, max_tokens, q.device, programs_per_sm=INT2_PROGRAMS_PER_SM,
                                   block_n=block_n)
-    chunks = max(1, -(-max_tokens // max(MIN_SPLIT_TOKENS, block_n)))
-    return max(1, min(chunks, int(INT2_WAVES * slots * _sm_count(q.device)) // max(1, b * h_kv)))
+    waves = int(INT2_WAVES * slots * _sm_count(q.device)) // max(1, b * h_kv)
+    return max(1, min(_max_chunks(max_tokens, block_n, MIN_SPLIT_TOKENS), waves))
 
 
 # ----------------------------------------------------------------------------------------------- checks
