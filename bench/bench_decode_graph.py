@@ -148,7 +148,9 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
 
 
 def apply_variant(variant: str) -> int:
-    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages) -> set the library switches, return the impl."""
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole) -> set the library switches, return the
+    impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
+    PagedKVCache uses (its history is always whole pages, and so is this benchmark's)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -160,13 +162,17 @@ def apply_variant(variant: str) -> int:
             triton_int2.IMPL5_MAXNREG = int(v)
         elif k == "waves":
             A.INT2_WAVES = float(v)
-        elif k != "stages":
-            raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages)")
+        elif k not in ("stages", "whole"):
+            raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole)")
     return int(impl)
 
 
 def variant_stages(variant: str) -> int:
     return next((int(o.split("=")[1]) for o in variant.split(":")[1:] if o.startswith("stages=")), 3)
+
+
+def variant_whole(variant: str) -> bool:
+    return next((o.split("=")[1] != "0" for o in variant.split(":")[1:] if o.startswith("whole=")), True)
 
 
 def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[str],
@@ -180,9 +186,9 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
     for variant in impls:
         key = f"impl{variant}"
         try:
-            impl, stages = apply_variant(variant), variant_stages(variant)
-            calls = [lambda t=tables[i], s=slots[i], impl=impl, stages=stages: A.decode_attention(
-                q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages)
+            impl, stages, whole = apply_variant(variant), variant_stages(variant), variant_whole(variant)
+            calls = [lambda t=tables[i], s=slots[i], impl=impl, stages=stages, whole=whole: A.decode_attention(
+                q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages, whole_pages=whole)
                 for i in range(layers)]
             o, _ = calls[0]()
             err = ((o[0].double() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
@@ -190,7 +196,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
             g = time_graph(calls)
             out[key] = {"graph_ms": g, "eager_ms": time_eager(calls), "rel_rmse_vs_float64": err,
                         "splits": A.int2_num_splits(q, *pools, tables[0], hist_len, A.BLOCK_N, A.INT2_NUM_WARPS,
-                                                    stages, impl),
+                                                    stages, impl, whole), "whole_pages": whole,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

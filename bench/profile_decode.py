@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--pps", default=str(A.INT2_PROGRAMS_PER_SM), help="programs per SM (split rule; 0 = the library's wave rule), comma-separated")
     ap.add_argument("--stages", default="3", help="comma-separated")
     ap.add_argument("--maxnreg", default="0", help="register caps, comma-separated (0: none)")
+    ap.add_argument("--block-n", default="64", help="tile sizes, comma-separated")
+    ap.add_argument("--whole", default="0", help="whole_pages promise (0 masked, 1 unmasked loop), comma-separated")
     ap.add_argument("--time", action="store_true", help="also time each launch with do_bench")
     args = ap.parse_args()
     triton_int2.strict_impl(True)
@@ -41,28 +43,33 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     pools, table, hist_len, *_ = make_int2_cache(batch, context, gen)
     q = torch.randn(batch, H_Q, D, device="cuda", generator=gen).to(torch.bfloat16)
-    for impl, pps, stages, maxnreg in itertools.product(
-            [int(x) for x in args.impls.split(",")], [int(x) for x in args.pps.split(",")],
-            [int(x) for x in args.stages.split(",")], [int(x) for x in args.maxnreg.split(",")]):
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    for impl, pps, stages, maxnreg, block_n, whole in itertools.product(
+            ints(args.impls), ints(args.pps), ints(args.stages), ints(args.maxnreg), ints(args.block_n),
+            ints(args.whole)):
         triton_int2.IMPL5_MAXNREG = maxnreg or None
         if pps:
-            splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps)
+            splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps,
+                                          block_n=block_n)
         else:  # the library rule: whole waves of resident programs
-            splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, stages, impl)
+            splits = A.int2_num_splits(q, *pools, table, hist_len, block_n, 1, stages, impl, bool(whole))
         o = torch.empty(batch, H_Q, splits, D, device="cuda")
         lse = torch.empty(batch, H_Q, splits, device="cuda")
         triton_int2.IMPL5_MAXNREG = maxnreg or None
         fn = lambda: triton_int2.launch_int2_decode(q, *pools, table, hist_len, o, lse, 1 / math.sqrt(D),  # noqa: E731
-                                                    splits, 0, 64, 1, stages, impl)
+                                                    splits, 0, block_n, 1, stages, impl,
+                                                    whole_pages=bool(whole))
         try:
             k = fn()
             fn()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the others still run
-            print(f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg}: ERROR {type(e).__name__}: "
+            print(f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg} block_n {block_n} "
+                  f"whole {whole}: ERROR {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
             continue
-        line = (f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg}: {splits} splits, {k.n_regs} regs, "
+        line = (f"impl {impl} pps {pps} stages {stages} maxnreg {maxnreg} block_n {block_n} "
+                f"whole {whole}: {splits} splits, {k.n_regs} regs, "
                 f"{k.n_spills} spills, {k.metadata.shared} B smem")
         if args.time:
             line += f", {triton.testing.do_bench(fn, warmup=20, rep=100):.4f} ms"

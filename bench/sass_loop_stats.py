@@ -30,14 +30,14 @@ OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
 def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False,
-                   maxnreg: int | None = None):
+                   maxnreg: int | None = None, full_tiles: bool = False):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
-                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64,
+                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
                      stride_ksr=1, stride_vsr=1)  # a launch specializes integer arguments equal to 1
         ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
     else:
@@ -104,11 +104,12 @@ def main() -> None:
     ap.add_argument("--vfold", action="store_true", help="impl 5: V code offset subtracted after a fresh dot")
     ap.add_argument("--top", type=int, default=8, help="most frequent opcodes to print")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas spills above it)")
+    ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
-                                         args.maxnreg))
+                                         args.maxnreg, args.full_tiles))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "

@@ -532,7 +532,8 @@ class PagedKVCache:
         o, lse = attn_api.decode_attention(q_rot, pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes,
                                            pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len,
                                            pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
-                                           sm_scale=sm_scale, backend=self.backend, validate=False)
+                                           sm_scale=sm_scale, backend=self.backend, validate=False,
+                                           whole_pages=True)
         o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 
