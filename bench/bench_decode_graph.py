@@ -148,22 +148,30 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
 
 
 def apply_variant(variant: str) -> int:
-    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole) -> set the library switches, return the
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused, wfirst) -> set the library switches, return the
     impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
-    PagedKVCache uses (its history is always whole pages, and so is this benchmark's)."""
-    from runtime_kernels.attention import triton_int2
+    PagedKVCache uses (its history is always whole pages, and so is this benchmark's); `fused=1` runs the
+    single fused launch (history + window + reduce) instead of the default three launches."""
+    from runtime_kernels.attention import triton_fused, triton_int2
 
     impl, *opts = variant.split(":")
     triton_int2.IMPL5_MAXNREG = None
     A.INT2_WAVES = 1
+    A.DECODE_FUSED = False
+    triton_fused.WINDOW_FIRST = False
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
             triton_int2.IMPL5_MAXNREG = int(v)
         elif k == "waves":
             A.INT2_WAVES = float(v)
+        elif k == "wfirst":
+            triton_fused.WINDOW_FIRST = v != "0"
+        elif k == "fused":
+            A.DECODE_FUSED = v != "0"
         elif k not in ("stages", "whole"):
-            raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole)")
+            raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
+                             f"fused, wfirst)")
     return int(impl)
 
 
@@ -195,8 +203,9 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
             calls = repeat_to(calls, MIN_CALLS)
             g = time_graph(calls)
             out[key] = {"graph_ms": g, "eager_ms": time_eager(calls), "rel_rmse_vs_float64": err,
-                        "splits": A.int2_num_splits(q, *pools, tables[0], hist_len, A.BLOCK_N, A.INT2_NUM_WARPS,
-                                                    stages, impl, whole), "whole_pages": whole,
+                        "splits": A.decode_num_splits(q, *pools, tables[0], hist_len, k_win, v_win, slots[0],
+                                                      win_len, num_stages=stages, impl=impl, whole_pages=whole),
+                        "whole_pages": whole, "fused": A.DECODE_FUSED,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

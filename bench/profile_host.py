@@ -1,6 +1,6 @@
-"""Where the host time of an eager decode call goes (no CUDA graph): the full call with and without argument checks,
-each of its three launches alone, and a cProfile of the full call. Small shape (8K, batch 1), where the call is
-host-bound.
+"""Where the host time of an eager decode call goes (no CUDA graph): the full call (three launches by default) with
+and without argument checks, the single fused launch (and as the transformers integration calls it), each of the
+three launches alone, and a cProfile of the fused call. Small shape (8K, batch 1), where the call is host-bound.
 
     python3 bench/profile_host.py > bench/results/host_overhead_<gpu>.txt
 """
@@ -35,9 +35,14 @@ def main() -> None:
     o_part = torch.empty(1, H_Q, s_h + s_w, D, device="cuda")
     lse_part = torch.empty(1, H_Q, s_h + s_w, device="cuda")
     sc = 1 / math.sqrt(D)
+    counters = torch.zeros(H_KV, dtype=torch.int32, device="cuda")
+
     rows = {
         "decode_attention (checks on)": lambda: A.decode_attention(*args),
         "decode_attention(validate=False)": lambda: A.decode_attention(*args, validate=False),
+        "fused (validate=False)": lambda: A.decode_attention(*args, validate=False, fused=True),
+        "fused, as OscarCache calls it": lambda: A.decode_attention(*args, validate=False, whole_pages=True,
+                                                                     counters=counters, fused=True),
         "INT2 kernel launch alone": lambda: triton_int2.launch_int2_decode(
             q, *pools, table, hist_len, o_part, lse_part, sc, s_h, 0, A.BLOCK_N, A.INT2_NUM_WARPS, 3, A.INT2_IMPL),
         "window kernel launch alone": lambda: triton_window.launch_window_decode(
@@ -52,7 +57,7 @@ def main() -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):
-        A.decode_attention(*args)
+        A.decode_attention(*args, validate=False, whole_pages=True, counters=counters, fused=True)
     torch.cuda.synchronize()
     prof.disable()
     buf = io.StringIO()

@@ -252,6 +252,9 @@ class PagedKVCache:
                 k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
                 v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
             ))
+        # Arrival counts of the fused decode launch (one per sequence and KV head; every call leaves them zero). The
+        # layers of a step run one after another on one stream, so they share it.
+        self._attn_counters = zeros((s * h,), torch.int32)
 
     @classmethod
     def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = 64,
@@ -499,7 +502,7 @@ class PagedKVCache:
         return meta
 
     def decode_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[int],
-                         sm_scale: float | None = None, return_lse: bool = False):
+                         sm_scale: float | None = None, return_lse: bool = False, fused: bool | None = None):
         """One decode query per sequence over sink + recent (full precision) and the INT2 history, merged exactly.
 
         Args:
@@ -508,6 +511,9 @@ class PagedKVCache:
                 head's KV head (GQA groups share it).
             seq_ids: the B sequences (each must hold at least one token).
             sm_scale: softmax scale (default `1 / sqrt(d)`).
+            fused: one kernel launch instead of three on the Triton path (None: the library default,
+                `attention.DECODE_FUSED`); fewer host microseconds for eager callers, slower under CUDA graphs at
+                small batch (bench/NOTES_decode.md, "v7").
         Returns:
             o fp32 `[B, H_q, d]` in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
@@ -533,7 +539,7 @@ class PagedKVCache:
                                            pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len,
                                            pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
                                            sm_scale=sm_scale, backend=self.backend, validate=False,
-                                           whole_pages=True)
+                                           whole_pages=True, counters=self._attn_counters, fused=fused)
         o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 

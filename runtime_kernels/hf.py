@@ -376,7 +376,9 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if layer.mode == "decode":
         if query.shape[2] != 1:
             raise ValueError(f"query: expected one token per row in a decode step, got shape {list(query.shape)}")
-        o = cache.paged.decode_attention(layer.local_idx, query[:, :, 0], cache.seq_ids, sm_scale=scaling)
+        # generate() calls every layer eagerly, so the host time of the launch counts: one fused launch.
+        o = cache.paged.decode_attention(layer.local_idx, query[:, :, 0], cache.seq_ids, sm_scale=scaling,
+                                         fused=True)
         layer.mode = None
         return o.to(query.dtype).unsqueeze(1), None  # [B, 1, H_q, d]
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -104,14 +104,46 @@ def test_full_decode_on_gpu_qwen3_8b_geometry():
     slot_ids = torch.tensor([5, 0, 2, 3], dtype=torch.int32, device=DEV)
     win_len = torch.tensor([40, 320, 320, 0], dtype=torch.int32, device=DEV)
     q = torch.randn(4, 32, 128, device=DEV, dtype=torch.bfloat16)
-    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len)
+    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, fused=True)
     o_ref, lse_ref = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="torch")
     assert rel_rmse(o, o_ref) < 2e-2
     assert torch.allclose(lse, lse_ref, atol=2e-2)
+    # The fused launch (window programs shaped for one warp, reduce by the last program) vs the separate kernels.
     o_w, lse_w = A.window_attention(q, k_win, v_win, slot_ids, win_len)
     o_h, lse_h = A.int2_decode_attention(q, *pool)
     o_m, lse_m = A.merge_attention(o_h, lse_h, o_w, lse_w)
-    assert rel_rmse(o_m, o) < 1e-5
+    assert rel_rmse(o_m, o) < 1e-3
+    fin = torch.isfinite(lse_m)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_m[fin], atol=1e-4)
+
+
+def test_fused_decode_under_graph_replay_on_gpu():
+    """The fused launch at batch 32 (2048 programs racing on 256 arrival counters), captured once in a CUDA graph
+    with a shared counters buffer and replayed: every replay must reduce (counters back to zero) and match the
+    three-launch path; whole_pages as PagedKVCache passes it."""
+    lens = [64 * (37 + 11 * i) for i in range(32)]
+    pool = make_pool(lens, 8, 128, seed=9)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    k_win = torch.randn(32, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    v_win = torch.randn(32, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    slot_ids = torch.randperm(32, generator=gen, device=DEV).to(torch.int32)
+    win_len = torch.randint(1, 321, (32,), generator=gen, device=DEV).to(torch.int32)
+    q = torch.randn(32, 32, 128, device=DEV, dtype=torch.bfloat16)
+    args = (q, *pool, k_win, v_win, slot_ids, win_len)
+    counters = torch.zeros(32 * 8, dtype=torch.int32, device=DEV)
+    o3, lse3 = A.decode_attention(*args)
+    A.decode_attention(*args, whole_pages=True, counters=counters, fused=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = A.decode_attention(*args, whole_pages=True, counters=counters, validate=False, fused=True)
+    for _ in range(5):
+        o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (counters == 0).all()
+        assert rel_rmse(o, o3) < 1e-3
+        assert torch.allclose(lse, lse3, atol=1e-4)
 
 
 def test_write_pages_on_gpu():

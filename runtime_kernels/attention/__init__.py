@@ -36,6 +36,7 @@ def _merge():
 
 __all__ = [
     "decode_attention",
+    "decode_num_splits",
     "default_num_splits",
     "int2_num_splits",
     "int2_decode_attention",
@@ -71,6 +72,13 @@ MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (
 # for the fixed rule, i.e. no gain; kept for 2.75x fewer partials and for following the kernel's occupancy
 # (bench/NOTES_decode.md, v6). Under CUDA graphs 2 waves were slower or equal at every point.
 INT2_WAVES = 1
+# decode_attention on the Triton path, unless the call says `fused=`: one fused launch (history + window + reduce by
+# the last program of each KV head, where the default kernel applies) or three (INT2 kernel, window kernel, reduce).
+# Measured on an H200 (bench/NOTES_decode.md "v7"): under CUDA graphs three launches are faster at batch 1 and 8
+# (128K/B8 0.2028 vs 0.2125 ms, 128K/B1 0.0526 vs 0.0614) and equal at batch 32, so they are the default; eager
+# calls are bound by host time, which the single launch cuts (profile_host: 123 vs 175 us per call), so eager
+# callers such as the transformers integration (`hf.OscarCache`) ask for it.
+DECODE_FUSED = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -107,9 +115,14 @@ def int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block
     shorter than MIN_SPLIT_TOKENS; decided from shapes and the compiled kernel only (no GPU sync)."""
     from runtime_kernels.attention import triton_int2
 
-    b, h_kv, max_tokens = q.shape[0], k_codes.shape[1], block_table.shape[1] * k_codes.shape[2]
     slots = triton_int2.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                                  hist_len, block_n, num_warps, num_stages, impl, whole_pages)
+    return _splits_for_slots(q, k_codes, block_table, block_n, slots)
+
+
+def _splits_for_slots(q, k_codes, block_table, block_n: int, slots: int | None) -> int:
+    """INT2 splits: INT2_WAVES whole waves of `slots` programs per SM, or the fixed rule where slots is None."""
+    b, h_kv, max_tokens = q.shape[0], k_codes.shape[1], block_table.shape[1] * k_codes.shape[2]
     if slots is None:
         return default_num_splits(b, h_kv, max_tokens, q.device, programs_per_sm=INT2_PROGRAMS_PER_SM,
                                   block_n=block_n)
@@ -256,14 +269,50 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return _merge().merge_pair(o_a, lse_a, o_b, lse_b)
 
 
+def _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None) -> bool:
+    from runtime_kernels.attention import triton_fused
+
+    fused = DECODE_FUSED if fused is None else fused
+    return bool(fused) and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n)
+
+
+def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
+                      slot_ids, win_len, block_n: int = BLOCK_N, num_warps: int = INT2_NUM_WARPS,
+                      num_stages: int = 3, impl: int | None = None, whole_pages: bool = False,
+                      fused: bool | None = None) -> tuple[int, int]:
+    """(history splits, window splits) that `decode_attention` launches by default on the Triton path: whole waves of
+    the kernel that runs (the fused one where it applies and `fused`, default `DECODE_FUSED`, asks for it), from
+    shapes and compiled kernels only."""
+    impl = INT2_IMPL if impl is None else impl
+    if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
+        from runtime_kernels.attention import triton_fused
+
+        slots = triton_fused.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                      block_table, hist_len, k_win, v_win, slot_ids, win_len,
+                                                      block_n, num_warps, num_stages, impl, whole_pages)
+        return (_splits_for_slots(q, k_codes, block_table, block_n, slots),
+                triton_fused.window_splits(k_win.shape[2]))
+    return (int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n,
+                            num_warps, num_stages, impl, whole_pages),
+            default_num_splits(q.shape[0], k_codes.shape[1], k_win.shape[2], q.device, block_n=block_n,
+                               min_tokens=block_n))
+
+
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", block_n: int = BLOCK_N,
                      num_warps: int = INT2_NUM_WARPS, num_stages: int = 3, impl: int | None = None,
-                     prefetch: bool = False, validate: bool = True, whole_pages: bool = False):
-    """Full decode attention over history (INT2) + window (BF16): 3 launches on the Triton path (INT2 kernel
-    and window kernel write into one split buffer, one reduce). Arguments as in `int2_decode_attention`
+                     prefetch: bool = False, validate: bool = True, whole_pages: bool = False,
+                     counters: torch.Tensor | None = None, fused: bool | None = None):
+    """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`.
+
+    Triton path: one launch (`triton_fused`: INT2 splits, window splits and the split reduce by the last program
+    of each KV head) for the default kernel with half windows when `fused` (None: `DECODE_FUSED`, False) asks for
+    it: fewer host microseconds for eager callers; otherwise three (INT2 kernel and window kernel into one split
+    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8. `counters`: int32 `[>= B * H_kv]`, zero, for the fused
+    launch's arrival counts (it leaves them zero); None allocates a fresh one per call (one small memset). Calls
+    that may run concurrently must not share one. `window_splits` applies to the three-launch path.
 
     `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
     which lets the default INT2 kernel skip all masking (56 fewer instructions per 64-token tile).
@@ -290,10 +339,26 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     b, _, _ = q.shape
     h_kv = k_codes.shape[1]
     impl = INT2_IMPL if impl is None else impl
+    if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
+        from runtime_kernels.attention import triton_fused
+
+        if counters is None:
+            counters = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device)
+        elif validate:
+            check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)
+            if counters.numel() < b * h_kv or not counters.is_contiguous():
+                raise ValueError(f"counters: expected a contiguous int32 tensor of at least B * H_kv = "
+                                 f"{b * h_kv} elements, got shape {tuple(counters.shape)}")
+        s_h, s_w = decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                     k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
+                                     whole_pages, fused=True)
+        return triton_fused.launch_decode_fused(
+            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
+            win_len, counters, scale, num_splits or s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
     s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                         hist_len, block_n, num_warps, num_stages, impl, whole_pages)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
-                                              min_tokens=block_n)
+                                              min_tokens=block_n)  # = decode_num_splits without the fused kernel
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl, prefetch,

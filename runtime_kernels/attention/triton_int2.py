@@ -678,12 +678,37 @@ def _int2_decode_kernel_t(
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
     # q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row. Same outputs as `_int2_decode_kernel`.
+    _int2_chunk_t(
+        q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, qk_scale, split_offset,
+        stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
+
+
+@triton.jit
+def _int2_chunk_t(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    qk_scale, split_offset,
+    stride_qb, stride_qh,
+    stride_kcp, stride_kch, stride_kcr,
+    stride_ksp, stride_ksh, stride_ksr,
+    stride_vcp, stride_vch, stride_vcr,
+    stride_vsp, stride_vsh, stride_vsr,
+    stride_btb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    b, h, sp, n_split,
+    GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
+    TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
+    FULL_TILES: tl.constexpr,
+):
+    """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
+    -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    n_split = tl.num_programs(2)
     L = tl.load(len_ptr + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
     start = sp * chunk

@@ -96,3 +96,68 @@ def launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, s
         BLOCK_N=block_n, FP32=k_win.dtype.itemsize == 4, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+@triton.jit
+def _window_chunk_t(
+    q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr,
+    qk_scale, split_offset,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kr,
+    stride_vs, stride_vh, stride_vr,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    b, h, sp, n_split,
+    GROUP: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One window chunk for the fused decode kernel, shaped for a single warp: tokens on the MMA rows of the score
+    dot (`S^T [BLOCK_N, NC] = K @ q^T`, NC >= 8 query-head columns, zero queries past GROUP) and channels on the
+    rows of the output (`O^T [D_PAD, NC] += V^T @ P`), so nothing is padded to 16 heads and the accumulator is
+    32 registers at d = 128. Tiles are loaded straight into registers (`num_stages=1`): multi-buffering 16-token
+    BF16 tiles would need more shared memory than the whole INT2 loop and cut the kernel's occupancy.
+    Same inputs and outputs as `_window_decode_kernel` (half windows and queries only)."""
+    L = tl.load(len_ptr + b).to(tl.int32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, L)
+
+    offs_c = tl.arange(0, NC)
+    c_ok = offs_c < GROUP
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
+    kdt = k_ptr.dtype.element_ty
+    q_t = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + offs_c)[None, :] * stride_qh + offs_d[:, None],
+                  mask=d_ok[:, None] & c_ok[None, :], other=0.0).to(kdt)  # [D_PAD, NC]
+
+    m_i = tl.full([NC], float("-inf"), tl.float32)
+    l_i = tl.zeros([NC], tl.float32)
+    acc = tl.zeros([D_PAD, NC], tl.float32)
+    k_base = k_ptr + slot * stride_ks + h * stride_kh
+    v_base = v_ptr + slot * stride_vs + h * stride_vh
+    for t0 in tl.range(start, end, BLOCK_N, num_stages=1):
+        t = t0 + offs_n
+        t_ok = t < end
+        k = tl.load(k_base + t[:, None].to(tl.int64) * stride_kr + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        v_t = tl.load(v_base + t[None, :].to(tl.int64) * stride_vr + offs_d[:, None],
+                      mask=d_ok[:, None] & t_ok[None, :], other=0.0)  # [D_PAD, BLOCK_N]
+        s = _dot(k, q_t, False, INTERP) * qk_scale
+        s = tl.where(t_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + _dot(v_t, p.to(kdt), False, INTERP)
+        m_i = m_new
+
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_c)[None, :] * stride_oh
+             + (split_offset + sp) * stride_os + offs_d[:, None], acc * inv[None, :],
+             mask=d_ok[:, None] & c_ok[None, :])
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_c) * stride_lh + split_offset + sp, lse,
+             mask=c_ok)

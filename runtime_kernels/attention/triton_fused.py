@@ -1,0 +1,192 @@
+"""One launch for a whole decode attention call: INT2 history splits, BF16 window splits and the split reduce.
+
+Grid `(B, H_kv, S_H + S_W)`. Program `(b, h, s)` with `s < S_H` runs chunk s of the INT2 history
+(`triton_int2._int2_chunk_t`, impl 6 or 5), the others run a chunk of the window (`triton_window._window_chunk_t`);
+each writes its partial (o, lse) to split s of the shared buffers. Then it counts itself in
+`counters[b * H_kv + h]` (atomic, acquire-release at GPU scope, after a barrier so that the whole program's stores
+are released), and the program that arrives last merges the `S_H + S_W` partials of the GROUP query heads
+(`merge._reduce_row`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
+without a memset (also under CUDA graph replay).
+
+Why one launch: an eager call of the three-kernel path spends about 170 us of host time on three Triton launches,
+more than the GPU time of the call up to 128K tokens at batch 8 (`bench/results/host_overhead_NVIDIA_H200.txt`).
+The window programs come last in the grid, so they fill the slots the INT2 wave leaves free and its tail.
+
+`counters` is shared state: calls that may run at the same time (other streams) need their own buffer.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from runtime_kernels.attention import merge as _merge
+from runtime_kernels.attention import triton_int2 as _int2
+from runtime_kernels.attention import triton_window as _window
+from runtime_kernels.attention.triton_int2 import INTERPRET
+
+WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp tile fits in registers
+WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
+WINDOW_FIRST = False  # window programs at the start of the grid instead of the end (experiment knob)
+
+
+@triton.jit(do_not_specialize=["s_hist"])
+def _decode_fused_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr,
+    kw_ptr, vw_ptr, slot_ptr, wlen_ptr,
+    op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr,
+    qk_scale, s_hist,
+    stride_qb, stride_qh,
+    stride_kcp, stride_kch, stride_kcr,
+    stride_ksp, stride_ksh, stride_ksr,
+    stride_vcp, stride_vch, stride_vcr,
+    stride_vsp, stride_vsh, stride_vsr,
+    stride_btb,
+    stride_wks, stride_wkh, stride_wkr,
+    stride_wvs, stride_wvh, stride_wvr,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
+    SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
+    NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, WINDOW_FIRST: tl.constexpr,
+):
+    # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
+    # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_all = tl.num_programs(2)
+    # WINDOW_FIRST: the window programs take the first split indices (the hardware starts low block indices first).
+    s_win = n_all - s_hist
+    if WINDOW_FIRST:
+        first_hist = s_win
+    else:
+        first_hist = 0
+    if (sp >= first_hist) & (sp < first_hist + s_hist):
+        _int2._int2_chunk_t(
+            q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale,
+            first_hist, stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            b, h, sp - first_hist, s_hist,
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
+    else:
+        first_win = s_hist - first_hist  # 0 when the window comes first, s_hist when it comes last
+        _window._window_chunk_t(
+            q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, first_win,
+            stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            b, h, sp - first_win, s_win,
+            GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
+
+    # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
+    # (cumulativity), and its acquire half makes the other programs' partials visible to the last one.
+    tl.debug_barrier()
+    cnt = cnt_ptr + b * tl.num_programs(1) + h
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_all - 1:
+        hq = h * GROUP
+        _merge._reduce_group(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
+                             lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
+                             o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
+                             lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
+                             n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
+        tl.store(cnt, 0)
+
+
+def _reduce_block(group: int, d: int, total: int) -> int:
+    """Splits per round of the in-kernel reduce: `[GP, S_BLOCK, D_PAD]` fp32 at 64 registers per lane, so the reduce
+    does not raise the kernel's register count (168 at Qwen3-8B geometry, as the INT2 loop alone; 8 splits per
+    round took 193)."""
+    gp = max(4, triton.next_power_of_2(group))
+    return max(1, min(triton.next_power_of_2(total), 2048 // (gp * max(16, triton.next_power_of_2(d)))))
+
+
+def fused_ok(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int) -> bool:
+    """The fused launch serves the token-rows INT2 kernels (impl 5/6 where they apply) with half-precision windows."""
+    import torch
+
+    return (impl in (5, 6) and k_win.dtype in (torch.float16, torch.bfloat16)
+            and _int2._impl5_ok(q, k_codes, v_codes, k_scale.shape[3], k_codes.shape[2], block_n))
+
+
+def window_splits(win_capacity: int) -> int:
+    """Window programs per (sequence, KV head): WINDOW_SPLIT_TOKENS tokens each."""
+    return max(1, -(-win_capacity // WINDOW_SPLIT_TOKENS))
+
+
+def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                        k_win, v_win, slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int,
+                        block_n: int = 64, num_warps: int = 1, num_stages: int = 3, impl: int = 6,
+                        whole_pages: bool = False, warmup: bool = False):
+    """Run the fused decode kernel -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`); with `warmup`, compile only and
+    return the compiled kernel. Shapes as in `attention.decode_attention` (inputs validated there); `fused_ok` must
+    hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero)."""
+    import torch
+
+    b, h_q, d = q.shape
+    h_kv = k_codes.shape[1]
+    group = h_q // h_kv
+    total = s_hist + s_win
+    o_part = torch.empty(b, h_q, total, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
+    o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device)
+    kc = k_codes.view(torch.int16)
+    vc = v_codes.view(torch.int16)
+    u = kc.shape[3]
+    page = k_codes.shape[2]
+    subn = impl == 6
+    page_vec = subn and page % block_n == 0
+    args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
+            o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
+            q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+            block_table.stride(0),
+            k_win.stride(0), k_win.stride(1), k_win.stride(2),
+            v_win.stride(0), v_win.stride(1), v_win.stride(2),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1))
+    kw = dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u,
+              U_PAD=max(16, triton.next_power_of_2(u)), P=page, BLOCK_N=block_n, INTERP=INTERPRET,
+              VFOLD=_int2.IMPL5_VFOLD, TILE_ACC=_int2.IMPL5_TILE_ACC, SUBN=subn, PAGE_VEC=page_vec, NPV=64,
+              FULL_TILES=bool(whole_pages) and page_vec,
+              NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+              BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
+              S_MAX=triton.next_power_of_2(total), WINDOW_FIRST=WINDOW_FIRST, num_warps=num_warps, num_stages=num_stages,
+              **({"maxnreg": _int2.IMPL5_MAXNREG} if _int2.IMPL5_MAXNREG and not INTERPRET else {}))
+    grid = (b, h_kv, total)
+    if warmup:
+        return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
+    _decode_fused_kernel[grid](*args, **kw)
+    return o, lse
+
+
+_SLOTS: dict[tuple, int] = {}
+
+
+def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                             k_win, v_win, slot_ids, win_len, block_n: int, num_warps: int, num_stages: int,
+                             impl: int, whole_pages: bool) -> int | None:
+    """Programs of the fused kernel that fit on one SM (its compiled registers and shared memory; compiled once per
+    configuration, no launch). None under the interpreter."""
+    if INTERPRET or q.device.type != "cuda":
+        return None
+    key = (q.device.index, impl, q.dtype, k_win.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2],
+           block_n, num_warps, num_stages, _int2.IMPL5_MAXNREG, _int2.IMPL5_VFOLD, _int2.IMPL5_TILE_ACC,
+           bool(whole_pages), WINDOW_FIRST, block_table.dtype, hist_len.dtype, slot_ids.dtype, win_len.dtype,
+           block_table.stride(0) % 16 == 0)
+    if key not in _SLOTS:
+        import torch
+
+        counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
+        kernel = launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                     k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
+                                     num_stages, impl, whole_pages, warmup=True)
+        _SLOTS[key] = _int2._slots_of(kernel, num_warps, q.device)
+    return _SLOTS[key]

@@ -1,0 +1,102 @@
+"""The fused decode launch (`triton_fused`: INT2 splits + window splits + in-kernel split reduce) against an
+independent reference (one softmax over the dequantized history concatenated with the window) and against the
+three-launch path. Runs under TRITON_INTERPRET=1 on CPU (programs run one after another there, so the last
+program of each KV head is the one that reduces)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels import attention as A
+from runtime_kernels.attention import naive as attn_naive
+from runtime_kernels.attention import paged_ref, triton_fused, triton_int2, triton_window
+from tests.test_attention_kernels import make_pool, make_q, make_window, rel_rmse
+
+pytestmark = pytest.mark.interpreter
+
+
+def dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len):
+    """Per sequence: softmax over [dequantized history ++ valid window rows] -> (o `[B, H_q, d]`, lse `[B, H_q]`)."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k_h = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], lens[b])
+        v_h = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], lens[b])
+        n_w = int(win_len[b])
+        k = torch.cat([k_h, k_win[slot_ids[b], :, :n_w].float()], dim=1)
+        v = torch.cat([v_h, v_win[slot_ids[b], :, :n_w].float()], dim=1)
+        if k.shape[1] == 0:
+            outs.append(torch.zeros(1, q.shape[1], q.shape[2]))
+            lses.append(torch.full((1, q.shape[1]), float("-inf")))
+            continue
+        o, lse = attn_naive.segment_attention(q[b:b + 1], k[None], v[None])
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def no_separate_launches(monkeypatch):
+    """Make the three-launch path's launchers fail, so a passing call proves the fused kernel ran."""
+    def boom(*a, **k):
+        raise AssertionError("the three-launch path ran")
+
+    monkeypatch.setattr(triton_int2, "launch_int2_decode", boom)
+    monkeypatch.setattr(triton_window, "launch_window_decode", boom)
+
+
+@pytest.mark.parametrize("group,d,page,window_first", [(4, 128, 64, False), (8, 64, 64, False), (1, 256, 32, False),
+                                                      (4, 64, 16, False), (4, 128, 64, True)])
+def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page, window_first):
+    monkeypatch.setattr(triton_fused, "WINDOW_FIRST", window_first)
+    lens = [0, 130, 64, 7, 0]
+    h_kv = 2
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=page, seed=60 + group)
+    k_win, v_win = make_window(6, h_kv, 80, d, torch.bfloat16, seed=7)
+    slot_ids = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int32)
+    win_len = torch.tensor([80, 33, 0, 1, 0], dtype=torch.int32)  # the last sequence is empty: o = 0, lse = -inf
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    fused_launch = pytest.MonkeyPatch.context()
+    with fused_launch as m:
+        no_separate_launches(m)
+        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3,
+                                    fused=True)
+    assert rel_rmse(o, want_o) < 2e-2  # bf16 window operands and probabilities
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+    assert (o[4] == 0).all()
+    o3, lse3 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3)
+    assert rel_rmse(o, o3) < 1e-2
+    assert torch.allclose(lse[fin], lse3[fin], atol=1e-3)
+
+
+def test_fused_decode_leaves_counters_zero_and_reuses_them(monkeypatch):
+    """The last program resets its counter, so one buffer serves call after call (as under CUDA graph replay); a
+    stale count would make no program reduce and leave the output unwritten."""
+    lens = [256, 512]
+    pool = make_pool(lens, h_kv=2, d=64, page=64, seed=70)
+    k_win, v_win = make_window(2, 2, 40, 64, torch.bfloat16, seed=8)
+    slot_ids = torch.tensor([1, 0], dtype=torch.int32)
+    win_len = torch.tensor([40, 17], dtype=torch.int32)
+    counters = torch.zeros(16, dtype=torch.int32)
+    want_o, _ = dense_reference(make_q(2, 8, 64, torch.bfloat16), pool, lens, k_win, v_win, slot_ids, win_len)
+    no_separate_launches(monkeypatch)
+    for seed, whole in ((1, False), (2, True), (1, True)):
+        q = make_q(2, 8, 64, torch.bfloat16, seed=seed)
+        o, _ = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2,
+                                  counters=counters, whole_pages=whole, fused=True)
+        assert (counters == 0).all()
+        want_o, _ = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+        assert rel_rmse(o, want_o) < 2e-2
+
+
+def test_fused_decode_rejects_a_bad_counters_buffer():
+    pool = make_pool([64], h_kv=2, d=64, page=64, seed=71)
+    k_win, v_win = make_window(1, 2, 8, 64, torch.bfloat16)
+    args = (make_q(1, 4, 64, torch.bfloat16), *pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
+            torch.tensor([8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"counters: .*at least B \* H_kv = 2"):
+        A.decode_attention(*args, backend="triton", counters=torch.zeros(1, dtype=torch.int32), fused=True)
+    with pytest.raises(TypeError, match="counters"):
+        A.decode_attention(*args, backend="triton", counters=torch.zeros(2, dtype=torch.int64), fused=True)
