@@ -148,30 +148,27 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
 
 
 def apply_variant(variant: str) -> int:
-    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused, wfirst) -> set the library switches, return the
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused) -> set the library switches, return the
     impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
     PagedKVCache uses (its history is always whole pages, and so is this benchmark's); `fused=1` runs the
     single fused launch (history + window + reduce) instead of the default three launches."""
-    from runtime_kernels.attention import triton_fused, triton_int2
+    from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
     triton_int2.IMPL5_MAXNREG = None
     A.INT2_WAVES = 1
     A.DECODE_FUSED = False
-    triton_fused.WINDOW_FIRST = False
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
             triton_int2.IMPL5_MAXNREG = int(v)
         elif k == "waves":
             A.INT2_WAVES = float(v)
-        elif k == "wfirst":
-            triton_fused.WINDOW_FIRST = v != "0"
         elif k == "fused":
             A.DECODE_FUSED = v != "0"
         elif k not in ("stages", "whole"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, wfirst)")
+                             f"fused)")
     return int(impl)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.attention import paged_ref, triton_fused, triton_int2, triton_window
+from runtime_kernels.attention import paged_ref, triton_int2, triton_window
 from tests.test_attention_kernels import make_pool, make_q, make_window, rel_rmse
 
 pytestmark = pytest.mark.interpreter
@@ -44,10 +44,8 @@ def no_separate_launches(monkeypatch):
     monkeypatch.setattr(triton_window, "launch_window_decode", boom)
 
 
-@pytest.mark.parametrize("group,d,page,window_first", [(4, 128, 64, False), (8, 64, 64, False), (1, 256, 32, False),
-                                                      (4, 64, 16, False), (4, 128, 64, True)])
-def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page, window_first):
-    monkeypatch.setattr(triton_fused, "WINDOW_FIRST", window_first)
+@pytest.mark.parametrize("group,d,page", [(4, 128, 64), (8, 64, 64), (1, 256, 32), (4, 64, 16)])
+def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page):
     lens = [0, 130, 64, 7, 0]
     h_kv = 2
     pool = make_pool(lens, h_kv=h_kv, d=d, page=page, seed=60 + group)

@@ -10,7 +10,8 @@ without a memset (also under CUDA graph replay).
 
 Why one launch: an eager call of the three-kernel path spends about 170 us of host time on three Triton launches,
 more than the GPU time of the call up to 128K tokens at batch 8 (`bench/results/host_overhead_NVIDIA_H200.txt`).
-The window programs come last in the grid, so they fill the slots the INT2 wave leaves free and its tail.
+The window programs come last in the grid, so they fill the slots the INT2 wave leaves free and its tail (putting
+them first measured no better: 0.2150 vs 0.2125 ms at 128K / batch 8, 0.8234 vs 0.8368 at batch 32).
 
 `counters` is shared state: calls that may run at the same time (other streams) need their own buffer.
 """
@@ -27,7 +28,6 @@ from runtime_kernels.attention.triton_int2 import INTERPRET
 
 WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp tile fits in registers
 WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
-WINDOW_FIRST = False  # window programs at the start of the grid instead of the end (experiment knob)
 
 
 @triton.jit(do_not_specialize=["s_hist"])
@@ -50,7 +50,7 @@ def _decode_fused_kernel(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, WINDOW_FIRST: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -58,27 +58,20 @@ def _decode_fused_kernel(
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n_all = tl.num_programs(2)
-    # WINDOW_FIRST: the window programs take the first split indices (the hardware starts low block indices first).
-    s_win = n_all - s_hist
-    if WINDOW_FIRST:
-        first_hist = s_win
-    else:
-        first_hist = 0
-    if (sp >= first_hist) & (sp < first_hist + s_hist):
+    if sp < s_hist:
         _int2._int2_chunk_t(
-            q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale,
-            first_hist, stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+            q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
+            stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            b, h, sp - first_hist, s_hist,
+            b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
     else:
-        first_win = s_hist - first_hist  # 0 when the window comes first, s_hist when it comes last
         _window._window_chunk_t(
-            q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, first_win,
+            q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
             stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            b, h, sp - first_win, s_win,
+            b, h, sp - s_hist, n_all - s_hist,
             GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
 
     # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
@@ -158,7 +151,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               FULL_TILES=bool(whole_pages) and page_vec,
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=triton.next_power_of_2(total), WINDOW_FIRST=WINDOW_FIRST, num_warps=num_warps, num_stages=num_stages,
+              S_MAX=triton.next_power_of_2(total), num_warps=num_warps, num_stages=num_stages,
               **({"maxnreg": _int2.IMPL5_MAXNREG} if _int2.IMPL5_MAXNREG and not INTERPRET else {}))
     grid = (b, h_kv, total)
     if warmup:
@@ -179,7 +172,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
         return None
     key = (q.device.index, impl, q.dtype, k_win.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2],
            block_n, num_warps, num_stages, _int2.IMPL5_MAXNREG, _int2.IMPL5_VFOLD, _int2.IMPL5_TILE_ACC,
-           bool(whole_pages), WINDOW_FIRST, block_table.dtype, hist_len.dtype, slot_ids.dtype, win_len.dtype,
+           bool(whole_pages), block_table.dtype, hist_len.dtype, slot_ids.dtype, win_len.dtype,
            block_table.stride(0) % 16 == 0)
     if key not in _SLOTS:
         import torch
