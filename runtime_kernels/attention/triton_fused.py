@@ -129,26 +129,13 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device)
     kc = k_codes.view(torch.int16)
     vc = v_codes.view(torch.int16)
-    u = kc.shape[3]
-    page = k_codes.shape[2]
-    subn = impl == 6
-    page_vec = subn and page % block_n == 0
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
             o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
-            q.stride(0), q.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2),
-            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2),
-            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-            block_table.stride(0),
+            *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1))
-    kw = dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u,
-              U_PAD=max(16, triton.next_power_of_2(u)), P=page, BLOCK_N=block_n, INTERP=INTERPRET,
-              VFOLD=_int2.IMPL5_VFOLD, TILE_ACC=_int2.IMPL5_TILE_ACC, SUBN=subn, PAGE_VEC=page_vec, NPV=64,
-              FULL_TILES=bool(whole_pages) and page_vec,
+            *_int2.partial_strides(o_part, lse_part))
+    kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), num_warps=num_warps, num_stages=num_stages,

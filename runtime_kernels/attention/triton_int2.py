@@ -187,6 +187,16 @@ def _load_tile(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, t0, end, h,
     return kb, vb, ks, kz, vs, vz
 
 
+@triton.jit
+def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
+    """Tokens `[start, end)` of split sp of n_split of sequence b (length at `len_ptr + b`): tile-aligned chunks, so
+    tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel."""
+    L = tl.load(len_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    return start, tl.minimum(start + chunk, L)
+
+
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -215,11 +225,7 @@ def _int2_decode_kernel(
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n_split = tl.num_programs(2)
-    L = tl.load(len_ptr + b).to(tl.int32)
-    # Tile-aligned chunk of this split: tiles never straddle pages when BLOCK_N divides P.
-    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, L)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
     offs_g = tl.arange(0, G_PAD)
     g_ok = offs_g < GROUP
@@ -709,10 +715,7 @@ def _int2_chunk_t(
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
-    L = tl.load(len_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, L)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)
@@ -866,20 +869,28 @@ FOLD_K_OFFSET = True
 _ASM_BROKEN: list[str] = []  # first error of the inline-PTX variant on this process (then impl 3 is used)
 
 
-def _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                 sm_scale: float, split_offset: int) -> tuple:
-    """Runtime arguments shared by both INT2 kernels: tensors, log2-scaled softmax scale, split offset, strides
-    (codes in units of the view passed: uint8 or int16)."""
-    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-            sm_scale * 1.4426950408889634, split_offset,
-            q.stride(0), q.stride(1),
+def pool_strides(q, kc, k_scale, vc, v_scale, block_table) -> tuple:
+    """Strides of q, the code pools (in units of the view passed: uint8 or int16), the scale pools (zeros share them)
+    and the block table, in the order of the INT2 kernels' arguments."""
+    return (q.stride(0), q.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2),
             v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-            block_table.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1))
+            block_table.stride(0))
+
+
+def partial_strides(o_part, lse_part) -> tuple:
+    """Strides of the split buffers `o_part [B, H_q, S, d]`, `lse_part [B, H_q, S]` (the last dims contiguous)."""
+    return (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+
+
+def _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                 sm_scale: float, split_offset: int) -> tuple:
+    """Runtime arguments shared by both INT2 kernels: tensors, log2-scaled softmax scale, split offset, strides."""
+    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+            sm_scale * 1.4426950408889634, split_offset,
+            *pool_strides(q, kc, k_scale, vc, v_scale, block_table), *partial_strides(o_part, lse_part))
 
 
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
@@ -961,6 +972,17 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
                     for t in (k_codes, v_codes)) and block_n >= 16)
 
 
+def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool) -> dict:
+    """Compile-time arguments of `_int2_chunk_t` (shared by `_int2_decode_kernel_t` and the fused decode kernel)."""
+    group = q.shape[1] // k_codes.shape[1]
+    u = k_codes.shape[3] // 2  # int16 words per row
+    page_vec = subnormal and k_codes.shape[2] % block_n == 0
+    return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
+                U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
+                VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
+                FULL_TILES=bool(full_tiles) and page_vec)
+
+
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
                   num_stages: int, subnormal: bool = False, warmup: bool = False, full_tiles: bool = False):
@@ -968,22 +990,13 @@ def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     (`warmup`: compile only, return the compiled kernel without running it)."""
     import torch
 
-    b, h_q, d = q.shape
-    h_kv = k_codes.shape[1]
-    group = h_q // h_kv
     kc = k_codes.view(torch.int16)
     vc = v_codes.view(torch.int16)
-    u = kc.shape[3]
-    grid = (b, h_kv, num_splits)
+    grid = (q.shape[0], k_codes.shape[1], num_splits)
     args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                         sm_scale, split_offset)
-    kw = dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=d // 4, U=u,
-              U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
-              VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal,
-              PAGE_VEC=subnormal and k_codes.shape[2] % block_n == 0,
-              FULL_TILES=bool(full_tiles) and subnormal and k_codes.shape[2] % block_n == 0,
-              num_warps=num_warps, num_stages=num_stages,
-              **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
+    kw = dict(**chunk_constexprs(q, k_codes, block_n, subnormal, full_tiles), num_warps=num_warps,
+              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
     if warmup:
         return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
     return _int2_decode_kernel_t[grid](*args, **kw)

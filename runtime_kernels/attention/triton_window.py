@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.triton_int2 import INTERPRET, _dot
+from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -30,11 +30,8 @@ def _window_decode_kernel(
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n_split = tl.num_programs(2)
-    L = tl.load(len_ptr + b).to(tl.int32)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, L)
 
     offs_g = tl.arange(0, G_PAD)
     g_ok = offs_g < GROUP
@@ -117,11 +114,8 @@ def _window_chunk_t(
     32 registers at d = 128. Tiles are loaded straight into registers (`num_stages=1`): multi-buffering 16-token
     BF16 tiles would need more shared memory than the whole INT2 loop and cut the kernel's occupancy.
     Same inputs and outputs as `_window_decode_kernel` (half windows and queries only)."""
-    L = tl.load(len_ptr + b).to(tl.int32)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, L)
 
     offs_c = tl.arange(0, NC)
     c_ok = offs_c < GROUP
