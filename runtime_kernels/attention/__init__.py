@@ -74,10 +74,11 @@ MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (
 INT2_WAVES = 1
 # decode_attention on the Triton path, unless the call says `fused=`: one fused launch (history + window + reduce by
 # the last program of each KV head, where the default kernel applies) or three (INT2 kernel, window kernel, reduce).
-# Measured on an H200 (bench/NOTES_decode.md "v7"): under CUDA graphs three launches are faster at batch 1 and 8
-# (128K/B8 0.2028 vs 0.2125 ms, 128K/B1 0.0526 vs 0.0614) and equal at batch 32, so they are the default; eager
-# calls are bound by host time, which the single launch cuts (profile_host: 123 vs 175 us per call), so eager
-# callers such as the transformers integration (`hf.OscarCache`) ask for it.
+# Measured on an H200 (bench/results/decode_graph_NVIDIA_H200.md, bench/NOTES_decode.md "v7"): under CUDA graphs
+# three launches are faster at batch 1 (128K/B1 0.0522 vs 0.0614 ms) and 8 (128K/B8 0.2007 vs 0.2027) and within
+# 1-7 % either way at batch 32, so they are the default; eager calls are bound by host time, which the single launch
+# halves (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call), so eager callers such as the transformers
+# integration (`hf.OscarCache`) ask for it.
 DECODE_FUSED = False
 _SM_COUNT: dict[int, int] = {}
 
@@ -310,9 +311,10 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     Triton path: one launch (`triton_fused`: INT2 splits, window splits and the split reduce by the last program
     of each KV head) for the default kernel with half windows when `fused` (None: `DECODE_FUSED`, False) asks for
     it: fewer host microseconds for eager callers; otherwise three (INT2 kernel and window kernel into one split
-    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8. `counters`: int32 `[>= B * H_kv]`, zero, for the fused
-    launch's arrival counts (it leaves them zero); None allocates a fresh one per call (one small memset). Calls
-    that may run concurrently must not share one. `window_splits` applies to the three-launch path.
+    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8. `counters`: int32
+    `[>= B * H_kv]`, zero, for the fused launch's arrival counts (it leaves them zero); None allocates a fresh one
+    per call (one small memset). Calls that may run concurrently must not share one. `window_splits` applies to
+    the three-launch path.
 
     `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
     which lets the default INT2 kernel skip all masking (56 fewer instructions per 64-token tile).
@@ -349,12 +351,15 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
             if counters.numel() < b * h_kv or not counters.is_contiguous():
                 raise ValueError(f"counters: expected a contiguous int32 tensor of at least B * H_kv = "
                                  f"{b * h_kv} elements, got shape {tuple(counters.shape)}")
-        s_h, s_w = decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                     k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
-                                     whole_pages, fused=True)
+        if num_splits:
+            s_h, s_w = num_splits, triton_fused.window_splits(k_win.shape[2])
+        else:
+            s_h, s_w = decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                         hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages,
+                                         impl, whole_pages, fused=True)
         return triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
-            win_len, counters, scale, num_splits or s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
+            win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
     s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                         hist_len, block_n, num_warps, num_stages, impl, whole_pages)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,

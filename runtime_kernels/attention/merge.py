@@ -39,25 +39,21 @@ def reduce_splits_torch(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[t
 
 
 @triton.jit
-def _load_l2(ptrs, mask, other, L2_ONLY: tl.constexpr):
-    """Masked load; L2_ONLY reads past the SM's L1 (`.cg`), for partials written by other programs of the same
-    launch (L1 is not coherent across SMs)."""
-    if L2_ONLY:
-        return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        return tl.load(ptrs, mask=mask, other=other)
+def _load_l2(ptrs, mask, other):
+    """Masked load that reads past the SM's L1 (`.cg`): for partials written by other programs of the same launch
+    (L1 is not coherent across SMs)."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
 
 
 @triton.jit
 def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os,
-                D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
-                L2_ONLY: tl.constexpr):
+                D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
     """Merge the S partials of one (batch, query head) row: o `op_row + s * stride_os + [0, D)`, lse `lp_row + s`
-    -> o_row `[D]`, lse_row (fp32). Also run by the last program of each KV head in the fused decode kernel."""
+    -> o_row `[D]`, lse_row (fp32)."""
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_s = tl.arange(0, S_MAX)
-    lse_all = _load_l2(lp_row + offs_s, offs_s < S, float("-inf"), L2_ONLY)
+    lse_all = tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf"))
     m = tl.max(lse_all, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(tl.exp(lse_all - m_safe), axis=0)
@@ -65,9 +61,9 @@ def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os,
     for s0 in range(0, S, S_BLOCK):
         offs = s0 + tl.arange(0, S_BLOCK)
         s_ok = offs < S
-        w = tl.exp(_load_l2(lp_row + offs, s_ok, float("-inf"), L2_ONLY) - m_safe)
-        o = _load_l2(op_row + offs[:, None] * stride_os + offs_d[None, :], s_ok[:, None] & d_ok[None, :], 0.0,
-                     L2_ONLY)
+        w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
+        o = tl.load(op_row + offs[:, None] * stride_os + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
     inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
     tl.store(o_row + offs_d, acc * inv, mask=d_ok)
@@ -88,7 +84,7 @@ def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse
     d_ok = offs_d < D
     offs_s = tl.arange(0, S_MAX)
     lse_all = _load_l2(lp_base + offs_g[:, None] * stride_lh + offs_s[None, :],
-                       g_ok[:, None] & (offs_s < S)[None, :], float("-inf"), True)  # [GP, S_MAX]
+                       g_ok[:, None] & (offs_s < S)[None, :], float("-inf"))  # [GP, S_MAX]
     m = tl.max(lse_all, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(tl.exp(lse_all - m_safe[:, None]), axis=1)
@@ -96,10 +92,10 @@ def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse
     for s0 in range(0, S, S_BLOCK):
         offs = s0 + tl.arange(0, S_BLOCK)
         gs_ok = g_ok[:, None] & (offs < S)[None, :]
-        w = tl.exp(_load_l2(lp_base + offs_g[:, None] * stride_lh + offs[None, :], gs_ok, float("-inf"), True)
+        w = tl.exp(_load_l2(lp_base + offs_g[:, None] * stride_lh + offs[None, :], gs_ok, float("-inf"))
                    - m_safe[:, None])  # [GP, S_BLOCK]
         o = _load_l2(op_base + offs_g[:, None, None] * stride_oh + offs[None, :, None] * stride_os
-                     + offs_d[None, None, :], gs_ok[:, :, None] & d_ok[None, None, :], 0.0, True)
+                     + offs_d[None, None, :], gs_ok[:, :, None] & d_ok[None, None, :], 0.0)
         acc += tl.sum(w[:, :, None] * o, axis=1)
     inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
     tl.store(o_base + offs_g[:, None] * D + offs_d[None, :], acc * inv[:, None], mask=g_ok[:, None] & d_ok[None, :])
@@ -113,7 +109,7 @@ def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
     # One program per (batch, query head) row; o_part / lse_part are contiguous [rows, S, D] / [rows, S].
     row = tl.program_id(0).to(tl.int64)
     _reduce_row(op_ptr + row * S * D, lp_ptr + row * S, o_ptr + row * D, lse_ptr + row, S, D, D, D_PAD, S_BLOCK,
-                S_MAX, False)
+                S_MAX)
 
 
 def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

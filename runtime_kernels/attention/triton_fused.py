@@ -5,11 +5,13 @@ Grid `(B, H_kv, S_H + S_W)`. Program `(b, h, s)` with `s < S_H` runs chunk s of 
 each writes its partial (o, lse) to split s of the shared buffers. Then it counts itself in
 `counters[b * H_kv + h]` (atomic, acquire-release at GPU scope, after a barrier so that the whole program's stores
 are released), and the program that arrives last merges the `S_H + S_W` partials of the GROUP query heads
-(`merge._reduce_row`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
+(`merge._reduce_group`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
 without a memset (also under CUDA graph replay).
 
-Why one launch: an eager call of the three-kernel path spends about 170 us of host time on three Triton launches,
-more than the GPU time of the call up to 128K tokens at batch 8 (`bench/results/host_overhead_NVIDIA_H200.txt`).
+Why one launch: an eager call of the three-kernel path spends about 277 us of host time on three Triton launches
+(144 us fused), more than the GPU time of the call up to 128K tokens at batch 8
+(`bench/results/host_overhead_NVIDIA_H200.txt`). Under CUDA graphs, where host time is gone, the split reduce by
+one warp per KV head makes it slower than three launches at batch 1 and 8, so it is opt-in (`fused=True`).
 The window programs come last in the grid, so they fill the slots the INT2 wave leaves free and its tail (putting
 them first measured no better: 0.2150 vs 0.2125 ms at 128K / batch 8, 0.8234 vs 0.8368 at batch 32).
 
