@@ -582,6 +582,30 @@ def test_int2_splits_fill_whole_waves(monkeypatch):
     assert rel_rmse(o, o_ref) < 1e-3
 
 
+def test_occupancy_is_compiled_once_per_kernel_configuration(monkeypatch):
+    """The split rules of the INT2 and the fused kernels share one cache of resident programs per SM: a configuration
+    is compiled once, and whatever selects another compiled kernel (here the whole-pages promise) gets its own
+    entry."""
+    from runtime_kernels.attention import triton_int2
+
+    monkeypatch.setattr(triton_int2, "_SLOTS", {})
+    monkeypatch.setattr(triton_int2, "_slots_of", lambda kernel, num_warps, device: kernel)
+    compiled = []
+
+    def compile_only(slots):
+        return lambda: compiled.append(slots) or slots
+
+    pool = make_pool([300, 64], h_kv=2, d=64, page=64)
+    q = make_q(2, 8, 64, torch.bfloat16)
+    masked = triton_int2.chunk_key(q, pool[0], pool[6], pool[7], 64, 1, 3, 6, False)
+    whole = triton_int2.chunk_key(q, pool[0], pool[6], pool[7], 64, 1, 3, 6, True)
+    assert masked != whole
+    assert triton_int2.cached_slots(masked, compile_only(12), 1, q.device) == 12
+    assert triton_int2.cached_slots(masked, compile_only(99), 1, q.device) == 12  # cached, not compiled again
+    assert triton_int2.cached_slots(whole, compile_only(13), 1, q.device) == 13
+    assert compiled == [12, 13]
+
+
 def test_default_num_splits_is_bounded():
     assert A.default_num_splits(1, 8, 64, torch.device("cpu")) == 1  # one tile: one split
     assert 1 <= A.default_num_splits(32, 8, 131072, torch.device("cpu")) <= 2048

@@ -277,6 +277,17 @@ def _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int,
     return bool(fused) and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n)
 
 
+def _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
+                  slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages) -> tuple[int, int]:
+    """(history, window) splits of the fused launch: whole waves of its own compiled kernel."""
+    from runtime_kernels.attention import triton_fused
+
+    slots = triton_fused.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                                  hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps,
+                                                  num_stages, impl, whole_pages)
+    return _splits_for_slots(q, k_codes, block_table, block_n, slots), triton_fused.window_splits(k_win.shape[2])
+
+
 def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
                       slot_ids, win_len, block_n: int = BLOCK_N, num_warps: int = INT2_NUM_WARPS,
                       num_stages: int = 3, impl: int | None = None, whole_pages: bool = False,
@@ -286,13 +297,8 @@ def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     shapes and compiled kernels only."""
     impl = INT2_IMPL if impl is None else impl
     if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
-        from runtime_kernels.attention import triton_fused
-
-        slots = triton_fused.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                      block_table, hist_len, k_win, v_win, slot_ids, win_len,
-                                                      block_n, num_warps, num_stages, impl, whole_pages)
-        return (_splits_for_slots(q, k_codes, block_table, block_n, slots),
-                triton_fused.window_splits(k_win.shape[2]))
+        return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
+                             v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages)
     return (int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n,
                             num_warps, num_stages, impl, whole_pages),
             default_num_splits(q.shape[0], k_codes.shape[1], k_win.shape[2], q.device, block_n=block_n,
@@ -353,10 +359,10 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
                                  f"{b * h_kv} elements, got shape {tuple(counters.shape)}")
         if num_splits:
             s_h, s_w = num_splits, triton_fused.window_splits(k_win.shape[2])
-        else:
-            s_h, s_w = decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                         hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages,
-                                         impl, whole_pages, fused=True)
+        else:  # the fused kernel applies (checked above), so its own split rule directly
+            s_h, s_w = _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                     k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
+                                     whole_pages)
         return triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
             win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)

@@ -149,9 +149,6 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     return o, lse
 
 
-_SLOTS: dict[tuple, int] = {}
-
-
 def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                              k_win, v_win, slot_ids, win_len, block_n: int, num_warps: int, num_stages: int,
                              impl: int, whole_pages: bool) -> int | None:
@@ -159,16 +156,15 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     configuration, no launch). None under the interpreter."""
     if INTERPRET or q.device.type != "cuda":
         return None
-    key = (q.device.index, impl, q.dtype, k_win.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2],
-           block_n, num_warps, num_stages, _int2.IMPL5_MAXNREG, _int2.IMPL5_VFOLD, _int2.IMPL5_TILE_ACC,
-           bool(whole_pages), block_table.dtype, hist_len.dtype, slot_ids.dtype, win_len.dtype,
-           block_table.stride(0) % 16 == 0)
-    if key not in _SLOTS:
+
+    def compile_only():
         import torch
 
         counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
-        kernel = launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                     k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
-                                     num_stages, impl, whole_pages, warmup=True)
-        _SLOTS[key] = _int2._slots_of(kernel, num_warps, q.device)
-    return _SLOTS[key]
+        return launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                   k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
+                                   num_stages, impl, whole_pages, warmup=True)
+
+    key = (("fused",) + _int2.chunk_key(q, k_codes, block_table, hist_len, block_n, num_warps, num_stages, impl,
+                                         whole_pages) + (k_win.dtype, slot_ids.dtype, win_len.dtype))
+    return _int2.cached_slots(key, compile_only, num_warps, q.device)

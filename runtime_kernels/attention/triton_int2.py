@@ -1041,20 +1041,33 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     ng = k_scale.shape[3]
     if not _impl5_ok(q, k_codes, v_codes, ng, k_codes.shape[2], block_n):
         return None
-    # Everything that selects a different compiled kernel: constexprs, dtypes, and Triton's specialisation of the
-    # block-table stride (the warmup uses the real table; the split buffers' strides barely move registers).
-    key = (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
-           num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(whole_pages), block_table.dtype, hist_len.dtype,
-           block_table.stride(0) % 16 == 0)
-    if key not in _SLOTS:
+
+    def compile_only():
         import torch
 
         o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2], dtype=torch.float32, device=q.device)
         lse_part = torch.empty(q.shape[0], q.shape[1], 3, dtype=torch.float32, device=q.device)
-        kernel = _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
-                               lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6, warmup=True,
-                               full_tiles=whole_pages)
-        _SLOTS[key] = _slots_of(kernel, num_warps, q.device)
+        return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                o_part, lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6,
+                                warmup=True, full_tiles=whole_pages)
+
+    return cached_slots(("int2",) + chunk_key(q, k_codes, block_table, hist_len, block_n, num_warps, num_stages, impl,
+                                              whole_pages), compile_only, num_warps, q.device)
+
+
+def chunk_key(q, k_codes, block_table, hist_len, block_n: int, num_warps: int, num_stages: int, impl: int,
+              whole_pages: bool) -> tuple:
+    """Everything that selects a different compiled `_int2_chunk_t`: constexprs, dtypes, and Triton's
+    specialisation of the block-table stride (the split buffers' strides barely move registers)."""
+    return (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
+            num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(whole_pages), block_table.dtype,
+            hist_len.dtype, block_table.stride(0) % 16 == 0)
+
+
+def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
+    """Programs per SM of the kernel that `compile_only()` compiles (without launching), once per `key`."""
+    if key not in _SLOTS:
+        _SLOTS[key] = _slots_of(compile_only(), num_warps, device)
     return _SLOTS[key]
 
 
