@@ -178,7 +178,7 @@ def test_int2_bitcast_codes_long_history(dtype):
     assert_lse_close(lse, lse_ref, 1e-3)
 
 
-@pytest.mark.parametrize("impl", [5, 6, 7])
+@pytest.mark.parametrize("impl", [5, 6, 7, 8])
 @pytest.mark.parametrize("dtype,vfold,group,d", [(torch.bfloat16, False, 4, 128), (torch.float16, True, 4, 128),
                                                  (torch.bfloat16, True, 7, 64), (torch.float16, False, 1, 256)])
 def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d, impl):
@@ -200,7 +200,7 @@ def test_int2_impl5_tokens_on_mma_rows(dtype, vfold, group, d, impl):
     check_int2_against_reference(o, lse, q, pool, impl)
 
 
-@pytest.mark.parametrize("impl", [5, 6, 7])
+@pytest.mark.parametrize("impl", [5, 6, 7, 8])
 def test_int2_impl5_long_history_and_page_straddling_tiles(impl):
     """impl 5 over 4099 tokens and 3 splits (the accumulators carry the exact V codes across tiles), and with
     32-token pages under 64-token tiles (per-token page lookup, masked code loads)."""
@@ -212,10 +212,10 @@ def test_int2_impl5_long_history_and_page_straddling_tiles(impl):
     pool = make_pool([200, 33], h_kv=2, d=64, page=32, seed=44)
     q = make_q(2, 8, 64, torch.float16)
     o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, impl=impl, block_n=64)
-    check_int2_against_reference(o, lse, q, pool, 6 if impl == 7 else impl)
+    check_int2_against_reference(o, lse, q, pool, 6 if impl >= 7 else impl)
 
 
-@pytest.mark.parametrize("impl", [6, 7])
+@pytest.mark.parametrize("impl", [6, 7, 8])
 def test_int2_impl6_ignores_garbage_past_the_end_of_a_page(impl):
     """impl 6 loads whole pages unmasked (so the loads vectorize and pipeline): rows past a sequence's end that hold
     NaN/inf scales and zeros and arbitrary codes, as a recycled page does, must not reach the output."""
@@ -246,7 +246,7 @@ def test_impl6_reads_more_than_one_block_of_page_ids():
     assert_lse_close(lse, lse_ref, 2e-4)
 
 
-@pytest.mark.parametrize("splits,impl", [(1, 6), (3, 6), (3, 7)])
+@pytest.mark.parametrize("splits,impl", [(1, 6), (3, 6), (3, 7), (1, 8), (3, 8)])
 def test_int2_whole_pages_loop_matches_the_reference(splits, impl):
     """`whole_pages=True` (PagedKVCache's promise: every history is whole pages) runs impl 6's tile loop without any
     mask; over whole-page histories of mixed lengths, with NaN scales in unused pages of the pool and the second

@@ -45,7 +45,7 @@ def no_separate_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("group,d,page,impl", [(4, 128, 64, 6), (8, 64, 64, 6), (1, 256, 32, 6), (4, 64, 16, 6),
-                                                (4, 128, 64, 7)])
+                                                (4, 128, 64, 7), (4, 128, 64, 8)])
 def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page, impl):
     lens = [0, 130, 64, 7, 0]
     h_kv = 2

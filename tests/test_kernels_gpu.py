@@ -203,7 +203,7 @@ def test_int2_bitcast_codes_on_gpu(impl, dtype, fold, d, group):
     assert rel_rmse(o, o0) < 5e-3
 
 
-@pytest.mark.parametrize("impl", [5, 6, 7])
+@pytest.mark.parametrize("impl", [5, 6, 7, 8])
 @pytest.mark.parametrize("dtype,vfold,d,group", [
     (torch.bfloat16, False, 128, 4), (torch.bfloat16, True, 128, 4), (torch.float16, False, 128, 4),
     (torch.bfloat16, False, 64, 1), (torch.float16, True, 256, 8), (torch.bfloat16, False, 128, 7)])

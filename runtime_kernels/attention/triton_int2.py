@@ -664,6 +664,19 @@ def _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, 
 
 
 @triton.jit
+def _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP: tl.constexpr, NQ: tl.constexpr, BLOCK_N: tl.constexpr,
+                INTERP: tl.constexpr, ASM: tl.constexpr, SUBN: tl.constexpr, KI8: tl.constexpr):
+    """Scores of one tile by impl 7's int8 K side (KI8) or impl 5/6's fp16 one (the other operands are unused)."""
+    if KI8:
+        s = _scores_i8(kw, ks, kz, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM)
+    else:
+        s = _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                        GP, NQ, BLOCK_N, INTERP, ASM, SUBN)
+    return s
+
+
+@triton.jit
 def _qb(q_cols, offs_u, u_ok, c_half, c_ok, POS: tl.constexpr, Q: tl.constexpr, FAC: tl.constexpr):
     """Query operand of code position POS: `[U_PAD, NQ]` fp16, row u = channel 2u + POS // 4 + (POS % 4) * Q,
     column (i, e) = query head i times FAC = 16 / M_POS where e == POS // 4 (the channel half), else 0."""
@@ -743,16 +756,29 @@ def _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, 
 
 
 @triton.jit
+def _v_side(s, vw, vs, vz16, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+            ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr,
+            FULL_TILES: tl.constexpr, MULHI: tl.constexpr):
+    """`_tile_t` on a tile whose rows past the end (t_ok False) may hold anything unless FULL_TILES: their V scale
+    and zero become 0 and their scores -inf. vz16: the V zeros as loaded (fp16)."""
+    vz = vz16.to(tl.float32)
+    if not FULL_TILES:
+        vs = tl.where(t_ok, vs, 0.0)
+        vz = tl.where(t_ok, vz, 0.0)
+    return _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
+                   U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, MULHI)
+
+
+@triton.jit
 def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                      stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                     stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, U: tl.constexpr, U_PAD: tl.constexpr):
-    """Codes and scales of the tile at row r0 of page `page`, KV head h, read unmasked (the tile lies inside the
-    allocated page, so the loads vectorize and go through cp.async): kw `[BLOCK_N, U_PAD]` int16 (impl 7: int8
-    `[BLOCK_N, 2 U_PAD]`, its columns valid where k_ok), vw `[U_PAD, BLOCK_N]` int16, ks, kz, vs fp32 `[BLOCK_N]`
-    (V zeros are loaded by the caller)."""
+                     stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, FULL_ROW: tl.constexpr):
+    """Both halves of a tile (`_k_tile_loads` and `_v_tile_loads`, issued codes first: this order keeps impl 6's
+    measured instruction schedule) -> kw, vw, ks, kz, vs."""
     kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
     vbase = page * stride_vcp + h * stride_vch + r0 * stride_vcr
-    if U == U_PAD:
+    if FULL_ROW:
         kw = tl.load(kc_ptr + kbase + k_off)
         vw = tl.load(vc_ptr + vbase + v_off)
     else:
@@ -763,6 +789,37 @@ def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride
     kz = tl.load(kz_ptr + ks_rows).to(tl.float32)
     vs = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr).to(tl.float32)
     return kw, vw, ks, kz, vs
+
+
+@triton.jit
+def _k_tile_loads(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
+                  stride_ksr, k_off, offs_n, k_ok, FULL_ROW: tl.constexpr):
+    """K codes and scale/zero of the tile at row r0 of page `page`, KV head h, read unmasked (the tile lies inside
+    the allocated page, so the loads vectorize and go through cp.async): kw `[BLOCK_N, U_PAD]` int16 (impl 7: int8
+    `[BLOCK_N, 2 U_PAD]`), columns valid where k_ok; ks, kz fp32 `[BLOCK_N]`."""
+    kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
+    if FULL_ROW:
+        kw = tl.load(kc_ptr + kbase + k_off)
+    else:
+        kw = tl.load(kc_ptr + kbase + k_off, mask=k_ok[None, :], other=0)
+    ks_rows = page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
+    ks = tl.load(ks_ptr + ks_rows).to(tl.float32)
+    kz = tl.load(kz_ptr + ks_rows).to(tl.float32)
+    return kw, ks, kz
+
+
+@triton.jit
+def _v_tile_loads(vc_ptr, vs_ptr, page, r0, h, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                  v_off, offs_n, u_ok, FULL_ROW: tl.constexpr):
+    """V codes `[U_PAD, BLOCK_N]` int16 and V scale fp32 `[BLOCK_N]` of the same tile (V zeros are loaded by the
+    caller, one tile ahead)."""
+    vbase = page * stride_vcp + h * stride_vch + r0 * stride_vcr
+    if FULL_ROW:
+        vw = tl.load(vc_ptr + vbase + v_off)
+    else:
+        vw = tl.load(vc_ptr + vbase + v_off, mask=u_ok[:, None], other=0)
+    vs = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr).to(tl.float32)
+    return vw, vs
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -780,7 +837,7 @@ def _int2_decode_kernel_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
-    FULL_TILES: tl.constexpr = False, KI8: tl.constexpr = False,
+    FULL_TILES: tl.constexpr = False, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # KI8 (impl 7, with SUBN and PAGE_VEC): the K side as int8 MMAs (`_scores_i8`); kc_ptr is then the uint8 pool.
@@ -792,7 +849,7 @@ def _int2_decode_kernel_t(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, KI8)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, KI8, SKEW)
 
 
 @triton.jit
@@ -811,7 +868,7 @@ def _int2_chunk_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, KI8: tl.constexpr = False,
+    FULL_TILES: tl.constexpr, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
@@ -865,6 +922,7 @@ def _int2_chunk_t(
         k_ok = j_ok
     else:
         k_ok = u_ok
+        qi0, qi1, qi2, qi3, qstep, qzs = qb0, qb1, qb2, qb3, qsum, qsum  # unused placeholders (fp16 K side)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -909,34 +967,95 @@ def _int2_chunk_t(
             # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
             # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
             page_n = pg0
-            for jj in range(0, n_in):
-                t0 = start + (jb + jj) * BLOCK_N
-                page = page_n
-                r0 = tl.multiple_of(t0 % P, BLOCK_N)
-                vz_cur = vz_next
-                jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
-                pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
-                vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
-                                  + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
-                                  + offs_n * stride_vsr)
-                page_n = pgn
-                kw, vw, ks, kz, vs = _page_tile_loads(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
-                    stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                    stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, U, U_PAD)
-                vz = vz_cur.to(tl.float32)
-                t_ok = t0 + offs_n < end
-                if not FULL_TILES:
-                    vs = tl.where(t_ok, vs, 0.0)
-                    vz = tl.where(t_ok, vz, 0.0)
-                if KI8:
-                    s = _scores_i8(kw, ks, kz, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM)
-                else:
-                    s = _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
-                                    ksc_s, GP, NQ, BLOCK_N, INTERP, ASM, SUBN)
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                    s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
-                    U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, KI8)
+            if SKEW:
+                # impl 8: software-pipelined by one tile. Iteration jj computes the scores of tile jj and the softmax
+                # and V dot of tile jj - 1: two independent streams that ptxas interleaves, so the softmax's
+                # dependency chain (cross-lane max, exp2, the P relayout through shared memory) hides behind the
+                # next tile's code extraction and MMAs. Every load of the loop still addresses through a page id
+                # carried from an earlier iteration, so Triton's pipeliner keeps them all asynchronous.
+                r0 = tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N)
+                kw, ks, kz = _k_tile_loads(kc_ptr, ks_ptr, kz_ptr, pg0, r0, h, stride_kcp, stride_kch, stride_kcr,
+                                           stride_ksp, stride_ksh, stride_ksr, k_off, offs_n, k_ok, U == U_PAD)
+                s_prev = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                                     qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM, SUBN, KI8)
+                vz_hold = vz_next  # tile 0's V zeros
+                page_prev = pg0
+                page_n = tl.sum(tl.where(offs_pv == tl.minimum(1, n_in - 1), pg, 0), axis=0).to(tl.int64)
+                # K scale/zero feed no dot in their own iteration any more, so the pipeliner leaves them synchronous;
+                # like the V zeros they are prefetched by hand, one tile ahead, in registers.
+                r1 = tl.multiple_of((start + (jb + tl.minimum(1, n_in - 1)) * BLOCK_N) % P, BLOCK_N)
+                ksz_rows = page_n * stride_ksp + h * stride_ksh + r1 * stride_ksr + offs_n * stride_ksr
+                ks_hold = tl.load(ks_ptr + ksz_rows)
+                kz_hold = tl.load(kz_ptr + ksz_rows)
+                for jm in range(0, n_in - 1):
+                    jj = jm + 1
+                    t0 = start + (jb + jj) * BLOCK_N
+                    page = page_n
+                    r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                    rp = tl.multiple_of((t0 - BLOCK_N) % P, BLOCK_N)
+                    pgn = tl.sum(tl.where(offs_pv == tl.minimum(jj + 1, n_in - 1), pg, 0), axis=0).to(tl.int64)
+                    page_n = pgn
+                    vz_v = vz_hold
+                    vz_hold = tl.load(vz_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr
+                                      + offs_n * stride_vsr)
+                    ks = ks_hold.to(tl.float32)
+                    kz = kz_hold.to(tl.float32)
+                    rn = tl.multiple_of((start + (jb + tl.minimum(jj + 1, n_in - 1)) * BLOCK_N) % P, BLOCK_N)
+                    ksz_rows = pgn * stride_ksp + h * stride_ksh + rn * stride_ksr + offs_n * stride_ksr
+                    ks_hold = tl.load(ks_ptr + ksz_rows)
+                    kz_hold = tl.load(kz_ptr + ksz_rows)
+                    kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
+                    if U == U_PAD:
+                        kw = tl.load(kc_ptr + kbase + k_off)
+                    else:
+                        kw = tl.load(kc_ptr + kbase + k_off, mask=k_ok[None, :], other=0)
+                    vw, vs = _v_tile_loads(vc_ptr, vs_ptr, page_prev, rp, h, stride_vcp, stride_vch, stride_vcr,
+                                           stride_vsp, stride_vsh, stride_vsr, v_off, offs_n, u_ok, U == U_PAD)
+                    s_new = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
+                                        ksc_s, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM,
+                                        SUBN, KI8)
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_side(
+                        s_prev, vw, vs, vz_v, t0 - BLOCK_N + offs_n < end, m_i, l_i, acc_z, acc0, acc1, acc2, acc3,
+                        acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, FULL_TILES,
+                        KI8)
+                    s_prev = s_new
+                    # carried through an op: Triton does not pipeline a loop that yields one of its own loop-carried
+                    # values unchanged (a dependence of distance 2); page ids are never negative
+                    page_prev = tl.where(page >= 0, page, 0)
+                # the block's last tile
+                t_last = start + (jb + n_in - 1) * BLOCK_N
+                vw, vs = _v_tile_loads(vc_ptr, vs_ptr, page_prev, tl.multiple_of(t_last % P, BLOCK_N), h, stride_vcp,
+                                       stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, v_off, offs_n, u_ok,
+                                       U == U_PAD)
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_side(
+                    s_prev, vw, vs, vz_hold, t_last + offs_n < end, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4,
+                    acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, FULL_TILES, KI8)
+            else:
+                for jj in range(0, n_in):
+                    t0 = start + (jb + jj) * BLOCK_N
+                    page = page_n
+                    r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                    vz_cur = vz_next
+                    jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
+                    pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
+                    vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
+                                      + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                      + offs_n * stride_vsr)
+                    page_n = pgn
+                    kw, vw, ks, kz, vs = _page_tile_loads(
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
+                        stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
+                        stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, U == U_PAD)
+                    vz = vz_cur.to(tl.float32)
+                    t_ok = t0 + offs_n < end
+                    if not FULL_TILES:
+                        vs = tl.where(t_ok, vs, 0.0)
+                        vz = tl.where(t_ok, vz, 0.0)
+                    s = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                                    qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM, SUBN, KI8)
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                        s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
+                        U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, KI8)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
@@ -1047,7 +1166,7 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         impl = min(impl, 1)  # the no-tensor-core and bitcast variants exist for one group per row only
     if impl == 4 and _ASM_BROKEN and not _STRICT:
         impl = 3
-    if impl in (5, 6, 7):
+    if impl in (5, 6, 7, 8):
         if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
             return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                  o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
@@ -1125,7 +1244,8 @@ def chunk_constexprs(q, k_codes, block_n: int, impl: int, full_tiles: bool) -> d
     return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
-                FULL_TILES=bool(full_tiles) and page_vec, KI8=k_int8(impl, k_codes, block_n))
+                FULL_TILES=bool(full_tiles) and page_vec, KI8=k_int8(impl, k_codes, block_n),
+                SKEW=impl == 8 and page_vec)
 
 
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
@@ -1178,7 +1298,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     """How many programs of the INT2 kernel that this call would launch fit on one SM at once, from its compiled
     registers and shared memory (compiled once per configuration, then cached; no launch, no sync). None where it
     does not apply: the interpreter, or a variant other than impl 5/6 (those keep the fixed programs-per-SM rule)."""
-    if INTERPRET or q.device.type != "cuda" or impl not in (5, 6, 7):
+    if INTERPRET or q.device.type != "cuda" or impl not in (5, 6, 7, 8):
         return None
     ng = k_scale.shape[3]
     if not _impl5_ok(q, k_codes, v_codes, ng, k_codes.shape[2], block_n):
