@@ -532,6 +532,24 @@ def test_merge_with_empty_segments():
     assert (t_o == 0).all() and torch.isneginf(t_lse).all()
 
 
+@pytest.mark.parametrize("splits,d", [(1, 64), (70, 128), (203, 256), (5, 48)])
+def test_split_reduce_in_channel_blocks_matches_the_torch_merge(splits, d):
+    """The Triton reduce runs one program per (row, 32-channel block): many splits (more than one 64-split round,
+    as at 128K / batch 1), head dims that are 1, 4, 8 and a partial block of channel blocks, and rows whose
+    partials are all empty or partly empty, against the torch merge."""
+    gen = torch.Generator().manual_seed(splits + d)
+    o_part = torch.randn(2, 3, splits, d, generator=gen)
+    lse_part = torch.randn(2, 3, splits, generator=gen) * 4
+    lse_part[0, 1] = float("-inf")  # an empty row: o = 0, lse = -inf
+    lse_part[1, 2, ::2] = float("-inf")  # every other partial of a row empty
+    o_t, lse_t = M.reduce_splits_triton(o_part, lse_part)
+    o_r, lse_r = M.reduce_splits_torch(o_part, lse_part)
+    assert torch.equal(torch.isneginf(lse_t), torch.isneginf(lse_r)) and torch.isneginf(lse_t[0, 1])
+    fin = torch.isfinite(lse_r)
+    assert torch.allclose(lse_t[fin], lse_r[fin], atol=1e-5)
+    assert torch.allclose(o_t, o_r, atol=1e-5) and (o_t[0, 1] == 0).all()
+
+
 # ----------------------------------------------------------------------------------- full decode call
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_history_plus_window(dtype):

@@ -34,6 +34,8 @@ import warnings
 import triton
 import triton.language as tl
 
+from runtime_kernels.attention.pdl import gdc_launch_dependents
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -838,7 +840,12 @@ def _int2_decode_kernel_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
     FULL_TILES: tl.constexpr = False, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: let the window kernel, launched next as a programmatic dependent, start at once (it reads nothing this
+    # kernel writes); it waits for this kernel before it exits (see `decode_attention`).
+    if PDL:
+        gdc_launch_dependents()
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # KI8 (impl 7, with SUBN and PAGE_VEC): the K side as int8 MMAs (`_scores_i8`); kc_ptr is then the uint8 pool.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -1145,7 +1152,7 @@ def _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
-                       prefetch: bool = False, whole_pages: bool = False):
+                       prefetch: bool = False, whole_pages: bool = False, pdl_trigger: bool = False):
     """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
     `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
     functional API validates them. Last dims of codes/scale/zero and q must be contiguous. Returns Triton's
@@ -1153,6 +1160,8 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
 
     whole_pages: the caller promises that every hist_len is a multiple of the page size (PagedKVCache's invariant);
     impl 6 then runs its tile loop without masks (a partial last page would be ignored).
+
+    pdl_trigger: the token-rows kernels (impl 5-8) let a programmatic dependent launched next start at once.
 
     impl 4 (inline PTX) falls back to impl 3 (same arithmetic in plain Triton) if it fails to compile, once
     per process (the error is kept in `_ASM_BROKEN`); `strict_impl()` turns the fallback off for tests."""
@@ -1170,7 +1179,7 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
             return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                  o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
-                                 num_stages, impl=impl, full_tiles=whole_pages)
+                                 num_stages, impl=impl, full_tiles=whole_pages, pdl_trigger=pdl_trigger)
         impl = 3  # fp32 queries, several groups per row, odd code rows: the same bitcast math in plain Triton
     # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
@@ -1250,7 +1259,8 @@ def chunk_constexprs(q, k_codes, block_n: int, impl: int, full_tiles: bool) -> d
 
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
-                  num_stages: int, impl: int = 6, warmup: bool = False, full_tiles: bool = False):
+                  num_stages: int, impl: int = 6, warmup: bool = False, full_tiles: bool = False,
+                  pdl_trigger: bool = False):
     """Launch `_int2_decode_kernel_t` (impl 5, 6 or 7) on the views `code_views` gives of the code pools
     (`warmup`: compile only, return the compiled kernel without running it)."""
     kc, vc = code_views(k_codes, v_codes, impl, block_n)
@@ -1258,7 +1268,8 @@ def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                         sm_scale, split_offset)
     kw = dict(**chunk_constexprs(q, k_codes, block_n, impl, full_tiles), num_warps=num_warps,
-              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
+              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}),
+              **({"PDL": True} if pdl_trigger else {}))
     if warmup:
         return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
     return _int2_decode_kernel_t[grid](*args, **kw)
