@@ -28,7 +28,6 @@ from bench_decode_graph import MIN_CALLS, int2_layers, layers_for, repeat_to, ti
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import merge, triton_int2, triton_window  # noqa: E402
 
-
 PARTS = ("int2", "window", "reduce", "call", "call_nopdl", "fused")
 
 
