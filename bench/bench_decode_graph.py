@@ -148,18 +148,16 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
 
 
 def apply_variant(variant: str) -> int:
-    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused, pdl) -> set the library switches, return
-    the impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused) -> set the library switches, return the
+    impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
     PagedKVCache uses (its history is always whole pages, and so is this benchmark's); `fused=1` runs the
-    single fused launch (history + window + reduce) instead of the default three launches; `pdl=0` runs the three
-    launches without programmatic dependent launch."""
+    single fused launch (history + window + reduce) instead of the default three launches."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
     triton_int2.IMPL5_MAXNREG = None
     A.INT2_WAVES = 1
     A.DECODE_FUSED = False
-    A.DECODE_PDL = True
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -168,11 +166,9 @@ def apply_variant(variant: str) -> int:
             A.INT2_WAVES = float(v)
         elif k == "fused":
             A.DECODE_FUSED = v != "0"
-        elif k == "pdl":
-            A.DECODE_PDL = v != "0"
         elif k not in ("stages", "whole"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, pdl)")
+                             f"fused)")
     return int(impl)
 
 

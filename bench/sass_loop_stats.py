@@ -34,12 +34,12 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    if impl in (5, 6, 7, 8):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
+    if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
-                     TILE_ACC=True, SUBN=impl >= 6, PAGE_VEC=impl >= 6, NPV=64, FULL_TILES=full_tiles,
-                     KI8=impl == 7, SKEW=impl == 8, stride_ksr=1, stride_vsr=1)  # a launch specializes integer arguments equal to 1
-        ptr = dict(PTR, kc_ptr="*u8" if impl == 7 else "*i16", vc_ptr="*i16")  # impl 7: K pool as bytes
+                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
+                     stride_ksr=1, stride_vsr=1)  # a launch specializes integer arguments equal to 1
+        ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
     else:
         fn = mod._int2_decode_kernel
         const = dict(GROUP=4, G_PAD=16, Q=32, Q_PAD=32, GS=128, NG=1, P=64, BLOCK_N=block_n, FP32=False,

@@ -44,9 +44,8 @@ def no_separate_launches(monkeypatch):
     monkeypatch.setattr(triton_window, "launch_window_decode", boom)
 
 
-@pytest.mark.parametrize("group,d,page,impl", [(4, 128, 64, 6), (8, 64, 64, 6), (1, 256, 32, 6), (4, 64, 16, 6),
-                                                (4, 128, 64, 7), (4, 128, 64, 8)])
-def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page, impl):
+@pytest.mark.parametrize("group,d,page", [(4, 128, 64), (8, 64, 64), (1, 256, 32), (4, 64, 16)])
+def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page):
     lens = [0, 130, 64, 7, 0]
     h_kv = 2
     pool = make_pool(lens, h_kv=h_kv, d=d, page=page, seed=60 + group)
@@ -59,14 +58,13 @@ def test_fused_decode_matches_the_concatenated_softmax(monkeypatch, group, d, pa
     with fused_launch as m:
         no_separate_launches(m)
         o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3,
-                                    fused=True, impl=impl)
+                                    fused=True)
     assert rel_rmse(o, want_o) < 2e-2  # bf16 window operands and probabilities
     fin = torch.isfinite(want_lse)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
     assert (o[4] == 0).all()
-    o3, lse3 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3,
-                                  impl=impl)
+    o3, lse3 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3)
     assert rel_rmse(o, o3) < 1e-2
     assert torch.allclose(lse[fin], lse3[fin], atol=1e-3)
 

@@ -26,7 +26,6 @@ from runtime_kernels._validate import (
     resolve_backend,
 )
 from runtime_kernels.attention import naive, paged_ref
-from runtime_kernels.attention.pdl import pdl_supported
 
 
 def _merge():
@@ -81,10 +80,6 @@ INT2_WAVES = 1
 # halves (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call), so eager callers such as the transformers
 # integration (`hf.OscarCache`) ask for it.
 DECODE_FUSED = False
-# Three-launch path on Hopper and later: chain the INT2 kernel, the window kernel and the reduce by programmatic
-# dependent launch (`pdl.py`), so the window kernel runs beside the INT2 kernel and the reduce's launch overlaps
-# them instead of following each kernel's end.
-DECODE_PDL = True
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -376,15 +371,11 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
                                               min_tokens=block_n)  # = decode_num_splits without the fused kernel
     o_part, lse_part = _partials(q, s_h + s_w)
-    # Programmatic dependent launch chain (Hopper+): the window kernel starts while the INT2 kernel runs (on the
-    # SM room the INT2 wave leaves) and waits for it only before exiting; the reduce is resident before both end
-    # and waits for the window kernel, whose completion thus implies the INT2 kernel's.
-    pdl = DECODE_PDL and pdl_supported(q.device)
     launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, scale, s_h, 0, block_n, num_warps, num_stages, impl, prefetch,
-                       whole_pages=whole_pages, pdl_trigger=pdl)
-    launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n, pdl=pdl)
-    return _merge().reduce_splits_triton(o_part, lse_part, pdl=pdl)
+                       whole_pages=whole_pages)
+    launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, scale, s_w, s_h, block_n)
+    return _merge().reduce_splits_triton(o_part, lse_part)
 
 
 def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor) -> torch.Tensor:

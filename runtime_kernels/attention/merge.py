@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.pdl import gdc_wait, pdl_launch
-
 
 def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,28 +106,23 @@ def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse
 
 @triton.jit(do_not_specialize=["S"])
 def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
-                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
     # Program (row, channel block): row = (batch, query head); o_part / lse_part are contiguous [rows, S, D] /
-    # [rows, S]. Channel blocks give 4x the programs of one per row, so the S partials are read in 4x fewer
-    # dependent rounds per program (128K / batch 1: 32 rows of 203 splits).
-    if PDL:
-        gdc_wait()  # launched early (programmatic dependent launch): the partials are complete only after this
+    # [rows, S]. Channel blocks of 32 give 4x the programs of one per row at d = 128, and each program reads
+    # 64 partials per round: at 128K / batch 1 (32 rows of 203 splits) the reduce went from 0.0150 to 0.0049 ms
+    # (bench/results/graph_parts_v8_NVIDIA_H200.txt).
     row = tl.program_id(0).to(tl.int64)
     _reduce_row(op_ptr + row * S * D, lp_ptr + row * S, o_ptr + row * D, lse_ptr + row, S, D,
                 tl.program_id(1) * D_BLK, D, D_BLK, S_BLOCK, S_MAX)
 
 
-def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows. `pdl`: launch
-    as a programmatic dependent of the previous kernel in the stream (Hopper and later), which must make its own
-    completion imply that of the partials' writers (see `decode_attention`)."""
+def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows."""
     b, h, s, d = o_part.shape
     o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
     d_blk = min(32, triton.next_power_of_2(d))
     _reduce_splits_kernel[(b * h, triton.cdiv(d, d_blk))](
         o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, triton.next_power_of_2(s)),
-        S_MAX=triton.next_power_of_2(s), num_warps=4, **pdl_launch(pdl))
+        S_MAX=triton.next_power_of_2(s), num_warps=4)
     return o, lse

@@ -52,7 +52,7 @@ def _decode_fused_kernel(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -67,7 +67,7 @@ def _decode_fused_kernel(
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, KI8, SKEW)
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
     else:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
@@ -103,7 +103,7 @@ def fused_ok(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int) -> bo
     """The fused launch serves the token-rows INT2 kernels (impl 5/6 where they apply) with half-precision windows."""
     import torch
 
-    return (impl in (5, 6, 7, 8) and k_win.dtype in (torch.float16, torch.bfloat16)
+    return (impl in (5, 6) and k_win.dtype in (torch.float16, torch.bfloat16)
             and _int2._impl5_ok(q, k_codes, v_codes, k_scale.shape[3], k_codes.shape[2], block_n))
 
 
@@ -129,14 +129,15 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device)
-    kc, vc = _int2.code_views(k_codes, v_codes, impl, block_n)
+    kc = k_codes.view(torch.int16)
+    vc = v_codes.view(torch.int16)
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
             o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
             *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *_int2.partial_strides(o_part, lse_part))
-    kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl, whole_pages),
+    kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), num_warps=num_warps, num_stages=num_stages,

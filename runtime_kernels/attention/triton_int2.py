@@ -34,8 +34,6 @@ import warnings
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.pdl import gdc_launch_dependents
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -471,21 +469,6 @@ _ASM6_BODY = tl.constexpr(
     "and.b32 $5, t, 0x00300030; "
     "and.b32 $6, t, 0x00C000C0; "
     "and.b32 $7, t, 0x03000300; }")
-# impl 7: the same V block with the shift done as `mul.hi.u32 w, 2^26` (= w >> 6), which runs on the FMA pipe: the
-# ALU pipe, which also issues every `and`, was the busiest one in the loop (ncu, v7 notes).
-_ASM7_V_BODY = tl.constexpr(_ASM6_BODY.value.replace("shr.b32 t, $8, 6; ", "mul.hi.u32 t, $8, 0x04000000; "))
-# impl 7, K side: the codes as int8 MMA operands. One 32-bit register holds 4 code bytes (4 channels of one token);
-# code position p (bits 2p of each byte) of all four is `(w >> 2p) & 0x03030303`, each byte then an int8 0..3: one
-# `and` per 4 codes instead of per 2 (the shifts again as FMA-pipe `mul.hi`).
-_ASM7_K_BODY = tl.constexpr(
-    "{ .reg .b32 t; "
-    "and.b32 $0, $4, 0x03030303; "
-    "mul.hi.u32 t, $4, 0x40000000; "
-    "and.b32 $1, t, 0x03030303; "
-    "mul.hi.u32 t, $4, 0x10000000; "
-    "and.b32 $2, t, 0x03030303; "
-    "mul.hi.u32 t, $4, 0x04000000; "
-    "and.b32 $3, t, 0x03030303; }")
 
 
 @triton.jit
@@ -505,13 +488,10 @@ def _pos_codes_subn(w, SH: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def _codes8_subn(w, ASM: tl.constexpr, MULHI: tl.constexpr = False):
+def _codes8_subn(w, ASM: tl.constexpr):
     """int16 code tile `w [R, C]` -> 8 fp16 tiles `[R, C]`, tile p = M_p * (code p of each element) * 2^-24 (impl 6:
-    fp16 subnormals, exact, no offset). MULHI (impl 7): the one shift runs on the FMA pipe."""
-    if ASM and MULHI:
-        x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
-            _ASM7_V_BODY, _ASM5_CONSTRAINTS, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
-    elif ASM:
+    fp16 subnormals, exact, no offset)."""
+    if ASM:
         x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
             _ASM6_BODY, _ASM5_CONSTRAINTS, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
     else:
@@ -524,22 +504,6 @@ def _codes8_subn(w, ASM: tl.constexpr, MULHI: tl.constexpr = False):
         x6 = _pos_codes_subn(w, 6, 0x00C0)
         x7 = _pos_codes_subn(w, 6, 0x0300)
     return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _codes4_i8(w, ASM: tl.constexpr):
-    """int8 code tile `w [R, C]` (one code byte per element) -> 4 int8 tiles `[R, C]`, tile p = code p of each byte
-    (bits 2p), 0..3 (impl 7's K operands)."""
-    if ASM:
-        x0, x1, x2, x3 = tl.inline_asm_elementwise(
-            _ASM7_K_BODY, "=r,=r,=r,=r,r", [w], dtype=(tl.int8,) * 4, is_pure=True, pack=4)
-    else:
-        u = w.to(tl.int32) & 0xFF
-        x0 = (u & 3).to(tl.int8)
-        x1 = ((u >> 2) & 3).to(tl.int8)
-        x2 = ((u >> 4) & 3).to(tl.int8)
-        x3 = ((u >> 6) & 3).to(tl.int8)
-    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -582,68 +546,30 @@ def _dot_acc(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _dot_i8(a, b, acc, INTERP: tl.constexpr):
-    """`acc + a @ b` for int8 operands and an int32 accumulator (exact). Under the interpreter in fp32, also exact:
-    every partial sum stays below 2^24."""
-    if INTERP:
-        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32)).to(tl.int32)
-    else:
-        return tl.dot(a, b, acc, out_dtype=tl.int32)
+def _qb(q_cols, offs_u, u_ok, c_half, c_ok, POS: tl.constexpr, Q: tl.constexpr, FAC: tl.constexpr):
+    """Query operand of code position POS: `[U_PAD, NQ]` fp16, row u = channel 2u + POS // 4 + (POS % 4) * Q,
+    column (i, e) = query head i times FAC = 16 / M_POS where e == POS // 4 (the channel half), else 0."""
+    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
+    m = u_ok[:, None] & c_ok[None, :] & (c_half == POS // 4)[None, :]
+    return (tl.load(q_cols + ch[:, None], mask=m, other=0.0).to(tl.float32) * FAC).to(tl.float16)
 
 
 @triton.jit
-def _qf(q_cols, offs_j, j_ok, c_ok, POS: tl.constexpr, Q: tl.constexpr):
-    """fp32 query values of code position POS in impl 7's operand order: `[J_PAD, NQ]`, row j = channel j + POS * Q
-    (byte j, bits 2 POS), both columns of a head equal; zero on padded rows and heads."""
-    return tl.load(q_cols + (offs_j + POS * Q)[:, None], mask=j_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.constexpr, INV_M: tl.constexpr):
+    """Store code position POS of the output: channels 2u + POS // 4 + (POS % 4) * Q, `(acc / M - z) / l`."""
+    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
+    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :], mask=omask)
 
 
 @triton.jit
-def _q_hi_lo(qf, step, c_half):
-    """impl 7's int8 query operand: q in 16-bit fixed point, `q16 = round(q / step)` (|q16| <= 32639), split as
-    `q16 = 256 * hi + lo` with hi, lo in [-128, 127]; column (head, 0) holds hi, (head, 1) lo. -> (`[J, NQ]` int8,
-    the q16 values as fp32)."""
-    q16 = tl.floor(qf / step[None, :] + 0.5)
-    hi = tl.floor((q16 + 128.0) * 0.00390625)
-    lo = q16 - 256.0 * hi
-    return tl.where((c_half == 0)[None, :], hi, lo).to(tl.int32).to(tl.int8), q16
-
-
-@triton.jit
-def _carry_i8(a, b, c, d, ASM: tl.constexpr):
-    """Identity on impl 7's loop-invariant int8 query operands, applied inside the tile loop: it makes them
-    loop-carried, so Triton gives them the MMA operand layout once before the loop; used directly, they were
-    re-laid out by 8 shuffles and 8 selects in every tile. ptxas drops the moves."""
-    if ASM:
-        a, b, c, d = tl.inline_asm_elementwise(
-            "mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7;", "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
-            dtype=(tl.int8,) * 4, is_pure=True, pack=4)
-    return a, b, c, d
-
-
-@triton.jit
-def _scores_i8(kw, ks, kz, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale,
-               GP: tl.constexpr, NQ: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, ASM: tl.constexpr):
-    """impl 7's scores of one tile: int8 code tile kw `[BLOCK_N, J]` (one byte = 4 channels), int8 query operands
-    qi_p `[J, NQ]`, per-head fixed-point step qstep `[GP]` and qzs = step * sum q16 `[GP]` -> log2-scaled scores
-    `[BLOCK_N, GP]` = qk_scale * ks * (q . code - kz * sum q). The integer dot is exact; one conversion per score."""
-    x0, x1, x2, x3 = _codes4_i8(kw, ASM)
-    st = tl.zeros([BLOCK_N, NQ], tl.int32)
-    st = _dot_i8(x0, qi0, st, INTERP)
-    st = _dot_i8(x1, qi1, st, INTERP)
-    st = _dot_i8(x2, qi2, st, INTERP)
-    st = _dot_i8(x3, qi3, st, INTERP)
-    hi, lo = tl.split(tl.reshape(st, [BLOCK_N, GP, 2]))  # |256 hi + lo| <= 32639 * 3 * d/4 * 4 < 2^24: exact
-    sc = (hi * 256 + lo).to(tl.float32)
-    return (sc * qstep[None, :] - kz[:, None] * qzs[None, :]) * (ks * qk_scale)[:, None]
-
-
-@triton.jit
-def _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                GP: tl.constexpr, NQ: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, ASM: tl.constexpr,
-                SUBN: tl.constexpr):
-    """impl 5/6's scores of one tile: int16 code tile kw `[BLOCK_N, U_PAD]`, fp16 query operands qb_p -> log2-scaled
-    scores `[BLOCK_N, GP]`."""
+def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+            ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr,
+            MASKED: tl.constexpr = True):
+    """One tile of `_int2_decode_kernel_t`: int16 code tiles kw `[BLOCK_N, U_PAD]`, vw `[U_PAD, BLOCK_N]`, fp32
+    scale/zero vectors `[BLOCK_N]` (vs, vz zero where not t_ok) -> the updated online-softmax state. MASKED: scores
+    of tokens outside t_ok become -inf (False: every token of the tile is valid, t_ok is ignored)."""
     if SUBN:
         x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
     else:
@@ -662,47 +588,6 @@ def _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, 
         s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
     else:
         s = (sc - qoff[None, :] - kz[:, None] * qsum[None, :]) * (ks * ksc)[:, None]
-    return s
-
-
-@triton.jit
-def _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP: tl.constexpr, NQ: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERP: tl.constexpr, ASM: tl.constexpr, SUBN: tl.constexpr, KI8: tl.constexpr):
-    """Scores of one tile by impl 7's int8 K side (KI8) or impl 5/6's fp16 one (the other operands are unused)."""
-    if KI8:
-        s = _scores_i8(kw, ks, kz, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM)
-    else:
-        s = _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                        GP, NQ, BLOCK_N, INTERP, ASM, SUBN)
-    return s
-
-
-@triton.jit
-def _qb(q_cols, offs_u, u_ok, c_half, c_ok, POS: tl.constexpr, Q: tl.constexpr, FAC: tl.constexpr):
-    """Query operand of code position POS: `[U_PAD, NQ]` fp16, row u = channel 2u + POS // 4 + (POS % 4) * Q,
-    column (i, e) = query head i times FAC = 16 / M_POS where e == POS // 4 (the channel half), else 0."""
-    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
-    m = u_ok[:, None] & c_ok[None, :] & (c_half == POS // 4)[None, :]
-    return (tl.load(q_cols + ch[:, None], mask=m, other=0.0).to(tl.float32) * FAC).to(tl.float16)
-
-
-@triton.jit
-def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.constexpr, INV_M: tl.constexpr):
-    """Store code position POS of the output: channels 2u + POS // 4 + (POS % 4) * Q, `(acc / M - z) / l`."""
-    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
-    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :], mask=omask)
-
-
-@triton.jit
-def _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
-            ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr,
-            MASKED: tl.constexpr = True, MULHI: tl.constexpr = False):
-    """One tile of `_int2_decode_kernel_t` after its scores: log2-scaled scores s `[BLOCK_N, GP]` (`_scores_f16` or
-    `_scores_i8`), int16 V code tile vw `[U_PAD, BLOCK_N]`, fp32 V scale/zero vectors `[BLOCK_N]` (zero where not
-    t_ok) -> the updated online-softmax state. MASKED: scores of tokens outside t_ok become -inf (False: every token
-    of the tile is valid, t_ok is ignored)."""
     if MASKED:
         s = tl.where(t_ok[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
@@ -716,7 +601,7 @@ def _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, 
     a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
 
     if SUBN:
-        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM, MULHI)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
     else:
         y0, y1, y2, y3, y4, y5, y6, y7 = _codes8(vw, 0 if VFOLD else 2, ASM)
     if VFOLD and not SUBN:
@@ -758,70 +643,25 @@ def _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, 
 
 
 @triton.jit
-def _v_side(s, vw, vs, vz16, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
-            ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr,
-            FULL_TILES: tl.constexpr, MULHI: tl.constexpr):
-    """`_tile_t` on a tile whose rows past the end (t_ok False) may hold anything unless FULL_TILES: their V scale
-    and zero become 0 and their scores -inf. vz16: the V zeros as loaded (fp16)."""
-    vz = vz16.to(tl.float32)
-    if not FULL_TILES:
-        vs = tl.where(t_ok, vs, 0.0)
-        vz = tl.where(t_ok, vz, 0.0)
-    return _tile_t(s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
-                   U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, MULHI)
-
-
-@triton.jit
 def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                      stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                     stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, FULL_ROW: tl.constexpr):
-    """Both halves of a tile (`_k_tile_loads` and `_v_tile_loads`, issued codes first: this order keeps impl 6's
-    measured instruction schedule) -> kw, vw, ks, kz, vs."""
+                     stride_vsr, k_off, v_off, offs_n, u_ok, U: tl.constexpr, U_PAD: tl.constexpr):
+    """Codes and scales of the tile at row r0 of page `page`, KV head h, read unmasked (the tile lies inside the
+    allocated page, so the loads vectorize and go through cp.async): kw `[BLOCK_N, U_PAD]`, vw `[U_PAD, BLOCK_N]`
+    int16, ks, kz, vs fp32 `[BLOCK_N]` (V zeros are loaded by the caller)."""
     kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
     vbase = page * stride_vcp + h * stride_vch + r0 * stride_vcr
-    if FULL_ROW:
+    if U == U_PAD:
         kw = tl.load(kc_ptr + kbase + k_off)
         vw = tl.load(vc_ptr + vbase + v_off)
     else:
-        kw = tl.load(kc_ptr + kbase + k_off, mask=k_ok[None, :], other=0)
+        kw = tl.load(kc_ptr + kbase + k_off, mask=u_ok[None, :], other=0)
         vw = tl.load(vc_ptr + vbase + v_off, mask=u_ok[:, None], other=0)
     ks_rows = page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
     ks = tl.load(ks_ptr + ks_rows).to(tl.float32)
     kz = tl.load(kz_ptr + ks_rows).to(tl.float32)
     vs = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr).to(tl.float32)
     return kw, vw, ks, kz, vs
-
-
-@triton.jit
-def _k_tile_loads(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
-                  stride_ksr, k_off, offs_n, k_ok, FULL_ROW: tl.constexpr):
-    """K codes and scale/zero of the tile at row r0 of page `page`, KV head h, read unmasked (the tile lies inside
-    the allocated page, so the loads vectorize and go through cp.async): kw `[BLOCK_N, U_PAD]` int16 (impl 7: int8
-    `[BLOCK_N, 2 U_PAD]`), columns valid where k_ok; ks, kz fp32 `[BLOCK_N]`."""
-    kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
-    if FULL_ROW:
-        kw = tl.load(kc_ptr + kbase + k_off)
-    else:
-        kw = tl.load(kc_ptr + kbase + k_off, mask=k_ok[None, :], other=0)
-    ks_rows = page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
-    ks = tl.load(ks_ptr + ks_rows).to(tl.float32)
-    kz = tl.load(kz_ptr + ks_rows).to(tl.float32)
-    return kw, ks, kz
-
-
-@triton.jit
-def _v_tile_loads(vc_ptr, vs_ptr, page, r0, h, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-                  v_off, offs_n, u_ok, FULL_ROW: tl.constexpr):
-    """V codes `[U_PAD, BLOCK_N]` int16 and V scale fp32 `[BLOCK_N]` of the same tile (V zeros are loaded by the
-    caller, one tile ahead)."""
-    vbase = page * stride_vcp + h * stride_vch + r0 * stride_vcr
-    if FULL_ROW:
-        vw = tl.load(vc_ptr + vbase + v_off)
-    else:
-        vw = tl.load(vc_ptr + vbase + v_off, mask=u_ok[:, None], other=0)
-    vs = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr).to(tl.float32)
-    return vw, vs
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -839,15 +679,9 @@ def _int2_decode_kernel_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
-    FULL_TILES: tl.constexpr = False, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    FULL_TILES: tl.constexpr = False,
 ):
-    # PDL: let the window kernel, launched next as a programmatic dependent, start at once (it reads nothing this
-    # kernel writes); it waits for this kernel before it exits (see `decode_attention`).
-    if PDL:
-        gdc_launch_dependents()
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
-    # KI8 (impl 7, with SUBN and PAGE_VEC): the K side as int8 MMAs (`_scores_i8`); kc_ptr is then the uint8 pool.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
     # q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row. Same outputs as `_int2_decode_kernel`.
     _int2_chunk_t(
@@ -856,7 +690,7 @@ def _int2_decode_kernel_t(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, KI8, SKEW)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
 
 
 @triton.jit
@@ -875,7 +709,7 @@ def _int2_chunk_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, KI8: tl.constexpr = False, SKEW: tl.constexpr = False,
+    FULL_TILES: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
@@ -909,27 +743,6 @@ def _int2_chunk_t(
     qsum = tl.sum(tl.reshape(qsum_c, [GP, 2]), axis=1)  # [GP], = 16 * sum_j q_j
     # SUBN: the score dot gives 2^-24 * (16 q . code); both the zero term and the scale move by 2^24.
     qsum_s = qsum * 5.9604644775390625e-08  # 2^-24: fp16 subnormal bits n = n * 2^-24
-    if KI8:
-        # impl 7: the query in 16-bit fixed point per head (step = max |q| / 32639), as int8 hi/lo columns.
-        offs_j = tl.arange(0, 2 * U_PAD)
-        j_ok = offs_j < 2 * U
-        qf0 = _qf(q_cols, offs_j, j_ok, c_ok, 0, Q)
-        qf1 = _qf(q_cols, offs_j, j_ok, c_ok, 1, Q)
-        qf2 = _qf(q_cols, offs_j, j_ok, c_ok, 2, Q)
-        qf3 = _qf(q_cols, offs_j, j_ok, c_ok, 3, Q)
-        amax = tl.max(tl.maximum(tl.maximum(tl.abs(qf0), tl.abs(qf1)), tl.maximum(tl.abs(qf2), tl.abs(qf3))), axis=0)
-        step_c = tl.where(amax > 0.0, amax * (1.0 / 32639.0), 1.0)  # [NQ], both columns of a head equal
-        qi0, q16_0 = _q_hi_lo(qf0, step_c, c_half)
-        qi1, q16_1 = _q_hi_lo(qf1, step_c, c_half)
-        qi2, q16_2 = _q_hi_lo(qf2, step_c, c_half)
-        qi3, q16_3 = _q_hi_lo(qf3, step_c, c_half)
-        qz_c = step_c * tl.sum(q16_0 + q16_1 + q16_2 + q16_3, axis=0)  # step * sum q16, the zero term's factor
-        qstep = tl.max(tl.reshape(step_c, [GP, 2]), axis=1)  # [GP]
-        qzs = tl.max(tl.reshape(qz_c, [GP, 2]), axis=1)
-        k_ok = j_ok
-    else:
-        k_ok = u_ok
-        qi0, qi1, qi2, qi3, qstep, qzs = qb0, qb1, qb2, qb3, qsum, qsum  # unused placeholders (fp16 K side)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -952,10 +765,7 @@ def _int2_chunk_t(
         # pipeliner then keeps num_stages - 1 tiles of codes AND scales in flight (cp.async). Loading the id per tile
         # from global memory made it wait on all copies every tile (ncu: 53 % of stalls on long scoreboard).
         offs_pv = tl.arange(0, NPV)
-        if KI8:
-            k_off = offs_n[:, None] * stride_kcr + offs_j[None, :]  # [BLOCK_N, 2 U_PAD] bytes
-        else:
-            k_off = offs_n[:, None] * stride_kcr + offs_u[None, :]  # [BLOCK_N, U_PAD]
+        k_off = offs_n[:, None] * stride_kcr + offs_u[None, :]  # [BLOCK_N, U_PAD]
         v_off = offs_n[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, BLOCK_N]
         # FULL_TILES: the caller promises whole pages of history (PagedKVCache's invariant), so every tile is full
         # and the loop needs no mask at all (56 fewer instructions per tile). Otherwise only the last tile of a
@@ -974,95 +784,30 @@ def _int2_chunk_t(
             # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
             # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
             page_n = pg0
-            if SKEW:
-                # impl 8: software-pipelined by one tile. Iteration jj computes the scores of tile jj and the softmax
-                # and V dot of tile jj - 1: two independent streams that ptxas interleaves, so the softmax's
-                # dependency chain (cross-lane max, exp2, the P relayout through shared memory) hides behind the
-                # next tile's code extraction and MMAs. Every load of the loop still addresses through a page id
-                # carried from an earlier iteration, so Triton's pipeliner keeps them all asynchronous.
-                r0 = tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N)
-                kw, ks, kz = _k_tile_loads(kc_ptr, ks_ptr, kz_ptr, pg0, r0, h, stride_kcp, stride_kch, stride_kcr,
-                                           stride_ksp, stride_ksh, stride_ksr, k_off, offs_n, k_ok, U == U_PAD)
-                s_prev = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                                     qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM, SUBN, KI8)
-                vz_hold = vz_next  # tile 0's V zeros
-                page_prev = pg0
-                page_n = tl.sum(tl.where(offs_pv == tl.minimum(1, n_in - 1), pg, 0), axis=0).to(tl.int64)
-                # K scale/zero feed no dot in their own iteration any more, so the pipeliner leaves them synchronous;
-                # like the V zeros they are prefetched by hand, one tile ahead, in registers.
-                r1 = tl.multiple_of((start + (jb + tl.minimum(1, n_in - 1)) * BLOCK_N) % P, BLOCK_N)
-                ksz_rows = page_n * stride_ksp + h * stride_ksh + r1 * stride_ksr + offs_n * stride_ksr
-                ks_hold = tl.load(ks_ptr + ksz_rows)
-                kz_hold = tl.load(kz_ptr + ksz_rows)
-                for jm in range(0, n_in - 1):
-                    jj = jm + 1
-                    t0 = start + (jb + jj) * BLOCK_N
-                    page = page_n
-                    r0 = tl.multiple_of(t0 % P, BLOCK_N)
-                    rp = tl.multiple_of((t0 - BLOCK_N) % P, BLOCK_N)
-                    pgn = tl.sum(tl.where(offs_pv == tl.minimum(jj + 1, n_in - 1), pg, 0), axis=0).to(tl.int64)
-                    page_n = pgn
-                    vz_v = vz_hold
-                    vz_hold = tl.load(vz_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr
-                                      + offs_n * stride_vsr)
-                    ks = ks_hold.to(tl.float32)
-                    kz = kz_hold.to(tl.float32)
-                    rn = tl.multiple_of((start + (jb + tl.minimum(jj + 1, n_in - 1)) * BLOCK_N) % P, BLOCK_N)
-                    ksz_rows = pgn * stride_ksp + h * stride_ksh + rn * stride_ksr + offs_n * stride_ksr
-                    ks_hold = tl.load(ks_ptr + ksz_rows)
-                    kz_hold = tl.load(kz_ptr + ksz_rows)
-                    kbase = page * stride_kcp + h * stride_kch + r0 * stride_kcr
-                    if U == U_PAD:
-                        kw = tl.load(kc_ptr + kbase + k_off)
-                    else:
-                        kw = tl.load(kc_ptr + kbase + k_off, mask=k_ok[None, :], other=0)
-                    vw, vs = _v_tile_loads(vc_ptr, vs_ptr, page_prev, rp, h, stride_vcp, stride_vch, stride_vcr,
-                                           stride_vsp, stride_vsh, stride_vsr, v_off, offs_n, u_ok, U == U_PAD)
-                    s_new = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
-                                        ksc_s, qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM,
-                                        SUBN, KI8)
-                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_side(
-                        s_prev, vw, vs, vz_v, t0 - BLOCK_N + offs_n < end, m_i, l_i, acc_z, acc0, acc1, acc2, acc3,
-                        acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, FULL_TILES,
-                        KI8)
-                    s_prev = s_new
-                    # carried through an op: Triton does not pipeline a loop that yields one of its own loop-carried
-                    # values unchanged (a dependence of distance 2); page ids are never negative
-                    page_prev = tl.where(page >= 0, page, 0)
-                # the block's last tile
-                t_last = start + (jb + n_in - 1) * BLOCK_N
-                vw, vs = _v_tile_loads(vc_ptr, vs_ptr, page_prev, tl.multiple_of(t_last % P, BLOCK_N), h, stride_vcp,
-                                       stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, v_off, offs_n, u_ok,
-                                       U == U_PAD)
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_side(
-                    s_prev, vw, vs, vz_hold, t_last + offs_n < end, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4,
-                    acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, FULL_TILES, KI8)
-            else:
-                for jj in range(0, n_in):
-                    t0 = start + (jb + jj) * BLOCK_N
-                    page = page_n
-                    r0 = tl.multiple_of(t0 % P, BLOCK_N)
-                    vz_cur = vz_next
-                    jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
-                    pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
-                    vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
-                                      + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
-                                      + offs_n * stride_vsr)
-                    page_n = pgn
-                    kw, vw, ks, kz, vs = _page_tile_loads(
-                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
-                        stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                        stride_vsr, k_off, v_off, offs_n, k_ok, u_ok, U == U_PAD)
-                    vz = vz_cur.to(tl.float32)
-                    t_ok = t0 + offs_n < end
-                    if not FULL_TILES:
-                        vs = tl.where(t_ok, vs, 0.0)
-                        vz = tl.where(t_ok, vz, 0.0)
-                    s = _scores_any(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                                    qi0, qi1, qi2, qi3, qstep, qzs, qk_scale, GP, NQ, BLOCK_N, INTERP, ASM, SUBN, KI8)
-                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                        s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
-                        U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, KI8)
+            for jj in range(0, n_in):
+                t0 = start + (jb + jj) * BLOCK_N
+                page = page_n
+                r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                vz_cur = vz_next
+                jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
+                pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
+                vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
+                                  + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                  + offs_n * stride_vsr)
+                page_n = pgn
+                kw, vw, ks, kz, vs = _page_tile_loads(
+                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
+                    stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
+                    stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
+                vz = vz_cur.to(tl.float32)
+                t_ok = t0 + offs_n < end
+                if not FULL_TILES:
+                    vs = tl.where(t_ok, vs, 0.0)
+                    vz = tl.where(t_ok, vz, 0.0)
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
+                    ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
+                    INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
@@ -1091,10 +836,9 @@ def _int2_chunk_t(
             kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
             vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
             vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-            s = _scores_f16(kw, ks, kz, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-                            GP, NQ, BLOCK_N, INTERP, ASM, SUBN)
             m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                s, vw, vs, vz, t_ok, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                 GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, True)
 
     has = l_i > 0.0
@@ -1152,7 +896,7 @@ def _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_
 def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                        o_part, lse_part, sm_scale: float, num_splits: int, split_offset: int = 0,
                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2, impl: int = 0,
-                       prefetch: bool = False, whole_pages: bool = False, pdl_trigger: bool = False):
+                       prefetch: bool = False, whole_pages: bool = False):
     """Write the INT2 partials into `o_part [B, H_q, S, d]` fp32 and `lse_part [B, H_q, S]` fp32, splits
     `[split_offset, split_offset + num_splits)`. Shapes as in `paged_ref.int2_decode_attention_ref`; the
     functional API validates them. Last dims of codes/scale/zero and q must be contiguous. Returns Triton's
@@ -1160,8 +904,6 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
 
     whole_pages: the caller promises that every hist_len is a multiple of the page size (PagedKVCache's invariant);
     impl 6 then runs its tile loop without masks (a partial last page would be ignored).
-
-    pdl_trigger: the token-rows kernels (impl 5-8) let a programmatic dependent launched next start at once.
 
     impl 4 (inline PTX) falls back to impl 3 (same arithmetic in plain Triton) if it fails to compile, once
     per process (the error is kept in `_ASM_BROKEN`); `strict_impl()` turns the fallback off for tests."""
@@ -1175,11 +917,11 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         impl = min(impl, 1)  # the no-tensor-core and bitcast variants exist for one group per row only
     if impl == 4 and _ASM_BROKEN and not _STRICT:
         impl = 3
-    if impl in (5, 6, 7, 8):
+    if impl in (5, 6):
         if _impl5_ok(q, k_codes, v_codes, ng, page, block_n):
             return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                  o_part, lse_part, sm_scale, num_splits, split_offset, block_n, num_warps,
-                                 num_stages, impl=impl, full_tiles=whole_pages, pdl_trigger=pdl_trigger)
+                                 num_stages, subnormal=impl == 6, full_tiles=whole_pages)
         impl = 3  # fp32 queries, several groups per row, odd code rows: the same bitcast math in plain Triton
     # Prefetch: one group per row, tiles inside one page, and the K tile loaded once (not impl 1).
     prefetch = bool(prefetch) and ng == 1 and page % block_n == 0 and impl != 1
@@ -1230,46 +972,31 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
                     for t in (k_codes, v_codes)) and block_n >= 16)
 
 
-def k_int8(impl: int, k_codes, block_n: int) -> bool:
-    """Whether impl 7's int8 K side runs: it needs whole tiles per page (the page-vector loop); else impl 6's."""
-    return impl == 7 and k_codes.shape[2] % block_n == 0
-
-
-def code_views(k_codes, v_codes, impl: int, block_n: int) -> tuple:
-    """The code pools as the token-rows kernel reads them: int16 words, except impl 7's K pool (bytes)."""
-    import torch
-
-    kc = k_codes if k_int8(impl, k_codes, block_n) else k_codes.view(torch.int16)
-    return kc, v_codes.view(torch.int16)
-
-
-def chunk_constexprs(q, k_codes, block_n: int, impl: int, full_tiles: bool) -> dict:
-    """Compile-time arguments of `_int2_chunk_t` (shared by `_int2_decode_kernel_t` and the fused decode kernel)
-    for impl 5, 6 or 7."""
+def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool) -> dict:
+    """Compile-time arguments of `_int2_chunk_t` (shared by `_int2_decode_kernel_t` and the fused decode kernel)."""
     group = q.shape[1] // k_codes.shape[1]
     u = k_codes.shape[3] // 2  # int16 words per row
-    subnormal = impl >= 6
     page_vec = subnormal and k_codes.shape[2] % block_n == 0
     return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
-                FULL_TILES=bool(full_tiles) and page_vec, KI8=k_int8(impl, k_codes, block_n),
-                SKEW=impl == 8 and page_vec)
+                FULL_TILES=bool(full_tiles) and page_vec)
 
 
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
-                  num_stages: int, impl: int = 6, warmup: bool = False, full_tiles: bool = False,
-                  pdl_trigger: bool = False):
-    """Launch `_int2_decode_kernel_t` (impl 5, 6 or 7) on the views `code_views` gives of the code pools
+                  num_stages: int, subnormal: bool = False, warmup: bool = False, full_tiles: bool = False):
+    """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools
     (`warmup`: compile only, return the compiled kernel without running it)."""
-    kc, vc = code_views(k_codes, v_codes, impl, block_n)
+    import torch
+
+    kc = k_codes.view(torch.int16)
+    vc = v_codes.view(torch.int16)
     grid = (q.shape[0], k_codes.shape[1], num_splits)
     args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                         sm_scale, split_offset)
-    kw = dict(**chunk_constexprs(q, k_codes, block_n, impl, full_tiles), num_warps=num_warps,
-              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}),
-              **({"PDL": True} if pdl_trigger else {}))
+    kw = dict(**chunk_constexprs(q, k_codes, block_n, subnormal, full_tiles), num_warps=num_warps,
+              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
     if warmup:
         return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
     return _int2_decode_kernel_t[grid](*args, **kw)
@@ -1309,7 +1036,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     """How many programs of the INT2 kernel that this call would launch fit on one SM at once, from its compiled
     registers and shared memory (compiled once per configuration, then cached; no launch, no sync). None where it
     does not apply: the interpreter, or a variant other than impl 5/6 (those keep the fixed programs-per-SM rule)."""
-    if INTERPRET or q.device.type != "cuda" or impl not in (5, 6, 7, 8):
+    if INTERPRET or q.device.type != "cuda" or impl not in (5, 6):
         return None
     ng = k_scale.shape[3]
     if not _impl5_ok(q, k_codes, v_codes, ng, k_codes.shape[2], block_n):
@@ -1321,7 +1048,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
         o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2], dtype=torch.float32, device=q.device)
         lse_part = torch.empty(q.shape[0], q.shape[1], 3, dtype=torch.float32, device=q.device)
         return _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                o_part, lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, impl=impl,
+                                o_part, lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6,
                                 warmup=True, full_tiles=whole_pages)
 
     return cached_slots(("int2",) + chunk_key(q, k_codes, block_table, hist_len, block_n, num_warps, num_stages, impl,

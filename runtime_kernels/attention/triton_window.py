@@ -11,7 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot
 
 
@@ -25,17 +24,12 @@ def _window_decode_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr, INTERP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n_split = tl.num_programs(2)
-    if PDL:
-        # Launched as a programmatic dependent of the INT2 kernel: it reads nothing that kernel writes and writes
-        # other splits, so it runs at once; it waits for it only at the end, so that its own completion (what the
-        # split reduce waits for) implies the INT2 partials are complete too.
-        gdc_launch_dependents()
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
     slot = tl.load(slot_ptr + b).to(tl.int64)
 
@@ -78,16 +72,12 @@ def _window_decode_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
              lse, mask=g_ok)
 
-    if PDL:
-        gdc_wait()
 
 def launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale: float, num_splits: int,
-                         split_offset: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                         pdl: bool = False) -> None:
+                         split_offset: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
     """Write window partials into splits `[split_offset, split_offset + num_splits)` of `o_part [B, H_q, S, d]`
     and `lse_part [B, H_q, S]` (fp32). q `[B, H_q, d]`; k_win, v_win `[num_slots, H_kv, W, d]` (same dtype);
-    slot_ids, win_len int `[B]`. Inputs are validated by the functional API. `pdl`: launch as a programmatic
-    dependent of the INT2 kernel launched just before (see `decode_attention`)."""
+    slot_ids, win_len int `[B]`. Inputs are validated by the functional API."""
     b, h_q, d = q.shape
     h_kv = k_win.shape[1]
     group = h_q // h_kv
@@ -101,7 +91,7 @@ def launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, s
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n, FP32=k_win.dtype.itemsize == 4, INTERP=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
