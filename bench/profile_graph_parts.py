@@ -3,7 +3,7 @@ alone, the split reduce alone, the whole three-launch call and the fused call, e
 over distinct per-layer caches (as in `bench_decode_graph.py`), for several INT2 kernel variants, repeated in
 interleaved rounds so that run-to-run drift shows. Run on the GPU machine:
 
-    python3 bench/profile_graph_parts.py --impls 6,8 --point 131072x8 --rounds 3 > OUT/graph_parts.txt
+    python3 bench/profile_graph_parts.py --impls 5,6 --point 131072x8 --rounds 3 > OUT/graph_parts.txt
 
 Prints one line per (round, impl, part): ms per call. The parts do not add up exactly: consecutive kernels of a
 graph overlap their launch with the previous kernel's tail.
