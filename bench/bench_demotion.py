@@ -1,9 +1,11 @@
 """Cost of demotion (quantize + pack + write the oldest recent tokens into the INT2 pools) per decode step, against the
 decode attention call of the same point, both as a serving engine runs them (CUDA graphs).
 
-Demotion per step, for a batch of B sequences, K and V, rotation and clip included (`quant.write_pages`):
-- page batched: one page (64 tokens) per sequence every 64 steps -> time of one call / 64;
-- one token: one token per sequence every step.
+Demotion per step, for a batch of B sequences, K and V (`quant.write_pages`):
+- page batched, cache path: what `PagedKVCache` runs: one page (64 tokens) per sequence every 64 steps, rows that
+  were rotated when they entered the BF16 window, so clip + quantize + pack + write only -> time of one call / 64;
+- page batched: the same with the rotation included (an upper bound);
+- one token: one token per sequence every step, rotation included.
 Each is timed under a CUDA graph (16 calls per replay, each to its own scattered pages) and eagerly (`do_bench`,
 launch overhead included). The attention time per point is read from the graph benchmark's results file.
 
@@ -27,9 +29,10 @@ from bench_decode_graph import DEV, H_KV, PAGE, D, time_graph  # noqa: E402
 from runtime_kernels import quant  # noqa: E402
 
 
-def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator):
-    """`n_calls` write_pages calls (K and V) of `tokens` tokens each, to distinct random pages and rows."""
-    rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0]
+def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True):
+    """`n_calls` write_pages calls (K and V) of `tokens` tokens each, to distinct random pages and rows; `rotate`
+    False: rows already rotated (bf16), as the cache demotes them."""
+    rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0] if rotate else None
     ratio = torch.full((H_KV,), 0.96, device=DEV)
     calls = []
     for _ in range(n_calls):
@@ -67,8 +70,9 @@ def main() -> None:
     per_batch = {}
     for batch in sorted({r["batch"] for r in att["rows"]}):
         res = {}
-        for name, tokens, steps in (("page_batched", batch * PAGE, PAGE), ("one_token", batch, 1)):
-            calls = demote_calls(tokens, 16, pools, gen)
+        for name, tokens, steps, rotate in (("page_batched_cache", batch * PAGE, PAGE, False),
+                                            ("page_batched", batch * PAGE, PAGE, True), ("one_token", batch, 1, True)):
+            calls = demote_calls(tokens, 16, pools, gen, rotate)
             res[f"{name}_graph_ms_per_step"] = time_graph(calls) / steps
             res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
         per_batch[batch] = res
@@ -88,15 +92,18 @@ def main() -> None:
     with open(stem + ".json", "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [f"# Demotion cost per decode step vs decode attention ({meta['gpu']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}; `quant.write_pages` of K and V (rotation and clip "
-             f"included), Qwen3-8B geometry; attention = {impl_key} under CUDA graphs from "
-             f"`{meta['attention_file']}`. `python3 bench/bench_demotion.py --out DIR --attention FILE`", "",
-             "| context | batch | attention (ms) | page batched, graph (ms/step) | % | page batched, eager (ms/step) | % "
+             f"torch {meta['torch']}, triton {meta['triton']}; `quant.write_pages` of K and V, Qwen3-8B geometry; "
+             f"cache path = rows already rotated (what `PagedKVCache` demotes), the other columns include the "
+             f"rotation; attention = {impl_key} under CUDA graphs from `{meta['attention_file']}`. "
+             "`python3 bench/bench_demotion.py --out DIR --attention FILE`", "",
+             "| context | batch | attention (ms) | page batched, cache path, graph (ms/step) | % "
+             "| page batched, graph (ms/step) | % | page batched, eager (ms/step) | % "
              "| one token, graph (ms/step) | % | one token, eager (ms/step) | % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [str(r["context"]), str(r["batch"]), f"{r['attention_graph_ms']:.4f}"]
-        for k in ("page_batched_graph", "page_batched_eager", "one_token_graph", "one_token_eager"):
+        for k in ("page_batched_cache_graph", "page_batched_graph", "page_batched_eager", "one_token_graph",
+                  "one_token_eager"):
             cells += [f"{r[k + '_ms_per_step']:.5f}", f"{r[k + '_pct_of_attention']:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     with open(stem + ".md", "w") as fh:

@@ -103,6 +103,24 @@ def test_in_kernel_sort_matches_torch_threshold():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_kernel_clip_index_from_the_ratio_matches_the_reference(dtype):
+    """With the clip ratio passed (the CUDA default of `write_pages`), the kernel derives the order-statistic index
+    itself: same bytes as the reference for ratios whose `ratio * d` lands exactly on an integer (0.5 * 64, 1.0,
+    clamped to d - 1), just below one, and in between; bf16 rows are read as they are (widened in the kernel)."""
+    from runtime_kernels.quant.triton_quant import quantize_pack_into
+
+    x = _data(5, 4, 64, seed=3).to(dtype)
+    ratio = torch.tensor([0.5, 1.0, 0.96, 0.984375 - 1e-7])  # 32, 64 -> 63, 61.44, 62.99999
+    codes = torch.zeros(5, 4, 1, 16, dtype=torch.uint8)
+    scale = torch.zeros(5, 4, 1, 1, dtype=torch.float16)
+    zero = torch.zeros_like(scale)
+    rows = torch.arange(5)
+    quantize_pack_into(x, None, codes, scale, zero, rows, rows * 0, 64, clip_mode="kernel", clip_ratio=ratio)
+    for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), naive.quantize_pack(x, None, ratio)):
+        assert torch.equal(a, b)
+
+
 def test_rotation_matches_reference_by_tolerance():
     """Dequantized rotated values equal naive.fake_quantize (the rotation itself is a torch fp32 matmul)."""
     x = _data(33, 2, 64, seed=8)

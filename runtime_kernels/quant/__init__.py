@@ -42,14 +42,20 @@ def _check_common(x, rotation, clip_ratio, group_size) -> int:
 
 
 def _rotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """fp32 `[T, H, d]` in the rotated basis, contiguous."""
-    xr = naive.rotate(x, rotation) if rotation is not None else x.float()
-    return xr.contiguous()
+    """`[T, H, d]` in the rotated basis with its last dim contiguous, as the kernel reads it: fp32 after a rotation;
+    without one, x itself where it can (the kernel widens bf16/fp16 itself: no cast launch per demoted page)."""
+    if rotation is not None:
+        return naive.rotate(x, rotation).contiguous()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _clip_idx(clip_ratio: torch.Tensor | None, d: int) -> torch.Tensor | None:
-    """Order-statistic index per head, computed on the tensor's device (no host sync)."""
-    return None if clip_ratio is None else naive.clip_index(clip_ratio.detach(), d).to(torch.int32)
+def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
+    """The clip ratio per head as the kernel reads it (fp32, contiguous; the kernel derives the order-statistic
+    index `naive.clip_index` from it, so no small torch ops run per call when it is already so)."""
+    if clip_ratio is None:
+        return None
+    r = clip_ratio.detach()
+    return r if r.dtype == torch.float32 and r.is_contiguous() else r.float().contiguous()
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
@@ -75,7 +81,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     idx = torch.arange(t, dtype=torch.int32, device=x.device)
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(xr, _clip_idx(clip_ratio, d), codes, scale, zero, idx, torch.zeros_like(idx), g)
+    quantize_pack_into(xr, None, codes, scale, zero, idx, torch.zeros_like(idx), g, clip_ratio=_ratio(clip_ratio))
     return codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]
 
 
@@ -114,5 +120,5 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
         return
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(_rotated(x, rotation), _clip_idx(clip_ratio, d), codes_pool, scale_pool, zero_pool,
-                       page_ids.contiguous(), rows.contiguous(), g)
+    quantize_pack_into(_rotated(x, rotation), None, codes_pool, scale_pool, zero_pool, page_ids.contiguous(),
+                       rows.contiguous(), g, clip_ratio=_ratio(clip_ratio))

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime_kernels.quant import naive
+
 
 @triton.jit
 def _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3):
@@ -64,8 +66,11 @@ def _quantize_pack_kernel(
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
+    RATIO: tl.constexpr = False,
 ):
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
+    # RATIO (with CLIP 1): clip_ptr holds the fp32 clip ratio per head and the order-statistic index is derived here,
+    # exactly as `naive.clip_index` does (float64 product, floor, at most D - 1): no small torch ops per call.
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * ROWS + tl.arange(0, ROWS)
@@ -75,17 +80,21 @@ def _quantize_pack_kernel(
     m2 = t_ok[:, None] & j_ok[None, :]
     x_row = x_ptr + offs_t.to(tl.int64) * stride_xt + h * stride_xh  # [ROWS] row starts
 
-    x0 = tl.load(x_row[:, None] + offs_j[None, :], mask=m2, other=0.0)
-    x1 = tl.load(x_row[:, None] + (offs_j + Q)[None, :], mask=m2, other=0.0)
-    x2 = tl.load(x_row[:, None] + (offs_j + 2 * Q)[None, :], mask=m2, other=0.0)
-    x3 = tl.load(x_row[:, None] + (offs_j + 3 * Q)[None, :], mask=m2, other=0.0)
+    # x may be fp32, bf16 or fp16: everything below is fp32 (the half inputs are exact in it)
+    x0 = tl.load(x_row[:, None] + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row[:, None] + (offs_j + Q)[None, :], mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row[:, None] + (offs_j + 2 * Q)[None, :], mask=m2, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row[:, None] + (offs_j + 3 * Q)[None, :], mask=m2, other=0.0).to(tl.float32)
 
     if CLIP == 1:
         # tau = c-th smallest |x| of the row (ascending order statistic); padding sorts last as +inf.
-        c = tl.load(clip_ptr + h)
+        if RATIO:
+            c = tl.minimum(tl.floor(tl.load(clip_ptr + h).to(tl.float64) * D), D - 1).to(tl.int32)
+        else:
+            c = tl.load(clip_ptr + h)
         offs_d = tl.arange(0, D_PAD)
         xa = tl.abs(tl.load(x_row[:, None] + offs_d[None, :], mask=t_ok[:, None] & (offs_d < D)[None, :],
-                            other=float("inf")))
+                            other=float("inf")).to(tl.float32))
         srt = tl.sort(xa, dim=1)
         tau = tl.sum(tl.where(offs_d[None, :] == c, srt, 0.0), axis=1)[:, None]
     if CLIP == 2:
@@ -171,12 +180,15 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
 
 def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor,
                        zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor, group_size: int,
-                       rows_per_program: int | None = None, clip_mode: str | None = None) -> None:
+                       rows_per_program: int | None = None, clip_mode: str | None = None,
+                       clip_ratio: torch.Tensor | None = None) -> None:
     """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
 
     Args:
-        x_rot: fp32 `[T, H, d]`, already rotated, last dim contiguous.
+        x_rot: fp32, bf16 or fp16 `[T, H, d]`, already rotated, last dim contiguous.
         clip_idx: int32 `[H]` order-statistic index per head (`naive.clip_index`), or None for no clipping.
+        clip_ratio: instead of clip_idx, the fp32 ratio per head `[H]`: the kernel derives the index itself
+            (one launch per call on CUDA instead of a handful of small torch ops).
         codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: fp16 `[num_pages, H, P, d // group_size]`
             (any strides for the first three dims, last dim contiguous).
         page_ids, rows: int `[T]` destination of each token.
@@ -195,11 +207,15 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes
     if clip_mode not in ("kernel", "torch"):
         raise ValueError(f"clip_mode: expected 'kernel' or 'torch', got {clip_mode!r}")
     mode, tau = 0, x_rot  # tau is an unused pointer unless mode == 2
-    if clip_idx is not None:
+    from_ratio = clip_idx is None and clip_ratio is not None and clip_mode == "kernel"
+    if clip_idx is None and clip_ratio is not None and not from_ratio:
+        clip_idx = naive.clip_index(clip_ratio.detach(), d).to(torch.int32)
+    if clip_idx is not None or from_ratio:
         mode = 1 if clip_mode == "kernel" else 2
         if mode == 2:
-            tau = _clip_threshold(x_rot, clip_idx)
-    clip_arg = clip_idx if clip_idx is not None else page_ids  # unused pointer when not clipping
+            tau = _clip_threshold(x_rot.float(), clip_idx)
+    # unused pointer when not clipping
+    clip_arg = clip_ratio if from_ratio else clip_idx if clip_idx is not None else page_ids
     grid = (triton.cdiv(t, rows_pp), h)
     _quantize_pack_kernel[grid](
         x_rot, clip_arg, tau, codes, scale, zero, page_ids, rows,
@@ -208,6 +224,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=triton.next_power_of_2(d), Q_PAD=triton.next_power_of_2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda,
+        CLIP=mode, RECIP=x_rot.is_cuda, RATIO=from_ratio,
         num_warps=4,
     )
