@@ -74,9 +74,10 @@ MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (
 INT2_WAVES = 1
 # decode_attention on the Triton path, unless the call says `fused=`: one fused launch (history + window + reduce by
 # the last program of each KV head, where the default kernel applies) or three (INT2 kernel, window kernel, reduce).
-# Measured on an H200 (bench/results/decode_graph_NVIDIA_H200.md, bench/NOTES_decode.md "v7"): under CUDA graphs
-# three launches are faster at batch 1 (128K/B1 0.0522 vs 0.0614 ms) and 8 (128K/B8 0.2007 vs 0.2027) and within
-# 1-7 % either way at batch 32, so they are the default; eager calls are bound by host time, which the single launch
+# Measured on an H200 (bench/results/decode_graph_NVIDIA_H200.md, bench/NOTES_decode.md "v7", "v8"): under CUDA
+# graphs three launches are much faster at batch 1 (128K/B1 0.041 vs 0.061 ms since the reduce works in channel
+# blocks) and within a few percent either way at batch 8 and 32 (run to run: 128K/B8 0.2007 vs 0.2027 in one run,
+# 0.2116 vs 0.2081 in another), so they are the default; eager calls are bound by host time, which the single launch
 # halves (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call), so eager callers such as the transformers
 # integration (`hf.OscarCache`) ask for it.
 DECODE_FUSED = False
