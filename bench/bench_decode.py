@@ -237,17 +237,15 @@ def run_point(batch: int, context: int, configs, copy_gbps: float, log) -> dict:
             row[f"demote_{name}_error"] = f"{type(e).__name__}: {e}"
             log(traceback.format_exc())
     for clip_mode in ("kernel", "torch"):
-        from runtime_kernels.quant import naive
         from runtime_kernels.quant.triton_quant import quantize_pack_into
 
         x = torch.randn(batch * PAGE, H_KV, D, device=DEV, generator=gen)
-        idx = naive.clip_index(ratio, D).to(torch.int32)
         ar = torch.arange(x.shape[0], device=DEV, dtype=torch.int32)
         c = torch.empty(x.shape[0], H_KV, 1, D // 4, dtype=torch.uint8, device=DEV)
         s = torch.empty(x.shape[0], H_KV, 1, 1, dtype=torch.float16, device=DEV)
         z = torch.empty_like(s)
         try:
-            med, _, _ = bench(lambda: quantize_pack_into(x, idx, c, s, z, ar, ar * 0, D, clip_mode=clip_mode))
+            med, _, _ = bench(lambda: quantize_pack_into(x, ratio, c, s, z, ar, ar * 0, D, clip_mode=clip_mode))
             row[f"quant_page_clip_{clip_mode}_ms"] = med
         except Exception as e:
             row[f"quant_page_clip_{clip_mode}_error"] = f"{type(e).__name__}: {e}"

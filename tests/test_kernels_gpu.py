@@ -62,8 +62,7 @@ def test_quantize_bit_exact_on_gpu(t, d, group_size, clip_mode):
     scale = torch.empty(t, h, 1, d // g, dtype=torch.float16, device=DEV)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, device=DEV, dtype=torch.int32)
-    quantize_pack_into(xr, naive.clip_index(ratio, d).to(torch.int32), codes, scale, zero, idx, idx * 0, g,
-                       clip_mode=clip_mode)
+    quantize_pack_into(xr, ratio, codes, scale, zero, idx, idx * 0, g, clip_mode=clip_mode)
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
     got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, group_size)

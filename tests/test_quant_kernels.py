@@ -88,14 +88,13 @@ def test_in_kernel_sort_matches_torch_threshold():
 
     x = _data(3, 2, 64, seed=2)
     ratio = torch.tensor([0.8, 0.96])
-    idx = naive.clip_index(ratio, 64).to(torch.int32)
     outs = []
     for mode in ("kernel", "torch"):
         codes = torch.zeros(3, 2, 1, 16, dtype=torch.uint8)
         scale = torch.zeros(3, 2, 1, 1, dtype=torch.float16)
         zero = torch.zeros_like(scale)
         rows = torch.arange(3)
-        quantize_pack_into(x, idx, codes, scale, zero, rows, rows * 0, 64, clip_mode=mode)
+        quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, 64, clip_mode=mode)
         outs.append((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]))
     want = naive.quantize_pack(x, None, ratio)
     for got in outs:
@@ -105,8 +104,8 @@ def test_in_kernel_sort_matches_torch_threshold():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_kernel_clip_index_from_the_ratio_matches_the_reference(dtype):
-    """With the clip ratio passed (the CUDA default of `write_pages`), the kernel derives the order-statistic index
-    itself: same bytes as the reference for ratios whose `ratio * d` lands exactly on an integer (0.5 * 64, 1.0,
+    """In the kernel's clip mode (the CUDA default of `write_pages`) the kernel derives the order-statistic index
+    from the ratio itself: same bytes as the reference for ratios whose `ratio * d` lands exactly on an integer (0.5 * 64, 1.0,
     clamped to d - 1), just below one, and in between; bf16 rows are read as they are (widened in the kernel)."""
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
@@ -116,7 +115,7 @@ def test_in_kernel_clip_index_from_the_ratio_matches_the_reference(dtype):
     scale = torch.zeros(5, 4, 1, 1, dtype=torch.float16)
     zero = torch.zeros_like(scale)
     rows = torch.arange(5)
-    quantize_pack_into(x, None, codes, scale, zero, rows, rows * 0, 64, clip_mode="kernel", clip_ratio=ratio)
+    quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, 64, clip_mode="kernel")
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), naive.quantize_pack(x, None, ratio)):
         assert torch.equal(a, b)
 

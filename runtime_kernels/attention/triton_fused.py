@@ -5,7 +5,7 @@ Grid `(B, H_kv, S_H + S_W)`. Program `(b, h, s)` with `s < S_H` runs chunk s of 
 each writes its partial (o, lse) to split s of the shared buffers. Then it counts itself in
 `counters[b * H_kv + h]` (atomic, acquire-release at GPU scope, after a barrier so that the whole program's stores
 are released), and the program that arrives last merges the `S_H + S_W` partials of the GROUP query heads
-(`merge._reduce_group`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
+(`merge._reduce_rows`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
 without a memset (also under CUDA graph replay).
 
 Why one launch: an eager call of the three-kernel path spends about 277 us of host time on three Triton launches
@@ -83,11 +83,11 @@ def _decode_fused_kernel(
     arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if arrived == n_all - 1:
         hq = h * GROUP
-        _merge._reduce_group(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
-                             lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
-                             o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
-                             lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
-                             n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
+        _merge._reduce_rows(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
+                            lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
+                            o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
+                            lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
+                            n_all, 0, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX, True)
         tl.store(cnt, 0)
 
 
@@ -129,8 +129,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device)
-    kc = k_codes.view(torch.int16)
-    vc = v_codes.view(torch.int16)
+    kc, vc = _int2.int16_views(k_codes, v_codes)
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
             o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
             *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
@@ -141,7 +140,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), num_warps=num_warps, num_stages=num_stages,
-              **({"maxnreg": _int2.IMPL5_MAXNREG} if _int2.IMPL5_MAXNREG and not INTERPRET else {}))
+              **_int2.maxnreg_option())
     grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)

@@ -188,6 +188,17 @@ def _load_tile(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, t0, end, h,
 
 
 @triton.jit
+def _softmax_finish(m_i, l_i):
+    """End of an online softmax over a chunk, log2-scaled running max m_i and sum l_i -> (1 / l, natural-log lse).
+    An empty chunk (l = 0) gives 1 / l = 0 (so o = 0) and lse = -inf (the reduce gives it zero weight). Shared by
+    every decode kernel."""
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return inv, lse
+
+
+@triton.jit
 def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
     """Tokens `[start, end)` of split sp of n_split of sequence b (length at `len_ptr + b`): tile-aligned chunks, so
     tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel."""
@@ -398,10 +409,7 @@ def _int2_decode_kernel(
             acc3 += _dot(pc, v3.to(cdt), FP32, INTERP)
         m_i = m_new
 
-    # Empty chunk: l = 0 -> o = 0, lse = -inf (the reduce gives it zero weight).
-    has = l_i > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv, lse = _softmax_finish(m_i, l_i)
     o_row = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh
              + (split_offset + sp) * stride_os + offs_j[None, :])
     tl.store(o_row, (acc0 - acc_z[:, None]) * inv[:, None], mask=qm)
@@ -841,9 +849,7 @@ def _int2_chunk_t(
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                 GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, True)
 
-    has = l_i > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv, lse = _softmax_finish(m_i, l_i)
     inv2 = tl.reshape(tl.join(inv, inv), [NQ])
     z2 = tl.reshape(tl.join(acc_z, acc_z), [NQ])
     o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + c_head)[None, :] * stride_oh
@@ -983,20 +989,29 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
                 FULL_TILES=bool(full_tiles) and page_vec)
 
 
+def int16_views(k_codes, v_codes) -> tuple:
+    """The code pools as `_int2_chunk_t` reads them: int16 words (8 codes each), strides in int16 units."""
+    import torch
+
+    return k_codes.view(torch.int16), v_codes.view(torch.int16)
+
+
+def maxnreg_option() -> dict:
+    """Launch option of the kernels that run `_int2_chunk_t`: the register cap IMPL5_MAXNREG, if set."""
+    return {"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}
+
+
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                   sm_scale: float, num_splits: int, split_offset: int, block_n: int, num_warps: int,
                   num_stages: int, subnormal: bool = False, warmup: bool = False, full_tiles: bool = False):
     """Launch `_int2_decode_kernel_t` (impl 5, or impl 6 with `subnormal`) on int16 views of the code pools
     (`warmup`: compile only, return the compiled kernel without running it)."""
-    import torch
-
-    kc = k_codes.view(torch.int16)
-    vc = v_codes.view(torch.int16)
+    kc, vc = int16_views(k_codes, v_codes)
     grid = (q.shape[0], k_codes.shape[1], num_splits)
     args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                         sm_scale, split_offset)
     kw = dict(**chunk_constexprs(q, k_codes, block_n, subnormal, full_tiles), num_warps=num_warps,
-              num_stages=num_stages, **({"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}))
+              num_stages=num_stages, **maxnreg_option())
     if warmup:
         return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
     return _int2_decode_kernel_t[grid](*args, **kw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot
+from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot, _softmax_finish
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -64,9 +64,7 @@ def _window_decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32, INTERP)
         m_i = m_new
 
-    has = l_i > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv, lse = _softmax_finish(m_i, l_i)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh
              + (split_offset + sp) * stride_os + offs_d[None, :], acc * inv[:, None], mask=qm)
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
@@ -147,9 +145,7 @@ def _window_chunk_t(
         acc = acc * alpha[None, :] + _dot(v_t, p.to(kdt), False, INTERP)
         m_i = m_new
 
-    has = l_i > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv, lse = _softmax_finish(m_i, l_i)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_c)[None, :] * stride_oh
              + (split_offset + sp) * stride_os + offs_d[:, None], acc * inv[None, :],
              mask=d_ok[:, None] & c_ok[None, :])

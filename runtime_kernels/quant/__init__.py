@@ -50,8 +50,7 @@ def _rotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
 
 
 def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
-    """The clip ratio per head as the kernel reads it (fp32, contiguous; the kernel derives the order-statistic
-    index `naive.clip_index` from it, so no small torch ops run per call when it is already so)."""
+    """The clip ratio per head as the kernel reads it: fp32, contiguous (no copy when it already is)."""
     if clip_ratio is None:
         return None
     r = clip_ratio.detach()
@@ -81,7 +80,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     idx = torch.arange(t, dtype=torch.int32, device=x.device)
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(xr, None, codes, scale, zero, idx, torch.zeros_like(idx), g, clip_ratio=_ratio(clip_ratio))
+    quantize_pack_into(xr, _ratio(clip_ratio), codes, scale, zero, idx, torch.zeros_like(idx), g)
     return codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]
 
 
@@ -120,5 +119,5 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
         return
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(_rotated(x, rotation), None, codes_pool, scale_pool, zero_pool, page_ids.contiguous(),
-                       rows.contiguous(), g, clip_ratio=_ratio(clip_ratio))
+    quantize_pack_into(_rotated(x, rotation), _ratio(clip_ratio), codes_pool, scale_pool, zero_pool,
+                       page_ids.contiguous(), rows.contiguous(), g)

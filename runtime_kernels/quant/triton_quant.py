@@ -66,11 +66,10 @@ def _quantize_pack_kernel(
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
-    RATIO: tl.constexpr = False,
 ):
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
-    # RATIO (with CLIP 1): clip_ptr holds the fp32 clip ratio per head and the order-statistic index is derived here,
-    # exactly as `naive.clip_index` does (float64 product, floor, at most D - 1): no small torch ops per call.
+    # clip_ptr: the fp32 clip ratio per head; CLIP 1 derives the order-statistic index from it exactly as
+    # `naive.clip_index` does (float64 product, floor, at most D - 1).
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * ROWS + tl.arange(0, ROWS)
@@ -88,10 +87,7 @@ def _quantize_pack_kernel(
 
     if CLIP == 1:
         # tau = c-th smallest |x| of the row (ascending order statistic); padding sorts last as +inf.
-        if RATIO:
-            c = tl.minimum(tl.floor(tl.load(clip_ptr + h).to(tl.float64) * D), D - 1).to(tl.int32)
-        else:
-            c = tl.load(clip_ptr + h)
+        c = tl.minimum(tl.floor(tl.load(clip_ptr + h).to(tl.float64) * D), D - 1).to(tl.int32)
         offs_d = tl.arange(0, D_PAD)
         xa = tl.abs(tl.load(x_row[:, None] + offs_d[None, :], mask=t_ok[:, None] & (offs_d < D)[None, :],
                             other=float("inf")).to(tl.float32))
@@ -178,17 +174,16 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
     return x_rot.abs().sort(dim=-1).values.gather(-1, idx)[..., 0].contiguous()
 
 
-def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor,
-                       zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor, group_size: int,
-                       rows_per_program: int | None = None, clip_mode: str | None = None,
-                       clip_ratio: torch.Tensor | None = None) -> None:
+def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, codes: torch.Tensor,
+                       scale: torch.Tensor, zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
+                       group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None) -> None:
     """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
 
     Args:
         x_rot: fp32, bf16 or fp16 `[T, H, d]`, already rotated, last dim contiguous.
-        clip_idx: int32 `[H]` order-statistic index per head (`naive.clip_index`), or None for no clipping.
-        clip_ratio: instead of clip_idx, the fp32 ratio per head `[H]`: the kernel derives the index itself
-            (one launch per call on CUDA instead of a handful of small torch ops).
+        clip_ratio: fp32 `[H]` contiguous clip ratio per head, or None for no clipping. The order-statistic index
+            (`naive.clip_index`) is derived from it in the kernel ("kernel" mode: no small torch ops per call) or
+            on the host ("torch" mode).
         codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: fp16 `[num_pages, H, P, d // group_size]`
             (any strides for the first three dims, last dim contiguous).
         page_ids, rows: int `[T]` destination of each token.
@@ -207,15 +202,11 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes
     if clip_mode not in ("kernel", "torch"):
         raise ValueError(f"clip_mode: expected 'kernel' or 'torch', got {clip_mode!r}")
     mode, tau = 0, x_rot  # tau is an unused pointer unless mode == 2
-    from_ratio = clip_idx is None and clip_ratio is not None and clip_mode == "kernel"
-    if clip_idx is None and clip_ratio is not None and not from_ratio:
-        clip_idx = naive.clip_index(clip_ratio.detach(), d).to(torch.int32)
-    if clip_idx is not None or from_ratio:
+    if clip_ratio is not None:
         mode = 1 if clip_mode == "kernel" else 2
         if mode == 2:
-            tau = _clip_threshold(x_rot.float(), clip_idx)
-    # unused pointer when not clipping
-    clip_arg = clip_ratio if from_ratio else clip_idx if clip_idx is not None else page_ids
+            tau = _clip_threshold(x_rot.float(), naive.clip_index(clip_ratio.detach(), d))
+    clip_arg = clip_ratio if clip_ratio is not None else page_ids  # an unused pointer when not clipping
     grid = (triton.cdiv(t, rows_pp), h)
     _quantize_pack_kernel[grid](
         x_rot, clip_arg, tau, codes, scale, zero, page_ids, rows,
@@ -224,6 +215,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_idx: torch.Tensor | None, codes
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=triton.next_power_of_2(d), Q_PAD=triton.next_power_of_2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda, RATIO=from_ratio,
+        CLIP=mode, RECIP=x_rot.is_cuda,
         num_warps=4,
     )
