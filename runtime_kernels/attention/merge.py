@@ -39,49 +39,78 @@ def reduce_splits_torch(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[t
 
 
 @triton.jit
-def _load_part(ptrs, mask, other, CG: tl.constexpr):
-    """Masked load of partials; CG: read past the SM's L1 (`.cg`), for partials written by other programs of the
-    same launch (L1 is not coherent across SMs)."""
-    if CG:
-        x = tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        x = tl.load(ptrs, mask=mask, other=other)
-    return x
+def _merge_stats(lse, AXIS: tl.constexpr):
+    """Max (0 where all partials are empty) and sum of the weights `exp(lse - max)` of partials' lse, along AXIS."""
+    m = tl.max(lse, axis=AXIS)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m_safe, tl.sum(tl.exp(lse - tl.expand_dims(m_safe, AXIS)), axis=AXIS)
 
 
 @triton.jit
-def _reduce_rows(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse_base, S, d0,
-                 GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_BLK: tl.constexpr,
-                 S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, CG: tl.constexpr):
-    """Merge the S partials of GROUP rows, channels `[d0, d0 + D_BLK)`: row g's partial s is o at `op_base +
-    g * stride_oh + s * stride_os + d` and lse at `lp_base + g * stride_lh + s` -> o at `o_base + g * D + d` and
-    lse at `lse_base + g` (written by the d0 == 0 program). Each round loads `[GP, S_BLOCK, D_BLK]` partials.
-    The split reduce kernel runs it per (row, channel block); the fused decode kernel's last program per KV head
-    runs it for the GROUP query heads at once with CG (partials of the same launch)."""
-    offs_g = tl.arange(0, GP)
-    g_ok = offs_g < GROUP
+def _merge_finish(m_safe, tot):
+    """-> (1 / total weight, merged lse); no partial at all (tot = 0) gives 0 and -inf (o = 0, lse = -inf)."""
+    has = tot > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, tot, 1.0), 0.0)
+    return inv, tl.where(has, m_safe + tl.log(tl.where(has, tot, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _load_l2(ptrs, mask, other):
+    """Masked load that reads past the SM's L1 (`.cg`): for partials written by other programs of the same launch
+    (L1 is not coherent across SMs)."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
+
+
+@triton.jit
+def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os, d0,
+                D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
+    """Merge the S partials of one (batch, query head) row, channels `[d0, d0 + D_BLK)`: o `op_row + s * stride_os
+    + d`, lse `lp_row + s` -> o_row `[D]` (those channels), lse_row (fp32, written by the d0 == 0 program)."""
     offs_d = d0 + tl.arange(0, D_BLK)
     d_ok = offs_d < D
     offs_s = tl.arange(0, S_MAX)
-    lse_all = _load_part(lp_base + offs_g[:, None] * stride_lh + offs_s[None, :],
-                         g_ok[:, None] & (offs_s < S)[None, :], float("-inf"), CG)  # [GP, S_MAX]
-    m = tl.max(lse_all, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tot = tl.sum(tl.exp(lse_all - m_safe[:, None]), axis=1)
-    acc = tl.zeros([GP, D_BLK], tl.float32)
+    m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
+    acc = tl.zeros([D_BLK], tl.float32)
+    for s0 in range(0, S, S_BLOCK):
+        offs = s0 + tl.arange(0, S_BLOCK)
+        s_ok = offs < S
+        w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
+        o = tl.load(op_row + offs[:, None] * stride_os + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    inv, lse = _merge_finish(m_safe, tot)
+    tl.store(o_row + offs_d, acc * inv, mask=d_ok)
+    if d0 == 0:
+        tl.store(lse_row, lse)
+
+
+@triton.jit
+def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse_base, S,
+                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                  S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
+    """`_reduce_row` for GROUP rows and all channels at once (query heads g = 0..GROUP-1 at `op_base + g * stride_oh`, lse at
+    `lp_base + g * stride_lh + s`; outputs contiguous from o_base / lse_base), reading through L2. Used by the last
+    program of a KV head in the fused decode kernel: one warp, so each round loads `[GP, S_BLOCK, D]` partials of
+    all heads together (a quarter of the dependent load rounds of four row-by-row merges)."""
+    offs_g = tl.arange(0, GP)
+    g_ok = offs_g < GROUP
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    offs_s = tl.arange(0, S_MAX)
+    m_safe, tot = _merge_stats(_load_l2(lp_base + offs_g[:, None] * stride_lh + offs_s[None, :],
+                                        g_ok[:, None] & (offs_s < S)[None, :], float("-inf")), 1)  # [GP]
+    acc = tl.zeros([GP, D_PAD], tl.float32)
     for s0 in range(0, S, S_BLOCK):
         offs = s0 + tl.arange(0, S_BLOCK)
         gs_ok = g_ok[:, None] & (offs < S)[None, :]
-        w = tl.exp(_load_part(lp_base + offs_g[:, None] * stride_lh + offs[None, :], gs_ok, float("-inf"), CG)
+        w = tl.exp(_load_l2(lp_base + offs_g[:, None] * stride_lh + offs[None, :], gs_ok, float("-inf"))
                    - m_safe[:, None])  # [GP, S_BLOCK]
-        o = _load_part(op_base + offs_g[:, None, None] * stride_oh + offs[None, :, None] * stride_os
-                       + offs_d[None, None, :], gs_ok[:, :, None] & d_ok[None, None, :], 0.0, CG)
+        o = _load_l2(op_base + offs_g[:, None, None] * stride_oh + offs[None, :, None] * stride_os
+                     + offs_d[None, None, :], gs_ok[:, :, None] & d_ok[None, None, :], 0.0)
         acc += tl.sum(w[:, :, None] * o, axis=1)
-    inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
+    inv, lse = _merge_finish(m_safe, tot)
     tl.store(o_base + offs_g[:, None] * D + offs_d[None, :], acc * inv[:, None], mask=g_ok[:, None] & d_ok[None, :])
-    if d0 == 0:
-        tl.store(lse_base + offs_g,
-                 tl.where(tot > 0.0, m_safe + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")), mask=g_ok)
+    tl.store(lse_base + offs_g, lse, mask=g_ok)
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -92,8 +121,8 @@ def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
     # 64 partials per round: at 128K / batch 1 (32 rows of 203 splits) the reduce went from 0.0150 to 0.0049 ms
     # (bench/results/graph_parts_v8_NVIDIA_H200.txt).
     row = tl.program_id(0).to(tl.int64)
-    _reduce_rows(op_ptr + row * S * D, S * D, D, lp_ptr + row * S, S, o_ptr + row * D, lse_ptr + row, S,
-                 tl.program_id(1) * D_BLK, 1, 1, D, D_BLK, S_BLOCK, S_MAX, False)
+    _reduce_row(op_ptr + row * S * D, lp_ptr + row * S, o_ptr + row * D, lse_ptr + row, S, D,
+                tl.program_id(1) * D_BLK, D, D_BLK, S_BLOCK, S_MAX)
 
 
 def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ Grid `(B, H_kv, S_H + S_W)`. Program `(b, h, s)` with `s < S_H` runs chunk s of 
 each writes its partial (o, lse) to split s of the shared buffers. Then it counts itself in
 `counters[b * H_kv + h]` (atomic, acquire-release at GPU scope, after a barrier so that the whole program's stores
 are released), and the program that arrives last merges the `S_H + S_W` partials of the GROUP query heads
-(`merge._reduce_rows`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
+(`merge._reduce_group`, reading through L2) and resets the counter to 0, so the buffer is ready for the next call
 without a memset (also under CUDA graph replay).
 
 Why one launch: an eager call of the three-kernel path spends about 277 us of host time on three Triton launches
@@ -83,11 +83,11 @@ def _decode_fused_kernel(
     arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if arrived == n_all - 1:
         hq = h * GROUP
-        _merge._reduce_rows(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
-                            lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
-                            o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
-                            lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
-                            n_all, 0, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX, True)
+        _merge._reduce_group(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
+                             lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
+                             o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
+                             lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
+                             n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
         tl.store(cnt, 0)
 
 
