@@ -38,7 +38,11 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
                      TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
-                     stride_ksr=1, stride_vsr=1)  # a launch specializes integer arguments equal to 1
+                     # The pool strides are constexprs of this kernel: contiguous pools of 8 KV heads, 64-row pages,
+                     # 16 int16 words per code row (Qwen3-8B geometry), scales one fp16 per row.
+                     stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16, stride_ksp=8 * 64, stride_ksh=64,
+                     stride_ksr=1, stride_vcp=8 * 64 * 16, stride_vch=64 * 16, stride_vcr=16, stride_vsp=8 * 64,
+                     stride_vsh=64, stride_vsr=1)
         ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16")
     else:
         fn = mod._int2_decode_kernel

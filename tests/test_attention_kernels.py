@@ -615,9 +615,18 @@ def test_occupancy_is_compiled_once_per_kernel_configuration(monkeypatch):
 
     pool = make_pool([300, 64], h_kv=2, d=64, page=64)
     q = make_q(2, 8, 64, torch.bfloat16)
-    masked = triton_int2.chunk_key(q, pool[0], pool[6], pool[7], 64, 1, 3, 6, False)
-    whole = triton_int2.chunk_key(q, pool[0], pool[6], pool[7], 64, 1, 3, 6, True)
+    kc, ks, kz, vc, vs, vz, table, lens = pool
+    masked = triton_int2.chunk_key(q, kc, ks, vc, vs, table, lens, 64, 1, 3, 6, False)
+    whole = triton_int2.chunk_key(q, kc, ks, vc, vs, table, lens, 64, 1, 3, 6, True)
     assert masked != whole
+    # The pool strides are compile-time constants: pools of another layout (here 2 more pages' worth of slack per
+    # KV head, as a strided view) compile their own kernel; pools that differ only in page count do not.
+    wide = torch.zeros(kc.shape[0], kc.shape[1], kc.shape[2] + 2, kc.shape[3], dtype=kc.dtype)[:, :, :kc.shape[2]]
+    assert triton_int2.chunk_key(q, wide, ks, vc, vs, table, lens, 64, 1, 3, 6, False) != masked
+    more_pages = torch.zeros(kc.shape[0] + 5, *kc.shape[1:], dtype=kc.dtype)
+    more_scales = torch.zeros(ks.shape[0] + 5, *ks.shape[1:], dtype=ks.dtype)
+    assert triton_int2.chunk_key(q, more_pages, more_scales, torch.zeros_like(more_pages), more_scales, table, lens,
+                                 64, 1, 3, 6, False) == masked
     assert triton_int2.cached_slots(masked, compile_only(12), 1, q.device) == 12
     assert triton_int2.cached_slots(masked, compile_only(99), 1, q.device) == 12  # cached, not compiled again
     assert triton_int2.cached_slots(whole, compile_only(13), 1, q.device) == 13

@@ -39,10 +39,12 @@ def _decode_fused_kernel(
     op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr,
     qk_scale, s_hist,
     stride_qb, stride_qh,
-    stride_kcp, stride_kch, stride_kcr,
-    stride_ksp, stride_ksh, stride_ksr,
-    stride_vcp, stride_vch, stride_vcr,
-    stride_vsp, stride_vsh, stride_vsr,
+    # Pool strides are compile-time constants: the cache's pools are contiguous, so they follow from the geometry
+    # (one compile per model); see `triton_int2._int2_decode_kernel_t`.
+    stride_kcp: tl.constexpr, stride_kch: tl.constexpr, stride_kcr: tl.constexpr,
+    stride_ksp: tl.constexpr, stride_ksh: tl.constexpr, stride_ksr: tl.constexpr,
+    stride_vcp: tl.constexpr, stride_vch: tl.constexpr, stride_vcr: tl.constexpr,
+    stride_vsp: tl.constexpr, stride_vsh: tl.constexpr, stride_vsr: tl.constexpr,
     stride_btb,
     stride_wks, stride_wkh, stride_wkr,
     stride_wvs, stride_wvh, stride_wvr,
@@ -164,6 +166,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                                    k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
                                    num_stages, impl, whole_pages, warmup=True)
 
-    key = (("fused",) + _int2.chunk_key(q, k_codes, block_table, hist_len, block_n, num_warps, num_stages, impl,
-                                         whole_pages) + (k_win.dtype, slot_ids.dtype, win_len.dtype))
+    key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
+                                         num_warps, num_stages, impl, whole_pages)
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

@@ -677,10 +677,13 @@ def _int2_decode_kernel_t(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     qk_scale, split_offset,
     stride_qb, stride_qh,
-    stride_kcp, stride_kch, stride_kcr,
-    stride_ksp, stride_ksh, stride_ksr,
-    stride_vcp, stride_vch, stride_vcr,
-    stride_vsp, stride_vsh, stride_vsr,
+    # Pool strides are compile-time constants: the cache's pools are contiguous, so they follow from the geometry
+    # (one compile per model). The per-lane copy offsets then fold into immediates: 28 fewer instructions per tile
+    # and no 64-bit offset registers live across the loop, which lets a 128-register cap hold without spills.
+    stride_kcp: tl.constexpr, stride_kch: tl.constexpr, stride_kcr: tl.constexpr,
+    stride_ksp: tl.constexpr, stride_ksh: tl.constexpr, stride_ksr: tl.constexpr,
+    stride_vcp: tl.constexpr, stride_vch: tl.constexpr, stride_vcr: tl.constexpr,
+    stride_vsp: tl.constexpr, stride_vsh: tl.constexpr, stride_vsr: tl.constexpr,
     stride_btb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
@@ -1066,17 +1069,21 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                                 o_part, lse_part, 1.0, 3, 0, block_n, num_warps, num_stages, subnormal=impl == 6,
                                 warmup=True, full_tiles=whole_pages)
 
-    return cached_slots(("int2",) + chunk_key(q, k_codes, block_table, hist_len, block_n, num_warps, num_stages, impl,
-                                              whole_pages), compile_only, num_warps, q.device)
+    return cached_slots(("int2",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
+                                              num_warps, num_stages, impl, whole_pages),
+                        compile_only, num_warps, q.device)
 
 
-def chunk_key(q, k_codes, block_table, hist_len, block_n: int, num_warps: int, num_stages: int, impl: int,
-              whole_pages: bool) -> tuple:
-    """Everything that selects a different compiled `_int2_chunk_t`: constexprs, dtypes, and Triton's
-    specialisation of the block-table stride (the split buffers' strides barely move registers)."""
+def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n: int, num_warps: int,
+              num_stages: int, impl: int, whole_pages: bool) -> tuple:
+    """Everything that selects a different compiled `_int2_chunk_t`: constexprs (the pool strides among them),
+    dtypes, and Triton's specialisation of the block-table stride (the split buffers' strides barely move
+    registers)."""
+    kc, vc = int16_views(k_codes, v_codes)
     return (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
             num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(whole_pages), block_table.dtype,
-            hist_len.dtype, block_table.stride(0) % 16 == 0)
+            hist_len.dtype, block_table.stride(0) % 16 == 0,
+            pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14])
 
 
 def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
