@@ -1,5 +1,5 @@
 """Where the time of one decode attention call goes under CUDA graphs: the INT2 kernel alone, the window kernel
-alone, the split reduce alone, the whole three-launch call and the fused call, each as its own graph of 48+ calls
+alone, the split reduce alone, the whole three-launch call, the two-launch call (`DECODE_SHARED_GRID`) and the fused call, each as its own graph of 48+ calls
 over distinct per-layer caches (as in `bench_decode_graph.py`), for several INT2 kernel variants, repeated in
 interleaved rounds so that run-to-run drift shows. Run on the GPU machine:
 
@@ -27,7 +27,7 @@ from bench_decode_graph import MIN_CALLS, int2_layers, layers_for, repeat_to, ti
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import merge, triton_int2, triton_window  # noqa: E402
 
-PARTS = ("int2", "window", "reduce", "call", "fused")
+PARTS = ("int2", "window", "reduce", "call", "shared", "fused")
 
 
 def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_len, k_win, v_win, slots, win_len,
@@ -55,10 +55,13 @@ def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_
     out = {"splits": (s_h, s_w)}
     for name, fn in (("int2", int2), ("window", window), ("reduce", reduce)):
         out[name] = time_graph(repeat_to([lambda i=i, fn=fn: fn(i) for i in range(layers)], MIN_CALLS))
-    for name, fused in (("call", False), ("fused", True)):
+    shared_default = A.DECODE_SHARED_GRID
+    for name, fused, shared in (("call", False, False), ("shared", False, True), ("fused", True, False)):
+        A.DECODE_SHARED_GRID = shared  # "call": three launches, "shared": two (history + window grid, reduce)
         out[name] = time_graph(repeat_to([lambda i=i, fused=fused: A.decode_attention(
             q, *pools, tables[i], hist_len, k_win, v_win, slots[i], win_len, impl=impl, whole_pages=True,
             fused=fused) for i in range(layers)], MIN_CALLS))
+    A.DECODE_SHARED_GRID = shared_default
     return out
 
 

@@ -98,3 +98,37 @@ def test_fused_decode_rejects_a_bad_counters_buffer():
         A.decode_attention(*args, backend="triton", counters=torch.zeros(1, dtype=torch.int32), fused=True)
     with pytest.raises(TypeError, match="counters"):
         A.decode_attention(*args, backend="triton", counters=torch.zeros(2, dtype=torch.int64), fused=True)
+
+
+@pytest.mark.parametrize("group,d,page", [(4, 128, 64), (1, 256, 32)])
+def test_shared_grid_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page):
+    """Two-launch mode (`DECODE_SHARED_GRID`): history and window programs in one grid (no in-kernel reduce, the
+    counters are never touched), then the split reduce. Same answer as the reference; the separate INT2 and window
+    launchers must not run."""
+    lens = [0, 130, 64, 7, 0]
+    h_kv = 2
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=page, seed=80 + group)
+    k_win, v_win = make_window(6, h_kv, 80, d, torch.bfloat16, seed=9)
+    slot_ids = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int32)
+    win_len = torch.tensor([80, 33, 0, 1, 0], dtype=torch.int32)
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
+    with pytest.MonkeyPatch.context() as m:
+        no_separate_launches(m)
+        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3)
+        o_auto, _ = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton")
+    assert rel_rmse(o, want_o) < 2e-2
+    assert rel_rmse(o_auto, want_o) < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+    assert (o[4] == 0).all()
+    # An explicit window split count selects the three-launch path (its window kernel), also in this mode.
+    launched = []
+    real = triton_window.launch_window_decode
+    monkeypatch.setattr(triton_window, "launch_window_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
+    o3, _ = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3,
+                               window_splits=2)
+    assert launched == [1]
+    assert rel_rmse(o, o3) < 1e-2

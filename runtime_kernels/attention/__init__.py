@@ -81,6 +81,10 @@ INT2_WAVES = 1
 # halves (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call), so eager callers such as the transformers
 # integration (`hf.OscarCache`) ask for it.
 DECODE_FUSED = False
+# The unfused Triton path: True = two launches (history and window programs in one grid, the window programs last so
+# that they run in the slots the INT2 wave leaves free, then the split reduce); False = three (INT2 kernel, window
+# kernel, reduce). Where the fused kernel does not apply (other impls, fp32 windows) it is always three.
+DECODE_SHARED_GRID = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -278,14 +282,27 @@ def _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int,
     return bool(fused) and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n)
 
 
+def _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None,
+                         window_splits: int | None) -> bool:
+    """The two-launch path (`DECODE_SHARED_GRID`): not fused, no explicit window split count, and the fused kernel's
+    history/window grid applies."""
+    from runtime_kernels.attention import triton_fused
+
+    return (DECODE_SHARED_GRID and not window_splits
+            and not _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused)
+            and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n))
+
+
 def _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                  slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages) -> tuple[int, int]:
-    """(history, window) splits of the fused launch: whole waves of its own compiled kernel."""
+                  slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages,
+                  merge: bool = True) -> tuple[int, int]:
+    """(history, window) splits of the fused kernel's grid (merge=False: the two-launch mode): whole waves of its
+    own compiled kernel."""
     from runtime_kernels.attention import triton_fused
 
     slots = triton_fused.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                                   hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps,
-                                                  num_stages, impl, whole_pages)
+                                                  num_stages, impl, whole_pages, merge)
     return _splits_for_slots(q, k_codes, block_table, block_n, slots), triton_fused.window_splits(k_win.shape[2])
 
 
@@ -300,6 +317,9 @@ def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
         return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
                              v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages)
+    if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, None):
+        return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
+                             v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages, merge=False)
     return (int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n,
                             num_warps, num_stages, impl, whole_pages),
             default_num_splits(q.shape[0], k_codes.shape[1], k_win.shape[2], q.device, block_n=block_n,
@@ -318,10 +338,11 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     Triton path: one launch (`triton_fused`: INT2 splits, window splits and the split reduce by the last program
     of each KV head) for the default kernel with half windows when `fused` (None: `DECODE_FUSED`, False) asks for
     it: fewer host microseconds for eager callers; otherwise three (INT2 kernel and window kernel into one split
-    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8. `counters`: int32
+    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8, or two with `DECODE_SHARED_GRID`
+    (history and window programs in one grid, then the reduce). `counters`: int32
     `[>= B * H_kv]`, zero, for the fused launch's arrival counts (it leaves them zero); None allocates a fresh one
     per call (one small memset). Calls that may run concurrently must not share one. `window_splits` applies to
-    the three-launch path.
+    the three-launch path (given, it also selects it).
 
     `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
     which lets the default INT2 kernel skip all masking (56 fewer instructions per 64-token tile).
@@ -367,6 +388,19 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         return triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
             win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
+    if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, window_splits):
+        from runtime_kernels.attention import triton_fused
+
+        if num_splits:
+            s_h, s_w = num_splits, triton_fused.window_splits(k_win.shape[2])
+        else:
+            s_h, s_w = _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                     k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
+                                     whole_pages, merge=False)
+        o_part, lse_part = triton_fused.launch_decode_fused(
+            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
+            win_len, None, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages, merge=False)
+        return _merge().reduce_splits_triton(o_part, lse_part)
     s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                         hist_len, block_n, num_warps, num_stages, impl, whole_pages)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,

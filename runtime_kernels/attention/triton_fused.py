@@ -54,7 +54,7 @@ def _decode_fused_kernel(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -78,19 +78,20 @@ def _decode_fused_kernel(
             b, h, sp - s_hist, n_all - s_hist,
             GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
 
-    # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
-    # (cumulativity), and its acquire half makes the other programs' partials visible to the last one.
-    tl.debug_barrier()
-    cnt = cnt_ptr + b * tl.num_programs(1) + h
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_all - 1:
-        hq = h * GROUP
-        _merge._reduce_group(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
-                             lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
-                             o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
-                             lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
-                             n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
-        tl.store(cnt, 0)
+    if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
+        # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
+        # (cumulativity), and its acquire half makes the other programs' partials visible to the last one.
+        tl.debug_barrier()
+        cnt = cnt_ptr + b * tl.num_programs(1) + h
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_all - 1:
+            hq = h * GROUP
+            _merge._reduce_group(op_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh, stride_oh, stride_os,
+                                 lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
+                                 o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
+                                 lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
+                                 n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
+            tl.store(cnt, 0)
 
 
 def _reduce_block(group: int, d: int, total: int) -> int:
@@ -117,10 +118,16 @@ def window_splits(win_capacity: int) -> int:
 def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                         k_win, v_win, slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int,
                         block_n: int = 64, num_warps: int = 1, num_stages: int = 3, impl: int = 6,
-                        whole_pages: bool = False, warmup: bool = False):
+                        whole_pages: bool = False, warmup: bool = False, merge: bool = True):
     """Run the fused decode kernel -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`); with `warmup`, compile only and
     return the compiled kernel. Shapes as in `attention.decode_attention` (inputs validated there); `fused_ok` must
-    hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero)."""
+    hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero); unused (may be
+    None) with merge=False.
+
+    merge=False: history and window splits only (no counters, no in-kernel reduce): returns the partials
+    (o_part `[B, H_q, s_hist + s_win, d]`, lse_part `[B, H_q, s_hist + s_win]`) for `merge.reduce_splits_triton`.
+    The window programs come last in the grid, so they run in the slots the INT2 wave leaves free instead of as a
+    launch of their own."""
     import torch
 
     b, h_q, d = q.shape
@@ -129,9 +136,11 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     total = s_hist + s_win
     o_part = torch.empty(b, h_q, total, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
-    o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device)
+    o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
+    lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device) if merge else lse_part
     kc, vc = _int2.int16_views(k_codes, v_codes)
+    if counters is None:  # merge=False never touches them
+        counters = hist_len
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
             o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
             *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
@@ -141,18 +150,18 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=triton.next_power_of_2(total), num_warps=num_warps, num_stages=num_stages,
+              S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), num_warps=num_warps, num_stages=num_stages,
               **_int2.maxnreg_option())
     grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
     _decode_fused_kernel[grid](*args, **kw)
-    return o, lse
+    return (o, lse) if merge else (o_part, lse_part)
 
 
 def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                              k_win, v_win, slot_ids, win_len, block_n: int, num_warps: int, num_stages: int,
-                             impl: int, whole_pages: bool) -> int | None:
+                             impl: int, whole_pages: bool, merge: bool = True) -> int | None:
     """Programs of the fused kernel that fit on one SM (its compiled registers and shared memory; compiled once per
     configuration, no launch). None under the interpreter."""
     if INTERPRET or q.device.type != "cuda":
@@ -164,9 +173,9 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
         counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
         return launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                    k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
-                                   num_stages, impl, whole_pages, warmup=True)
+                                   num_stages, impl, whole_pages, warmup=True, merge=merge)
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype))
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge)))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)
