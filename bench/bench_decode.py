@@ -65,18 +65,20 @@ def copy_bandwidth() -> dict:
     return {"bytes": 2 * n, "ms": med, "gbps": 2 * n / med / 1e6, "note": "read + write bytes of a 1 GiB copy"}
 
 
-def make_int2_cache(batch: int, context: int, gen: torch.Generator):
-    """Paged INT2 pools (random bytes, plausible fp16 scales) + BF16 windows for `batch` sequences of `context`."""
-    hist = context - WIN
-    pages_per_seq = -(-hist // PAGE)
+def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = PAGE):
+    """Paged INT2 pools (random bytes, plausible fp16 scales) + BF16 windows for `batch` sequences of `context`:
+    `context - WIN` history tokens rounded down to whole pages of `page` tokens (PagedKVCache only demotes whole
+    pages)."""
+    hist = (context - WIN) // page * page
+    pages_per_seq = -(-hist // page)
     n_pages = batch * pages_per_seq
     dev = DEV
-    kc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-    vc = torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-    ks = (torch.rand(n_pages, H_KV, PAGE, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
-    vs = (torch.rand(n_pages, H_KV, PAGE, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
-    kz = (torch.rand(n_pages, H_KV, PAGE, 1, device=dev, generator=gen) * 3).half()
-    vz = (torch.rand(n_pages, H_KV, PAGE, 1, device=dev, generator=gen) * 3).half()
+    kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+    vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+    ks = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
+    vs = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
+    kz = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 3).half()
+    vz = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 3).half()
     # Pages of a sequence scattered over the pool, as a paged allocator would leave them.
     table = torch.randperm(n_pages, device=dev, generator=gen).reshape(batch, pages_per_seq).to(torch.int32)
     hist_len = torch.full((batch,), hist, dtype=torch.int32, device=dev)

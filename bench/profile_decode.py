@@ -37,11 +37,12 @@ def main() -> None:
     ap.add_argument("--block-n", default="64", help="tile sizes, comma-separated")
     ap.add_argument("--whole", default="0", help="whole_pages promise (0 masked, 1 unmasked loop), comma-separated")
     ap.add_argument("--time", action="store_true", help="also time each launch with do_bench")
+    ap.add_argument("--page", type=int, default=PAGE, help="page size of the pools (tokens)")
     args = ap.parse_args()
     triton_int2.strict_impl(True)
     context, batch = (int(x) for x in args.point.lower().split("x"))
     gen = torch.Generator(device="cuda").manual_seed(1)
-    pools, table, hist_len, *_ = make_int2_cache(batch, context, gen)
+    pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, args.page)
     q = torch.randn(batch, H_Q, D, device="cuda", generator=gen).to(torch.bfloat16)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     for impl, pps, stages, maxnreg, block_n, whole in itertools.product(
@@ -49,7 +50,7 @@ def main() -> None:
             ints(args.whole)):
         triton_int2.IMPL5_MAXNREG = maxnreg or None
         if pps:
-            splits = A.default_num_splits(batch, H_KV, table.shape[1] * PAGE, q.device, programs_per_sm=pps,
+            splits = A.default_num_splits(batch, H_KV, table.shape[1] * args.page, q.device, programs_per_sm=pps,
                                           block_n=block_n)
         else:  # the library rule: whole waves of resident programs
             splits = A.int2_num_splits(q, *pools, table, hist_len, block_n, 1, stages, impl, bool(whole))
