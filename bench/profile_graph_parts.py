@@ -27,7 +27,7 @@ from bench_decode_graph import MIN_CALLS, int2_layers, layers_for, repeat_to, ti
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import merge, triton_int2, triton_window  # noqa: E402
 
-PARTS = ("int2", "window", "reduce", "call", "shared", "streamk", "fused")
+PARTS = ("int2", "window", "reduce", "call", "shared", "fused")
 
 
 def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_len, k_win, v_win, slots, win_len,
@@ -55,21 +55,19 @@ def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_
     out = {"splits": (s_h, s_w)}
     for name, fn in (("int2", int2), ("window", window), ("reduce", reduce)):
         out[name] = time_graph(repeat_to([lambda i=i, fn=fn: fn(i) for i in range(layers)], MIN_CALLS))
-    defaults = A.DECODE_SHARED_GRID, A.DECODE_STREAMK
-    for name, fused, shared, streamk in (("call", False, False, False), ("shared", False, True, False),
-                                         ("streamk", False, False, True), ("fused", True, False, False)):
-        # "call": three launches; "shared": two (history + window grid, reduce); "streamk": two, stream-K
-        A.DECODE_SHARED_GRID, A.DECODE_STREAMK = shared, streamk
+    shared_default = A.DECODE_SHARED_GRID
+    for name, fused, shared in (("call", False, False), ("shared", False, True), ("fused", True, False)):
+        A.DECODE_SHARED_GRID = shared  # "call": three launches, "shared": two (history + window grid, reduce)
         out[name] = time_graph(repeat_to([lambda i=i, fused=fused: A.decode_attention(
             q, *pools, tables[i], hist_len, k_win, v_win, slots[i], win_len, impl=impl, whole_pages=True,
             fused=fused) for i in range(layers)], MIN_CALLS))
-    A.DECODE_SHARED_GRID, A.DECODE_STREAMK = defaults
+    A.DECODE_SHARED_GRID = shared_default
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impls", default="6")
+    ap.add_argument("--impls", default="6,8")
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()

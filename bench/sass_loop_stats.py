@@ -68,40 +68,6 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
                                    **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def compile_streamk(warps: int, block_n: int, stages: int, qdtype: str, maxnreg: int | None = None,
-                    full_tiles: bool = True):
-    """The stream-K decode kernel (`triton_streamk`), impl 6, at the same geometry (batch up to 8)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(HERE, ".."))
-    from runtime_kernels.attention import triton_streamk as mod
-
-    fn = mod._decode_streamk_kernel
-    const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=False,
-                 TILE_ACC=True, SUBN=True, PAGE_VEC=True, NPV=64, FULL_TILES=full_tiles, H=8, B_PAD=8, NC=8, D=128,
-                 D_PAD=128, BLOCK_W=16, stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16,
-                 stride_ksp=8 * 64, stride_ksh=64, stride_ksr=1, stride_vcp=8 * 64 * 16, stride_vch=64 * 16,
-                 stride_vcr=16, stride_vsp=8 * 64, stride_vsh=64, stride_vsr=1, stride_wkr=128, stride_wvr=128)
-    ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16", kw_ptr=f"*{qdtype}", vw_ptr=f"*{qdtype}", slot_ptr="*i32",
-               wlen_ptr="*i32", po_ptr="*fp32", pl_ptr="*fp32", wo_ptr="*fp32", wl_ptr="*fp32")
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ptr:
-            sig[n] = ptr[n] or f"*{qdtype}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride") and n not in ("stride_wlh",):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages,
-                                   **({"maxnreg": maxnreg} if maxnreg else {})})
-
-
 def loop_stats(kernel) -> dict:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -143,15 +109,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="most frequent opcodes to print")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas spills above it)")
     ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
-    ap.add_argument("--streamk", action="store_true", help="with --impl 0: the stream-K decode kernel (impl 6 inside)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
-        if impl == 0 and args.streamk:
-            st = loop_stats(compile_streamk(warps, bn, args.stages, args.dtype, args.maxnreg, args.full_tiles))
-            print(f"stream-K kernel: {st['loop']} instr/thread/tile, regs {st['regs']}, stack {st['stack']} | "
-                  + ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top)))
-            continue
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
                                          args.maxnreg, args.full_tiles))
         per64 = st["loop"] * warps * 64 / bn

@@ -133,14 +133,10 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch):
     o_ref, lse_ref = A.decode_attention(*args, backend="torch")
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
     o2, lse2 = A.decode_attention(*args, whole_pages=True)
-    o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True)  # same kernel code, in-kernel reduce
     assert rel_rmse(o2, o_ref) < 2e-2
-    assert rel_rmse(o2, o1) < 1e-5
-    # The three-launch window kernel rounds its bf16 probabilities differently (1.4e-3 here on 0-320-token windows).
-    assert rel_rmse(o2, o3) < 5e-3
+    assert rel_rmse(o2, o3) < 1e-3
     fin = torch.isfinite(lse3)
-    assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse3[fin], atol=1e-3)
-    assert torch.allclose(lse2[fin], lse1[fin], atol=1e-5)
+    assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse3[fin], atol=1e-4)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -150,44 +146,6 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(o, o2)
-
-
-@pytest.mark.parametrize("lens", [
-    [64 * 2048] * 8,                                    # 128K / batch 8: every program inside one or two segments
-    [64 * (37 + 11 * i) for i in range(8)] + [0, 64],   # mixed lengths, an empty sequence
-    [64] * 40 + [64 * 500],                             # one long sequence among many one-page ones
-])
-def test_streamk_decode_on_gpu_under_graph_replay(monkeypatch, lens):
-    """The stream-K launch (`DECODE_STREAMK`) at Qwen3-8B geometry with its default program count (whole waves of
-    resident programs), against the fused launch (same tile loop, fixed splits), the torch reference, and itself
-    replayed from a CUDA graph."""
-    n = len(lens)
-    pool = make_pool(lens, 8, 128, seed=13)
-    gen = torch.Generator(device=DEV).manual_seed(6)
-    k_win = torch.randn(n, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    v_win = torch.randn(n, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    slot_ids = torch.randperm(n, generator=gen, device=DEV).to(torch.int32)
-    win_len = torch.randint(0, 321, (n,), generator=gen, device=DEV).to(torch.int32)
-    q = torch.randn(n, 32, 128, device=DEV, dtype=torch.bfloat16)
-    args = (q, *pool, k_win, v_win, slot_ids, win_len)
-    o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True)
-    o_ref, _ = A.decode_attention(*args, backend="torch") if n <= 10 else (None, None)
-    monkeypatch.setattr(A, "DECODE_STREAMK", True)
-    o, lse = A.decode_attention(*args, whole_pages=True)
-    assert rel_rmse(o, o1) < 1e-3  # other split points: p rounded to fp16 against other running maxima
-    fin = torch.isfinite(lse1)
-    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse1[fin], atol=1e-4)
-    if o_ref is not None:
-        assert rel_rmse(o, o_ref) < 2e-2
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        og, _ = A.decode_attention(*args, whole_pages=True, validate=False)
-    for _ in range(3):
-        og.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(og, o)
 
 
 def test_fused_decode_under_graph_replay_on_gpu():

@@ -85,10 +85,6 @@ DECODE_FUSED = False
 # that they run in the slots the INT2 wave leaves free, then the split reduce); False = three (INT2 kernel, window
 # kernel, reduce). Where the fused kernel does not apply (other impls, fp32 windows) it is always three.
 DECODE_SHARED_GRID = False
-# The unfused Triton path, before DECODE_SHARED_GRID: stream-K (`triton_streamk`): every history program gets the same
-# number of tiles (whole waves of resident programs over all segments), window programs in the same grid, then one
-# reduce. Where the fused kernel does not apply it is the three launches.
-DECODE_STREAMK = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -297,33 +293,6 @@ def _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n
             and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n))
 
 
-def _streamk_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None,
-                     window_splits: int | None) -> bool:
-    """The stream-K path (`DECODE_STREAMK`): not fused, no explicit window split count, fused kernel shapes."""
-    from runtime_kernels.attention import triton_fused
-
-    return (DECODE_STREAMK and not window_splits
-            and not _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused)
-            and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n))
-
-
-def streamk_programs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                     slot_ids, win_len, block_n: int = BLOCK_N, num_warps: int = INT2_NUM_WARPS, num_stages: int = 3,
-                     impl: int | None = None, whole_pages: bool = False) -> int:
-    """History programs of the stream-K launch: INT2_WAVES whole waves of its compiled kernel's resident programs
-    (the fixed INT2_PROGRAMS_PER_SM rule under the interpreter), but never more than one per MIN_SPLIT_TOKENS of the
-    block tables' capacity (so short contexts are not cut into slivers). From shapes only, no GPU sync."""
-    from runtime_kernels.attention import triton_streamk
-
-    impl = INT2_IMPL if impl is None else impl
-    slots = triton_streamk.resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                                    hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps,
-                                                    num_stages, impl, whole_pages)
-    per_sm = INT2_WAVES * slots if slots is not None else INT2_PROGRAMS_PER_SM
-    capacity = q.shape[0] * k_codes.shape[1] * block_table.shape[1] * k_codes.shape[2]
-    return max(1, min(int(per_sm * _sm_count(q.device)), -(-capacity // max(MIN_SPLIT_TOKENS, block_n))))
-
-
 def _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
                   slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages,
                   merge: bool = True) -> tuple[int, int]:
@@ -348,12 +317,6 @@ def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
         return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
                              v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages)
-    if _streamk_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, None):
-        from runtime_kernels.attention import triton_fused
-
-        return (streamk_programs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                                 v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages),
-                triton_fused.window_splits(k_win.shape[2]))
     if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, None):
         return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
                              v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages, merge=False)
@@ -375,10 +338,8 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     Triton path: one launch (`triton_fused`: INT2 splits, window splits and the split reduce by the last program
     of each KV head) for the default kernel with half windows when `fused` (None: `DECODE_FUSED`, False) asks for
     it: fewer host microseconds for eager callers; otherwise three (INT2 kernel and window kernel into one split
-    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8, or two with `DECODE_STREAMK`
-    (`triton_streamk`: equal runs of history tiles per program and the window programs in one grid, then the
-    reduce; `num_splits` is then the number of history programs) or `DECODE_SHARED_GRID` (the fused kernel's
-    history and window grid with fixed splits, then the reduce). `counters`: int32
+    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8, or two with `DECODE_SHARED_GRID`
+    (history and window programs in one grid, then the reduce). `counters`: int32
     `[>= B * H_kv]`, zero, for the fused launch's arrival counts (it leaves them zero); None allocates a fresh one
     per call (one small memset). Calls that may run concurrently must not share one. `window_splits` applies to
     the three-launch path (given, it also selects it).
@@ -427,15 +388,6 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         return triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
             win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
-    if _streamk_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, window_splits):
-        from runtime_kernels.attention import triton_streamk
-
-        n_prog = num_splits or streamk_programs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                                hist_len, k_win, v_win, slot_ids, win_len, block_n, num_warps,
-                                                num_stages, impl, whole_pages)
-        return triton_streamk.launch_decode_streamk(
-            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
-            win_len, scale, n_prog, None, block_n, num_warps, num_stages, impl, whole_pages)
     if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, window_splits):
         from runtime_kernels.attention import triton_fused
 

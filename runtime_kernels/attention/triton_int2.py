@@ -724,39 +724,9 @@ def _int2_chunk_t(
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
-    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
-    o_base = o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP) * stride_oh + (split_offset + sp) * stride_os
-    lse_base = lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP) * stride_lh + split_offset + sp
-    _int2_range_t(
-        q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, o_base, lse_base, qk_scale,
-        stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb, stride_oh, stride_lh,
-        b, h, start, end,
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
-
-
-@triton.jit
-def _int2_range_t(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, o_base, lse_base,
-    qk_scale,
-    stride_qb, stride_qh,
-    stride_kcp, stride_kch, stride_kcr,
-    stride_ksp, stride_ksh, stride_ksr,
-    stride_vcp, stride_vch, stride_vcr,
-    stride_vsp, stride_vsh, stride_vsr,
-    stride_btb,
-    stride_oh, stride_lh,
-    b, h, start, end,
-    GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-    P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
-    TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr,
-):
-    """History tokens `[start, end)` of sequence b (start a multiple of BLOCK_N), KV head h -> the partial output of
-    its GROUP query heads at `o_base + g * stride_oh + channel` and their log-sum-exp at `lse_base + g * stride_lh`.
-    The body of every tokens-on-rows INT2 program (`_int2_chunk_t`, the stream-K kernel)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)
@@ -885,7 +855,8 @@ def _int2_range_t(
     inv, lse = _softmax_finish(m_i, l_i)
     inv2 = tl.reshape(tl.join(inv, inv), [NQ])
     z2 = tl.reshape(tl.join(acc_z, acc_z), [NQ])
-    o_cols = o_base + c_head[None, :] * stride_oh
+    o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + c_head)[None, :] * stride_oh
+              + (split_offset + sp) * stride_os)
     omask = u_ok[:, None] & (c_ok & (c_half == 0))[None, :]
     US: tl.constexpr = 16777216.0 if SUBN else 1.0  # SUBN: the V operands carried a factor 2^-24
     _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, US * 1.0)
@@ -897,7 +868,8 @@ def _int2_range_t(
     _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, US * 0.015625)
     _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, US * 0.00390625)
     offs_g = tl.arange(0, GP)
-    tl.store(lse_base + offs_g * stride_lh, lse, mask=offs_g < GROUP)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
+             lse, mask=offs_g < GROUP)
 
 
 # Fold the bf16 +128 code offset of the K side into the zero term (False: subtract it exactly, ~3-7 % more
