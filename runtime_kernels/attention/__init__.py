@@ -83,8 +83,10 @@ INT2_WAVES = 1
 DECODE_FUSED = False
 # The unfused Triton path: True = two launches (history and window programs in one grid, the window programs last so
 # that they run in the slots the INT2 wave leaves free, then the split reduce); False = three (INT2 kernel, window
-# kernel, reduce). Where the fused kernel does not apply (other impls, fp32 windows) it is always three.
-DECODE_SHARED_GRID = False
+# kernel, reduce). Where the fused kernel does not apply (other impls, fp32 windows) it is always three. Under CUDA
+# graphs on an H200 two launches were faster than three at every point of the table (128K/B8 0.1891 vs 0.1915 ms,
+# 32K/B1 0.0169 vs 0.0199, 8K/B1 0.0110 vs 0.0144; bench/results/decode_graph_shared_grid_NVIDIA_H200.md).
+DECODE_SHARED_GRID = True
 _SM_COUNT: dict[int, int] = {}
 
 
