@@ -37,8 +37,7 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
     if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
-                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6 and block_n <= 64, NPV=64,
-                     FULL_TILES=full_tiles, PAIR=impl == 6 and block_n == 128,
+                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
                      # The pool strides are constexprs of this kernel: contiguous pools of 8 KV heads, 64-row pages,
                      # 16 int16 words per code row (Qwen3-8B geometry), scales one fp16 per row.
                      stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16, stride_ksp=8 * 64, stride_ksh=64,

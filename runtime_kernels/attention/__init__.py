@@ -84,8 +84,9 @@ DECODE_FUSED = False
 # The unfused Triton path: True = two launches (history and window programs in one grid, the window programs last so
 # that they run in the slots the INT2 wave leaves free, then the split reduce); False = three (INT2 kernel, window
 # kernel, reduce). Where the fused kernel does not apply (other impls, fp32 windows) it is always three. Under CUDA
-# graphs on an H200 two launches were faster than three at every point of the table (128K/B8 0.1891 vs 0.1915 ms,
-# 32K/B1 0.0169 vs 0.0199, 8K/B1 0.0110 vs 0.0144; bench/results/decode_graph_shared_grid_NVIDIA_H200.md).
+# graphs on an H200 two launches were faster than three at every point of the table in one run (128K/B8 0.1891 vs
+# 0.1915 ms, 32K/B1 0.0169 vs 0.0199, 8K/B1 0.0110 vs 0.0144; bench/results/decode_graph_shared_grid_NVIDIA_H200.md)
+# and equal or faster in another (decode_graph_pair_tiles_NVIDIA_H200.md, columns pair=0 vs shared=0).
 DECODE_SHARED_GRID = True
 _SM_COUNT: dict[int, int] = {}
 

@@ -54,7 +54,7 @@ def _decode_fused_kernel(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, S_TAIL: tl.constexpr = 0,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -63,32 +63,20 @@ def _decode_fused_kernel(
     sp = tl.program_id(2)
     n_all = tl.num_programs(2)
     if sp < s_hist:
-        # S_TAIL = 1: two-page tiles (BLOCK_N = 2 P) over the whole tiles of the history; the odd page left runs in
-        # the last program of the grid.
         _int2._int2_chunk_t(
             q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
             stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL)
-    elif sp < n_all - S_TAIL:
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
+    else:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
             stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            b, h, sp - s_hist, n_all - s_hist - S_TAIL,
+            b, h, sp - s_hist, n_all - s_hist,
             GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
-    else:
-        if S_TAIL == 1:  # the page after the last whole two-page tile, if the history has an odd page count
-            _int2._int2_chunk_t(
-                q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
-                stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                b, h, sp, 1,
-                GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
 
     if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
         # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
@@ -137,20 +125,15 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     None) with merge=False.
 
     merge=False: history and window splits only (no counters, no in-kernel reduce): returns the partials
-    (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`) for `merge.reduce_splits_triton`. The window programs come
-    after the history programs in the grid, so they run in the slots the INT2 wave leaves free instead of as a
-    launch of their own.
-
-    With whole pages, impl 6 and one page per block_n tile (`triton_int2.pair_tiles_apply`), the history programs
-    run tiles of two pages and one more program per (sequence, KV head) takes a trailing odd page:
-    S = s_hist + s_win + 1, else S = s_hist + s_win."""
+    (o_part `[B, H_q, s_hist + s_win, d]`, lse_part `[B, H_q, s_hist + s_win]`) for `merge.reduce_splits_triton`.
+    The window programs come last in the grid, so they run in the slots the INT2 wave leaves free instead of as a
+    launch of their own."""
     import torch
 
     b, h_q, d = q.shape
     h_kv = k_codes.shape[1]
     group = h_q // h_kv
-    pair = _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages)
-    total = s_hist + s_win + int(pair)  # pair: one more program per (sequence, KV head), the odd page
+    total = s_hist + s_win
     o_part = torch.empty(b, h_q, total, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
@@ -164,9 +147,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *_int2.partial_strides(o_part, lse_part))
-    chunk = (_int2.pair_constexprs(q, k_codes, block_n) if pair
-             else _int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages))
-    kw = dict(**chunk, S_TAIL=int(pair),
+    kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), num_warps=num_warps, num_stages=num_stages,
@@ -196,5 +177,5 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), _int2.PAIR_TILES))
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge)))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

@@ -199,16 +199,10 @@ def _softmax_finish(m_i, l_i):
 
 
 @triton.jit
-def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr, RANGE: tl.constexpr = 0):
-    """Tokens `[start, end)` of split sp of n_split of sequence b (length L at `len_ptr + b`): tile-aligned chunks, so
-    tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel.
-    RANGE 1: the chunks cover only the whole tiles, `[0, L // BLOCK_N * BLOCK_N)`; RANGE 2 (sp, n_split ignored):
-    the tail that RANGE 1 leaves with tiles of 2 BLOCK_N, `[L // (2 BLOCK_N) * 2 BLOCK_N, L)`."""
+def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
+    """Tokens `[start, end)` of split sp of n_split of sequence b (length at `len_ptr + b`): tile-aligned chunks, so
+    tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel."""
     L = tl.load(len_ptr + b).to(tl.int32)
-    if RANGE == 2:
-        return L // (2 * BLOCK_N) * (2 * BLOCK_N), L
-    if RANGE == 1:
-        L = L // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
     start = sp * chunk
     return start, tl.minimum(start + chunk, L)
@@ -696,7 +690,7 @@ def _int2_decode_kernel_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
-    FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False,
+    FULL_TILES: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -707,7 +701,7 @@ def _int2_decode_kernel_t(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
 
 
 @triton.jit
@@ -726,15 +720,13 @@ def _int2_chunk_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
+    FULL_TILES: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
-    -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
-    PAIR: tiles of two whole pages (BLOCK_N = 2 P; chunks over the whole tiles only, RANGE 1); RANGE 2: the one-page
-    tail that PAIR programs leave (see `_chunk_bounds`)."""
+    -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
-    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)
@@ -827,50 +819,6 @@ def _int2_chunk_t(
                     kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
                     ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                     INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
-    elif PAIR:
-        # BLOCK_N = 2 P: each tile is two whole pages (FULL_TILES: the caller promises chunks of whole tiles), loaded
-        # as [2, P, ...] blocks from the two pages' bases and viewed as one [2 P, ...] tile, so the per-tile costs
-        # (softmax reductions, accumulator rescale, copy issue) are paid once per 2 P tokens.
-        offs_pv = tl.arange(0, NPV)
-        offs_two = tl.arange(0, 2)
-        offs_r = tl.arange(0, P)
-        k_off3 = offs_r[None, :, None] * stride_kcr + offs_u[None, None, :]  # [1, P, U_PAD]
-        v_off3 = offs_r[None, None, :] * stride_vcr + offs_u[:, None, None]  # [U_PAD, 1, P]
-        n_tiles = tl.cdiv(end - start, BLOCK_N)
-        for jb in range(0, n_tiles, NPV):
-            ti = jb + offs_pv
-            first = (start + ti * BLOCK_N) // P
-            pa = tl.load(bt_row + first, mask=ti < n_tiles, other=0)
-            pz = tl.load(bt_row + first + 1, mask=ti < n_tiles, other=0)
-            n_in = tl.minimum(NPV, n_tiles - jb)
-            two_n = tl.where(offs_two == 0, tl.sum(tl.where(offs_pv == 0, pa, 0), axis=0),
-                             tl.sum(tl.where(offs_pv == 0, pz, 0), axis=0)).to(tl.int64)
-            vz_next = tl.reshape(tl.load(vz_ptr + (two_n * stride_vsp + h * stride_vsh)[:, None]
-                                         + offs_r[None, :] * stride_vsr), [BLOCK_N])
-            two_c = two_n
-            for jj in range(0, n_in):
-                two = two_c
-                vz_cur = vz_next
-                jn = tl.minimum(jj + 1, n_in - 1)
-                two_n = tl.where(offs_two == 0, tl.sum(tl.where(offs_pv == jn, pa, 0), axis=0),
-                                 tl.sum(tl.where(offs_pv == jn, pz, 0), axis=0)).to(tl.int64)
-                vz_next = tl.reshape(tl.load(vz_ptr + (two_n * stride_vsp + h * stride_vsh)[:, None]
-                                             + offs_r[None, :] * stride_vsr), [BLOCK_N])
-                two_c = two_n
-                kw = tl.reshape(tl.load(kc_ptr + (two * stride_kcp + h * stride_kch)[:, None, None] + k_off3),
-                                [BLOCK_N, U_PAD])
-                vw = tl.reshape(tl.load(vc_ptr + (two * stride_vcp + h * stride_vch)[None, :, None] + v_off3),
-                                [U_PAD, BLOCK_N])
-                srow = (two * stride_ksp + h * stride_ksh)[:, None] + offs_r[None, :] * stride_ksr  # [2, P]
-                ks = tl.reshape(tl.load(ks_ptr + srow), [BLOCK_N]).to(tl.float32)
-                kz = tl.reshape(tl.load(kz_ptr + srow), [BLOCK_N]).to(tl.float32)
-                vs = tl.reshape(tl.load(vs_ptr + (two * stride_vsp + h * stride_vsh)[:, None]
-                                        + offs_r[None, :] * stride_vsr), [BLOCK_N]).to(tl.float32)
-                vz = vz_cur.to(tl.float32)
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                    kw, vw, ks, kz, vs, vz, offs_n < BLOCK_N, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum,
-                    qsum_s, ksc, ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ,
-                    U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, False)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
@@ -1021,11 +969,6 @@ IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a
 # (bench 131072 x 32; emulated in bench/NOTES_decode.md). Per tile the error stays at the fp16 rounding of p * s.
 IMPL5_TILE_ACC = True
 IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to ptxas (None: ptxas decides)
-# The fused kernel's grid (one launch, or the two-launch shared grid) with whole pages: history tiles of two pages
-# (128 tokens at P = 64) instead of one, plus one program per (sequence, KV head) for a trailing odd page. The
-# per-tile costs (softmax reductions, accumulator rescale, copy issue) are then paid once per 128 tokens: 610 instead
-# of 674 instructions per 64 tokens (Triton 3.6, sm_90), at 208 registers (8 programs per SM instead of 12).
-PAIR_TILES = True
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1047,18 +990,6 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=bool(full_tiles) and page_vec)
-
-
-def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
-    """Two-page tiles (`_int2_chunk_t` PAIR) for the fused kernel's grid: impl 6, whole pages promised, one page per
-    BLOCK_N tile (so 2 P is the pair) and PAIR_TILES on."""
-    return PAIR_TILES and impl == 6 and bool(whole_pages) and k_codes.shape[2] == block_n
-
-
-def pair_constexprs(q, k_codes, block_n: int) -> dict:
-    """`chunk_constexprs` of the two-page-tile history programs (BLOCK_N = 2 P, whole tiles only)."""
-    kw = chunk_constexprs(q, k_codes, 2 * block_n, True, True)
-    return dict(kw, PAGE_VEC=False, FULL_TILES=True)
 
 
 def int16_views(k_codes, v_codes) -> tuple:
