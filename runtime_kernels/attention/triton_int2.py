@@ -650,6 +650,129 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
     return m_new, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-page tiles in four 16-token pieces (impl 6, FULL_TILES, BLOCK_N = 64). Every dot has K = 16 tokens at most,
+# so Triton loads each V-side B operand (p * scale, [16, NQ]) with one `ldmatrix.x2.trans` into a consecutive
+# register pair. With one [64, NQ] operand it used `ldmatrix.x4.trans`, whose registers come out in the order
+# (k 0-7, 16-23, 8-15, 24-31): the MMA pairs were not consecutive and ptxas copied them before almost every MMA
+# (about 36 moves per tile). Pieces: 653 instead of 674 instructions per tile and 127 instead of 156 registers
+# (16 programs per SM instead of 12; Triton 3.6, sm_90).
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _split4(x):
+    """`[64]` -> its four consecutive `[16]` pieces (register relabelling, no data movement)."""
+    y = tl.reshape(tl.permute(tl.reshape(x, [4, 16]), (1, 0)), [16, 2, 2])
+    a, b = tl.split(y)
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
+             ASM: tl.constexpr, INTERP: tl.constexpr):
+    """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
+    st = tl.zeros([16, NQ], tl.float32)
+    st = _dot_acc(x0, qb0, st, INTERP)
+    st = _dot_acc(x1, qb1, st, INTERP)
+    st = _dot_acc(x2, qb2, st, INTERP)
+    st = _dot_acc(x3, qb3, st, INTERP)
+    st = _dot_acc(x4, qb4, st, INTERP)
+    st = _dot_acc(x5, qb5, st, INTERP)
+    st = _dot_acc(x6, qb6, st, INTERP)
+    st = _dot_acc(x7, qb7, st, INTERP)
+    sc = tl.sum(tl.reshape(st, [16, GP, 2]), axis=2)  # both channel halves
+    return (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
+
+
+@triton.jit
+def _pv16(p, vs, NQ: tl.constexpr):
+    """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]` (column (i, copy))."""
+    pv = (p * vs[:, None]).to(tl.float16)
+    return pv, tl.reshape(tl.join(pv, pv), [16, NQ])
+
+
+@triton.jit
+def _vdot16(vw, pb, t0, t1, t2, t3, t4, t5, t6, t7, ASM: tl.constexpr, INTERP: tl.constexpr):
+    """Add a 16-token piece's V dot (codes vw `[U_PAD, 16]`, operand pb `[16, NQ]`) to the tile's 8 position dots."""
+    y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
+    return (_dot_acc(y0, pb, t0, INTERP), _dot_acc(y1, pb, t1, INTERP), _dot_acc(y2, pb, t2, INTERP),
+            _dot_acc(y3, pb, t3, INTERP), _dot_acc(y4, pb, t4, INTERP), _dot_acc(y5, pb, t5, INTERP),
+            _dot_acc(y6, pb, t6, INTERP), _dot_acc(y7, pb, t7, INTERP))
+
+
+@triton.jit
+def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: tl.constexpr):
+    """A 16-token piece of codes (unmasked inside the page; only the padded words past U are masked)."""
+    if U == U_PAD:
+        return tl.load(base + offs)
+    elif ROWS_U:
+        return tl.load(base + offs, mask=u_ok[:, None], other=0)
+    else:
+        return tl.load(base + offs, mask=u_ok[None, :], other=0)
+
+
+@triton.jit
+def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
+                 stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                 offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                 GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+                 ASM: tl.constexpr, INTERP: tl.constexpr):
+    """One whole 64-token tile at row r0 of page `page` in four 16-token pieces -> the updated online-softmax state
+    (same arithmetic as `_tile_t` without masks; vz_cur: the tile's V zeros `[64]`, prefetched by the caller)."""
+    o16 = tl.arange(0, 16)
+    kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
+    vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
+    k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
+    v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
+    srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
+    # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
+    ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))
+    kz0, kz1, kz2, kz3 = _split4(tl.load(kz_ptr + srow).to(tl.float32))
+    vs0, vs1, vs2, vs3 = _split4(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh
+                                         + (r0 + offs_n) * stride_vsr).to(tl.float32))
+    vz0, vz1, vz2, vz3 = _split4(vz_cur.to(tl.float32))
+    s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                  kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+    s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                  qb6, qb7, kz1, ks1, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+    s2 = _score16(_load_piece(kb + 32 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                  qb6, qb7, kz2, ks2, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+    s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                  qb6, qb7, kz3, ks3, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[None, :])
+    p1 = tl.exp2(s1 - m_new[None, :])
+    p2 = tl.exp2(s2 - m_new[None, :])
+    p3 = tl.exp2(s3 - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p0 + p1 + p2 + p3, axis=0)
+    pv0, pb0 = _pv16(p0, vs0, NQ)
+    pv1, pb1 = _pv16(p1, vs1, NQ)
+    pv2, pb2 = _pv16(p2, vs2, NQ)
+    pv3, pb3 = _pv16(p3, vs3, NQ)
+    acc_z = acc_z * alpha + tl.sum(pv0.to(tl.float32) * vz0[:, None] + pv1.to(tl.float32) * vz1[:, None]
+                                   + pv2.to(tl.float32) * vz2[:, None] + pv3.to(tl.float32) * vz3[:, None], axis=0)
+    # Fresh per-tile V dots (4 pieces chained in the MMA accumulator, as the one [64]-token dot was), added to the
+    # chunk accumulators by an fp32 FFMA (TILE_ACC).
+    z = tl.zeros([U_PAD, NQ], tl.float32)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb, v_offs, u_ok, U, U_PAD, True), pb0,
+                                             z, z, z, z, z, z, z, z, ASM, INTERP)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 16 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb1,
+                                             t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 32 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb2,
+                                             t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 48 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb3,
+                                             t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
+    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])[None, :]
+    return (m_new, l_i, acc_z, tl.fma(acc0, a2, t0), tl.fma(acc1, a2, t1), tl.fma(acc2, a2, t2),
+            tl.fma(acc3, a2, t3), tl.fma(acc4, a2, t4), tl.fma(acc5, a2, t5), tl.fma(acc6, a2, t6),
+            tl.fma(acc7, a2, t7))
+
+
 @triton.jit
 def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                      stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
@@ -806,19 +929,27 @@ def _int2_chunk_t(
                                   + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
                                   + offs_n * stride_vsr)
                 page_n = pgn
-                kw, vw, ks, kz, vs = _page_tile_loads(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
-                    stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                    stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
-                vz = vz_cur.to(tl.float32)
-                t_ok = t0 + offs_n < end
-                if not FULL_TILES:
-                    vs = tl.where(t_ok, vs, 0.0)
-                    vz = tl.where(t_ok, vz, 0.0)
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
-                    ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
-                    INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
+                if FULL_TILES and SUBN and BLOCK_N == 64:
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
+                        stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                        offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP)
+                else:
+                    kw, vw, ks, kz, vs = _page_tile_loads(
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
+                        stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
+                        stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
+                    vz = vz_cur.to(tl.float32)
+                    t_ok = t0 + offs_n < end
+                    if not FULL_TILES:
+                        vs = tl.where(t_ok, vs, 0.0)
+                        vz = tl.where(t_ok, vz, 0.0)
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                        kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
+                        ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
+                        INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
