@@ -10,7 +10,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.attention import paged_ref, triton_int2, triton_window
+from runtime_kernels.attention import paged_ref, triton_fused, triton_int2, triton_window
 from tests.test_attention_kernels import make_pool, make_q, make_window, rel_rmse
 
 pytestmark = pytest.mark.interpreter
@@ -100,8 +100,9 @@ def test_fused_decode_rejects_a_bad_counters_buffer():
         A.decode_attention(*args, backend="triton", counters=torch.zeros(2, dtype=torch.int64), fused=True)
 
 
+@pytest.mark.parametrize("windows_first", [False, True])
 @pytest.mark.parametrize("group,d,page", [(4, 128, 64), (1, 256, 32)])
-def test_shared_grid_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page):
+def test_shared_grid_decode_matches_the_concatenated_softmax(monkeypatch, group, d, page, windows_first):
     """Two-launch mode (`DECODE_SHARED_GRID`): history and window programs in one grid (no in-kernel reduce, the
     counters are never touched), then the split reduce. Same answer as the reference; the separate INT2 and window
     launchers must not run."""
@@ -114,6 +115,7 @@ def test_shared_grid_decode_matches_the_concatenated_softmax(monkeypatch, group,
     q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
     want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
+    monkeypatch.setattr(triton_fused, "WINDOWS_FIRST", windows_first)  # program order only, same partial slots
     with pytest.MonkeyPatch.context() as m:
         no_separate_launches(m)
         o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3)

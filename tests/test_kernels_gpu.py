@@ -116,7 +116,8 @@ def test_full_decode_on_gpu_qwen3_8b_geometry():
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_m[fin], atol=1e-4)
 
 
-def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch):
+@pytest.mark.parametrize("windows_first", [False, True])
+def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first):
     """Two-launch mode (`DECODE_SHARED_GRID`: history and window programs in one grid, then the split reduce) at
     Qwen3-8B geometry with mixed lengths, eager and replayed from a CUDA graph, against the three-launch path and the
     torch reference."""
@@ -132,6 +133,9 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch):
     o3, lse3 = A.decode_attention(*args)  # three launches
     o_ref, lse_ref = A.decode_attention(*args, backend="torch")
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
+    from runtime_kernels.attention import triton_fused
+
+    monkeypatch.setattr(triton_fused, "WINDOWS_FIRST", windows_first)
     o2, lse2 = A.decode_attention(*args, whole_pages=True)
     o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True)  # same kernel code, in-kernel reduce
     assert rel_rmse(o2, o_ref) < 2e-2

@@ -30,6 +30,8 @@ from runtime_kernels.attention.triton_int2 import INTERPRET
 
 WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp tile fits in registers
 WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
+# Window programs first in the grid (dispatched before the history programs) instead of last.
+WINDOWS_FIRST = False
 
 
 @triton.jit(do_not_specialize=["s_hist"])
@@ -54,14 +56,19 @@ def _decode_fused_kernel(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr,
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
     b = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.program_id(2)
     n_all = tl.num_programs(2)
+    # Program order along the grid's last axis (blocks are dispatched in that order): history splits then window
+    # splits, or with WIN_FIRST the window splits first. Partials are stored history first either way.
+    if WIN_FIRST:
+        sp = (tl.program_id(2) + s_hist) % n_all
+    else:
+        sp = tl.program_id(2)
     if sp < s_hist:
         _int2._int2_chunk_t(
             q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
@@ -150,7 +157,8 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), num_warps=num_warps, num_stages=num_stages,
+              S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
+              num_warps=num_warps, num_stages=num_stages,
               **_int2.maxnreg_option())
     grid = (b, h_kv, total)
     if warmup:
@@ -177,5 +185,5 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge)))
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)
