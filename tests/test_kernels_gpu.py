@@ -116,20 +116,27 @@ def test_full_decode_on_gpu_qwen3_8b_geometry():
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_m[fin], atol=1e-4)
 
 
+def mixed_decode_batch(lens, pool_seed: int, seed: int, min_window: int) -> tuple:
+    """decode_attention's inputs at Qwen3-8B geometry: whole-page histories `lens`, BF16 windows of random lengths
+    in [min_window, 320] in shuffled slots, bf16 queries."""
+    n = len(lens)
+    pool = make_pool(lens, 8, 128, seed=pool_seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    k_win = torch.randn(n, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    v_win = torch.randn(n, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    slot_ids = torch.randperm(n, generator=gen, device=DEV).to(torch.int32)
+    win_len = torch.randint(min_window, 321, (n,), generator=gen, device=DEV).to(torch.int32)
+    q = torch.randn(n, 32, 128, device=DEV, dtype=torch.bfloat16)
+    return (q, *pool, k_win, v_win, slot_ids, win_len)
+
+
 @pytest.mark.parametrize("windows_first", [False, True])
 def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first):
     """Two-launch mode (`DECODE_SHARED_GRID`: history and window programs in one grid, then the split reduce) at
     Qwen3-8B geometry with mixed lengths, eager and replayed from a CUDA graph, against the three-launch path and the
     torch reference."""
-    lens = [64 * (37 + 11 * i) for i in range(8)] + [0]
-    pool = make_pool(lens, 8, 128, seed=12)
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    k_win = torch.randn(9, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    v_win = torch.randn(9, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    slot_ids = torch.randperm(9, generator=gen, device=DEV).to(torch.int32)
-    win_len = torch.randint(0, 321, (9,), generator=gen, device=DEV).to(torch.int32)
-    q = torch.randn(9, 32, 128, device=DEV, dtype=torch.bfloat16)
-    args = (q, *pool, k_win, v_win, slot_ids, win_len)
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0], pool_seed=12, seed=5, min_window=0)
+    monkeypatch.setattr(A, "DECODE_SHARED_GRID", False)
     o3, lse3 = A.decode_attention(*args)  # three launches
     o_ref, lse_ref = A.decode_attention(*args, backend="torch")
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
@@ -160,17 +167,11 @@ def test_fused_decode_under_graph_replay_on_gpu():
     """The fused launch at batch 32 (2048 programs racing on 256 arrival counters), captured once in a CUDA graph
     with a shared counters buffer and replayed: every replay must reduce (counters back to zero) and match the
     three-launch path; whole_pages as PagedKVCache passes it."""
-    lens = [64 * (37 + 11 * i) for i in range(32)]
-    pool = make_pool(lens, 8, 128, seed=9)
-    gen = torch.Generator(device=DEV).manual_seed(4)
-    k_win = torch.randn(32, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    v_win = torch.randn(32, 8, 320, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    slot_ids = torch.randperm(32, generator=gen, device=DEV).to(torch.int32)
-    win_len = torch.randint(1, 321, (32,), generator=gen, device=DEV).to(torch.int32)
-    q = torch.randn(32, 32, 128, device=DEV, dtype=torch.bfloat16)
-    args = (q, *pool, k_win, v_win, slot_ids, win_len)
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(32)], pool_seed=9, seed=4, min_window=1)
     counters = torch.zeros(32 * 8, dtype=torch.int32, device=DEV)
-    o3, lse3 = A.decode_attention(*args)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(A, "DECODE_SHARED_GRID", False)
+        o3, lse3 = A.decode_attention(*args)  # three launches
     A.decode_attention(*args, whole_pages=True, counters=counters, fused=True)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -570,6 +570,23 @@ def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.co
 
 
 @triton.jit
+def _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, ROWS: tl.constexpr,
+                     GP: tl.constexpr, NQ: tl.constexpr, INTERP: tl.constexpr):
+    """Raw scores `[ROWS, GP]` of ROWS tokens: the 8 code positions' operands `[ROWS, U_PAD]` against their query
+    operands `[U_PAD, NQ]`, one MMA chain, then the two channel halves of each head summed."""
+    st = tl.zeros([ROWS, NQ], tl.float32)
+    st = _dot_acc(x0, qb0, st, INTERP)
+    st = _dot_acc(x1, qb1, st, INTERP)
+    st = _dot_acc(x2, qb2, st, INTERP)
+    st = _dot_acc(x3, qb3, st, INTERP)
+    st = _dot_acc(x4, qb4, st, INTERP)
+    st = _dot_acc(x5, qb5, st, INTERP)
+    st = _dot_acc(x6, qb6, st, INTERP)
+    st = _dot_acc(x7, qb7, st, INTERP)
+    return tl.sum(tl.reshape(st, [ROWS, GP, 2]), axis=2)
+
+
+@triton.jit
 def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
             m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
             GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
@@ -582,16 +599,8 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
         x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _codes8(kw, 1, ASM)
-    st = tl.zeros([BLOCK_N, NQ], tl.float32)
-    st = _dot_acc(x0, qb0, st, INTERP)
-    st = _dot_acc(x1, qb1, st, INTERP)
-    st = _dot_acc(x2, qb2, st, INTERP)
-    st = _dot_acc(x3, qb3, st, INTERP)
-    st = _dot_acc(x4, qb4, st, INTERP)
-    st = _dot_acc(x5, qb5, st, INTERP)
-    st = _dot_acc(x6, qb6, st, INTERP)
-    st = _dot_acc(x7, qb7, st, INTERP)
-    sc = tl.sum(tl.reshape(st, [BLOCK_N, GP, 2]), axis=2)  # both channel halves: [BLOCK_N, GP]
+    sc = _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, BLOCK_N, GP, NQ,
+                          INTERP)  # [BLOCK_N, GP]
     if SUBN:
         s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
     else:
@@ -673,16 +682,7 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
              ASM: tl.constexpr, INTERP: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
-    st = tl.zeros([16, NQ], tl.float32)
-    st = _dot_acc(x0, qb0, st, INTERP)
-    st = _dot_acc(x1, qb1, st, INTERP)
-    st = _dot_acc(x2, qb2, st, INTERP)
-    st = _dot_acc(x3, qb3, st, INTERP)
-    st = _dot_acc(x4, qb4, st, INTERP)
-    st = _dot_acc(x5, qb5, st, INTERP)
-    st = _dot_acc(x6, qb6, st, INTERP)
-    st = _dot_acc(x7, qb7, st, INTERP)
-    sc = tl.sum(tl.reshape(st, [16, GP, 2]), axis=2)  # both channel halves
+    sc = _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, 16, GP, NQ, INTERP)
     return (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
 
 
