@@ -73,13 +73,12 @@ MIN_SPLIT_TOKENS = 256  # never split a sequence into chunks shorter than this (
 # (bench/NOTES_decode.md, v6). Under CUDA graphs 2 waves were slower or equal at every point.
 INT2_WAVES = 1
 # decode_attention on the Triton path, unless the call says `fused=`: one fused launch (history + window + reduce by
-# the last program of each KV head, where the default kernel applies) or three (INT2 kernel, window kernel, reduce).
-# Measured on an H200 (bench/results/decode_graph_NVIDIA_H200.md, bench/NOTES_decode.md "v7", "v8"): under CUDA
-# graphs three launches are much faster at batch 1 (128K/B1 0.041 vs 0.061 ms since the reduce works in channel
-# blocks) and within a few percent either way at batch 8 and 32 (run to run: 128K/B8 0.2007 vs 0.2027 in one run,
-# 0.2116 vs 0.2081 in another), so they are the default; eager calls are bound by host time, which the single launch
-# halves (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call), so eager callers such as the transformers
-# integration (`hf.OscarCache`) ask for it.
+# the last program of each KV head, where the default kernel applies) or the unfused path below. Measured on an H200
+# (bench/NOTES_decode.md "v7", "v8"): under CUDA graphs the separate reduce is much faster at batch 1 (128K/B1 0.041
+# vs 0.061 ms since it works in channel blocks) and within a few percent either way at batch 8 and 32, so the fused
+# launch is not the default; eager calls are bound by host time, which the single launch halves
+# (host_overhead_NVIDIA_H200.txt: 144 vs 277 us per call for three launches), so eager callers such as the
+# transformers integration (`hf.OscarCache`) ask for it.
 DECODE_FUSED = False
 # The unfused Triton path: True = two launches (history and window programs in one grid, the window programs last so
 # that they run in the slots the INT2 wave leaves free, then the split reduce); False = three (INT2 kernel, window
@@ -338,11 +337,12 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`.
 
-    Triton path: one launch (`triton_fused`: INT2 splits, window splits and the split reduce by the last program
-    of each KV head) for the default kernel with half windows when `fused` (None: `DECODE_FUSED`, False) asks for
-    it: fewer host microseconds for eager callers; otherwise three (INT2 kernel and window kernel into one split
-    buffer, then a reduce), the faster path under CUDA graphs at batch 1 and 8, or two with `DECODE_SHARED_GRID`
-    (history and window programs in one grid, then the reduce). `counters`: int32
+    Triton path, for the default kernel with half windows: one launch (`triton_fused`: INT2 splits, window splits
+    and the split reduce by the last program of each KV head) when `fused` (None: `DECODE_FUSED`, False) asks for
+    it, fewer host microseconds for eager callers; otherwise two (`DECODE_SHARED_GRID`: the same grid of history and
+    window programs, then the split reduce), the faster path under CUDA graphs. Other kernels, fp32 windows, an
+    explicit `window_splits` or `DECODE_SHARED_GRID = False` take three launches (INT2 kernel and window kernel into
+    one split buffer, then the reduce). `counters`: int32
     `[>= B * H_kv]`, zero, for the fused launch's arrival counts (it leaves them zero); None allocates a fresh one
     per call (one small memset). Calls that may run concurrently must not share one. `window_splits` applies to
     the three-launch path (given, it also selects it).
@@ -372,10 +372,16 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     b, _, _ = q.shape
     h_kv = k_codes.shape[1]
     impl = INT2_IMPL if impl is None else impl
-    if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
+    in_kernel_reduce = _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused)
+    if in_kernel_reduce or _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused,
+                                                window_splits):
+        # The fused kernel's grid (history and window programs): one launch with the split reduce done by the last
+        # program of each KV head, or two with the reduce as a launch of its own (DECODE_SHARED_GRID).
         from runtime_kernels.attention import triton_fused
 
-        if counters is None:
+        if not in_kernel_reduce:
+            counters = None
+        elif counters is None:
             counters = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device)
         elif validate:
             check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)
@@ -387,23 +393,12 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         else:  # the fused kernel applies (checked above), so its own split rule directly
             s_h, s_w = _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                      k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
-                                     whole_pages)
-        return triton_fused.launch_decode_fused(
+                                     whole_pages, merge=in_kernel_reduce)
+        out = triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
-            win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages)
-    if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, window_splits):
-        from runtime_kernels.attention import triton_fused
-
-        if num_splits:
-            s_h, s_w = num_splits, triton_fused.window_splits(k_win.shape[2])
-        else:
-            s_h, s_w = _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                     k_win, v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl,
-                                     whole_pages, merge=False)
-        o_part, lse_part = triton_fused.launch_decode_fused(
-            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
-            win_len, None, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages, merge=False)
-        return _merge().reduce_splits_triton(o_part, lse_part)
+            win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages,
+            merge=in_kernel_reduce)
+        return out if in_kernel_reduce else _merge().reduce_splits_triton(*out)
     s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                         hist_len, block_n, num_warps, num_stages, impl, whole_pages)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,
