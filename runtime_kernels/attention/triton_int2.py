@@ -664,12 +664,13 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
 # so Triton loads each V-side B operand (p * scale, [16, NQ]) with one `ldmatrix.x2.trans` into a consecutive
 # register pair. With one [64, NQ] operand it used `ldmatrix.x4.trans`, whose registers come out in the order
 # (k 0-7, 16-23, 8-15, 24-31): the MMA pairs were not consecutive and ptxas copied them before almost every MMA
-# (about 36 moves per tile). Pieces: 653 instead of 674 instructions per tile and 127 instead of 156 registers
-# (16 programs per SM instead of 12; Triton 3.6, sm_90).
+# (about 36 moves per tile). Pieces: 650 instead of 674 instructions per tile and 126 instead of 156 registers
+# (16 programs per SM instead of 12; Triton 3.6, sm_90). Kernel at 128K / batch 8 on an H200: 0.1757 vs 0.1888 ms
+# (bench/results/profile_tile_pieces_NVIDIA_H200.txt, bench/NOTES_decode.md v9).
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split4(x):
-    """`[64]` -> its four consecutive `[16]` pieces (register relabelling, no data movement)."""
+    """`[64]` -> its four consecutive `[16]` pieces, split in registers (the loads stay whole-vector cp.async)."""
     y = tl.reshape(tl.permute(tl.reshape(x, [4, 16]), (1, 0)), [16, 2, 2])
     a, b = tl.split(y)
     a0, a1 = tl.split(a)
