@@ -37,6 +37,7 @@ from bench_decode import DEV, H_KV, H_Q, PAGE, WIN, D, exact_decode, make_int2_c
 
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import triton_fused as _fused  # noqa: E402
+from runtime_kernels.attention import triton_int2 as _int2  # noqa: E402
 
 MIN_CALLS = 48  # calls per graph replay: the replay's own launch cost is spread over this many calls
 
@@ -150,16 +151,18 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
 
 DEFAULT_SHARED_GRID = A.DECODE_SHARED_GRID  # the library defaults, restored for each variant
 DEFAULT_WINDOWS_FIRST = _fused.WINDOWS_FIRST
+DEFAULT_PAIR_TILES = _int2.PAIR_TILES
 
 
 def apply_variant(variant: str) -> int:
-    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused, shared, wfirst) -> set the
+    """`IMPL[:key=value...]` (keys: maxnreg, waves, stages, whole, fused, shared, wfirst, pair) -> set the
     library switches, return the
     impl. `whole=0` runs the masked kernel (the functional API's default) instead of the whole-pages one that
     PagedKVCache uses (its history is always whole pages, and so is this benchmark's); `fused=1` runs the
     single fused launch (history + window + reduce) instead of the default three launches; `shared=1` the two
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
-    `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`)."""
+    `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
+    tiles in that grid (`triton_int2.PAIR_TILES`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -168,6 +171,7 @@ def apply_variant(variant: str) -> int:
     A.DECODE_FUSED = False
     A.DECODE_SHARED_GRID = DEFAULT_SHARED_GRID
     _fused.WINDOWS_FIRST = DEFAULT_WINDOWS_FIRST
+    _int2.PAIR_TILES = DEFAULT_PAIR_TILES
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -180,9 +184,11 @@ def apply_variant(variant: str) -> int:
             A.DECODE_SHARED_GRID = v != "0"
         elif k == "wfirst":
             _fused.WINDOWS_FIRST = v != "0"
+        elif k == "pair":
+            _int2.PAIR_TILES = v != "0"
         elif k not in ("stages", "whole"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst)")
+                             f"fused, shared, wfirst, pair)")
     return int(impl)
 
 
@@ -217,7 +223,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                         "splits": A.decode_num_splits(q, *pools, tables[0], hist_len, k_win, v_win, slots[0],
                                                       win_len, num_stages=stages, impl=impl, whole_pages=whole),
                         "whole_pages": whole, "fused": A.DECODE_FUSED, "shared_grid": A.DECODE_SHARED_GRID,
-                        "windows_first": _fused.WINDOWS_FIRST,
+                        "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

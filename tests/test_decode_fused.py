@@ -134,3 +134,41 @@ def test_shared_grid_decode_matches_the_concatenated_softmax(monkeypatch, group,
                                window_splits=2)
     assert launched == [1]
     assert rel_rmse(o, o3) < 1e-2
+
+
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+@pytest.mark.parametrize("d,lens,splits", [
+    (64, [64 * 9, 0, 64, 64 * 4], 2),    # odd page counts leave a one-page tail; an empty and a one-page history
+    (128, [64 * 7, 64 * 8, 64 * 3], 3),
+    (64, [64 * 5, 64 * 2], 1),
+])
+def test_two_page_tiles_match_the_concatenated_softmax(monkeypatch, merge_in_kernel, d, lens, splits):
+    """`PAIR_TILES` (whole 64-token pages, impl 6): the history programs run tiles of two pages as eight 16-token
+    pieces and a last program per (sequence, KV head) takes the odd page, in the one-launch and the two-launch form.
+    Against the reference, and against the same call with one-page tiles."""
+    h_kv, group = 2, 4
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=64, seed=d + splits)
+    k_win, v_win = make_window(len(lens) + 1, h_kv, 48, d, torch.bfloat16, seed=11)
+    slot_ids = torch.arange(len(lens), dtype=torch.int32)
+    win_len = torch.tensor([48, 5, 0, 20][:len(lens)], dtype=torch.int32)
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    monkeypatch.setattr(A, "DECODE_SHARED_GRID", not merge_in_kernel)
+    kw = dict(backend="triton", num_splits=splits, whole_pages=True, fused=merge_in_kernel)
+    pair_builds = []
+    real_pair = triton_int2.pair_constexprs
+    with pytest.MonkeyPatch.context() as m:
+        no_separate_launches(m)
+        m.setattr(triton_int2, "pair_constexprs", lambda *a: pair_builds.append(1) or real_pair(*a))
+        m.setattr(triton_int2, "PAIR_TILES", True)
+        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+        assert pair_builds == [1]  # the two-page-tile programs ran
+        m.setattr(triton_int2, "PAIR_TILES", False)
+        o1, lse1 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+        assert pair_builds == [1]
+    assert rel_rmse(o, want_o) < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+    assert rel_rmse(o, o1) < 1e-3
+    assert torch.allclose(lse[fin], lse1[fin], atol=1e-4)

@@ -7,7 +7,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant
-from runtime_kernels.attention import paged_ref
+from runtime_kernels.attention import paged_ref, triton_int2
 from runtime_kernels.quant import naive
 
 pytestmark = pytest.mark.gpu
@@ -161,6 +161,29 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_page_tiles_on_gpu_under_graph_replay(monkeypatch, fused):
+    """`PAIR_TILES` (opt-in): two-page history tiles in eight 16-token pieces plus a program for an odd last page, in
+    the two-launch and the one-launch form, eager and replayed from a CUDA graph, against one-page tiles."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=14, seed=7, min_window=0)
+    counters = torch.zeros(10 * 8, dtype=torch.int32, device=DEV) if fused else None
+    o1, lse1 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
+    monkeypatch.setattr(triton_int2, "PAIR_TILES", True)
+    o2, lse2 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
+    assert rel_rmse(o2, o1) < 1e-3
+    fin = torch.isfinite(lse1)
+    assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse1[fin], atol=1e-4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og, _ = A.decode_attention(*args, whole_pages=True, counters=counters, validate=False, fused=fused)
+    for _ in range(3):
+        og.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(og, o2)
 
 
 def test_fused_decode_under_graph_replay_on_gpu():

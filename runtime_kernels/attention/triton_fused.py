@@ -57,6 +57,7 @@ def _decode_fused_kernel(
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
+    S_TAIL: tl.constexpr = 0,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -70,20 +71,32 @@ def _decode_fused_kernel(
     else:
         sp = tl.program_id(2)
     if sp < s_hist:
+        # S_TAIL = 1: two-page tiles (BLOCK_N = 2 P) over the whole tiles of the history (`triton_int2.PAIR_TILES`);
+        # an odd page left over runs in the last program of the grid.
         _int2._int2_chunk_t(
             q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
             stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
-    else:
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
+            S_TAIL == 1, S_TAIL)
+    elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
             stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            b, h, sp - s_hist, n_all - s_hist,
+            b, h, sp - s_hist, n_all - s_hist - S_TAIL,
             GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
+    else:
+        if S_TAIL == 1:  # the page after the last whole two-page tile, if the history has an odd page count
+            _int2._int2_chunk_t(
+                q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
+                stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
+                stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                b, h, sp, 1,
+                GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
 
     if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
         # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
@@ -132,7 +145,8 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     None) with merge=False.
 
     merge=False: history and window splits only (no counters, no in-kernel reduce): returns the partials
-    (o_part `[B, H_q, s_hist + s_win, d]`, lse_part `[B, H_q, s_hist + s_win]`) for `merge.reduce_splits_triton`.
+    (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`) for `merge.reduce_splits_triton`, S = s_hist + s_win, plus one
+    with two-page tiles (`triton_int2.pair_tiles_apply`: a program per (sequence, KV head) for an odd last page).
     The window programs come last in the grid, so they run in the slots the INT2 wave leaves free instead of as a
     launch of their own."""
     import torch
@@ -140,7 +154,8 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     b, h_q, d = q.shape
     h_kv = k_codes.shape[1]
     group = h_q // h_kv
-    total = s_hist + s_win
+    pair = _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages)
+    total = s_hist + s_win + int(pair)  # pair: one more program per (sequence, KV head), the odd page
     o_part = torch.empty(b, h_q, total, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
@@ -154,7 +169,10 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *_int2.partial_strides(o_part, lse_part))
-    kw = dict(**_int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages),
+    chunk = (_int2.pair_constexprs(q, k_codes, block_n) if pair
+             else _int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages))
+    num_stages = _int2.PAIR_STAGES if pair else num_stages
+    kw = dict(**chunk, S_TAIL=int(pair),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
@@ -185,5 +203,5 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST))
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST, _int2.PAIR_TILES))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

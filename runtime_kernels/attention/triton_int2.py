@@ -199,10 +199,16 @@ def _softmax_finish(m_i, l_i):
 
 
 @triton.jit
-def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
-    """Tokens `[start, end)` of split sp of n_split of sequence b (length at `len_ptr + b`): tile-aligned chunks, so
-    tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel."""
+def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr, RANGE: tl.constexpr = 0):
+    """Tokens `[start, end)` of split sp of n_split of sequence b (length L at `len_ptr + b`): tile-aligned chunks, so
+    tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel.
+    RANGE 1: the chunks cover only the whole tiles, `[0, L // BLOCK_N * BLOCK_N)`; RANGE 2 (sp, n_split ignored):
+    the tail that RANGE 1 leaves with tiles of 2 BLOCK_N, `[L // (2 BLOCK_N) * 2 BLOCK_N, L)`."""
     L = tl.load(len_ptr + b).to(tl.int32)
+    if RANGE == 2:
+        return L // (2 * BLOCK_N) * (2 * BLOCK_N), L
+    if RANGE == 1:
+        L = L // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
     start = sp * chunk
     return start, tl.minimum(start + chunk, L)
@@ -715,27 +721,18 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 
 
 @triton.jit
-def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
-                 stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-                 offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
-                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                 GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-                 ASM: tl.constexpr, INTERP: tl.constexpr):
-    """One whole 64-token tile at row r0 of page `page` in four 16-token pieces -> the updated online-softmax state
-    (same arithmetic as `_tile_t` without masks; vz_cur: the tile's V zeros `[64]`, prefetched by the caller)."""
+def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
+                 stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                 GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces."""
     o16 = tl.arange(0, 16)
     kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
-    vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
-    v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
     ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))
     kz0, kz1, kz2, kz3 = _split4(tl.load(kz_ptr + srow).to(tl.float32))
-    vs0, vs1, vs2, vs3 = _split4(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh
-                                         + (r0 + offs_n) * stride_vsr).to(tl.float32))
-    vz0, vz1, vz2, vz3 = _split4(vz_cur.to(tl.float32))
     s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
                   kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
     s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
@@ -744,30 +741,87 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                   qb6, qb7, kz2, ks2, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
     s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
                   qb6, qb7, kz3, ks3, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
-    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0))
-    alpha = tl.exp2(m_i - m_new)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
+                 NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
+    """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
+    onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
+    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]`."""
+    o16 = tl.arange(0, 16)
+    vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
+    v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
+    vs0, vs1, vs2, vs3 = _split4(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh
+                                         + (r0 + offs_n) * stride_vsr).to(tl.float32))
+    vz0, vz1, vz2, vz3 = _split4(vz64.to(tl.float32))
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])
     p3 = tl.exp2(s3 - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p0 + p1 + p2 + p3, axis=0)
     pv0, pb0 = _pv16(p0, vs0, NQ)
     pv1, pb1 = _pv16(p1, vs1, NQ)
     pv2, pb2 = _pv16(p2, vs2, NQ)
     pv3, pb3 = _pv16(p3, vs3, NQ)
-    acc_z = acc_z * alpha + tl.sum(pv0.to(tl.float32) * vz0[:, None] + pv1.to(tl.float32) * vz1[:, None]
-                                   + pv2.to(tl.float32) * vz2[:, None] + pv3.to(tl.float32) * vz3[:, None], axis=0)
-    # Fresh per-tile V dots (4 pieces chained in the MMA accumulator, as the one [64]-token dot was), added to the
-    # chunk accumulators by an fp32 FFMA (TILE_ACC).
-    z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb, v_offs, u_ok, U, U_PAD, True), pb0,
-                                             z, z, z, z, z, z, z, z, ASM, INTERP)
+                                             t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 16 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb1,
                                              t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 32 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb2,
                                              t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 48 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb3,
                                              t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
+    z_sum = (pv0.to(tl.float32) * vz0[:, None] + pv1.to(tl.float32) * vz1[:, None]
+             + pv2.to(tl.float32) * vz2[:, None] + pv3.to(tl.float32) * vz3[:, None])
+    return t0, t1, t2, t3, t4, t5, t6, t7, p0 + p1 + p2 + p3, z_sum
+
+
+@triton.jit
+def _max4(s0, s1, s2, s3):
+    return tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+
+
+@triton.jit
+def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, page_b, vz_b,
+                 stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                 offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                 GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+                 ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False):
+    """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
+    masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
+    TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
+    tokens."""
+    sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
+                                      stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
+                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
+    mx = _max4(sa0, sa1, sa2, sa3)
+    if TWO:
+        sb0, sb1, sb2, sb3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page_b, 0, h, stride_kcp, stride_kch, stride_kcr,
+                                          stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2,
+                                          qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
+        mx = tl.maximum(mx, _max4(sb0, sb1, sb2, sb3))
+    m_new = tl.maximum(m_i, tl.max(mx, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    # Fresh per-tile V dots (the pieces chained in the MMA accumulator, as the one [64]-token dot was), added to the
+    # chunk accumulators by an fp32 FFMA (TILE_ACC).
+    z = tl.zeros([U_PAD, NQ], tl.float32)
+    t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
+        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
+        NQ, U, U_PAD, ASM, INTERP)
+    if TWO:
+        t0, t1, t2, t3, t4, t5, t6, t7, p_b, z_b = _page_values(
+            vc_ptr, vs_ptr, page_b, 0, h, vz_b, sb0, sb1, sb2, sb3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
+            NQ, U, U_PAD, ASM, INTERP)
+        p_sum += p_b
+        z_sum += z_b
+    l_i = l_i * alpha + tl.sum(p_sum, axis=0)
+    acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
     a2 = tl.reshape(tl.join(alpha, alpha), [NQ])[None, :]
     return (m_new, l_i, acc_z, tl.fma(acc0, a2, t0), tl.fma(acc1, a2, t1), tl.fma(acc2, a2, t2),
             tl.fma(acc3, a2, t3), tl.fma(acc4, a2, t4), tl.fma(acc5, a2, t5), tl.fma(acc6, a2, t6),
@@ -814,7 +868,7 @@ def _int2_decode_kernel_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
-    FULL_TILES: tl.constexpr = False,
+    FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -825,7 +879,7 @@ def _int2_decode_kernel_t(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR)
 
 
 @triton.jit
@@ -844,13 +898,15 @@ def _int2_chunk_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr,
+    FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
-    -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel)."""
+    -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
+    PAIR: whole tiles of two pages (BLOCK_N = 2 P, chunks over the whole tiles only: RANGE 1); RANGE 2: the one-page
+    tail that PAIR programs leave (see `_chunk_bounds`)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
-    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)
@@ -932,7 +988,7 @@ def _int2_chunk_t(
                 page_n = pgn
                 if FULL_TILES and SUBN and BLOCK_N == 64:
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
-                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, page, vz_cur,
                         stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
@@ -951,6 +1007,41 @@ def _int2_chunk_t(
                         kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
                         ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                         INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
+    elif PAIR:
+        # BLOCK_N = 2 P, whole tiles only: tile j is pages 2j and 2j + 1 of the chunk, computed as eight 16-token
+        # pieces with one softmax step (`_tile_pieces` TWO). Page ids and V zeros as in the PAGE_VEC loop, two each.
+        offs_pv = tl.arange(0, NPV)
+        offs_r = tl.arange(0, P)
+        n_tiles = tl.cdiv(end - start, BLOCK_N)
+        for jb in range(0, n_tiles, NPV):
+            ti = jb + offs_pv
+            first = (start + ti * BLOCK_N) // P
+            pa = tl.load(bt_row + first, mask=ti < n_tiles, other=0)
+            pz = tl.load(bt_row + first + 1, mask=ti < n_tiles, other=0)
+            n_in = tl.minimum(NPV, n_tiles - jb)
+            na = tl.sum(tl.where(offs_pv == 0, pa, 0), axis=0).to(tl.int64)
+            nz = tl.sum(tl.where(offs_pv == 0, pz, 0), axis=0).to(tl.int64)
+            vza_next = tl.load(vz_ptr + na * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
+            vzb_next = tl.load(vz_ptr + nz * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
+            page_a = na
+            page_b = nz
+            for jj in range(0, n_in):
+                cur_a = page_a
+                cur_b = page_b
+                vza = vza_next
+                vzb = vzb_next
+                jn = tl.minimum(jj + 1, n_in - 1)
+                page_a = tl.sum(tl.where(offs_pv == jn, pa, 0), axis=0).to(tl.int64)
+                page_b = tl.sum(tl.where(offs_pv == jn, pz, 0), axis=0).to(tl.int64)
+                vza_next = tl.load(vz_ptr + page_a * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
+                vzb_next = tl.load(vz_ptr + page_b * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
+                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
+                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, cur_a, 0, h, vza, cur_b, vzb,
+                    stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                    stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                    offs_r, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
+                    True)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
@@ -1101,6 +1192,12 @@ IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a
 # (bench 131072 x 32; emulated in bench/NOTES_decode.md). Per tile the error stays at the fp16 rounding of p * s.
 IMPL5_TILE_ACC = True
 IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to ptxas (None: ptxas decides)
+# Opt-in, NOT MEASURED on a GPU yet: with whole 64-token pages, the fused kernel's grid (one launch, or the two-launch
+# default) runs history tiles of two pages as eight 16-token pieces with one softmax step, plus one program per
+# (sequence, KV head) for an odd trailing page, with 2 pipeline stages. Offline (Triton 3.6, sm_90): 594 instead of
+# 649 instructions per 64 tokens, 168 registers, 13 KiB shared memory (12 programs per SM). bench/NOTES_decode.md v9.
+PAIR_TILES = False
+PAIR_STAGES = 2
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1122,6 +1219,17 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=bool(full_tiles) and page_vec)
+
+
+def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
+    """Two-page tiles (`_int2_chunk_t` PAIR) in the fused kernel's grid: PAIR_TILES on, impl 6, whole pages promised,
+    and one 64-token page per block_n tile (the pieces are 16 tokens, four to a page)."""
+    return PAIR_TILES and impl == 6 and bool(whole_pages) and k_codes.shape[2] == block_n == 64
+
+
+def pair_constexprs(q, k_codes, block_n: int) -> dict:
+    """`chunk_constexprs` of the two-page-tile history programs (BLOCK_N = 2 P, whole tiles only)."""
+    return dict(chunk_constexprs(q, k_codes, 2 * block_n, True, True), PAGE_VEC=False, FULL_TILES=True)
 
 
 def int16_views(k_codes, v_codes) -> tuple:
