@@ -116,6 +116,20 @@ def test_full_decode_on_gpu_qwen3_8b_geometry():
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_m[fin], atol=1e-4)
 
 
+def graph_replays(call, times: int):
+    """Capture `call()` (a decode returning (o, lse)) in a CUDA graph once, then for each of `times` replays zero o,
+    replay and sync, and yield (o, lse): a stale or skipped replay would leave zeros behind."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = call()
+    for _ in range(times):
+        o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        yield o, lse
+
+
 def mixed_decode_batch(lens, pool_seed: int, seed: int, min_window: int) -> tuple:
     """decode_attention's inputs at Qwen3-8B geometry: whole-page histories `lens`, BF16 windows of random lengths
     in [min_window, 320] in shuffled slots, bf16 queries."""
@@ -152,14 +166,7 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first
     fin = torch.isfinite(lse3)
     assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse3[fin], atol=1e-3)
     assert torch.allclose(lse2[fin], lse1[fin], atol=1e-5)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, lse = A.decode_attention(*args, whole_pages=True, validate=False)
-    for _ in range(3):
-        o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+    for o, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, validate=False), 3):
         assert torch.equal(o, o2)
 
 
@@ -175,14 +182,8 @@ def test_two_page_tiles_on_gpu_under_graph_replay(monkeypatch, fused):
     assert rel_rmse(o2, o1) < 1e-3
     fin = torch.isfinite(lse1)
     assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse1[fin], atol=1e-4)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        og, _ = A.decode_attention(*args, whole_pages=True, counters=counters, validate=False, fused=fused)
-    for _ in range(3):
-        og.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+    for og, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, counters=counters, validate=False,
+                                                          fused=fused), 3):
         assert torch.equal(og, o2)
 
 
@@ -196,14 +197,8 @@ def test_fused_decode_under_graph_replay_on_gpu():
         m.setattr(A, "DECODE_SHARED_GRID", False)
         o3, lse3 = A.decode_attention(*args)  # three launches
     A.decode_attention(*args, whole_pages=True, counters=counters, fused=True)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, lse = A.decode_attention(*args, whole_pages=True, counters=counters, validate=False, fused=True)
-    for _ in range(5):
-        o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+    for o, lse in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, counters=counters, validate=False,
+                                                           fused=True), 5):
         assert (counters == 0).all()
         assert rel_rmse(o, o3) < 1e-3
         assert torch.allclose(lse, lse3, atol=1e-4)
