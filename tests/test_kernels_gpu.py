@@ -7,7 +7,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant
-from runtime_kernels.attention import paged_ref, triton_int2
+from runtime_kernels.attention import paged_ref, triton_fused, triton_int2
 from runtime_kernels.quant import naive
 
 pytestmark = pytest.mark.gpu
@@ -154,8 +154,6 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first
     o3, lse3 = A.decode_attention(*args)  # three launches
     o_ref, lse_ref = A.decode_attention(*args, backend="torch")
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
-    from runtime_kernels.attention import triton_fused
-
     monkeypatch.setattr(triton_fused, "WINDOWS_FIRST", windows_first)
     o2, lse2 = A.decode_attention(*args, whole_pages=True)
     o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True)  # same kernel code, in-kernel reduce
