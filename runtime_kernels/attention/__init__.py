@@ -277,22 +277,20 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return _merge().merge_pair(o_a, lse_a, o_b, lse_b)
 
 
-def _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None) -> bool:
+def _grid_launch(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None,
+                 window_splits: int | None) -> str | None:
+    """Which launch of the fused kernel's grid (history and window programs) a call takes: "fused" (one launch, the
+    split reduce in the kernel: `fused`, default `DECODE_FUSED`), "shared" (two: `DECODE_SHARED_GRID`, no explicit
+    window split count), or None where that grid does not apply (other kernels, fp32 windows) or is not asked for:
+    then three launches."""
     from runtime_kernels.attention import triton_fused
 
-    fused = DECODE_FUSED if fused is None else fused
-    return bool(fused) and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n)
-
-
-def _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int, fused: bool | None,
-                         window_splits: int | None) -> bool:
-    """The two-launch path (`DECODE_SHARED_GRID`): not fused, no explicit window split count, and the fused kernel's
-    history/window grid applies."""
-    from runtime_kernels.attention import triton_fused
-
-    return (DECODE_SHARED_GRID and not window_splits
-            and not _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused)
-            and triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n))
+    fused = DECODE_FUSED if fused is None else bool(fused)
+    if not (fused or (DECODE_SHARED_GRID and not window_splits)):
+        return None
+    if not triton_fused.fused_ok(q, k_codes, k_scale, v_codes, k_win, impl, block_n):
+        return None
+    return "fused" if fused else "shared"
 
 
 def _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
@@ -313,15 +311,14 @@ def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
                       num_stages: int = 3, impl: int | None = None, whole_pages: bool = False,
                       fused: bool | None = None) -> tuple[int, int]:
     """(history splits, window splits) that `decode_attention` launches by default on the Triton path: whole waves of
-    the kernel that runs (the fused one where it applies and `fused`, default `DECODE_FUSED`, asks for it), from
-    shapes and compiled kernels only."""
+    the kernel that runs (the fused kernel's grid in its one- or two-launch form where it applies, `_grid_launch`),
+    from shapes and compiled kernels only."""
     impl = INT2_IMPL if impl is None else impl
-    if _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused):
+    launch = _grid_launch(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, None)
+    if launch is not None:
         return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                             v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages)
-    if _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, None):
-        return _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                             v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages, merge=False)
+                             v_win, slot_ids, win_len, block_n, num_warps, num_stages, impl, whole_pages,
+                             merge=launch == "fused")
     return (int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, block_n,
                             num_warps, num_stages, impl, whole_pages),
             default_num_splits(q.shape[0], k_codes.shape[1], k_win.shape[2], q.device, block_n=block_n,
@@ -372,13 +369,13 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     b, _, _ = q.shape
     h_kv = k_codes.shape[1]
     impl = INT2_IMPL if impl is None else impl
-    in_kernel_reduce = _fused_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused)
-    if in_kernel_reduce or _shared_grid_applies(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused,
-                                                window_splits):
+    launch = _grid_launch(q, k_codes, k_scale, v_codes, k_win, impl, block_n, fused, window_splits)
+    if launch is not None:
         # The fused kernel's grid (history and window programs): one launch with the split reduce done by the last
         # program of each KV head, or two with the reduce as a launch of its own (DECODE_SHARED_GRID).
         from runtime_kernels.attention import triton_fused
 
+        in_kernel_reduce = launch == "fused"
         if not in_kernel_reduce:
             counters = None
         elif counters is None:

@@ -203,5 +203,6 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST, _int2.PAIR_TILES))
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST,
+              _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages), _int2.PAIR_STAGES))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

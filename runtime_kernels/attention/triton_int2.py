@@ -850,6 +850,12 @@ def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride
     return kw, vw, ks, kz, vs
 
 
+@triton.jit
+def _pick_page(pages, offs_pv, j):
+    """Entry j of a register vector of page ids (a masked sum: no memory round trip), as an int64 for addressing."""
+    return tl.sum(tl.where(offs_pv == j, pages, 0), axis=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel_t(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -969,7 +975,7 @@ def _int2_chunk_t(
             n_in = tl.minimum(NPV, n_tiles - jb)
             # V zeros feed no dot, so the pipeliner leaves their load synchronous (ncu: the largest stall left);
             # they are prefetched by hand one tile ahead instead, as a loop-carried register.
-            pg0 = tl.sum(tl.where(offs_pv == 0, pg, 0), axis=0).to(tl.int64)
+            pg0 = _pick_page(pg, offs_pv, 0)
             vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
                               + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr + offs_n * stride_vsr)
             # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
@@ -981,7 +987,7 @@ def _int2_chunk_t(
                 r0 = tl.multiple_of(t0 % P, BLOCK_N)
                 vz_cur = vz_next
                 jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
-                pgn = tl.sum(tl.where(offs_pv == jn, pg, 0), axis=0).to(tl.int64)
+                pgn = _pick_page(pg, offs_pv, jn)
                 vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
                                   + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
                                   + offs_n * stride_vsr)
@@ -1019,8 +1025,8 @@ def _int2_chunk_t(
             pa = tl.load(bt_row + first, mask=ti < n_tiles, other=0)
             pz = tl.load(bt_row + first + 1, mask=ti < n_tiles, other=0)
             n_in = tl.minimum(NPV, n_tiles - jb)
-            na = tl.sum(tl.where(offs_pv == 0, pa, 0), axis=0).to(tl.int64)
-            nz = tl.sum(tl.where(offs_pv == 0, pz, 0), axis=0).to(tl.int64)
+            na = _pick_page(pa, offs_pv, 0)
+            nz = _pick_page(pz, offs_pv, 0)
             vza_next = tl.load(vz_ptr + na * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
             vzb_next = tl.load(vz_ptr + nz * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
             page_a = na
@@ -1031,8 +1037,8 @@ def _int2_chunk_t(
                 vza = vza_next
                 vzb = vzb_next
                 jn = tl.minimum(jj + 1, n_in - 1)
-                page_a = tl.sum(tl.where(offs_pv == jn, pa, 0), axis=0).to(tl.int64)
-                page_b = tl.sum(tl.where(offs_pv == jn, pz, 0), axis=0).to(tl.int64)
+                page_a = _pick_page(pa, offs_pv, jn)
+                page_b = _pick_page(pz, offs_pv, jn)
                 vza_next = tl.load(vz_ptr + page_a * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
                 vzb_next = tl.load(vz_ptr + page_b * stride_vsp + h * stride_vsh + offs_r * stride_vsr)
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
@@ -1194,8 +1200,9 @@ IMPL5_TILE_ACC = True
 IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to ptxas (None: ptxas decides)
 # Opt-in, NOT MEASURED on a GPU yet: with whole 64-token pages, the fused kernel's grid (one launch, or the two-launch
 # default) runs history tiles of two pages as eight 16-token pieces with one softmax step, plus one program per
-# (sequence, KV head) for an odd trailing page, with 2 pipeline stages. Offline (Triton 3.6, sm_90): 594 instead of
-# 649 instructions per 64 tokens, 168 registers, 13 KiB shared memory (12 programs per SM). bench/NOTES_decode.md v9.
+# (sequence, KV head) for an odd trailing page, with PAIR_STAGES pipeline stages. Offline (Triton 3.6, sm_90), the
+# two-launch kernel: 1195 instructions per 128-token tile (597 per 64 tokens, against 650), 128 registers, 12 KiB of
+# shared memory; with the in-kernel reduce 168 registers. bench/NOTES_decode.md v9.
 PAIR_TILES = False
 PAIR_STAGES = 2
 
