@@ -65,29 +65,58 @@ def copy_bandwidth() -> dict:
     return {"bytes": 2 * n, "ms": med, "gbps": 2 * n / med / 1e6, "note": "read + write bytes of a 1 GiB copy"}
 
 
-def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = PAGE):
+def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = PAGE, layout: str = "separate",
+                    order: str = "scattered"):
     """Paged INT2 pools (random bytes, plausible fp16 scales) + BF16 windows for `batch` sequences of `context`:
     `context - WIN` history tokens rounded down to whole pages of `page` tokens (PagedKVCache only demotes whole
-    pages)."""
+    pages).
+
+    layout: "separate" (six pools, as `PagedKVCache` allocates them), "scales" (the four scale/zero vectors of a
+    (page, KV head) side by side in one `[pages, H, 4, P]` fp16 buffer) or "tile" (codes and scales of a
+    (page, KV head) in one contiguous block of `P * (2 * d/4 + 8)` bytes); the last two are views with other
+    strides, to measure what DRAM locality of a tile's pieces is worth. order: "scattered" (pages of a sequence at
+    random pool slots, as a paged allocator leaves them) or "ordered" (consecutive slots)."""
     hist = (context - WIN) // page * page
     pages_per_seq = -(-hist // page)
     n_pages = batch * pages_per_seq
     dev = DEV
-    kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-    vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-    ks = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
-    vs = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 0.5 + 0.1).half()
-    kz = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 3).half()
-    vz = (torch.rand(n_pages, H_KV, page, 1, device=dev, generator=gen) * 3).half()
-    # Pages of a sequence scattered over the pool, as a paged allocator would leave them.
-    table = torch.randperm(n_pages, device=dev, generator=gen).reshape(batch, pages_per_seq).to(torch.int32)
+    cb = page * (D // 4)  # code bytes of one (page, KV head)
+
+    if layout == "separate":
+        kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+        vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+        ks, kz, vs, vz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(4))
+    elif layout == "scales":
+        kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+        vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+        sc = torch.empty(n_pages, H_KV, 4, page, dtype=torch.float16, device=dev)
+        ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))
+    elif layout == "tile":
+        blk = torch.randint(0, 256, (n_pages, H_KV, 2 * cb + 8 * page), dtype=torch.uint8, device=dev, generator=gen)
+        kc = blk[:, :, :cb].view(n_pages, H_KV, page, D // 4)
+        vc = blk[:, :, cb:2 * cb].view(n_pages, H_KV, page, D // 4)
+        sc = blk[:, :, 2 * cb:].view(torch.float16).view(n_pages, H_KV, 4, page)
+        ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))
+    else:
+        raise ValueError(f"make_int2_cache: layout {layout!r}: expected 'separate', 'scales' or 'tile'")
+    ks.copy_(torch.rand(ks.shape, device=dev, generator=gen) * 0.5 + 0.1)
+    vs.copy_(torch.rand(vs.shape, device=dev, generator=gen) * 0.5 + 0.1)
+    kz.copy_(torch.rand(kz.shape, device=dev, generator=gen) * 3)
+    vz.copy_(torch.rand(vz.shape, device=dev, generator=gen) * 3)
+    if order == "scattered":  # pages of a sequence scattered over the pool, as a paged allocator would leave them
+        table = torch.randperm(n_pages, device=dev, generator=gen)
+    elif order == "ordered":
+        table = torch.arange(n_pages, device=dev)
+    else:
+        raise ValueError(f"make_int2_cache: order {order!r}: expected 'scattered' or 'ordered'")
+    table = table.reshape(batch, pages_per_seq).to(torch.int32)
     hist_len = torch.full((batch,), hist, dtype=torch.int32, device=dev)
     k_win = torch.randn(batch, H_KV, WIN, D, device=dev, generator=gen).to(torch.bfloat16)
     v_win = torch.randn(batch, H_KV, WIN, D, device=dev, generator=gen).to(torch.bfloat16)
     slot_ids = torch.randperm(batch, device=dev, generator=gen).to(torch.int32)
     win_len = torch.full((batch,), WIN, dtype=torch.int32, device=dev)
     pools = (kc, ks, kz, vc, vs, vz)
-    allocated = sum(t.numel() * t.element_size() for t in pools + (k_win, v_win))
+    allocated = sum(t.numel() * t.element_size() for t in pools + (k_win, v_win))  # the same in every layout
     read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
     return pools, table, hist_len, k_win, v_win, slot_ids, win_len, allocated, read
 

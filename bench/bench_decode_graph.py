@@ -141,10 +141,12 @@ def bf16_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 
 
 # ----------------------------------------------------------------------------------------------------- INT2 side
-def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator):
+def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator, layout: str = "separate",
+                order: str = "scattered"):
     """`layers` distinct INT2 caches in one pool: `bench_decode.make_int2_cache` for layers * batch sequences, its
     block table and window slots split per layer (each layer its own scattered pages and its own windows)."""
-    pools, table, hist_len, k_win, v_win, slot_ids, win_len, _, _ = make_int2_cache(layers * batch, context, gen)
+    pools, table, hist_len, k_win, v_win, slot_ids, win_len, _, _ = make_int2_cache(layers * batch, context, gen,
+                                                                                   layout=layout, order=order)
     return (pools, table.view(layers, batch, -1), hist_len[:batch], k_win, v_win, slot_ids.view(layers, batch),
             win_len[:batch])
 
@@ -186,14 +188,21 @@ def apply_variant(variant: str) -> int:
             _fused.WINDOWS_FIRST = v != "0"
         elif k == "pair":
             _int2.PAIR_TILES = v != "0"
-        elif k not in ("stages", "whole"):
+        elif k not in ("stages", "whole", "layout", "order"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair)")
+                             f"fused, shared, wfirst, pair, layout, order)")
     return int(impl)
 
 
 def variant_stages(variant: str) -> int:
     return next((int(o.split("=")[1]) for o in variant.split(":")[1:] if o.startswith("stages=")), 3)
+
+
+def variant_cache(variant: str) -> tuple[str, str]:
+    """(layout, order) of the pools a variant runs on (`bench_decode.make_int2_cache`): `layout=separate|scales|tile`,
+    `order=scattered|ordered`."""
+    opts = dict(o.split("=") for o in variant.split(":")[1:])
+    return opts.get("layout", "separate"), opts.get("order", "scattered")
 
 
 def variant_whole(variant: str) -> bool:
@@ -205,12 +214,16 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
     hist = context - WIN
     read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
     layers = layers_for(read)
-    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+    caches = {}  # (layout, order) -> (pools, tables, hist_len, k_win, v_win, slots, win_len, exact)
     out = {"layers": layers, "bytes_per_call": read, "floor_ms_at_copy_bw": read / copy / 1e6}
-    exact = exact_decode(q, pools, tables[0], hist_len, k_win, v_win, slots[0], win_len, rows=1)[0][0]
     for variant in impls:
         key = f"impl{variant}"
         try:
+            if variant_cache(variant) not in caches:
+                c = int2_layers(batch, context, layers, gen, *variant_cache(variant))
+                caches[variant_cache(variant)] = c + (exact_decode(q, c[0], c[1][0], c[2], c[3], c[4], c[5][0], c[6],
+                                                                   rows=1)[0][0],)
+            pools, tables, hist_len, k_win, v_win, slots, win_len, exact = caches[variant_cache(variant)]
             impl, stages, whole = apply_variant(variant), variant_stages(variant), variant_whole(variant)
             calls = [lambda t=tables[i], s=slots[i], impl=impl, stages=stages, whole=whole: A.decode_attention(
                 q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages, whole_pages=whole)
@@ -229,7 +242,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             traceback.print_exc()
     apply_variant(str(A.INT2_IMPL))
-    out["demotion"] = demotion_cost(batch, pools, gen)
+    out["demotion"] = demotion_cost(batch, next(iter(caches.values()))[0], gen) if caches else {}
     return out
 
 

@@ -172,3 +172,91 @@ def test_two_page_tiles_match_the_concatenated_softmax(monkeypatch, merge_in_ker
     assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
     assert rel_rmse(o, o1) < 1e-3
     assert torch.allclose(lse[fin], lse1[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+@pytest.mark.parametrize("fold_tiles,splits,pair", [(1, 3, False), (0, 2, False), (2, 1, False), (1, 2, True),
+                                                    (40, 3, False)])
+def test_windows_folded_into_history_programs_match_the_concatenated_softmax(monkeypatch, merge_in_kernel,
+                                                                           fold_tiles, splits, pair):
+    """`FOLD_WINDOWS`: the first history programs also run a window chunk each (more window chunks than history
+    splits here: the extra programs run only a window chunk), with FOLD_TILES fewer history tiles for them (40:
+    more than the histories have, so the even split applies), in both launch forms and with two-page tiles.
+    Against the reference and the unfolded grid."""
+    lens = [64 * 9, 0, 64, 64 * 4, 64 * 13]
+    h_kv, group, d = 2, 4, 64
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=64, seed=90 + fold_tiles)
+    k_win, v_win = make_window(len(lens) + 1, h_kv, 112, d, torch.bfloat16, seed=12)  # 4 window chunks of 32
+    slot_ids = torch.tensor([1, 4, 0, 2, 5], dtype=torch.int32)
+    win_len = torch.tensor([112, 5, 0, 40, 100], dtype=torch.int32)
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    monkeypatch.setattr(A, "DECODE_SHARED_GRID", not merge_in_kernel)
+    monkeypatch.setattr(triton_int2, "PAIR_TILES", pair)
+    kw = dict(backend="triton", num_splits=splits, whole_pages=True, fused=merge_in_kernel)
+    grids = []
+    kernel = triton_fused._decode_fused_kernel
+
+    class GridSpy:  # records the launch grid of `kernel[grid](...)`
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+    with pytest.MonkeyPatch.context() as m:
+        no_separate_launches(m)
+        m.setattr(triton_fused, "FOLD_WINDOWS", True)
+        m.setattr(triton_fused, "FOLD_TILES", fold_tiles)
+        m.setattr(triton_fused, "_decode_fused_kernel", GridSpy())
+        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+        m.setattr(triton_fused, "FOLD_WINDOWS", False)
+        o1, lse1 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+    s_win = triton_fused.window_splits(112)
+    assert grids[0][2] == max(splits, s_win) + int(pair)  # folded: no programs of their own for the windows
+    assert grids[1][2] == splits + s_win + int(pair)
+    assert rel_rmse(o, want_o) < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+    assert rel_rmse(o, o1) < 1e-3
+
+
+@pytest.mark.parametrize("block_n,range_", [(64, 0), (128, 1)])
+def test_folded_chunk_bounds_tile_the_history_exactly_once(block_n, range_):
+    """`_chunk_bounds` with FOLD_TILES: over many lengths, split counts and folded-split counts, the chunks are
+    tile-aligned, in order, disjoint and cover exactly the range the unfolded split covers; when the history is
+    long enough, each of the first n_fold splits has FOLD_TILES tiles fewer than the next unfolded one (to one)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bounds_kernel(len_ptr, out_ptr, n_split, n_fold, BLOCK_N: tl.constexpr, RANGE: tl.constexpr,
+                      FOLD_TILES: tl.constexpr):
+        b = tl.program_id(0)
+        sp = tl.program_id(1)
+        s, e = triton_int2._chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE, n_fold, FOLD_TILES)
+        tl.store(out_ptr + (b * n_split + sp) * 2, s)
+        tl.store(out_ptr + (b * n_split + sp) * 2 + 1, e)
+
+    lens = torch.tensor([0, 1, 63, 64, 65, 640, 64 * 33, 64 * 61 + 17, 64 * 2043], dtype=torch.int32)
+    for n_split in (1, 2, 5, 33):
+        for n_fold in (0, 3, 10, 40):
+            for fold in (1, 2, 3):
+                out = torch.zeros(len(lens), n_split, 2, dtype=torch.int32)
+                bounds_kernel[(len(lens), n_split)](lens, out, n_split, n_fold, BLOCK_N=block_n, RANGE=range_,
+                                                   FOLD_TILES=fold)
+                for i, L in enumerate(lens.tolist()):
+                    top = L // block_n * block_n if range_ == 1 else L
+                    s, e = out[i, :, 0].tolist(), out[i, :, 1].tolist()
+                    covered = []
+                    for a, z in zip(s, e):
+                        assert a % block_n == 0 and 0 <= a <= top and a <= z <= top or (a >= z), (L, a, z)
+                        covered += list(range(a, z))
+                    assert covered == list(range(top)), (L, n_split, n_fold, fold)
+                    tiles = [max(0, z - a) // block_n for a, z in zip(s, e)]
+                    nf = min(n_fold, n_split)
+                    per = -(-(-(-top // block_n) + nf * fold) // n_split)
+                    if 0 < nf < n_split and per >= fold and top // block_n >= n_split * per:
+                        assert tiles[0] + fold == tiles[nf], (L, tiles)
