@@ -154,7 +154,7 @@ def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator, lay
 DEFAULT_SHARED_GRID = A.DECODE_SHARED_GRID  # the library defaults, restored for each variant
 DEFAULT_WINDOWS_FIRST = _fused.WINDOWS_FIRST
 DEFAULT_PAIR_TILES = _int2.PAIR_TILES
-DEFAULT_FOLD = (_fused.FOLD_WINDOWS, _fused.FOLD_TILES)
+DEFAULT_WINDOW_TOKENS = _fused.WINDOW_SPLIT_TOKENS
 
 
 def apply_variant(variant: str) -> int:
@@ -165,9 +165,8 @@ def apply_variant(variant: str) -> int:
     single fused launch (history + window + reduce) instead of the default three launches; `shared=1` the two
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
     `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
-    tiles in that grid (`triton_int2.PAIR_TILES`); `fold=N` the window chunks run by the first history programs, N
-    history tiles fewer for them (`triton_fused.FOLD_WINDOWS`, `FOLD_TILES`; `fold=off`); `layout=`, `order=` the
-    pools' layout and page order (`variant_cache`)."""
+    tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
+    (`triton_fused.WINDOW_SPLIT_TOKENS`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -177,7 +176,7 @@ def apply_variant(variant: str) -> int:
     A.DECODE_SHARED_GRID = DEFAULT_SHARED_GRID
     _fused.WINDOWS_FIRST = DEFAULT_WINDOWS_FIRST
     _int2.PAIR_TILES = DEFAULT_PAIR_TILES
-    _fused.FOLD_WINDOWS, _fused.FOLD_TILES = DEFAULT_FOLD
+    _fused.WINDOW_SPLIT_TOKENS = DEFAULT_WINDOW_TOKENS
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -192,12 +191,11 @@ def apply_variant(variant: str) -> int:
             _fused.WINDOWS_FIRST = v != "0"
         elif k == "pair":
             _int2.PAIR_TILES = v != "0"
-        elif k == "fold":  # fold=off, or fold=N: window chunks in the history programs, N history tiles fewer
-            _fused.FOLD_WINDOWS = v != "off"
-            _fused.FOLD_TILES = 0 if v == "off" else int(v)
+        elif k == "wtok":
+            _fused.WINDOW_SPLIT_TOKENS = int(v)
         elif k not in ("stages", "whole", "layout", "order"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, fold, layout, order)")
+                             f"fused, shared, wfirst, pair, wtok, layout, order)")
     return int(impl)
 
 
@@ -244,7 +242,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                                                       win_len, num_stages=stages, impl=impl, whole_pages=whole),
                         "whole_pages": whole, "fused": A.DECODE_FUSED, "shared_grid": A.DECODE_SHARED_GRID,
                         "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
-                        "fold_windows": _fused.FOLD_WINDOWS, "fold_tiles": _fused.FOLD_TILES,
+                        "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

@@ -185,25 +185,6 @@ def test_two_page_tiles_on_gpu_under_graph_replay(monkeypatch, fused):
         assert torch.equal(og, o2)
 
 
-@pytest.mark.parametrize("fused,pair", [(False, False), (True, False), (False, True)])
-def test_folded_windows_on_gpu_under_graph_replay(monkeypatch, fused, pair):
-    """`FOLD_WINDOWS`: window chunks run by the first history programs (FOLD_TILES fewer history tiles for them), in
-    the two-launch and one-launch form and with two-page tiles, eager and replayed from a CUDA graph, against the
-    unfolded grid."""
-    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=15, seed=8, min_window=0)
-    counters = torch.zeros(10 * 8, dtype=torch.int32, device=DEV) if fused else None
-    monkeypatch.setattr(triton_int2, "PAIR_TILES", pair)
-    o1, lse1 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
-    monkeypatch.setattr(triton_fused, "FOLD_WINDOWS", True)
-    o2, lse2 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
-    assert rel_rmse(o2, o1) < 1e-3
-    fin = torch.isfinite(lse1)
-    assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse1[fin], atol=1e-4)
-    for og, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, counters=counters, validate=False,
-                                                          fused=fused), 3):
-        assert torch.equal(og, o2)
-
-
 def test_fused_decode_under_graph_replay_on_gpu():
     """The fused launch at batch 32 (2048 programs racing on 256 arrival counters), captured once in a CUDA graph
     with a shared counters buffer and replayed: every replay must reduce (counters back to zero) and match the

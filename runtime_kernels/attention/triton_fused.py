@@ -32,18 +32,14 @@ WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp til
 WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
 # Window programs first in the grid (dispatched before the history programs) instead of last.
 WINDOWS_FIRST = False
-# Window chunks run by the first history programs (before their history chunk) instead of programs of their own
-# after the history wave, and those programs get FOLD_TILES history tiles fewer.
-FOLD_WINDOWS = False
-FOLD_TILES = 1
 
 
-@triton.jit(do_not_specialize=["s_hist", "s_win"])
+@triton.jit(do_not_specialize=["s_hist"])
 def _decode_fused_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr,
     kw_ptr, vw_ptr, slot_ptr, wlen_ptr,
     op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr,
-    qk_scale, s_hist, s_win,
+    qk_scale, s_hist,
     stride_qb, stride_qh,
     # Pool strides are compile-time constants: the cache's pools are contiguous, so they follow from the geometry
     # (one compile per model); see `triton_int2._int2_decode_kernel_t`.
@@ -61,78 +57,46 @@ def _decode_fused_kernel(
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
-    S_TAIL: tl.constexpr = 0, FOLD: tl.constexpr = False, FOLD_TILES: tl.constexpr = 0,
+    S_TAIL: tl.constexpr = 0,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_all = tl.num_programs(2)
-    n_part = s_hist + s_win + S_TAIL  # partials: history splits, window splits, the odd page (S_TAIL)
-    if FOLD:
-        # Window chunks folded into the history programs: program sp runs window chunk sp (if sp < s_win) and then
-        # history chunk sp (if sp < s_hist), FOLD_TILES tiles shorter when it had a window chunk, so the window
-        # work runs inside the history wave instead of after it.
-        sp = tl.program_id(2)
-        if sp < s_win:
-            _window._window_chunk_t(
-                q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
-                stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                b, h, sp, s_win,
-                GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
-        if sp < s_hist:
-            _int2._int2_chunk_t(
-                q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
-                stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                b, h, sp, s_hist,
-                GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-                S_TAIL == 1, S_TAIL, s_win, FOLD_TILES)
-        if S_TAIL == 1:
-            if sp == n_all - 1:  # the odd last page of two-page tiles, stored after the window partials
-                _int2._int2_chunk_t(
-                    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale,
-                    0, stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                    stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
-                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    b, h, s_hist + s_win, 1,
-                    GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
+    # Program order along the grid's last axis (blocks are dispatched in that order): history splits then window
+    # splits, or with WIN_FIRST the window splits first. Partials are stored history first either way.
+    if WIN_FIRST:
+        sp = (tl.program_id(2) + s_hist) % n_all
     else:
-        # Program order along the grid's last axis (blocks are dispatched in that order): history splits then
-        # window splits, or with WIN_FIRST the window splits first. Partials are stored history first either way.
-        if WIN_FIRST:
-            sp = (tl.program_id(2) + s_hist) % n_all
-        else:
-            sp = tl.program_id(2)
-        if sp < s_hist:
-            # S_TAIL = 1: two-page tiles (BLOCK_N = 2 P) over the whole tiles of the history
-            # (`triton_int2.PAIR_TILES`); an odd page left over runs in the last program of the grid.
+        sp = tl.program_id(2)
+    if sp < s_hist:
+        # S_TAIL = 1: two-page tiles (BLOCK_N = 2 P) over the whole tiles of the history (`triton_int2.PAIR_TILES`);
+        # an odd page left over runs in the last program of the grid.
+        _int2._int2_chunk_t(
+            q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
+            stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            b, h, sp, s_hist,
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
+            S_TAIL == 1, S_TAIL)
+    elif sp < n_all - S_TAIL:
+        _window._window_chunk_t(
+            q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
+            stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            b, h, sp - s_hist, n_all - s_hist - S_TAIL,
+            GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
+    else:
+        if S_TAIL == 1:  # the page after the last whole two-page tile, if the history has an odd page count
             _int2._int2_chunk_t(
                 q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale, 0,
                 stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                b, h, sp, s_hist,
-                GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-                S_TAIL == 1, S_TAIL)
-        elif sp < n_all - S_TAIL:
-            _window._window_chunk_t(
-                q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
-                stride_qb, stride_qh, stride_wks, stride_wkh, stride_wkr, stride_wvs, stride_wvh, stride_wvr,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                b, h, sp - s_hist, n_all - s_hist - S_TAIL,
-                GROUP, NC, D, D_PAD, BLOCK_W, INTERP)
-        else:
-            if S_TAIL == 1:  # the page after the last whole two-page tile, if the history has an odd page count
-                _int2._int2_chunk_t(
-                    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, op_ptr, lp_ptr, qk_scale,
-                    0, stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                    stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
-                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    b, h, sp, 1,
-                    GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
+                b, h, sp, 1,
+                GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
 
     if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
         # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
@@ -146,7 +110,7 @@ def _decode_fused_kernel(
                                  lp_ptr + b.to(tl.int64) * stride_lb + hq * stride_lh, stride_lh,
                                  o_ptr + (b.to(tl.int64) * tl.num_programs(1) * GROUP + hq) * D,
                                  lse_ptr + b.to(tl.int64) * tl.num_programs(1) * GROUP + hq,
-                                 n_part, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
+                                 n_all, GROUP, GP, D, D_PAD, S_BLOCK, S_MAX)
             tl.store(cnt, 0)
 
 
@@ -191,7 +155,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     h_kv = k_codes.shape[1]
     group = h_q // h_kv
     pair = _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages)
-    total = s_hist + s_win + int(pair)  # partials; pair: one more per (sequence, KV head), the odd page
+    total = s_hist + s_win + int(pair)  # pair: one more program per (sequence, KV head), the odd page
     o_part = torch.empty(b, h_q, total, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, h_q, total, dtype=torch.float32, device=q.device)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
@@ -200,7 +164,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     if counters is None:  # merge=False never touches them
         counters = hist_len
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
-            o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist, s_win,
+            o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
             *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
@@ -212,10 +176,9 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
-              FOLD=FOLD_WINDOWS, FOLD_TILES=FOLD_TILES if FOLD_WINDOWS else 0,
               num_warps=num_warps, num_stages=num_stages,
               **_int2.maxnreg_option())
-    grid = (b, h_kv, (max(s_hist, s_win) + int(pair)) if FOLD_WINDOWS else total)
+    grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
     _decode_fused_kernel[grid](*args, **kw)
@@ -240,6 +203,6 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
                                          num_warps, num_stages, impl, whole_pages)
-           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST, FOLD_WINDOWS, FOLD_TILES,
+           + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST,
               _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages), _int2.PAIR_STAGES))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

@@ -199,16 +199,11 @@ def _softmax_finish(m_i, l_i):
 
 
 @triton.jit
-def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr, RANGE: tl.constexpr = 0, n_fold=0,
-                  FOLD_TILES: tl.constexpr = 0):
+def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr, RANGE: tl.constexpr = 0):
     """Tokens `[start, end)` of split sp of n_split of sequence b (length L at `len_ptr + b`): tile-aligned chunks, so
     tiles never straddle pages when BLOCK_N divides the page size. Shared by every decode kernel.
     RANGE 1: the chunks cover only the whole tiles, `[0, L // BLOCK_N * BLOCK_N)`; RANGE 2 (sp, n_split ignored):
-    the tail that RANGE 1 leaves with tiles of 2 BLOCK_N, `[L // (2 BLOCK_N) * 2 BLOCK_N, L)`.
-    FOLD_TILES > 0: the first min(n_fold, n_split) splits also run a window chunk (`triton_fused` FOLD), so each gets
-    FOLD_TILES tiles fewer than the others (split s starts at tile s * per - min(s, n_fold) * FOLD_TILES, with
-    per = cdiv(T + n_fold * FOLD_TILES, n_split): monotone while per >= FOLD_TILES, and the last split ends at or
-    past T); histories too short for that are split evenly."""
+    the tail that RANGE 1 leaves with tiles of 2 BLOCK_N, `[L // (2 BLOCK_N) * 2 BLOCK_N, L)`."""
     L = tl.load(len_ptr + b).to(tl.int32)
     if RANGE == 2:
         return L // (2 * BLOCK_N) * (2 * BLOCK_N), L
@@ -216,16 +211,7 @@ def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr, RANGE: tl.cons
         L = L // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
     start = sp * chunk
-    end = tl.minimum(start + chunk, L)
-    if FOLD_TILES > 0:
-        nf = tl.minimum(n_fold, n_split)
-        per = tl.cdiv(tl.cdiv(L, BLOCK_N) + nf * FOLD_TILES, n_split)
-        if per >= FOLD_TILES:
-            fs = (sp * per - tl.minimum(sp, nf) * FOLD_TILES) * BLOCK_N
-            fe = fs + (per - tl.where(sp < nf, FOLD_TILES, 0)) * BLOCK_N
-            start = tl.minimum(fs, L)
-            end = tl.minimum(fe, L)
-    return start, end
+    return start, tl.minimum(start + chunk, L)
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -918,17 +904,15 @@ def _int2_chunk_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0, n_fold=0,
-    FOLD_TILES: tl.constexpr = 0,
+    FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
     PAIR: whole tiles of two pages (BLOCK_N = 2 P, chunks over the whole tiles only: RANGE 1); RANGE 2: the one-page
-    tail that PAIR programs leave; n_fold, FOLD_TILES: fewer tiles for the splits that also run a window chunk (see
-    `_chunk_bounds`)."""
+    tail that PAIR programs leave (see `_chunk_bounds`)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
-    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE, n_fold, FOLD_TILES)
+    start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)

@@ -1,0 +1,152 @@
+"""Sustained decode under CUDA graphs with the SM clock and board power sampled: why the INT2 side's time moves from
+run to run (machine to machine) while BF16's barely does.
+
+One point (default 128K / batch 8), two phases of `--seconds` each: the BF16 cuDNN graph and the INT2 graph
+(`bench_decode_graph`'s calls), replayed back to back while `nvidia-smi` samples the SM clock and the power draw
+every 100 ms. Reports per phase the ms per call over the first 15 replays (what `bench_decode_graph` times) and over
+the last second, with the median SM clock and power in that phase.
+
+    python3 bench/power_clock_trace.py --out OUT [--point 131072x8] [--seconds 4]
+
+Writes `power_clock_<gpu>.json` and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
+from bench_decode_graph import MIN_CALLS, int2_layers, layers_for, repeat_to  # noqa: E402
+
+from runtime_kernels import attention as A  # noqa: E402
+
+SMI = ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+
+
+def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> list:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layers = layers_for(2 * batch * H_KV * context * D * 2)
+    kv = [tuple(torch.empty(batch, H_KV, context, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
+                for _ in range(2)) for _ in range(layers)]
+    qg = q.reshape(batch, H_Q, 1, D)
+
+    def call(k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qg, k, v, enable_gqa=True)
+    return repeat_to([lambda k=k, v=v: call(k, v) for k, v in kv], MIN_CALLS)
+
+
+def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> list:
+    hist = context - 320
+    layers = layers_for(batch * hist * H_KV * 2 * (D // 4 + 4))
+    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+    return repeat_to([lambda t=tables[i], s=slots[i]: A.decode_attention(
+        q, *pools, t, hist_len, k_win, v_win, s, win_len, whole_pages=True, validate=False)
+        for i in range(layers)], MIN_CALLS)
+
+
+def sustained(calls: list, seconds: float) -> dict:
+    """Capture `calls` in one graph, replay it back to back for `seconds` -> ms per call of every replay with its end
+    time (wall clock, for matching the clock samples)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in calls[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    per_call, ends = [], []
+    t_start = time.time()
+    while time.time() - t_start < seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        per_call.append(a.elapsed_time(b) / len(calls))
+        ends.append(time.time())
+    del g
+    return {"start": t_start, "end": time.time(), "per_call_ms": per_call, "replay_end": ends}
+
+
+def samples_between(rows: list[tuple[float, float, float]], t0: float, t1: float) -> dict:
+    sel = [r for r in rows if t0 <= r[0] <= t1]
+    if not sel:
+        return {"samples": 0}
+    return {"samples": len(sel), "sm_mhz_median": statistics.median(r[1] for r in sel),
+            "sm_mhz_min": min(r[1] for r in sel), "power_w_median": statistics.median(r[2] for r in sel)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
+    ap.add_argument("--seconds", type=float, default=4.0, help="sustained replay per phase")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("power_clock_trace: needs a CUDA GPU")
+    context, batch = (int(x) for x in args.point.lower().split("x"))
+    gen = torch.Generator(device=DEV).manual_seed(context + batch)
+    q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+    smi = subprocess.Popen(SMI, stdout=subprocess.PIPE, text=True)
+    phases = {}
+    try:
+        for name, build in (("bf16_cudnn", bf16_calls), ("int2", int2_calls)):
+            calls = build(batch, context, q, gen)
+            phases[name] = sustained(calls, args.seconds)
+            del calls
+            torch.cuda.empty_cache()
+            time.sleep(1.0)  # a gap between the phases in the trace
+    finally:
+        smi.terminate()
+        out_text = smi.communicate()[0]
+    rows = []
+    for ln in out_text.splitlines():
+        try:
+            ts, mhz, watts = (x.strip() for x in ln.split(","))
+            rows.append((datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(mhz), float(watts)))
+        except ValueError:
+            continue
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "point": args.point,
+              "seconds": args.seconds, "phases": {}}
+    print(f"{report['gpu']}, {args.point}, {args.seconds:.0f} s sustained graph replay per phase")
+    for name, ph in phases.items():
+        pc, ends = ph["per_call_ms"], ph["replay_end"]
+        last = [p for p, e in zip(pc, ends) if e >= ph["end"] - 1.0]
+        r = {"replays": len(pc), "first15_median_ms": statistics.median(pc[:15]),
+             "last_second_median_ms": statistics.median(last) if last else float("nan"),
+             "whole": samples_between(rows, ph["start"], ph["end"]),
+             "last_second": samples_between(rows, ph["end"] - 1.0, ph["end"])}
+        report["phases"][name] = r
+        w = r["whole"]
+        print(f"{name}: first 15 replays {r['first15_median_ms']:.4f} ms/call, last second "
+              f"{r['last_second_median_ms']:.4f} ms/call; SM clock median {w.get('sm_mhz_median', float('nan')):.0f} "
+              f"MHz (min {w.get('sm_mhz_min', float('nan')):.0f}), power median "
+              f"{w.get('power_w_median', float('nan')):.0f} W over {w['samples']} samples")
+    report["samples"] = rows
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "power_clock_" + report["gpu"].replace(" ", "_") + ".json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
