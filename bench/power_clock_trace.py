@@ -1,8 +1,8 @@
 """Sustained decode under CUDA graphs with the SM clock and board power sampled: why the INT2 side's time moves from
 run to run (machine to machine) while BF16's barely does.
 
-One point (default 128K / batch 8), two phases of `--seconds` each: the BF16 cuDNN graph and the INT2 graph
-(`bench_decode_graph`'s calls), replayed back to back while `nvidia-smi` samples the SM clock and the power draw
+One point (default 128K / batch 8), phases of `--seconds` each: the BF16 cuDNN graph, then the INT2 graph of each
+`--impls` variant (`bench_decode_graph`'s calls and variant keys), replayed back to back while `nvidia-smi` samples the SM clock and the power draw
 every 100 ms. Reports per phase the ms per call over the first 15 replays (what `bench_decode_graph` times) and over
 the last second, with the median SM clock and power in that phase.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
-from bench_decode_graph import MIN_CALLS, int2_layers, layers_for, repeat_to  # noqa: E402
+from bench_decode_graph import MIN_CALLS, apply_variant, int2_layers, layers_for, repeat_to  # noqa: E402
 
 from runtime_kernels import attention as A  # noqa: E402
 
@@ -49,12 +49,15 @@ def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
     return repeat_to([lambda k=k, v=v: call(k, v) for k, v in kv], MIN_CALLS)
 
 
-def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> list:
+def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, variant: str) -> list:
+    """The INT2 calls of `variant` (`bench_decode_graph.apply_variant` keys; its switches stay set until the next
+    variant is applied)."""
     hist = context - 320
     layers = layers_for(batch * hist * H_KV * 2 * (D // 4 + 4))
     pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+    impl = apply_variant(variant)
     return repeat_to([lambda t=tables[i], s=slots[i]: A.decode_attention(
-        q, *pools, t, hist_len, k_win, v_win, s, win_len, whole_pages=True, validate=False)
+        q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, whole_pages=True, validate=False)
         for i in range(layers)], MIN_CALLS)
 
 
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
     ap.add_argument("--seconds", type=float, default=4.0, help="sustained replay per phase")
+    ap.add_argument("--impls", default=str(A.INT2_IMPL),
+                    help="INT2 variants (bench_decode_graph keys), one phase each in this order, e.g. 6,6:pair=1,6")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("power_clock_trace: needs a CUDA GPU")
@@ -110,7 +115,10 @@ def main() -> None:
     smi = subprocess.Popen(SMI, stdout=subprocess.PIPE, text=True)
     phases = {}
     try:
-        for name, build in (("bf16_cudnn", bf16_calls), ("int2", int2_calls)):
+        builds = [("bf16_cudnn", bf16_calls)] + [
+            (f"int2 {v} #{i}", lambda b, c, q, g, v=v: int2_calls(b, c, q, g, v))
+            for i, v in enumerate(args.impls.split(","))]
+        for name, build in builds:
             calls = build(batch, context, q, gen)
             phases[name] = sustained(calls, args.seconds)
             del calls
