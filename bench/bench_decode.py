@@ -82,23 +82,21 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
     dev = DEV
     cb = page * (D // 4)  # code bytes of one (page, KV head)
 
-    if layout == "separate":
-        kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-        vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-        ks, kz, vs, vz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(4))
-    elif layout == "scales":
-        kc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-        vc = torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
-        sc = torch.empty(n_pages, H_KV, 4, page, dtype=torch.float16, device=dev)
-        ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))
-    elif layout == "tile":
+    if layout not in ("separate", "scales", "tile"):
+        raise ValueError(f"make_int2_cache: layout {layout!r}: expected 'separate', 'scales' or 'tile'")
+    if layout == "tile":
         blk = torch.randint(0, 256, (n_pages, H_KV, 2 * cb + 8 * page), dtype=torch.uint8, device=dev, generator=gen)
         kc = blk[:, :, :cb].view(n_pages, H_KV, page, D // 4)
         vc = blk[:, :, cb:2 * cb].view(n_pages, H_KV, page, D // 4)
         sc = blk[:, :, 2 * cb:].view(torch.float16).view(n_pages, H_KV, 4, page)
-        ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))
     else:
-        raise ValueError(f"make_int2_cache: layout {layout!r}: expected 'separate', 'scales' or 'tile'")
+        kc, vc = (torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
+                  for _ in range(2))
+        sc = torch.empty(n_pages, H_KV, 4, page, dtype=torch.float16, device=dev) if layout == "scales" else None
+    if sc is None:
+        ks, kz, vs, vz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(4))
+    else:
+        ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))
     ks.copy_(torch.rand(ks.shape, device=dev, generator=gen) * 0.5 + 0.1)
     vs.copy_(torch.rand(vs.shape, device=dev, generator=gen) * 0.5 + 0.1)
     kz.copy_(torch.rand(kz.shape, device=dev, generator=gen) * 3)

@@ -172,3 +172,30 @@ def test_two_page_tiles_match_the_concatenated_softmax(monkeypatch, merge_in_ker
     assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
     assert rel_rmse(o, o1) < 1e-3
     assert torch.allclose(lse[fin], lse1[fin], atol=1e-4)
+
+
+def test_pools_with_other_strides_give_the_same_answer():
+    """The pool strides are compile-time constants taken from the tensors, not assumed: the same pools as views of
+    one block per (page, KV head) (codes and scale/zero side by side, as `bench_decode.make_int2_cache(layout="tile")`
+    lays them out) give exactly the contiguous pools' result, and both match the reference."""
+    lens = [64 * 5, 0, 64 * 2]
+    h_kv, group, d, page = 2, 4, 128, 64
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=page, seed=21)
+    kc, ks, kz, vc, vs, vz, table, hist_len = pool
+    n_pages, cb = kc.shape[0], page * d // 4
+    blk = torch.zeros(n_pages, h_kv, 2 * cb + 8 * page, dtype=torch.uint8)
+    views = (blk[:, :, :cb].view(n_pages, h_kv, page, d // 4), blk[:, :, cb:2 * cb].view(n_pages, h_kv, page, d // 4),
+             *(blk[:, :, 2 * cb:].view(torch.float16).view(n_pages, h_kv, 4, page)[:, :, i, :, None] for i in range(4)))
+    for dst, src in zip(views, (kc, vc, ks, kz, vs, vz)):
+        dst.copy_(src)
+    strided = (views[0], views[2], views[3], views[1], views[4], views[5], table, hist_len)
+    assert strided[0].stride() != kc.stride() and strided[1].stride() != ks.stride()
+    k_win, v_win = make_window(3, h_kv, 40, d, torch.bfloat16, seed=13)
+    slot_ids = torch.tensor([2, 0, 1], dtype=torch.int32)
+    win_len = torch.tensor([40, 7, 0], dtype=torch.int32)
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, _ = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", whole_pages=True)
+    o_s, lse_s = A.decode_attention(q, *strided, k_win, v_win, slot_ids, win_len, backend="triton", whole_pages=True)
+    assert torch.equal(o, o_s) and torch.equal(lse, lse_s)
+    assert rel_rmse(o, want_o) < 2e-2
