@@ -155,6 +155,7 @@ DEFAULT_SHARED_GRID = A.DECODE_SHARED_GRID  # the library defaults, restored for
 DEFAULT_WINDOWS_FIRST = _fused.WINDOWS_FIRST
 DEFAULT_PAIR_TILES = _int2.PAIR_TILES
 DEFAULT_WINDOW_TOKENS = _fused.WINDOW_SPLIT_TOKENS
+DEFAULT_SPARE_ZERO = _int2.V_SPARE_ZERO
 
 
 def apply_variant(variant: str) -> int:
@@ -166,7 +167,7 @@ def apply_variant(variant: str) -> int:
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
     `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
     tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
-    (`triton_fused.WINDOW_SPLIT_TOKENS`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
+    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -177,6 +178,7 @@ def apply_variant(variant: str) -> int:
     _fused.WINDOWS_FIRST = DEFAULT_WINDOWS_FIRST
     _int2.PAIR_TILES = DEFAULT_PAIR_TILES
     _fused.WINDOW_SPLIT_TOKENS = DEFAULT_WINDOW_TOKENS
+    _int2.V_SPARE_ZERO = DEFAULT_SPARE_ZERO
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -193,9 +195,11 @@ def apply_variant(variant: str) -> int:
             _int2.PAIR_TILES = v != "0"
         elif k == "wtok":
             _fused.WINDOW_SPLIT_TOKENS = int(v)
+        elif k == "vzero":
+            _int2.V_SPARE_ZERO = v != "0"
         elif k not in ("stages", "whole", "layout", "order"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, wtok, layout, order)")
+                             f"fused, shared, wfirst, pair, wtok, vzero, layout, order)")
     return int(impl)
 
 
@@ -242,7 +246,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                                                       win_len, num_stages=stages, impl=impl, whole_pages=whole),
                         "whole_pages": whole, "fused": A.DECODE_FUSED, "shared_grid": A.DECODE_SHARED_GRID,
                         "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
-                        "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS,
+                        "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS, "v_spare_zero": _int2.V_SPARE_ZERO,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

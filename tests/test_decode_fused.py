@@ -199,3 +199,26 @@ def test_pools_with_other_strides_give_the_same_answer():
     o_s, lse_s = A.decode_attention(q, *strided, k_win, v_win, slot_ids, win_len, backend="triton", whole_pages=True)
     assert torch.equal(o, o_s) and torch.equal(lse, lse_s)
     assert rel_rmse(o, want_o) < 2e-2
+
+
+@pytest.mark.parametrize("whole_pages,pair", [(True, False), (False, False), (True, True)])
+def test_zeros_in_the_v_dots_spare_columns_change_no_stored_bit(monkeypatch, whole_pages, pair):
+    """`V_SPARE_ZERO`: the V dot's spare columns (a copy of each head's p * scale, computed and never stored) hold
+    zeros instead. Every stored output is bit for bit the same as with the copies (16-token pieces, the masked
+    one-piece loop, two-page tiles), and matches the reference."""
+    lens = [64 * 5, 0, 64 * 3] if whole_pages else [64 * 5 - 9, 0, 70]
+    h_kv, group, d = 2, 4, 64
+    pool = make_pool(lens, h_kv=h_kv, d=d, page=64, seed=31)
+    k_win, v_win = make_window(3, h_kv, 40, d, torch.bfloat16, seed=14)
+    slot_ids = torch.tensor([2, 0, 1], dtype=torch.int32)
+    win_len = torch.tensor([40, 7, 0], dtype=torch.int32)
+    q = make_q(len(lens), h_kv * group, d, torch.bfloat16)
+    want_o, _ = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    monkeypatch.setattr(triton_int2, "PAIR_TILES", pair)
+    kw = dict(backend="triton", num_splits=2, whole_pages=whole_pages)
+    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+    monkeypatch.setattr(triton_int2, "V_SPARE_ZERO", True)
+    assert triton_int2.chunk_constexprs(q, pool[0], 64, True, whole_pages)["SPARE_ZERO"] is True  # reaches kernels
+    o_z, lse_z = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
+    assert torch.equal(o, o_z) and torch.equal(lse, lse_z)
+    assert rel_rmse(o_z, want_o) < 2e-2

@@ -185,6 +185,19 @@ def test_two_page_tiles_on_gpu_under_graph_replay(monkeypatch, fused):
         assert torch.equal(og, o2)
 
 
+def test_zeros_in_the_v_dots_spare_columns_on_gpu(monkeypatch):
+    """`V_SPARE_ZERO` (opt-in): zeros instead of copies in the V dot's never-stored columns leave every output bit
+    the same on the tensor cores too (one- and two-page tiles, whole pages)."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=16, seed=9, min_window=0)
+    for pair in (False, True):
+        monkeypatch.setattr(triton_int2, "PAIR_TILES", pair)
+        monkeypatch.setattr(triton_int2, "V_SPARE_ZERO", False)
+        o1, lse1 = A.decode_attention(*args, whole_pages=True)
+        monkeypatch.setattr(triton_int2, "V_SPARE_ZERO", True)
+        o2, lse2 = A.decode_attention(*args, whole_pages=True)
+        assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+
+
 def test_fused_decode_under_graph_replay_on_gpu():
     """The fused launch at batch 32 (2048 programs racing on 256 arrival counters), captured once in a CUDA graph
     with a shared counters buffer and replayed: every replay must reduce (counters back to zero) and match the

@@ -57,7 +57,7 @@ def _decode_fused_kernel(
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
-    S_TAIL: tl.constexpr = 0,
+    S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
@@ -80,7 +80,7 @@ def _decode_fused_kernel(
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL)
+            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO)
     elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
@@ -96,7 +96,8 @@ def _decode_fused_kernel(
                 stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                 b, h, sp, 1,
-                GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2)
+                GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2,
+                SPARE_ZERO=SPARE_ZERO)
 
     if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
         # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them

@@ -597,7 +597,7 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
             m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
             GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
             ASM: tl.constexpr, VFOLD: tl.constexpr, TILE_ACC: tl.constexpr, SUBN: tl.constexpr,
-            MASKED: tl.constexpr = True):
+            MASKED: tl.constexpr = True, SPARE_ZERO: tl.constexpr = False):
     """One tile of `_int2_decode_kernel_t`: int16 code tiles kw `[BLOCK_N, U_PAD]`, vw `[U_PAD, BLOCK_N]`, fp32
     scale/zero vectors `[BLOCK_N]` (vs, vz zero where not t_ok) -> the updated online-softmax state. MASKED: scores
     of tokens outside t_ok become -inf (False: every token of the tile is valid, t_ok is ignored)."""
@@ -620,7 +620,11 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
     pv = (p * vs[:, None]).to(tl.float16)  # p * scale <= 65504: the scale is stored in fp16
     pvf = pv.to(tl.float32)
     acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
-    pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])  # column (i, copy) = head i
+    # Column (i, copy) = head i; SPARE_ZERO (`V_SPARE_ZERO`): zeros in the copies, which are never stored.
+    if SPARE_ZERO:
+        pb = tl.reshape(tl.join(pv, tl.zeros_like(pv)), [BLOCK_N, NQ])
+    else:
+        pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])
     a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
 
     if SUBN:
@@ -694,9 +698,13 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
 
 
 @triton.jit
-def _pv16(p, vs, NQ: tl.constexpr):
-    """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]` (column (i, copy))."""
+def _pv16(p, vs, NQ: tl.constexpr, SPARE_ZERO: tl.constexpr = False):
+    """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]`: column (i, 0) = head
+    i, column (i, 1) a copy (it puts head i on the same lanes in both dots; its results are never stored) or, with
+    SPARE_ZERO (`V_SPARE_ZERO`), zeros, which leave the stored columns bit for bit the same."""
     pv = (p * vs[:, None]).to(tl.float16)
+    if SPARE_ZERO:
+        return pv, tl.reshape(tl.join(pv, tl.zeros_like(pv)), [16, NQ])
     return pv, tl.reshape(tl.join(pv, pv), [16, NQ])
 
 
@@ -747,7 +755,8 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 @triton.jit
 def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-                 NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
+                 NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
+                 SPARE_ZERO: tl.constexpr = False):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
     across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]`."""
@@ -761,10 +770,10 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])
     p3 = tl.exp2(s3 - m_new[None, :])
-    pv0, pb0 = _pv16(p0, vs0, NQ)
-    pv1, pb1 = _pv16(p1, vs1, NQ)
-    pv2, pb2 = _pv16(p2, vs2, NQ)
-    pv3, pb3 = _pv16(p3, vs3, NQ)
+    pv0, pb0 = _pv16(p0, vs0, NQ, SPARE_ZERO)
+    pv1, pb1 = _pv16(p1, vs1, NQ, SPARE_ZERO)
+    pv2, pb2 = _pv16(p2, vs2, NQ, SPARE_ZERO)
+    pv3, pb3 = _pv16(p3, vs3, NQ, SPARE_ZERO)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb, v_offs, u_ok, U, U_PAD, True), pb0,
                                              t0, t1, t2, t3, t4, t5, t6, t7, ASM, INTERP)
     t0, t1, t2, t3, t4, t5, t6, t7 = _vdot16(_load_piece(vb + 16 * stride_vcr, v_offs, u_ok, U, U_PAD, True), pb1,
@@ -790,7 +799,8 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
                  offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-                 ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False):
+                 ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False,
+                 SPARE_ZERO: tl.constexpr = False):
     """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
     masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
     TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
@@ -812,12 +822,12 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
         vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-        NQ, U, U_PAD, ASM, INTERP)
+        NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO)
     if TWO:
         t0, t1, t2, t3, t4, t5, t6, t7, p_b, z_b = _page_values(
             vc_ptr, vs_ptr, page_b, 0, h, vz_b, sb0, sb1, sb2, sb3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-            NQ, U, U_PAD, ASM, INTERP)
+            NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO)
         p_sum += p_b
         z_sum += z_b
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
@@ -874,7 +884,7 @@ def _int2_decode_kernel_t(
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
-    FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False,
+    FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False, SPARE_ZERO: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -885,7 +895,8 @@ def _int2_decode_kernel_t(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR,
+        SPARE_ZERO=SPARE_ZERO)
 
 
 @triton.jit
@@ -905,6 +916,7 @@ def _int2_chunk_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
     FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
+    SPARE_ZERO: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
@@ -998,7 +1010,8 @@ def _int2_chunk_t(
                         stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
-                        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP)
+                        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
+                        SPARE_ZERO=SPARE_ZERO)
                 else:
                     kw, vw, ks, kz, vs = _page_tile_loads(
                         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -1012,7 +1025,7 @@ def _int2_chunk_t(
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
                         kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
                         ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
-                        INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES)
+                        INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, SPARE_ZERO)
     elif PAIR:
         # BLOCK_N = 2 P, whole tiles only: tile j is pages 2j and 2j + 1 of the chunk, computed as eight 16-token
         # pieces with one softmax step (`_tile_pieces` TWO). Page ids and V zeros as in the PAGE_VEC loop, two each.
@@ -1047,7 +1060,7 @@ def _int2_chunk_t(
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_r, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                    True)
+                    True, SPARE_ZERO)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
@@ -1079,7 +1092,7 @@ def _int2_chunk_t(
             m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
                 kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, True)
+                GP, NQ, U_PAD, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, True, SPARE_ZERO)
 
     inv, lse = _softmax_finish(m_i, l_i)
     inv2 = tl.reshape(tl.join(inv, inv), [NQ])
@@ -1205,6 +1218,11 @@ IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to 
 # shared memory; with the in-kernel reduce 168 registers. bench/NOTES_decode.md v9.
 PAIR_TILES = False
 PAIR_STAGES = 2
+# Opt-in, not yet measured on a GPU (session 6): the V dot's spare columns (i, copy), computed and never stored, get
+# zeros instead of a copy of p * scale (`_pv16`). Same instructions, same stored results bit for bit; the idea
+# is fewer switching bits in the tensor cores, because the call runs at the H200's 700 W board limit under sustained
+# load (bench/NOTES_decode.md v10). Measure with bench/power_clock_trace.py --impls 6,6:vzero=1,6,6:vzero=1.
+V_SPARE_ZERO = False
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1225,7 +1243,7 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
     return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
-                FULL_TILES=bool(full_tiles) and page_vec)
+                FULL_TILES=bool(full_tiles) and page_vec, SPARE_ZERO=bool(V_SPARE_ZERO))
 
 
 def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
@@ -1328,7 +1346,8 @@ def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, bloc
     registers)."""
     kc, vc = int16_views(k_codes, v_codes)
     return (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
-            num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(whole_pages), block_table.dtype,
+            num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(V_SPARE_ZERO), bool(whole_pages),
+            block_table.dtype,
             hist_len.dtype, block_table.stride(0) % 16 == 0,
             pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14])
 
