@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
-from bench_decode_graph import MIN_CALLS, apply_variant, int2_layers, layers_for, repeat_to  # noqa: E402
+from bench_decode_graph import MIN_CALLS, apply_variant, int2_layers, layers_for, repeat_to, variant_cache  # noqa: E402
 
 from runtime_kernels import attention as A  # noqa: E402
 
@@ -50,11 +50,12 @@ def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 
 
 def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, variant: str) -> list:
-    """The INT2 calls of `variant` (`bench_decode_graph.apply_variant` keys; its switches stay set until the next
-    variant is applied)."""
+    """The INT2 calls of `variant` (`bench_decode_graph.apply_variant` keys, and `layout=` / `order=` for the pools;
+    its switches stay set until the next variant is applied)."""
     hist = context - 320
     layers = layers_for(batch * hist * H_KV * 2 * (D // 4 + 4))
-    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen,
+                                                                        *variant_cache(variant))
     impl = apply_variant(variant)
     return repeat_to([lambda t=tables[i], s=slots[i]: A.decode_attention(
         q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, whole_pages=True, validate=False)
