@@ -593,6 +593,18 @@ def _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb
 
 
 @triton.jit
+def _v_operand(pv, ROWS: tl.constexpr, NQ: tl.constexpr, SPARE_ZERO: tl.constexpr):
+    """The V dot's operand `[ROWS, NQ]` from p * scale `[ROWS, NQ / 2]`: column (i, 0) = head i; column (i, 1) a copy
+    (it puts head i on the same lanes in both dots; its results are never stored) or, with SPARE_ZERO
+    (`V_SPARE_ZERO`), zeros, which leave the stored columns bit for bit the same."""
+    if SPARE_ZERO:
+        spare = tl.zeros_like(pv)
+    else:
+        spare = pv
+    return tl.reshape(tl.join(pv, spare), [ROWS, NQ])
+
+
+@triton.jit
 def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
             m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
             GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
@@ -620,11 +632,7 @@ def _tile_t(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
     pv = (p * vs[:, None]).to(tl.float16)  # p * scale <= 65504: the scale is stored in fp16
     pvf = pv.to(tl.float32)
     acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
-    # Column (i, copy) = head i; SPARE_ZERO (`V_SPARE_ZERO`): zeros in the copies, which are never stored.
-    if SPARE_ZERO:
-        pb = tl.reshape(tl.join(pv, tl.zeros_like(pv)), [BLOCK_N, NQ])
-    else:
-        pb = tl.reshape(tl.join(pv, pv), [BLOCK_N, NQ])
+    pb = _v_operand(pv, BLOCK_N, NQ, SPARE_ZERO)
     a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
 
     if SUBN:
@@ -699,13 +707,9 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
 
 @triton.jit
 def _pv16(p, vs, NQ: tl.constexpr, SPARE_ZERO: tl.constexpr = False):
-    """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]`: column (i, 0) = head
-    i, column (i, 1) a copy (it puts head i on the same lanes in both dots; its results are never stored) or, with
-    SPARE_ZERO (`V_SPARE_ZERO`), zeros, which leave the stored columns bit for bit the same."""
+    """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]` (`_v_operand`)."""
     pv = (p * vs[:, None]).to(tl.float16)
-    if SPARE_ZERO:
-        return pv, tl.reshape(tl.join(pv, tl.zeros_like(pv)), [16, NQ])
-    return pv, tl.reshape(tl.join(pv, pv), [16, NQ])
+    return pv, _v_operand(pv, 16, NQ, SPARE_ZERO)
 
 
 @triton.jit
@@ -1219,7 +1223,7 @@ IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to 
 PAIR_TILES = False
 PAIR_STAGES = 2
 # Opt-in, not yet measured on a GPU (session 6): the V dot's spare columns (i, copy), computed and never stored, get
-# zeros instead of a copy of p * scale (`_pv16`). Same instructions, same stored results bit for bit; the idea
+# zeros instead of a copy of p * scale (`_v_operand`). Same instructions, same stored results bit for bit; the idea
 # is fewer switching bits in the tensor cores, because the call runs at the H200's 700 W board limit under sustained
 # load (bench/NOTES_decode.md v10). Measure with bench/power_clock_trace.py --impls 6,6:vzero=1,6,6:vzero=1.
 V_SPARE_ZERO = False
