@@ -1215,11 +1215,12 @@ IMPL5_VFOLD = False  # impl 5: True = subtract the V code offset in fp32 after a
 # (bench 131072 x 32; emulated in bench/NOTES_decode.md). Per tile the error stays at the fp16 rounding of p * s.
 IMPL5_TILE_ACC = True
 IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to ptxas (None: ptxas decides)
-# Opt-in, NOT MEASURED on a GPU yet: with whole 64-token pages, the fused kernel's grid (one launch, or the two-launch
-# default) runs history tiles of two pages as eight 16-token pieces with one softmax step, plus one program per
-# (sequence, KV head) for an odd trailing page, with PAIR_STAGES pipeline stages. Offline (Triton 3.6, sm_90), the
-# two-launch kernel: 1195 instructions per 128-token tile (597 per 64 tokens, against 650), 128 registers, 12 KiB of
-# shared memory; with the in-kernel reduce 168 registers. bench/NOTES_decode.md v9.
+# Opt-in, off: with whole 64-token pages, the fused kernel's grid (one launch, or the two-launch default) runs history
+# tiles of two pages as eight 16-token pieces with one softmax step, plus one program per (sequence, KV head) for an
+# odd trailing page, with PAIR_STAGES pipeline stages. Offline (Triton 3.6, sm_90), the two-launch kernel: 1195
+# instructions per 128-token tile (597 per 64 tokens, against 650), 128 registers, 12 KiB of shared memory. Measured
+# on the H200 (bench/NOTES_decode.md v10): no faster, at the first replays (128K / batch 8 0.1944 vs 0.1935 ms) or
+# under the power cap (0.2018-0.2025 vs 0.2006-0.2011 ms), so it stays off.
 PAIR_TILES = False
 PAIR_STAGES = 2
 # Opt-in, not yet measured on a GPU (session 6): the V dot's spare columns (i, copy), computed and never stored, get
