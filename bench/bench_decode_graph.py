@@ -53,10 +53,19 @@ def layers_for(bytes_per_call: int) -> int:
 
 def time_graph(calls, replays: int = 15) -> float:
     """Median ms per call of a CUDA graph made of `calls` (a list of no-argument functions), replayed."""
+    g = capture_graph(calls)
+    times = [replay_ms(g) / len(calls) for _ in range(replays)]
+    del g
+    return statistics.median(times)
+
+
+def capture_graph(calls) -> torch.cuda.CUDAGraph:
+    """`calls` warmed up on a side stream (compiles, autotunes, allocator), then captured in one CUDA graph and
+    replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for fn in calls[:3]:  # warm up (compiles, autotunes, allocator) outside the capture
+        for fn in calls[:3]:  # warm up outside the capture
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
@@ -66,16 +75,17 @@ def time_graph(calls, replays: int = 15) -> float:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / len(calls))
-    del g
-    return statistics.median(times)
+    return g
+
+
+def replay_ms(g: torch.cuda.CUDAGraph) -> float:
+    """ms of one replay of g (CUDA events; waits for it)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def time_eager(calls, reps: int = 5) -> float:
@@ -110,15 +120,19 @@ def copy_gbps() -> float:
 
 
 # ----------------------------------------------------------------------------------------------------- BF16 side
+def bf16_layers(batch: int, context: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Distinct BF16 K/V caches `[B, H_kv, context, d]`, one per layer (`layers_for` of a call's bytes)."""
+    layers = layers_for(2 * batch * H_KV * context * D * 2)
+    return [tuple(torch.empty(batch, H_KV, context, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
+                  for _ in range(2)) for _ in range(layers)]
+
+
 def bf16_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    per_layer = 2 * batch * H_KV * context * D * 2
-    layers = layers_for(per_layer)
-    kv = [tuple(torch.empty(batch, H_KV, context, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
-                for _ in range(2)) for _ in range(layers)]
+    kv = bf16_layers(batch, context, gen)
     qg = q.reshape(batch, H_Q, 1, D)
-    out = {"layers": layers, "bytes_per_call": per_layer}
+    out = {"layers": len(kv), "bytes_per_call": 2 * batch * H_KV * context * D * 2}
     import warnings
 
     warnings.filterwarnings("ignore", message=".*kernel not used.*|.*same num_heads.*|.*runtime disabled.*")
@@ -218,10 +232,14 @@ def variant_whole(variant: str) -> bool:
     return next((o.split("=")[1] != "0" for o in variant.split(":")[1:] if o.startswith("whole=")), True)
 
 
+def int2_bytes_per_call(batch: int, context: int) -> int:
+    """Bytes one INT2 call reads: codes + fp16 scale and zero of the history, K and V; the BF16 windows."""
+    return batch * (context - WIN) * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
+
+
 def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[str],
                copy: float) -> dict:
-    hist = context - WIN
-    read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
+    read = int2_bytes_per_call(batch, context)
     layers = layers_for(read)
     caches = {}  # (layout, order) -> (pools, tables, hist_len, k_win, v_win, slots, win_len, exact)
     out = {"layers": layers, "bytes_per_call": read, "floor_ms_at_copy_bw": read / copy / 1e6}

@@ -27,8 +27,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
-from bench_decode_graph import MIN_CALLS, apply_variant, int2_layers, layers_for, repeat_to, variant_cache  # noqa: E402
+from bench_decode import DEV, H_Q, D  # noqa: E402
+from bench_decode_graph import (  # noqa: E402
+    MIN_CALLS,
+    apply_variant,
+    bf16_layers,
+    capture_graph,
+    int2_bytes_per_call,
+    int2_layers,
+    layers_for,
+    repeat_to,
+    replay_ms,
+    variant_cache,
+)
 
 from runtime_kernels import attention as A  # noqa: E402
 
@@ -38,9 +49,7 @@ SMI = ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv
 def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) -> list:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    layers = layers_for(2 * batch * H_KV * context * D * 2)
-    kv = [tuple(torch.empty(batch, H_KV, context, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
-                for _ in range(2)) for _ in range(layers)]
+    kv = bf16_layers(batch, context, gen)
     qg = q.reshape(batch, H_Q, 1, D)
 
     def call(k, v):
@@ -52,8 +61,7 @@ def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, variant: str) -> list:
     """The INT2 calls of `variant` (`bench_decode_graph.apply_variant` keys, and `layout=` / `order=` for the pools;
     its switches stay set until the next variant is applied)."""
-    hist = context - 320
-    layers = layers_for(batch * hist * H_KV * 2 * (D // 4 + 4))
+    layers = layers_for(int2_bytes_per_call(batch, context))
     pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen,
                                                                         *variant_cache(variant))
     impl = apply_variant(variant)
@@ -65,28 +73,11 @@ def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
 def sustained(calls: list, seconds: float) -> dict:
     """Capture `calls` in one graph, replay it back to back for `seconds` -> ms per call of every replay with its end
     time (wall clock, for matching the clock samples)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in calls[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(calls)
     per_call, ends = [], []
     t_start = time.time()
     while time.time() - t_start < seconds:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        per_call.append(a.elapsed_time(b) / len(calls))
+        per_call.append(replay_ms(g) / len(calls))
         ends.append(time.time())
     del g
     return {"start": t_start, "end": time.time(), "per_call_ms": per_call, "replay_end": ends}
