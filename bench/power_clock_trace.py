@@ -39,6 +39,7 @@ from bench_decode_graph import (  # noqa: E402
     repeat_to,
     replay_ms,
     variant_cache,
+    variant_stages,
 )
 
 from runtime_kernels import attention as A  # noqa: E402
@@ -64,9 +65,10 @@ def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
     layers = layers_for(int2_bytes_per_call(batch, context))
     pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen,
                                                                         *variant_cache(variant))
-    impl = apply_variant(variant)
+    impl, stages = apply_variant(variant), variant_stages(variant)
     return repeat_to([lambda t=tables[i], s=slots[i]: A.decode_attention(
-        q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, whole_pages=True, validate=False)
+        q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages, whole_pages=True,
+        validate=False)
         for i in range(layers)], MIN_CALLS)
 
 

@@ -34,11 +34,19 @@ WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill 
 WINDOWS_FIRST = False
 
 
+@triton.jit
+def _stamp(x):
+    """(global timer in ns, SM id) where the program reaches this point (GPU only; x only anchors the asm)."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    return t, sm
+
+
 @triton.jit(do_not_specialize=["s_hist"])
 def _decode_fused_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr,
     kw_ptr, vw_ptr, slot_ptr, wlen_ptr,
-    op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr,
+    op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr, tl_ptr,
     qk_scale, s_hist,
     stride_qb, stride_qh,
     # Pool strides are compile-time constants: the cache's pools are contiguous, so they follow from the geometry
@@ -57,13 +65,20 @@ def _decode_fused_kernel(
     SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
-    S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False,
+    S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    DYN: tl.constexpr = False, DYN_STATIC_PCT: tl.constexpr = 60, DYN_CHUNK: tl.constexpr = 8,
+    DYN_CLAIMS: tl.constexpr = 6,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
-    # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls.
+    # `[B, H_q]`, contiguous; cnt: int32 `[>= 3 * B * H_kv]`, zero between calls (arrival counts of the in-kernel
+    # reduce, then DYN's claim cursors and exit counts, `triton_int2._int2_chunk_t`). TIMELINE (bench only): tl_ptr is int64
+    # `[B, H_kv, S, 4]`, each program writes (start ns, end ns, SM id, 0 history / 1 window / 2 tail) at its
+    # grid position.
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_all = tl.num_programs(2)
+    if TIMELINE:
+        t_start, sm_id = _stamp(b)
     # Program order along the grid's last axis (blocks are dispatched in that order): history splits then window
     # splits, or with WIN_FIRST the window splits first. Partials are stored history first either way.
     if WIN_FIRST:
@@ -80,7 +95,9 @@ def _decode_fused_kernel(
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO)
+            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO,
+            cnt_ptr=cnt_ptr + tl.num_programs(0) * tl.num_programs(1), DYN=DYN, DYN_STATIC_PCT=DYN_STATIC_PCT,
+            DYN_CHUNK=DYN_CHUNK, DYN_CLAIMS=DYN_CLAIMS)
     elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
@@ -98,6 +115,14 @@ def _decode_fused_kernel(
                 b, h, sp, 1,
                 GROUP, GP, Q, U, U_PAD, P, P, INTERP, VFOLD, TILE_ACC, SUBN, True, NPV, True, False, 2,
                 SPARE_ZERO=SPARE_ZERO)
+
+    if TIMELINE:
+        t_end, sm_id = _stamp(sp)
+        rec = tl_ptr + ((b * tl.num_programs(1) + h) * n_all + tl.program_id(2)).to(tl.int64) * 4
+        tl.store(rec, t_start)
+        tl.store(rec + 1, t_end)
+        tl.store(rec + 2, sm_id.to(tl.int64))
+        tl.store(rec + 3, tl.where(sp < s_hist, 0, tl.where(sp < n_all - S_TAIL, 1, 2)).to(tl.int64))
 
     if MERGE:  # False (two-launch mode): the partials are the result, `merge.reduce_splits_triton` follows
         # Every thread's partial stores happen before the barrier; the release half of the atomic then publishes them
@@ -139,17 +164,23 @@ def window_splits(win_capacity: int) -> int:
 def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                         k_win, v_win, slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int,
                         block_n: int = 64, num_warps: int = 1, num_stages: int = 3, impl: int = 6,
-                        whole_pages: bool = False, warmup: bool = False, merge: bool = True):
+                        whole_pages: bool = False, warmup: bool = False, merge: bool = True,
+                        timeline=None):
     """Run the fused decode kernel -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`); with `warmup`, compile only and
     return the compiled kernel. Shapes as in `attention.decode_attention` (inputs validated there); `fused_ok` must
-    hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero); unused (may be
-    None) with merge=False.
+    hold. counters: int32 `[>= 3 * B * H_kv]` on q's device, all zero (the kernel leaves them zero): the in-kernel
+    reduce's arrival counts, then the claim cursors and exit counts of the dynamically balanced history programs
+    (`triton_int2.DYNAMIC_TILES`); may be None only with merge=False and without dynamic balance.
 
     merge=False: history and window splits only (no counters, no in-kernel reduce): returns the partials
     (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`) for `merge.reduce_splits_triton`, S = s_hist + s_win, plus one
     with two-page tiles (`triton_int2.pair_tiles_apply`: a program per (sequence, KV head) for an odd last page).
     The window programs come last in the grid, so they run in the slots the INT2 wave leaves free instead of as a
-    launch of their own."""
+    launch of their own.
+
+    timeline (bench instrumentation, GPU only): int64 `[B, H_kv, S_all, 4]` (S_all = every program of the grid along
+    its last axis) that each program fills with (start ns, end ns, SM id, kind: 0 history, 1 window, 2 odd-page
+    tail), from the GPU's global timer."""
     import torch
 
     b, h_q, d = q.shape
@@ -162,10 +193,22 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device) if merge else lse_part
     kc, vc = _int2.int16_views(k_codes, v_codes)
-    if counters is None:  # merge=False never touches them
-        counters = hist_len
+    dyn = _int2.dynamic_tiles_apply(k_codes, block_n, impl, pair)
+    if counters is None:
+        if merge or dyn:
+            raise ValueError("launch_decode_fused: counters (int32, zeroed, >= 3 * B * H_kv) are required for the "
+                             "in-kernel reduce and for dynamically balanced history programs")
+        counters = hist_len  # never touched
+    if timeline is not None:
+        if INTERPRET or q.device.type != "cuda":
+            raise ValueError("launch_decode_fused: timeline needs a CUDA device (it reads the GPU's global timer)")
+        want = (b, h_kv, total, 4)
+        if tuple(timeline.shape) != want or timeline.dtype != torch.int64 or not timeline.is_contiguous():
+            raise ValueError(f"launch_decode_fused: timeline must be a contiguous int64 tensor of shape {want}, got "
+                             f"{timeline.dtype} {tuple(timeline.shape)}")
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
-            o_part, lse_part, o, lse, counters, sm_scale * 1.4426950408889634, s_hist,
+            o_part, lse_part, o, lse, counters, hist_len if timeline is None else timeline,
+            sm_scale * 1.4426950408889634, s_hist,
             *_int2.pool_strides(q, kc, k_scale, vc, v_scale, block_table),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
@@ -177,8 +220,10 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
+              TIMELINE=timeline is not None, DYN=dyn, DYN_STATIC_PCT=_int2.DYN_STATIC_PCT,
+              DYN_CHUNK=_int2.DYN_CHUNK_TILES, DYN_CLAIMS=_int2.DYN_CLAIMS,
               num_warps=num_warps, num_stages=num_stages,
-              **_int2.maxnreg_option())
+              **_int2.maxnreg_option(dyn))
     grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
@@ -197,7 +242,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     def compile_only():
         import torch
 
-        counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
+        counters = torch.zeros(3 * q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
         return launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                    k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
                                    num_stages, impl, whole_pages, warmup=True, merge=merge)
