@@ -170,7 +170,6 @@ DEFAULT_WINDOWS_FIRST = _fused.WINDOWS_FIRST
 DEFAULT_PAIR_TILES = _int2.PAIR_TILES
 DEFAULT_WINDOW_TOKENS = _fused.WINDOW_SPLIT_TOKENS
 DEFAULT_SPARE_ZERO = _int2.V_SPARE_ZERO
-DEFAULT_DYNAMIC = (_int2.DYNAMIC_TILES, _int2.DYN_STATIC_PCT, _int2.DYN_CHUNK_TILES, _int2.DYN_CLAIMS)
 
 
 def apply_variant(variant: str) -> int:
@@ -182,9 +181,7 @@ def apply_variant(variant: str) -> int:
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
     `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
     tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
-    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `dyn=0|1`, `dynpct=P`, `dynchunk=C`,
-    `dynclaims=K` the dynamically balanced history programs (`triton_int2.DYNAMIC_TILES`, `DYN_STATIC_PCT`,
-    `DYN_CHUNK_TILES`, `DYN_CLAIMS`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
+    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -196,7 +193,6 @@ def apply_variant(variant: str) -> int:
     _int2.PAIR_TILES = DEFAULT_PAIR_TILES
     _fused.WINDOW_SPLIT_TOKENS = DEFAULT_WINDOW_TOKENS
     _int2.V_SPARE_ZERO = DEFAULT_SPARE_ZERO
-    _int2.DYNAMIC_TILES, _int2.DYN_STATIC_PCT, _int2.DYN_CHUNK_TILES, _int2.DYN_CLAIMS = DEFAULT_DYNAMIC
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -215,17 +211,9 @@ def apply_variant(variant: str) -> int:
             _fused.WINDOW_SPLIT_TOKENS = int(v)
         elif k == "vzero":
             _int2.V_SPARE_ZERO = v != "0"
-        elif k == "dyn":
-            _int2.DYNAMIC_TILES = v != "0"
-        elif k == "dynpct":
-            _int2.DYN_STATIC_PCT = int(v)
-        elif k == "dynchunk":
-            _int2.DYN_CHUNK_TILES = int(v)
-        elif k == "dynclaims":
-            _int2.DYN_CLAIMS = int(v)
         elif k not in ("stages", "whole", "layout", "order"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, wtok, vzero, dyn, dynpct, dynchunk, dynclaims, layout, order)")
+                             f"fused, shared, wfirst, pair, wtok, vzero, layout, order)")
     return int(impl)
 
 

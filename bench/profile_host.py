@@ -35,7 +35,7 @@ def main() -> None:
     o_part = torch.empty(1, H_Q, s_h + s_w, D, device="cuda")
     lse_part = torch.empty(1, H_Q, s_h + s_w, device="cuda")
     sc = 1 / math.sqrt(D)
-    counters = torch.zeros(3 * H_KV, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(H_KV, dtype=torch.int32, device="cuda")
 
     rows = {
         "decode_attention (checks on)": lambda: A.decode_attention(*args),

@@ -82,9 +82,8 @@ def run_variant(batch: int, context: int, variant: str, q: torch.Tensor, gen: to
     s_h, s_w = A.decode_num_splits(q, *pools, tables[0], hist_len, k_win, v_win, slots[0], win_len,
                                    num_stages=stages, impl=impl, whole_pages=whole, fused=False)
     h_kv = pools[0].shape[1]
-    counters = torch.zeros(3 * batch * h_kv, dtype=torch.int32, device=DEV)  # every call leaves them zero
     kernel = triton_fused.launch_decode_fused(q, *pools, tables[0], hist_len, k_win, v_win, slots[0], win_len,
-                                              counters, 0.088, s_h, s_w, num_stages=stages, impl=impl, whole_pages=whole,
+                                              None, 0.088, s_h, s_w, num_stages=stages, impl=impl, whole_pages=whole,
                                               warmup=True, merge=False)
     slots_per_sm = triton_int2._slots_of(kernel, 1, q.device)  # also loads the kernel, which counts its registers
     n_regs, shared = int(kernel.n_regs), int(kernel.metadata.shared)
@@ -92,7 +91,7 @@ def run_variant(batch: int, context: int, variant: str, q: torch.Tensor, gen: to
     for _ in range(passes):
         for i in range(layers):
             triton_fused.launch_decode_fused(q, *pools, tables[i], hist_len, k_win, v_win, slots[i], win_len,
-                                             counters, 0.088, s_h, s_w, num_stages=stages, impl=impl, whole_pages=whole,
+                                             None, 0.088, s_h, s_w, num_stages=stages, impl=impl, whole_pages=whole,
                                              merge=False, timeline=timeline)
     torch.cuda.synchronize()
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count

@@ -69,42 +69,6 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
                                    **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def compile_fused(dyn: bool, stages: int = 3, maxnreg: int | None = None):
-    """The fused kernel's grid in its two-launch form (`triton_fused._decode_fused_kernel`, MERGE False, whole pages)
-    at Qwen3-8B geometry, with or without the dynamically balanced history programs (DYN). Imports the package
-    (needs torch)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(HERE, ".."))
-    from runtime_kernels.attention import triton_fused
-
-    fn = triton_fused._decode_fused_kernel
-    const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=64, INTERP=False, VFOLD=False, TILE_ACC=True,
-                 SUBN=True, PAGE_VEC=True, NPV=64, FULL_TILES=True, NC=8, D=128, D_PAD=128, BLOCK_W=16, S_BLOCK=4,
-                 S_MAX=64, MERGE=False, WIN_FIRST=False, S_TAIL=0, SPARE_ZERO=False, TIMELINE=False, DYN=dyn,
-                 DYN_STATIC_PCT=60, DYN_CHUNK=8,
-                 stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16, stride_ksp=8 * 64, stride_ksh=64,
-                 stride_ksr=1, stride_vcp=8 * 64 * 16, stride_vch=64 * 16, stride_vcr=16, stride_vsp=8 * 64,
-                 stride_vsh=64, stride_vsr=1)
-    ptr = dict(PTR, kc_ptr="*i16", vc_ptr="*i16", kw_ptr="*bf16", vw_ptr="*bf16", slot_ptr="*i32", wlen_ptr="*i32",
-               op_ptr="*fp32", lp_ptr="*fp32", cnt_ptr="*i32", tl_ptr="*i64", q_ptr="*bf16")
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ptr:
-            sig[n] = ptr[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride") and n not in ("stride_lh",):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 1, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})})
-
-
 def loop_stats(kernel) -> dict:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -147,17 +111,8 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas spills above it)")
     ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
     ap.add_argument("--spare-zero", action="store_true", help="zeros in the V dot's spare columns (V_SPARE_ZERO)")
-    ap.add_argument("--fused", choices=["static", "dyn"], default=None,
-                    help="count the fused kernel's two-launch grid instead (history programs static or DYN)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
-    if args.fused:
-        k = compile_fused(args.fused == "dyn", args.stages, args.maxnreg)
-        st = loop_stats(k)
-        top = ", ".join(f"{k_} {v}" for k_, v in st["ops"].most_common(args.top))
-        print(f"fused two-launch grid, history {args.fused}: {st['loop']} instr/tile (innermost MMA loop), "
-              f"regs {st['regs']}, stack {st['stack']}, smem {k.metadata.shared} | {top}")
-        return
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
                                          args.maxnreg, args.full_tiles, args.spare_zero))

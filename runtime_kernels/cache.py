@@ -252,10 +252,9 @@ class PagedKVCache:
                 k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
                 v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
             ))
-        # Counters of the decode launch (arrival counts of the in-kernel reduce, claim cursors and exit counts of the
-        # dynamically balanced history programs; three per sequence and KV head, every call leaves them zero). The
-        # layers of a step run one after another on one stream, so they share them.
-        self._attn_counters = zeros((3 * s * h,), torch.int32)
+        # Arrival counts of the fused decode launch (one per sequence and KV head; every call leaves them zero). The
+        # layers of a step run one after another on one stream, so they share it.
+        self._attn_counters = zeros((s * h,), torch.int32)
 
     @classmethod
     def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = 64,

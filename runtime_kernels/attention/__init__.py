@@ -306,22 +306,6 @@ def _fused_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     return _splits_for_slots(q, k_codes, block_table, block_n, slots), triton_fused.window_splits(k_win.shape[2])
 
 
-_SHARED_COUNTERS: dict = {}
-
-
-def shared_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least n elements, one per device, for the decode kernels' counters (the fused
-    kernel's grid leaves them zero after every call, so calls on one stream can share it; calls that may run at the
-    same time on other streams must pass their own `counters`)."""
-    key = (device.type, device.index if device.index is not None else torch.cuda.current_device()
-           if device.type == "cuda" else 0)
-    buf = _SHARED_COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _SHARED_COUNTERS[key] = buf
-    return buf
-
-
 def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
                       slot_ids, win_len, block_n: int = BLOCK_N, num_warps: int = INT2_NUM_WARPS,
                       num_stages: int = 3, impl: int | None = None, whole_pages: bool = False,
@@ -355,11 +339,10 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     it, fewer host microseconds for eager callers; otherwise two (`DECODE_SHARED_GRID`: the same grid of history and
     window programs, then the split reduce), the faster path under CUDA graphs. Other kernels, fp32 windows, an
     explicit `window_splits` or `DECODE_SHARED_GRID = False` take three launches (INT2 kernel and window kernel into
-    one split buffer, then the reduce). `counters`: int32 `[>= 3 * B * H_kv]`, zero, for the fused kernel's grid
-    (the in-kernel reduce's arrival counts, the claim cursors and exit counts of the dynamically balanced history
-    programs, `triton_int2.DYNAMIC_TILES`; every call leaves them zero). None: a fresh buffer per call for the one
-    launch (one small memset), the device's shared buffer (`shared_counters`) for the two. Calls that may run
-    concurrently must not share one. `window_splits` applies to the three-launch path (given, it also selects it).
+    one split buffer, then the reduce). `counters`: int32
+    `[>= B * H_kv]`, zero, for the fused launch's arrival counts (it leaves them zero); None allocates a fresh one
+    per call (one small memset). Calls that may run concurrently must not share one. `window_splits` applies to
+    the three-launch path (given, it also selects it).
 
     `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
     which lets the default INT2 kernel skip all masking (56 fewer instructions per 64-token tile).
@@ -393,16 +376,15 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         from runtime_kernels.attention import triton_fused
 
         in_kernel_reduce = launch == "fused"
-        if counters is None:
-            # Two launches: the device's shared buffer (the kernel leaves it zero, so no memset per call); one launch
-            # keeps its fresh buffer per call.
-            counters = (torch.zeros(3 * b * h_kv, dtype=torch.int32, device=q.device) if in_kernel_reduce
-                        else shared_counters(q.device, 3 * b * h_kv))
+        if not in_kernel_reduce:
+            counters = None
+        elif counters is None:
+            counters = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device)
         elif validate:
             check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)
-            if counters.numel() < 3 * b * h_kv or not counters.is_contiguous():
-                raise ValueError(f"counters: expected a contiguous int32 tensor of at least 3 * B * H_kv = "
-                                 f"{3 * b * h_kv} elements, got shape {tuple(counters.shape)}")
+            if counters.numel() < b * h_kv or not counters.is_contiguous():
+                raise ValueError(f"counters: expected a contiguous int32 tensor of at least B * H_kv = "
+                                 f"{b * h_kv} elements, got shape {tuple(counters.shape)}")
         if num_splits:
             s_h, s_w = num_splits, triton_fused.window_splits(k_win.shape[2])
         else:  # the fused kernel applies (checked above), so its own split rule directly

@@ -66,12 +66,9 @@ def _decode_fused_kernel(
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
     S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False, TIMELINE: tl.constexpr = False,
-    DYN: tl.constexpr = False, DYN_STATIC_PCT: tl.constexpr = 60, DYN_CHUNK: tl.constexpr = 8,
-    DYN_CLAIMS: tl.constexpr = 6,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
-    # `[B, H_q]`, contiguous; cnt: int32 `[>= 3 * B * H_kv]`, zero between calls (arrival counts of the in-kernel
-    # reduce, then DYN's claim cursors and exit counts, `triton_int2._int2_chunk_t`). TIMELINE (bench only): tl_ptr is int64
+    # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls. TIMELINE (bench only): tl_ptr is int64
     # `[B, H_kv, S, 4]`, each program writes (start ns, end ns, SM id, 0 history / 1 window / 2 tail) at its
     # grid position.
     b = tl.program_id(0)
@@ -95,9 +92,7 @@ def _decode_fused_kernel(
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO,
-            cnt_ptr=cnt_ptr + tl.num_programs(0) * tl.num_programs(1), DYN=DYN, DYN_STATIC_PCT=DYN_STATIC_PCT,
-            DYN_CHUNK=DYN_CHUNK, DYN_CLAIMS=DYN_CLAIMS)
+            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO)
     elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
@@ -168,9 +163,8 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
                         timeline=None):
     """Run the fused decode kernel -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`); with `warmup`, compile only and
     return the compiled kernel. Shapes as in `attention.decode_attention` (inputs validated there); `fused_ok` must
-    hold. counters: int32 `[>= 3 * B * H_kv]` on q's device, all zero (the kernel leaves them zero): the in-kernel
-    reduce's arrival counts, then the claim cursors and exit counts of the dynamically balanced history programs
-    (`triton_int2.DYNAMIC_TILES`); may be None only with merge=False and without dynamic balance.
+    hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero); unused (may be
+    None) with merge=False.
 
     merge=False: history and window splits only (no counters, no in-kernel reduce): returns the partials
     (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`) for `merge.reduce_splits_triton`, S = s_hist + s_win, plus one
@@ -193,12 +187,8 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if merge else o_part  # (unused then)
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device) if merge else lse_part
     kc, vc = _int2.int16_views(k_codes, v_codes)
-    dyn = _int2.dynamic_tiles_apply(k_codes, block_n, impl, pair)
-    if counters is None:
-        if merge or dyn:
-            raise ValueError("launch_decode_fused: counters (int32, zeroed, >= 3 * B * H_kv) are required for the "
-                             "in-kernel reduce and for dynamically balanced history programs")
-        counters = hist_len  # never touched
+    if counters is None:  # merge=False never touches them
+        counters = hist_len
     if timeline is not None:
         if INTERPRET or q.device.type != "cuda":
             raise ValueError("launch_decode_fused: timeline needs a CUDA device (it reads the GPU's global timer)")
@@ -220,10 +210,9 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
-              TIMELINE=timeline is not None, DYN=dyn, DYN_STATIC_PCT=_int2.DYN_STATIC_PCT,
-              DYN_CHUNK=_int2.DYN_CHUNK_TILES, DYN_CLAIMS=_int2.DYN_CLAIMS,
+              TIMELINE=timeline is not None,
               num_warps=num_warps, num_stages=num_stages,
-              **_int2.maxnreg_option(dyn))
+              **_int2.maxnreg_option())
     grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
@@ -242,7 +231,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     def compile_only():
         import torch
 
-        counters = torch.zeros(3 * q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
+        counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
         return launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                    k_win, v_win, slot_ids, win_len, counters, 1.0, 3, 1, block_n, num_warps,
                                    num_stages, impl, whole_pages, warmup=True, merge=merge)

@@ -870,100 +870,6 @@ def _pick_page(pages, offs_pv, j):
     return tl.sum(tl.where(offs_pv == j, pages, 0), axis=0).to(tl.int64)
 
 
-@triton.jit
-def _row_in_page(t, P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row of token t (tile-aligned) in its page: 0 when a tile is a whole page, which the compiler then folds into
-    every address (it cannot see that through a claimed chunk's start otherwise)."""
-    if P == BLOCK_N:
-        return 0
-    else:
-        return tl.multiple_of(t % P, BLOCK_N)
-
-
-@triton.jit
-def _tiles_pv(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, start, end,
-              stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-              stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-              offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-              m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-              GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, P: tl.constexpr,
-              BLOCK_N: tl.constexpr, INTERP: tl.constexpr, ASM: tl.constexpr, VFOLD: tl.constexpr,
-              TILE_ACC: tl.constexpr, SUBN: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
-              SPARE_ZERO: tl.constexpr, cursor=None, dyn_first=0, dyn_chunk=1, dyn_chunks=0, L=0,
-              DYN: tl.constexpr = False, DYN_CLAIMS: tl.constexpr = 6):
-    """The tiles of tokens `[start, end)` (tile-aligned start) of one sequence, block-table row bt_row, KV head h,
-    every tile inside one page (PAGE_VEC) -> the updated online-softmax state, in blocks of at most NPV tiles (one
-    vector of page ids each). DYN: after the blocks of `[start, end)`, DYN_CLAIMS more blocks, each a chunk of
-    dyn_chunk <= NPV tiles claimed from the int32 `cursor` (chunk c: tiles from dyn_first + c * dyn_chunk, at most to
-    the sequence length L; a claim past dyn_chunks is an empty block). One block loop for both, so the tile loop exists
-    once in the kernel (offline, a second copy of it, or any loop around it, kept ~30 more registers live)."""
-    offs_pv = tl.arange(0, NPV)
-    k_off = offs_n[:, None] * stride_kcr + offs_u[None, :]  # [BLOCK_N, U_PAD]
-    v_off = offs_n[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, BLOCK_N]
-    # FULL_TILES: the caller promises whole pages of history (PagedKVCache's invariant), so every tile is full
-    # and the loop needs no mask at all (56 fewer instructions per tile). Otherwise only the last tile of a
-    # sequence is partial; rows past `end` may hold anything (they are read unmasked inside the allocated
-    # page), so their V scale/zero are zeroed (p is 0 there, and 0 * NaN would not be) and their scores -inf.
-    n_tiles = tl.cdiv(end - start, BLOCK_N)
-    n_static = tl.cdiv(n_tiles, NPV)  # blocks of the given range
-    n_blocks = n_static + DYN_CLAIMS if DYN else n_static
-    for kb in range(0, n_blocks):
-        b0 = start + kb * NPV * BLOCK_N
-        n_in = tl.minimum(NPV, n_tiles - kb * NPV)
-        if DYN:
-            # A static block, or a claimed chunk (claims come only once the static blocks are done, so a faster
-            # program claims more of them). Branch-free: an if/else here cost ~30 registers in the tile loop.
-            claim = kb >= n_static
-            c = tl.atomic_add(cursor, 1, sem="relaxed", mask=claim)
-            bc = (dyn_first + c * dyn_chunk) * BLOCK_N
-            b0 = tl.where(claim, bc, b0)
-            n_in = tl.where(claim, tl.where(c < dyn_chunks, tl.minimum(dyn_chunk, tl.cdiv(L - bc, BLOCK_N)), 0),
-                            n_in)
-        pg = tl.load(bt_row + (b0 + offs_pv * BLOCK_N) // P, mask=offs_pv < n_in, other=0)
-        # V zeros feed no dot, so the pipeliner leaves their load synchronous (ncu: the largest stall left);
-        # they are prefetched by hand one tile ahead instead, as a loop-carried register.
-        pg0 = _pick_page(pg, offs_pv, 0)
-        vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
-                          + _row_in_page(b0, P, BLOCK_N) * stride_vsr + offs_n * stride_vsr)
-        # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
-        # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
-        page_n = pg0
-        for jj in range(0, n_in):
-            t0 = b0 + jj * BLOCK_N
-            page = page_n
-            r0 = _row_in_page(t0, P, BLOCK_N)
-            vz_cur = vz_next
-            jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
-            pgn = _pick_page(pg, offs_pv, jn)
-            vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
-                              + _row_in_page(b0 + jn * BLOCK_N, P, BLOCK_N) * stride_vsr
-                              + offs_n * stride_vsr)
-            page_n = pgn
-            if FULL_TILES and SUBN and BLOCK_N == 64:
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, page, vz_cur,
-                    stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-                    stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-                    offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
-                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                    SPARE_ZERO=SPARE_ZERO)
-            else:
-                kw, vw, ks, kz, vs = _page_tile_loads(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
-                    stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
-                    stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
-                vz = vz_cur.to(tl.float32)
-                t_ok = t0 + offs_n < (L if DYN else end)
-                if not FULL_TILES:
-                    vs = tl.where(t_ok, vs, 0.0)
-                    vz = tl.where(t_ok, vz, 0.0)
-                m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
-                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
-                    ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
-                    INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, SPARE_ZERO)
-    return m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel_t(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
@@ -1014,19 +920,12 @@ def _int2_chunk_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
     FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
-    SPARE_ZERO: tl.constexpr = False, cnt_ptr=None, DYN: tl.constexpr = False, DYN_STATIC_PCT: tl.constexpr = 60,
-    DYN_CHUNK: tl.constexpr = 8, DYN_CLAIMS: tl.constexpr = 6,
+    SPARE_ZERO: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
     PAIR: whole tiles of two pages (BLOCK_N = 2 P, chunks over the whole tiles only: RANGE 1); RANGE 2: the one-page
-    tail that PAIR programs leave (see `_chunk_bounds`).
-
-    DYN (`DYNAMIC_TILES`, PAGE_VEC only): the program runs DYN_STATIC_PCT % of an even share of the history's tiles
-    (at tile sp * share), then claims up to DYN_CLAIMS chunks (of DYN_CHUNK tiles or more) of the rest from the int32
-    cursor at `cnt_ptr[b * H_kv + h]` until none is left; `cnt_ptr[B * H_kv + b * H_kv + h]` counts the programs that are done,
-    and the last of the segment's n_split resets both to 0. Grid `(B, H_kv, ...)`. The set of tiles a program
-    accumulates then depends on timing, the result (up to fp32 rounding of the merge) does not."""
+    tail that PAIR programs leave (see `_chunk_bounds`)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
@@ -1073,44 +972,64 @@ def _int2_chunk_t(
     ksc_s = ksc * 16777216.0
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    if PAGE_VEC and DYN:
-        # Dynamic balance (`DYNAMIC_TILES`): a static share of the history first, then chunks of the rest claimed
-        # one at a time from a per-(sequence, KV head) cursor, so faster programs take more of them.
-        L = tl.load(len_ptr + b).to(tl.int32)
-        n_all = tl.cdiv(L, BLOCK_N)
-        # Static tiles of every program: DYN_STATIC_PCT % of an even share, more if the rest would not fit in
-        # n_split * DYN_CLAIMS chunks of at most NPV tiles (every chunk must be claimed by someone).
-        per_prog = tl.maximum(n_all * DYN_STATIC_PCT // (100 * n_split),
-                              tl.cdiv(tl.maximum(n_all - n_split * DYN_CLAIMS * NPV, 0), n_split))
-        first_dyn = n_split * per_prog  # first tile of the claimed part
-        # Chunks of at least DYN_CHUNK tiles, and few enough that n_split programs claiming DYN_CLAIMS times each
-        # take all of them (a program stops claiming early only when none is left).
-        chunk = tl.maximum(DYN_CHUNK, tl.cdiv(n_all - first_dyn, n_split * DYN_CLAIMS))
-        seg = b * tl.num_programs(1) + h
-        cursor = cnt_ptr + seg
-        t_a = sp * per_prog * BLOCK_N
-        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_pv(
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, t_a, tl.minimum(t_a + per_prog * BLOCK_N, L),
-            stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-            offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            GP, NQ, U, U_PAD, P, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, NPV, FULL_TILES, SPARE_ZERO,
-            cursor, first_dyn, chunk, tl.cdiv(n_all - first_dyn, chunk), L, True, DYN_CLAIMS)
-        # The last program of the segment to get here resets its cursor and exit count for the next call: every
-        # program's final (failed) claim precedes its release of the exit count, so no claim comes after the reset.
-        exits = cnt_ptr + tl.num_programs(1) * tl.num_programs(0) + seg
-        if tl.atomic_add(exits, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-            tl.store(cursor, 0)
-            tl.store(exits, 0)
-    elif PAGE_VEC:
-        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_pv(
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, start, end,
-            stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
-            stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-            offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc, ksc_s,
-            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            GP, NQ, U, U_PAD, P, BLOCK_N, INTERP, ASM, VFOLD, TILE_ACC, SUBN, NPV, FULL_TILES, SPARE_ZERO)
+    if PAGE_VEC:
+        # Tiles never straddle pages (P % BLOCK_N == 0). Page ids come NPV at a time into registers, and each tile's
+        # id is picked out of them, so every load address of a tile is a function of the loop index alone: Triton's
+        # pipeliner then keeps num_stages - 1 tiles of codes AND scales in flight (cp.async). Loading the id per tile
+        # from global memory made it wait on all copies every tile (ncu: 53 % of stalls on long scoreboard).
+        offs_pv = tl.arange(0, NPV)
+        k_off = offs_n[:, None] * stride_kcr + offs_u[None, :]  # [BLOCK_N, U_PAD]
+        v_off = offs_n[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, BLOCK_N]
+        # FULL_TILES: the caller promises whole pages of history (PagedKVCache's invariant), so every tile is full
+        # and the loop needs no mask at all (56 fewer instructions per tile). Otherwise only the last tile of a
+        # sequence is partial; rows past `end` may hold anything (they are read unmasked inside the allocated
+        # page), so their V scale/zero are zeroed (p is 0 there, and 0 * NaN would not be) and their scores -inf.
+        n_tiles = tl.cdiv(end - start, BLOCK_N)
+        for jb in range(0, n_tiles, NPV):
+            ti = jb + offs_pv
+            pg = tl.load(bt_row + (start + ti * BLOCK_N) // P, mask=ti < n_tiles, other=0)
+            n_in = tl.minimum(NPV, n_tiles - jb)
+            # V zeros feed no dot, so the pipeliner leaves their load synchronous (ncu: the largest stall left);
+            # they are prefetched by hand one tile ahead instead, as a loop-carried register.
+            pg0 = _pick_page(pg, offs_pv, 0)
+            vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
+                              + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr + offs_n * stride_vsr)
+            # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
+            # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
+            page_n = pg0
+            for jj in range(0, n_in):
+                t0 = start + (jb + jj) * BLOCK_N
+                page = page_n
+                r0 = tl.multiple_of(t0 % P, BLOCK_N)
+                vz_cur = vz_next
+                jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
+                pgn = _pick_page(pg, offs_pv, jn)
+                vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
+                                  + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                  + offs_n * stride_vsr)
+                page_n = pgn
+                if FULL_TILES and SUBN and BLOCK_N == 64:
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, page, vz_cur,
+                        stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
+                        offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
+                        SPARE_ZERO=SPARE_ZERO)
+                else:
+                    kw, vw, ks, kz, vs = _page_tile_loads(
+                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
+                        stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
+                        stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
+                    vz = vz_cur.to(tl.float32)
+                    t_ok = t0 + offs_n < end
+                    if not FULL_TILES:
+                        vs = tl.where(t_ok, vs, 0.0)
+                        vz = tl.where(t_ok, vz, 0.0)
+                    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_t(
+                        kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qoff, qsum, qsum_s, ksc,
+                        ksc_s, m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
+                        INTERP, ASM, VFOLD, TILE_ACC, SUBN, not FULL_TILES, SPARE_ZERO)
     elif PAIR:
         # BLOCK_N = 2 P, whole tiles only: tile j is pages 2j and 2j + 1 of the chunk, computed as eight 16-token
         # pieces with one softmax step (`_tile_pieces` TWO). Page ids and V zeros as in the PAGE_VEC loop, two each.
@@ -1309,21 +1228,6 @@ PAIR_STAGES = 2
 # is fewer switching bits in the tensor cores, because the call runs at the H200's 700 W board limit under sustained
 # load (bench/NOTES_decode.md v10). Measure with bench/power_clock_trace.py --impls 6,6:vzero=1,6,6:vzero=1.
 V_SPARE_ZERO = False
-# Dynamic balance of the history programs in the fused kernel's grid (impl 6, tiles inside pages). A timeline of the
-# 128K / batch 8 call on an H200 (bench/program_timeline.py) showed the 16 programs of an SM, all given the same
-# number of tiles, finishing between 113 and 169 us, ordered by when the SM started them (older warps win the
-# issue arbitration), so a third of the wave's end ran with the SM partly empty. Each program now runs
-# DYN_STATIC_PCT % of an even share, then claims chunks of DYN_CHUNK_TILES tiles of the rest from a per-(sequence,
-# KV head) atomic cursor (`_int2_chunk_t` DYN).
-PAGE_IDS_PER_BLOCK = 64  # tiles per vector of page ids in the PAGE_VEC loop (the most a claimed chunk can hold)
-DYNAMIC_TILES = True
-DYN_STATIC_PCT = 60
-DYN_CHUNK_TILES = 8
-DYN_CLAIMS = 6  # claims per program at most; the chunk grows so that n_split * DYN_CLAIMS chunks cover the rest
-# Register cap of the kernel with the claimed chunks. Uncapped, ptxas schedules that loop with 158 registers (12
-# programs per SM) where the static loop takes 127; capped at 128 it has 653 instructions per tile (static 650) and
-# no spill (Triton 3.6, sm_90, Qwen3-8B geometry, `bench/sass_loop_stats.py --fused dyn --maxnreg 128`).
-DYN_MAXNREG = 128
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1343,17 +1247,8 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
     page_vec = subnormal and k_codes.shape[2] % block_n == 0
     return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
-                VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=PAGE_IDS_PER_BLOCK,
+                VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=bool(full_tiles) and page_vec, SPARE_ZERO=bool(V_SPARE_ZERO))
-
-
-def dynamic_tiles_apply(k_codes, block_n: int, impl: int, pair: bool) -> bool:
-    """Claimed history chunks (`_int2_chunk_t` DYN) in the fused kernel's grid: DYNAMIC_TILES on, impl 6 with tiles
-    inside pages (its PAGE_VEC loop), not two-page tiles."""
-    if DYNAMIC_TILES and not 1 <= DYN_CHUNK_TILES <= PAGE_IDS_PER_BLOCK:
-        raise ValueError(f"triton_int2.DYN_CHUNK_TILES: expected 1..{PAGE_IDS_PER_BLOCK} tiles (one vector of page "
-                         f"ids), got {DYN_CHUNK_TILES}")
-    return DYNAMIC_TILES and impl == 6 and k_codes.shape[2] % block_n == 0 and not pair
 
 
 def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
@@ -1374,11 +1269,9 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def maxnreg_option(dyn: bool = False) -> dict:
-    """Launch option of the kernels that run `_int2_chunk_t`: the register cap IMPL5_MAXNREG if set, else DYN_MAXNREG
-    for the dynamically balanced loop (dyn)."""
-    cap = IMPL5_MAXNREG or (DYN_MAXNREG if dyn else None)
-    return {"maxnreg": cap} if cap and not INTERPRET else {}
+def maxnreg_option() -> dict:
+    """Launch option of the kernels that run `_int2_chunk_t`: the register cap IMPL5_MAXNREG, if set."""
+    return {"maxnreg": IMPL5_MAXNREG} if IMPL5_MAXNREG and not INTERPRET else {}
 
 
 def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
@@ -1459,7 +1352,6 @@ def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, bloc
     kc, vc = int16_views(k_codes, v_codes)
     return (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
             num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(V_SPARE_ZERO), bool(whole_pages),
-            bool(DYNAMIC_TILES), DYN_STATIC_PCT, DYN_CHUNK_TILES, DYN_CLAIMS, DYN_MAXNREG, PAGE_IDS_PER_BLOCK,
             block_table.dtype,
             hist_len.dtype, block_table.stride(0) % 16 == 0,
             pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14])
