@@ -237,6 +237,13 @@ def int2_bytes_per_call(batch: int, context: int) -> int:
     return batch * (context - WIN) * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
 
 
+def variant_layers(batch: int, context: int, gen: torch.Generator, variant: str) -> tuple:
+    """Distinct per-layer INT2 caches in the pools of `variant` (`variant_cache`), as many as a pass needs to read 3x
+    the L2 -> (layers, pools, tables, hist_len, k_win, v_win, slots, win_len)."""
+    layers = layers_for(int2_bytes_per_call(batch, context))
+    return (layers, *int2_layers(batch, context, layers, gen, *variant_cache(variant)))
+
+
 def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, impls: list[str],
                copy: float) -> dict:
     read = int2_bytes_per_call(batch, context)

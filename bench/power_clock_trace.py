@@ -33,12 +33,9 @@ from bench_decode_graph import (  # noqa: E402
     apply_variant,
     bf16_layers,
     capture_graph,
-    int2_bytes_per_call,
-    int2_layers,
-    layers_for,
     repeat_to,
     replay_ms,
-    variant_cache,
+    variant_layers,
     variant_stages,
 )
 
@@ -62,9 +59,7 @@ def bf16_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 def int2_calls(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, variant: str) -> list:
     """The INT2 calls of `variant` (`bench_decode_graph.apply_variant` keys, and `layout=` / `order=` for the pools;
     its switches stay set until the next variant is applied)."""
-    layers = layers_for(int2_bytes_per_call(batch, context))
-    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen,
-                                                                        *variant_cache(variant))
+    layers, pools, tables, hist_len, k_win, v_win, slots, win_len = variant_layers(batch, context, gen, variant)
     impl, stages = apply_variant(variant), variant_stages(variant)
     return repeat_to([lambda t=tables[i], s=slots[i]: A.decode_attention(
         q, *pools, t, hist_len, k_win, v_win, s, win_len, impl=impl, num_stages=stages, whole_pages=True,

@@ -27,10 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import DEV, H_Q, D  # noqa: E402
 from bench_decode_graph import (  # noqa: E402
     apply_variant,
-    int2_bytes_per_call,
-    int2_layers,
-    layers_for,
-    variant_cache,
+    variant_layers,
     variant_stages,
     variant_whole,
 )
@@ -75,9 +72,7 @@ def summarize(rec: torch.Tensor, slots_per_sm: int, n_sm: int) -> dict:
 
 
 def run_variant(batch: int, context: int, variant: str, q: torch.Tensor, gen: torch.Generator, passes: int) -> dict:
-    layers = layers_for(int2_bytes_per_call(batch, context))
-    pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen,
-                                                                        *variant_cache(variant))
+    layers, pools, tables, hist_len, k_win, v_win, slots, win_len = variant_layers(batch, context, gen, variant)
     impl, stages, whole = apply_variant(variant), variant_stages(variant), variant_whole(variant)
     s_h, s_w = A.decode_num_splits(q, *pools, tables[0], hist_len, k_win, v_win, slots[0], win_len,
                                    num_stages=stages, impl=impl, whole_pages=whole, fused=False)

@@ -1223,10 +1223,11 @@ IMPL5_MAXNREG: int | None = None  # impl 5/6: register cap per thread passed to 
 # under the power cap (0.2018-0.2025 vs 0.2006-0.2011 ms), so it stays off.
 PAIR_TILES = False
 PAIR_STAGES = 2
-# Opt-in, not yet measured on a GPU (session 6): the V dot's spare columns (i, copy), computed and never stored, get
-# zeros instead of a copy of p * scale (`_v_operand`). Same instructions, same stored results bit for bit; the idea
-# is fewer switching bits in the tensor cores, because the call runs at the H200's 700 W board limit under sustained
-# load (bench/NOTES_decode.md v10). Measure with bench/power_clock_trace.py --impls 6,6:vzero=1,6,6:vzero=1.
+# Opt-in, off: the V dot's spare columns (i, copy), computed and never stored, get zeros instead of a copy of
+# p * scale (`_v_operand`). Same instructions, same stored results bit for bit; the idea was fewer switching bits in
+# the tensor cores, because the call runs at the H200's 700 W board limit under sustained load. Measured in session 7
+# (bench/NOTES_decode.md v11): no faster, sustained (0.2024 / 0.2015 vs 0.2011 / 0.1987 ms at 128K / batch 8) or at
+# the first replays (0.1961 vs 0.1878 ms), so it stays off.
 V_SPARE_ZERO = False
 
 
