@@ -1,0 +1,170 @@
+"""How fast can the INT2 decode kernel's bytes be read at all? A kernel that reads exactly what the history programs
+read (per 64-token tile of a (sequence, KV head): 2 KiB of K codes, 2 KiB of V codes and four 128-byte fp16 scale /
+zero vectors, from pages scattered by the block table, in the same grid of splits) and only XORs the words together,
+next to the real INT2 kernel on the same cache, and per cache layout.
+
+    python3 bench/read_ceiling.py --out OUT [--point 131072x8] [--pps 16,28] [--layouts separate,tile,ordered]
+
+If the read-only kernel is not much faster than the INT2 kernel, the access pattern (not the arithmetic) is the
+limit, and more speed needs another layout; if it is much faster, the arithmetic is. Writes
+`read_ceiling_<gpu>.json` and prints a table (median ms of `triton.testing.do_bench`, L2 flushed, GB/s of history
+bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, out_ptr,
+                       stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
+                       stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
+                       P: tl.constexpr, U: tl.constexpr):
+    """Program (b, h, s): the tiles (one page each) of split s of sequence b's history, KV head h, read and XORed
+    into one int32 at `out[b, h, s]`. Codes as int16 words `[P, U]`, scales and zeros as fp16 bits `[P]`."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    n_tiles = tl.load(len_ptr + b) // P
+    per = tl.cdiv(n_tiles, n_split)
+    t_lo = s * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+    rows = tl.arange(0, P)
+    words = tl.arange(0, U)
+    c_off = rows[:, None] * stride_kcr + words[None, :]
+    acc_c = tl.zeros([P, U], tl.int32)
+    acc_s = tl.zeros([P], tl.int32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    # The next tile's page id is loaded one tile ahead, so a tile costs one memory round trip, not two.
+    page_next = tl.load(bt_row + tl.minimum(t_lo, tl.maximum(t_hi - 1, 0)))
+    for t in range(t_lo, t_hi):
+        page = page_next.to(tl.int64)
+        page_next = tl.load(bt_row + tl.minimum(t + 1, t_hi - 1))
+        kw = tl.load(kc_ptr + page * stride_kcp + h * stride_kch + c_off)
+        vw = tl.load(vc_ptr + page * stride_vcp + h * stride_vch + c_off)
+        srow = page * stride_ksp + h * stride_ksh + rows * stride_ksr
+        vrow = page * stride_vsp + h * stride_vsh + rows * stride_vsr
+        ks = tl.load(ks_ptr + srow)
+        kz = tl.load(kz_ptr + srow)
+        vs = tl.load(vs_ptr + vrow)
+        vz = tl.load(vz_ptr + vrow)
+        acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
+        acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
+                         ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
+    x = tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(acc_s, 0, _xor)
+    tl.store(out_ptr + (b * tl.num_programs(1) + h) * n_split + s, x)
+
+
+def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int) -> torch.Tensor:
+    """Launch the read-only kernel over whole-page histories -> int32 `[B, H_kv, splits]` XORs. pools: (kc, ks, kz, vc,
+    vs, vz) as `attention.decode_attention` takes them (uint8 codes `[pages, H, P, d/4]`, fp16 `[pages, H, P, 1]`)."""
+    kc, ks, kz, vc, vs, vz = pools
+    b, h, page = table.shape[0], kc.shape[1], kc.shape[2]
+    if kc.shape[3] % 2:
+        raise ValueError(f"read_tiles: code rows of {kc.shape[3]} bytes, expected an even number (int16 words)")
+    kw, vw = kc.view(torch.int16), vc.view(torch.int16)
+    out = torch.empty(b, h, splits, dtype=torch.int32, device=kc.device)
+    _read_tiles_kernel[(b, h, splits)](
+        kw, ks, kz, vw, vs, vz, table, hist_len, out,
+        kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0),
+        P=page, U=kw.shape[3], num_warps=1)
+    return out
+
+
+def reference_xor(pools, table: torch.Tensor, hist_len: torch.Tensor) -> torch.Tensor:
+    """XOR of every int16 word of codes and fp16 scale / zero bits a (sequence, KV head) history holds -> int32
+    `[B, H_kv]` (independent of the split: XOR is associative)."""
+    import numpy as np
+
+    kc, ks, kz, vc, vs, vz = (t.cpu() for t in pools)
+    b, h = table.shape[0], kc.shape[1]
+    out = np.zeros((b, h), dtype=np.int32)
+    for i in range(b):
+        pages = table[i, : int(hist_len[i]) // kc.shape[2]].cpu().long()
+        for j in range(h):
+            acc = np.int32(0)
+            for t in (kc, vc):
+                acc ^= np.bitwise_xor.reduce(t[pages, j].contiguous().view(torch.int16).numpy().astype(np.int32),
+                                             axis=None)
+            for t in (ks, kz, vs, vz):
+                acc ^= np.bitwise_xor.reduce(t[pages, j].contiguous().view(torch.int16).numpy().astype(np.int32),
+                                             axis=None)
+            out[i, j] = acc
+    return torch.from_numpy(out)
+
+
+def main() -> None:
+    from bench_decode import DEV, H_KV, H_Q, D, make_int2_cache
+
+    from runtime_kernels import attention as A
+    from runtime_kernels.attention import triton_int2
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
+    ap.add_argument("--pps", default="16,28", help="read-only programs per SM (split rule; 28 fit at 72 registers), "
+                    "comma-separated")
+    ap.add_argument("--layouts", default="separate,tile,ordered",
+                    help="cache layouts: separate, scales, tile (bench_decode.make_int2_cache) or ordered pages")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("read_ceiling: needs a CUDA GPU")
+    context, batch = (int(x) for x in args.point.lower().split("x"))
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "point": args.point, "rows": []}
+    print(f"{report['gpu']}, {args.point}: history bytes read per call, ms (do_bench median, L2 flushed), GB/s")
+    for layout in args.layouts.split(","):
+        gen = torch.Generator(device=DEV).manual_seed(context + batch)
+        pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, layout="separate" if layout == "ordered"
+                                                     else layout, order="ordered" if layout == "ordered"
+                                                     else "scattered")
+        hist_bytes = int(hist_len.sum()) * H_KV * 2 * (D // 4 + 2 * 2)
+        q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+        splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, 3, 6, True)
+        o = torch.empty(batch, H_Q, splits, D, device=DEV)
+        lse = torch.empty(batch, H_Q, splits, device=DEV)
+        int2 = triton.testing.do_bench(lambda: triton_int2.launch_int2_decode(
+            q, *pools, table, hist_len, o, lse, D ** -0.5, splits, 0, 64, 1, 3, 6, whole_pages=True))
+        row = {"layout": layout, "bytes": hist_bytes, "int2_kernel": {"splits": splits, "ms": int2,
+                                                                     "gbps": hist_bytes / int2 / 1e6}}
+        want = reference_xor(pools, table, hist_len) if batch * context <= 1 << 20 else None
+        for pps in (int(x) for x in args.pps.split(",")):
+            n = max(1, pps * n_sm // (batch * H_KV))
+            got = read_tiles(pools, table, hist_len, n)
+            if want is not None:  # the checksum proves every byte was read (small points only: the host XOR is slow)
+                xor = got[..., 0].clone()
+                for s in range(1, n):
+                    xor ^= got[..., s]
+                assert torch.equal(xor.cpu(), want), "read_ceiling: checksum mismatch"
+            ms = triton.testing.do_bench(lambda n=n: read_tiles(pools, table, hist_len, n))
+            row[f"read_only_pps{pps}"] = {"splits": n, "ms": ms, "gbps": hist_bytes / ms / 1e6}
+        report["rows"].append(row)
+        print(f"{layout}: INT2 kernel {int2:.4f} ms ({row['int2_kernel']['gbps']:.0f} GB/s, {splits} splits) | " +
+              " | ".join(f"read-only {k[13:]}/SM {v['ms']:.4f} ms ({v['gbps']:.0f} GB/s)"
+                         for k, v in row.items() if k.startswith("read_only")), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "read_ceiling_" + report["gpu"].replace(" ", "_") + ".json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
