@@ -156,11 +156,12 @@ def bf16_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator) 
 
 # ----------------------------------------------------------------------------------------------------- INT2 side
 def int2_layers(batch: int, context: int, layers: int, gen: torch.Generator, layout: str = "separate",
-                order: str = "scattered"):
-    """`layers` distinct INT2 caches in one pool: `bench_decode.make_int2_cache` for layers * batch sequences, its
-    block table and window slots split per layer (each layer its own scattered pages and its own windows)."""
+                order: str = "scattered", page: int = PAGE):
+    """`layers` distinct INT2 caches in one pool: `bench_decode.make_int2_cache` for layers * batch sequences of
+    `page`-token pages, its block table and window slots split per layer (each layer its own scattered pages and its
+    own windows)."""
     pools, table, hist_len, k_win, v_win, slot_ids, win_len, _, _ = make_int2_cache(layers * batch, context, gen,
-                                                                                   layout=layout, order=order)
+                                                                                   page, layout=layout, order=order)
     return (pools, table.view(layers, batch, -1), hist_len[:batch], k_win, v_win, slot_ids.view(layers, batch),
             win_len[:batch])
 
@@ -181,7 +182,7 @@ def apply_variant(variant: str) -> int:
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
     `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
     tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
-    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `layout=`, `order=` the pools' layout and page order (`variant_cache`)."""
+    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `layout=`, `order=`, `page=` the pools' layout, page order and page size (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -211,9 +212,9 @@ def apply_variant(variant: str) -> int:
             _fused.WINDOW_SPLIT_TOKENS = int(v)
         elif k == "vzero":
             _int2.V_SPARE_ZERO = v != "0"
-        elif k not in ("stages", "whole", "layout", "order"):
+        elif k not in ("stages", "whole", "layout", "order", "page"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, wtok, vzero, layout, order)")
+                             f"fused, shared, wfirst, pair, wtok, vzero, layout, order, page)")
     return int(impl)
 
 
@@ -221,11 +222,12 @@ def variant_stages(variant: str) -> int:
     return next((int(o.split("=")[1]) for o in variant.split(":")[1:] if o.startswith("stages=")), 3)
 
 
-def variant_cache(variant: str) -> tuple[str, str]:
-    """(layout, order) of the pools a variant runs on (`bench_decode.make_int2_cache`): `layout=separate|scales|tile`,
-    `order=scattered|ordered`."""
+def variant_cache(variant: str) -> tuple[str, str, int]:
+    """(layout, order, page) of the pools a variant runs on (`bench_decode.make_int2_cache`):
+    `layout=separate|scales|tile`, `order=scattered|ordered`, `page=N` tokens per page (default PAGE; the kernel's
+    tiles stay 64 tokens, so a 128-token page holds two)."""
     opts = dict(o.split("=") for o in variant.split(":")[1:])
-    return opts.get("layout", "separate"), opts.get("order", "scattered")
+    return opts.get("layout", "separate"), opts.get("order", "scattered"), int(opts.get("page", PAGE))
 
 
 def variant_whole(variant: str) -> bool:

@@ -3,7 +3,7 @@ read (per 64-token tile of a (sequence, KV head): 2 KiB of K codes, 2 KiB of V c
 zero vectors, from pages scattered by the block table, in the same grid of splits) and only XORs the words together,
 next to the real INT2 kernel on the same cache, and per cache layout.
 
-    python3 bench/read_ceiling.py --out OUT [--point 131072x8] [--pps 16,28] [--layouts separate,tile,ordered]
+    python3 bench/read_ceiling.py --out OUT [--point 131072x8] [--pps 16,28] [--layouts separate,tile,ordered,page128]
 
 If the read-only kernel is not much faster than the INT2 kernel, the access pattern (not the arithmetic) is the
 limit, and more speed needs another layout; if it is much faster, the arithmetic is. Writes
@@ -122,8 +122,9 @@ def main() -> None:
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
     ap.add_argument("--pps", default="16,28", help="read-only programs per SM (split rule; 28 fit at 72 registers), "
                     "comma-separated")
-    ap.add_argument("--layouts", default="separate,tile,ordered",
-                    help="cache layouts: separate, scales, tile (bench_decode.make_int2_cache) or ordered pages")
+    ap.add_argument("--layouts", default="separate,tile,ordered,page128",
+                    help="cache layouts: separate, scales, tile (bench_decode.make_int2_cache), ordered pages, or "
+                    "page128 (six pools of 128-token pages)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("read_ceiling: needs a CUDA GPU")
@@ -134,9 +135,10 @@ def main() -> None:
     print(f"{report['gpu']}, {args.point}: history bytes read per call, ms (do_bench median, L2 flushed), GB/s")
     for layout in args.layouts.split(","):
         gen = torch.Generator(device=DEV).manual_seed(context + batch)
-        pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, layout="separate" if layout == "ordered"
-                                                     else layout, order="ordered" if layout == "ordered"
-                                                     else "scattered")
+        page = 128 if layout == "page128" else 64
+        pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page,
+                                                     layout=layout if layout in ("scales", "tile") else "separate",
+                                                     order="ordered" if layout == "ordered" else "scattered")
         hist_bytes = int(hist_len.sum()) * H_KV * 2 * (D // 4 + 2 * 2)
         q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
         splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, 3, 6, True)

@@ -233,3 +233,23 @@ def test_program_timeline_is_gpu_only():
     with pytest.raises(ValueError, match="timeline needs a CUDA device"):
         triton_fused.launch_decode_fused(*args, torch.zeros(6, dtype=torch.int32), 0.125, 2, 1, merge=False,
                                          timeline=torch.zeros(1, 2, 3, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_pages_of_two_tiles_in_the_fused_grid(monkeypatch, fused):
+    """128-token pages under 64-token tiles (`PagedKVCache(page_size=128)`): every tile starts at row 0 or 64 of its
+    page. Whole pages (the unmasked loop) and a partial last page, against the reference, in both launch forms."""
+    h_kv = 2
+    no_separate_launches(monkeypatch)
+    for lens, whole in (([384, 128, 0], True), ([300, 129, 64], False)):
+        pool = make_pool(lens, h_kv=h_kv, d=64, page=128, seed=len(lens) + sum(lens))
+        k_win, v_win = make_window(3, h_kv, 16, 64, torch.bfloat16, seed=13)
+        slot_ids = torch.tensor([2, 0, 1], dtype=torch.int32)
+        win_len = torch.tensor([16, 3, 0], dtype=torch.int32)
+        q = make_q(3, h_kv * 4, 64, torch.bfloat16, seed=sum(lens))
+        want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=3,
+                                    whole_pages=whole, fused=fused)
+        assert rel_rmse(o, want_o) < 2e-2
+        fin = torch.isfinite(want_lse)
+        assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
