@@ -72,9 +72,10 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
     pages).
 
     layout: "separate" (six pools, as `PagedKVCache` allocates them), "scales" (the four scale/zero vectors of a
-    (page, KV head) side by side in one `[pages, H, 4, P]` fp16 buffer) or "tile" (codes and scales of a
-    (page, KV head) in one contiguous block of `P * (2 * d/4 + 8)` bytes); the last two are views with other
-    strides, to measure what DRAM locality of a tile's pieces is worth. order: "scattered" (pages of a sequence at
+    (page, KV head) side by side in one `[pages, H, 4, P]` fp16 buffer), "tile" (codes and scales of a
+    (page, KV head) in one contiguous block of `P * (2 * d/4 + 8)` bytes) or "vpair" (V scale and zero of each row
+    side by side, one `[pages, H, P, 2]` buffer, which the whole-page loop reads in one load:
+    `triton_int2.V_PAIRED_POOLS`); all but the first are views with other strides. order: "scattered" (pages of a sequence at
     random pool slots, as a paged allocator leaves them) or "ordered" (consecutive slots)."""
     hist = (context - WIN) // page * page
     pages_per_seq = -(-hist // page)
@@ -82,8 +83,8 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
     dev = DEV
     cb = page * (D // 4)  # code bytes of one (page, KV head)
 
-    if layout not in ("separate", "scales", "tile"):
-        raise ValueError(f"make_int2_cache: layout {layout!r}: expected 'separate', 'scales' or 'tile'")
+    if layout not in ("separate", "scales", "tile", "vpair"):
+        raise ValueError(f"make_int2_cache: layout {layout!r}: expected 'separate', 'scales', 'tile' or 'vpair'")
     if layout == "tile":
         blk = torch.randint(0, 256, (n_pages, H_KV, 2 * cb + 8 * page), dtype=torch.uint8, device=dev, generator=gen)
         kc = blk[:, :, :cb].view(n_pages, H_KV, page, D // 4)
@@ -93,7 +94,11 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
         kc, vc = (torch.randint(0, 256, (n_pages, H_KV, page, D // 4), dtype=torch.uint8, device=dev, generator=gen)
                   for _ in range(2))
         sc = torch.empty(n_pages, H_KV, 4, page, dtype=torch.float16, device=dev) if layout == "scales" else None
-    if sc is None:
+    if layout == "vpair":  # V scale and zero of a row side by side (`triton_int2.V_PAIRED_POOLS`)
+        ks, kz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(2))
+        vsz = torch.empty(n_pages, H_KV, page, 2, dtype=torch.float16, device=dev)
+        vs, vz = vsz[..., 0:1], vsz[..., 1:2]
+    elif sc is None:
         ks, kz, vs, vz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(4))
     else:
         ks, kz, vs, vz = (sc[:, :, i, :, None] for i in range(4))

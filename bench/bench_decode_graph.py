@@ -224,7 +224,7 @@ def variant_stages(variant: str) -> int:
 
 def variant_cache(variant: str) -> tuple[str, str, int]:
     """(layout, order, page) of the pools a variant runs on (`bench_decode.make_int2_cache`):
-    `layout=separate|scales|tile`, `order=scattered|ordered`, `page=N` tokens per page (default PAGE; the kernel's
+    `layout=separate|scales|tile|vpair`, `order=scattered|ordered`, `page=N` tokens per page (default PAGE; the kernel's
     tiles stay 64 tokens, so a 128-token page holds two)."""
     opts = dict(o.split("=") for o in variant.split(":")[1:])
     return opts.get("layout", "separate"), opts.get("order", "scattered"), int(opts.get("page", PAGE))

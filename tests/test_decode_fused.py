@@ -253,3 +253,39 @@ def test_pages_of_two_tiles_in_the_fused_grid(monkeypatch, fused):
         assert rel_rmse(o, want_o) < 2e-2
         fin = torch.isfinite(want_lse)
         assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+
+
+def paired_v(pool):
+    """The same pool with its V scale and zero as two views of one `[pages, H, P, 2]` buffer (scale, zero per row)."""
+    kc, ks, kz, vc, vs, vz, table, hist = pool
+    buf = torch.stack([vs[..., 0], vz[..., 0]], dim=-1).contiguous()
+    return kc, ks, kz, vc, buf[..., 0:1], buf[..., 1:2], table, hist
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_paired_v_scale_and_zero_pools(monkeypatch, fused):
+    """V scale and zero interleaved in one buffer (`triton_int2.V_PAIRED_POOLS`): the whole-page loop reads each
+    zero with its scale (`VPAIR`); the masked loop reads the same views with their strides. Same answer as the
+    separate pools and the reference, in both launch forms; with the switch off the paired views still work."""
+    lens = [640, 0, 192, 64]
+    h_kv = 2
+    pool = make_pool(lens, h_kv=h_kv, d=128, page=64, seed=77)
+    paired = paired_v(pool)
+    assert triton_int2.paired_v_pools(paired[4], paired[5]) and not triton_int2.paired_v_pools(pool[4], pool[5])
+    k_win, v_win = make_window(4, h_kv, 24, 128, torch.bfloat16, seed=14)
+    slot_ids = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
+    win_len = torch.tensor([24, 5, 0, 9], dtype=torch.int32)
+    q = make_q(4, h_kv * 4, 128, torch.bfloat16, seed=15)
+    want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
+    no_separate_launches(monkeypatch)
+    kw = dict(backend="triton", num_splits=3, fused=fused)
+    o_sep, _ = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, whole_pages=True, **kw)
+    fin = torch.isfinite(want_lse)
+    for on in (True, False):
+        monkeypatch.setattr(triton_int2, "V_PAIRED_POOLS", on)
+        for whole in (True, False):
+            o, lse = A.decode_attention(q, *paired, k_win, v_win, slot_ids, win_len, whole_pages=whole, **kw)
+            assert rel_rmse(o, want_o) < 2e-2
+            assert torch.allclose(lse[fin], want_lse[fin], atol=2e-3)
+            if whole:
+                assert torch.equal(o, o_sep)  # the same values, read another way

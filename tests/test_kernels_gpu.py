@@ -235,6 +235,21 @@ def test_program_timeline_records_every_program_on_gpu():
     assert (kinds[:, :, :s_h] == 0).all() and (kinds[:, :, s_h:] == 1).all()
 
 
+def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
+    """`V_PAIRED_POOLS` (opt-in by layout): V scale and zero as views of one `[pages, H, P, 2]` buffer give the same
+    answer as the separate pools, in both launch forms and under graph replay."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)], pool_seed=20, seed=13, min_window=1)
+    vsz = torch.stack([args[5][..., 0], args[6][..., 0]], dim=-1).contiguous()
+    paired = args[:5] + (vsz[..., 0:1], vsz[..., 1:2]) + args[7:]
+    assert triton_int2.paired_v_pools(paired[5], paired[6])
+    for fused in (True, False):  # the two-launch result (the last) is what the graph replays
+        o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused)
+        o2, lse2 = A.decode_attention(*paired, whole_pages=True, fused=fused)
+        assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    for o, _ in graph_replays(lambda: A.decode_attention(*paired, whole_pages=True, validate=False), 2):
+        assert torch.equal(o, o1)
+
+
 def test_write_pages_on_gpu():
     h, d, p = 8, 128, 64
     x = torch.randn(200, h, d, device=DEV, dtype=torch.bfloat16)

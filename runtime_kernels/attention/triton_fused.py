@@ -66,6 +66,7 @@ def _decode_fused_kernel(
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
     S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls. TIMELINE (bench only): tl_ptr is int64
@@ -92,7 +93,7 @@ def _decode_fused_kernel(
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO)
+            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
     elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,
@@ -204,7 +205,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *_int2.partial_strides(o_part, lse_part))
     chunk = (_int2.pair_constexprs(q, k_codes, block_n) if pair
-             else _int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages))
+             else _int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages, v_scale, v_zero))
     num_stages = _int2.PAIR_STAGES if pair else num_stages
     kw = dict(**chunk, S_TAIL=int(pair),
               NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
@@ -237,7 +238,7 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                                    num_stages, impl, whole_pages, warmup=True, merge=merge)
 
     key = (("fused",) + _int2.chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
-                                         num_warps, num_stages, impl, whole_pages)
+                                         num_warps, num_stages, impl, whole_pages, v_zero)
            + (k_win.dtype, slot_ids.dtype, win_len.dtype, bool(merge), WINDOWS_FIRST,
               _int2.pair_tiles_apply(k_codes, block_n, impl, whole_pages), _int2.PAIR_STAGES))
     return _int2.cached_slots(key, compile_only, num_warps, q.device)

@@ -760,15 +760,22 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
-                 SPARE_ZERO: tl.constexpr = False):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
     across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]`."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    vs0, vs1, vs2, vs3 = _split4(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh
-                                         + (r0 + offs_n) * stride_vsr).to(tl.float32))
+    if VPAIR:
+        # (scale, zero) pairs side by side (`V_PAIRED_POOLS`): one `[64, 2]` load, which the pipeliner makes
+        # asynchronous because the scales feed the V dots, brings the zeros along (vz64 is unused).
+        sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
+                     + tl.arange(0, 2)[None, :])
+        vs64, vz64 = tl.split(sz)
+    else:
+        vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
+    vs0, vs1, vs2, vs3 = _split4(vs64.to(tl.float32))
     vz0, vz1, vz2, vz3 = _split4(vz64.to(tl.float32))
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
@@ -804,7 +811,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False,
-                 SPARE_ZERO: tl.constexpr = False):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False):
     """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
     masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
     TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
@@ -826,12 +833,12 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
         vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-        NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO)
+        NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR)
     if TWO:
         t0, t1, t2, t3, t4, t5, t6, t7, p_b, z_b = _page_values(
             vc_ptr, vs_ptr, page_b, 0, h, vz_b, sb0, sb1, sb2, sb3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-            NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO)
+            NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR)
         p_sum += p_b
         z_sum += z_b
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
@@ -889,6 +896,7 @@ def _int2_decode_kernel_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
     FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False, SPARE_ZERO: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -900,7 +908,7 @@ def _int2_decode_kernel_t(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
         GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR,
-        SPARE_ZERO=SPARE_ZERO)
+        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
 
 
 @triton.jit
@@ -920,12 +928,13 @@ def _int2_chunk_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
     FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
-    SPARE_ZERO: tl.constexpr = False,
+    SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
     PAIR: whole tiles of two pages (BLOCK_N = 2 P, chunks over the whole tiles only: RANGE 1); RANGE 2: the one-page
-    tail that PAIR programs leave (see `_chunk_bounds`)."""
+    tail that PAIR programs leave (see `_chunk_bounds`). VPAIR (whole-page tiles only): the V zero of a row is the
+    fp16 right after its scale (`V_PAIRED_POOLS`), read with it."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
@@ -992,8 +1001,10 @@ def _int2_chunk_t(
             # V zeros feed no dot, so the pipeliner leaves their load synchronous (ncu: the largest stall left);
             # they are prefetched by hand one tile ahead instead, as a loop-carried register.
             pg0 = _pick_page(pg, offs_pv, 0)
-            vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
-                              + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr + offs_n * stride_vsr)
+            if not VPAIR:
+                vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
+                                  + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                  + offs_n * stride_vsr)
             # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
             # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
             page_n = pg0
@@ -1001,12 +1012,15 @@ def _int2_chunk_t(
                 t0 = start + (jb + jj) * BLOCK_N
                 page = page_n
                 r0 = tl.multiple_of(t0 % P, BLOCK_N)
-                vz_cur = vz_next
                 jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
                 pgn = _pick_page(pg, offs_pv, jn)
-                vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
-                                  + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
-                                  + offs_n * stride_vsr)
+                if VPAIR:
+                    vz_cur = offs_n  # unused: the zeros come with the scales
+                else:
+                    vz_cur = vz_next
+                    vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
+                                      + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
+                                      + offs_n * stride_vsr)
                 page_n = pgn
                 if FULL_TILES and SUBN and BLOCK_N == 64:
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
@@ -1015,7 +1029,7 @@ def _int2_chunk_t(
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                         m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                        SPARE_ZERO=SPARE_ZERO)
+                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
                 else:
                     kw, vw, ks, kz, vs = _page_tile_loads(
                         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -1229,6 +1243,12 @@ PAIR_STAGES = 2
 # (bench/NOTES_decode.md v11): no faster, sustained (0.2024 / 0.2015 vs 0.2011 / 0.1987 ms at 128K / batch 8) or at
 # the first replays (0.1961 vs 0.1878 ms), so it stays off.
 V_SPARE_ZERO = False
+# Opt-in, not yet measured on a GPU (session 7): with V scale and zero pools that are two views of one
+# `[pages, H, P, 2]` buffer (`paired_v_pools`), the whole-page loop reads a row's zero with its scale in one
+# pipelined load, instead of the hand-made synchronous prefetch of the zeros one tile ahead, whose first use was the
+# largest single stall in Nsight Compute (4 % of the samples, bench/NOTES_decode.md v11). The library's pools stay
+# separate until it is measured (bench key `layout=vpair`).
+V_PAIRED_POOLS = True
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1241,15 +1261,26 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
                     for t in (k_codes, v_codes)) and block_n >= 16)
 
 
-def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool) -> dict:
+def paired_v_pools(v_scale, v_zero) -> bool:
+    """True when each V zero is the fp16 right after its scale (one `[pages, H, P, 2]` buffer viewed as the two
+    pools), so the whole-page loop can read both with one load (`_int2_chunk_t` VPAIR)."""
+    return (v_scale is not None and v_zero is not None and V_PAIRED_POOLS and v_scale.dim() == 4
+            and v_scale.stride(2) == 2 and v_scale.stride() == v_zero.stride()
+            and v_zero.data_ptr() == v_scale.data_ptr() + v_scale.element_size())
+
+
+def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool, v_scale=None,
+                     v_zero=None) -> dict:
     """Compile-time arguments of `_int2_chunk_t` (shared by `_int2_decode_kernel_t` and the fused decode kernel)."""
     group = q.shape[1] // k_codes.shape[1]
     u = k_codes.shape[3] // 2  # int16 words per row
     page_vec = subnormal and k_codes.shape[2] % block_n == 0
+    full = bool(full_tiles) and page_vec
     return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
                 U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
-                FULL_TILES=bool(full_tiles) and page_vec, SPARE_ZERO=bool(V_SPARE_ZERO))
+                FULL_TILES=full, SPARE_ZERO=bool(V_SPARE_ZERO),
+                VPAIR=full and block_n == 64 and paired_v_pools(v_scale, v_zero))
 
 
 def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
@@ -1284,7 +1315,7 @@ def _launch_kernel_t(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     grid = (q.shape[0], k_codes.shape[1], num_splits)
     args = _kernel_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                         sm_scale, split_offset)
-    kw = dict(**chunk_constexprs(q, k_codes, block_n, subnormal, full_tiles), num_warps=num_warps,
+    kw = dict(**chunk_constexprs(q, k_codes, block_n, subnormal, full_tiles, v_scale, v_zero), num_warps=num_warps,
               num_stages=num_stages, **maxnreg_option())
     if warmup:
         return _int2_decode_kernel_t.warmup(*args, grid=grid, **kw)
@@ -1341,12 +1372,12 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                                 warmup=True, full_tiles=whole_pages)
 
     return cached_slots(("int2",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n,
-                                              num_warps, num_stages, impl, whole_pages),
+                                              num_warps, num_stages, impl, whole_pages, v_zero),
                         compile_only, num_warps, q.device)
 
 
 def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n: int, num_warps: int,
-              num_stages: int, impl: int, whole_pages: bool) -> tuple:
+              num_stages: int, impl: int, whole_pages: bool, v_zero=None) -> tuple:
     """Everything that selects a different compiled `_int2_chunk_t`: constexprs (the pool strides among them),
     dtypes, and Triton's specialisation of the block-table stride (the split buffers' strides barely move
     registers)."""
@@ -1355,7 +1386,7 @@ def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, bloc
             num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(V_SPARE_ZERO), bool(whole_pages),
             block_table.dtype,
             hist_len.dtype, block_table.stride(0) % 16 == 0,
-            pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14])
+            pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14], paired_v_pools(v_scale, v_zero))
 
 
 def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
