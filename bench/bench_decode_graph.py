@@ -42,6 +42,13 @@ from runtime_kernels.attention import triton_int2 as _int2  # noqa: E402
 MIN_CALLS = 48  # calls per graph replay: the replay's own launch cost is spread over this many calls
 
 
+def point_inputs(point: str) -> tuple[int, int, torch.Generator, torch.Tensor]:
+    """`CONTEXTxBATCH` -> (context, batch, a generator seeded by the point, bf16 queries `[B, H_q, d]` drawn from it)."""
+    context, batch = (int(x) for x in point.lower().split("x"))
+    gen = torch.Generator(device=DEV).manual_seed(context + batch)
+    return context, batch, gen, torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+
+
 def l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
 
@@ -239,7 +246,7 @@ def int2_bytes_per_call(batch: int, context: int) -> int:
     return batch * (context - WIN) * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
 
 
-def variant_layers(batch: int, context: int, gen: torch.Generator, variant: str) -> tuple:
+def variant_layers(batch: int, context: int, gen: torch.Generator, variant: str = "") -> tuple:
     """Distinct per-layer INT2 caches in the pools of `variant` (`variant_cache`), as many as a pass needs to read 3x
     the L2 -> (layers, pools, tables, hist_len, k_win, v_win, slots, win_len)."""
     layers = layers_for(int2_bytes_per_call(batch, context))
@@ -378,9 +385,7 @@ def main() -> None:
     rows = []
     t0 = time.time()
     for p in args.points.split(","):
-        context, batch = (int(x) for x in p.lower().split("x"))
-        gen = torch.Generator(device=DEV).manual_seed(context + batch)
-        q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+        context, batch, gen, q = point_inputs(p)
         row = {"context": context, "batch": batch}
         try:
             row["bf16"] = bf16_point(batch, context, q, gen)

@@ -27,12 +27,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DEV, H_Q, D  # noqa: E402
+from bench_decode import H_Q, D  # noqa: E402
 from bench_decode_graph import (  # noqa: E402
     MIN_CALLS,
     apply_variant,
     bf16_layers,
     capture_graph,
+    point_inputs,
     repeat_to,
     replay_ms,
     variant_layers,
@@ -98,9 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("power_clock_trace: needs a CUDA GPU")
-    context, batch = (int(x) for x in args.point.lower().split("x"))
-    gen = torch.Generator(device=DEV).manual_seed(context + batch)
-    q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+    context, batch, gen, q = point_inputs(args.point)
     smi = subprocess.Popen(SMI, stdout=subprocess.PIPE, text=True)
     phases = {}
     try:

@@ -24,11 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
 from bench_decode_graph import (  # noqa: E402
     MIN_CALLS,
-    int2_bytes_per_call,
-    int2_layers,
-    layers_for,
     repeat_to,
     time_graph,
+    variant_layers,
 )
 
 from runtime_kernels import attention as A  # noqa: E402
@@ -83,8 +81,7 @@ def main() -> None:
     for point in args.point.split(","):
         context, batch = (int(x) for x in point.split("x"))
         gen = torch.Generator(device=DEV).manual_seed(0)
-        layers = layers_for(int2_bytes_per_call(batch, context))
-        pools, tables, hist_len, k_win, v_win, slots, win_len = int2_layers(batch, context, layers, gen)
+        layers, pools, tables, hist_len, k_win, v_win, slots, win_len = variant_layers(batch, context, gen)
         q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
         rows: dict[str, list] = {}
         for r in range(args.rounds):

@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DEV, H_Q, D  # noqa: E402
+from bench_decode import DEV  # noqa: E402
 from bench_decode_graph import (  # noqa: E402
     apply_variant,
+    point_inputs,
     variant_layers,
     variant_stages,
     variant_whole,
@@ -104,9 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("program_timeline: needs a CUDA GPU")
-    context, batch = (int(x) for x in args.point.lower().split("x"))
-    gen = torch.Generator(device=DEV).manual_seed(context + batch)
-    q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
+    context, batch, gen, q = point_inputs(args.point)
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "point": args.point, "variants": []}
     for variant in args.impls.split(","):
         res, raw = run_variant(batch, context, variant, q, gen, args.passes)

@@ -3,7 +3,7 @@ read (per 64-token tile of a (sequence, KV head): 2 KiB of K codes, 2 KiB of V c
 zero vectors, from pages scattered by the block table, in the same grid of splits) and only XORs the words together,
 next to the real INT2 kernel on the same cache, and per cache layout.
 
-    python3 bench/read_ceiling.py --out OUT [--point 131072x8] [--pps 16,28] [--layouts separate,tile,ordered,page128]
+    python3 bench/read_ceiling.py --out OUT [--point 131072x8] [--pps 16,28] [--caches 6,6:layout=tile,6:page=128]
 
 If the read-only kernel is not much faster than the INT2 kernel, the access pattern (not the arithmetic) is the
 limit, and more speed needs another layout; if it is much faster, the arithmetic is. Writes
@@ -94,25 +94,21 @@ def reference_xor(pools, table: torch.Tensor, hist_len: torch.Tensor) -> torch.T
     `[B, H_kv]` (independent of the split: XOR is associative)."""
     import numpy as np
 
-    kc, ks, kz, vc, vs, vz = (t.cpu() for t in pools)
-    b, h = table.shape[0], kc.shape[1]
+    pools = [t.cpu() for t in pools]  # codes (uint8, two bytes a word) and fp16 scales / zeros alike as int16
+    b, h, page = table.shape[0], pools[0].shape[1], pools[0].shape[2]
     out = np.zeros((b, h), dtype=np.int32)
     for i in range(b):
-        pages = table[i, : int(hist_len[i]) // kc.shape[2]].cpu().long()
+        pages = table[i, : int(hist_len[i]) // page].cpu().long()
         for j in range(h):
-            acc = np.int32(0)
-            for t in (kc, vc):
-                acc ^= np.bitwise_xor.reduce(t[pages, j].contiguous().view(torch.int16).numpy().astype(np.int32),
-                                             axis=None)
-            for t in (ks, kz, vs, vz):
-                acc ^= np.bitwise_xor.reduce(t[pages, j].contiguous().view(torch.int16).numpy().astype(np.int32),
-                                             axis=None)
-            out[i, j] = acc
+            for t in pools:
+                out[i, j] ^= np.bitwise_xor.reduce(
+                    t[pages, j].contiguous().view(torch.int16).numpy().astype(np.int32), axis=None)
     return torch.from_numpy(out)
 
 
 def main() -> None:
     from bench_decode import DEV, H_KV, H_Q, D, make_int2_cache
+    from bench_decode_graph import point_inputs, variant_cache
 
     from runtime_kernels import attention as A
     from runtime_kernels.attention import triton_int2
@@ -122,32 +118,28 @@ def main() -> None:
     ap.add_argument("--point", default="131072x8", help="CONTEXTxBATCH")
     ap.add_argument("--pps", default="16,28", help="read-only programs per SM (split rule; 28 fit at 72 registers), "
                     "comma-separated")
-    ap.add_argument("--layouts", default="separate,tile,ordered,page128",
-                    help="cache layouts: separate, scales, tile (bench_decode.make_int2_cache), ordered pages, or "
-                    "page128 (six pools of 128-token pages)")
+    ap.add_argument("--caches", default="6,6:layout=tile,6:order=ordered,6:page=128",
+                    help="cache layouts as bench_decode_graph variants (their layout=, order=, page= keys), "
+                    "comma-separated")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("read_ceiling: needs a CUDA GPU")
-    context, batch = (int(x) for x in args.point.lower().split("x"))
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "point": args.point, "rows": []}
     print(f"{report['gpu']}, {args.point}: history bytes read per call, ms (do_bench median, L2 flushed), GB/s")
-    for layout in args.layouts.split(","):
-        gen = torch.Generator(device=DEV).manual_seed(context + batch)
-        page = 128 if layout == "page128" else 64
-        pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page,
-                                                     layout=layout if layout in ("scales", "tile") else "separate",
-                                                     order="ordered" if layout == "ordered" else "scattered")
+    for cache in args.caches.split(","):
+        context, batch, gen, q = point_inputs(args.point)
+        layout, order, page = variant_cache(cache)
+        pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page, layout=layout, order=order)
         hist_bytes = int(hist_len.sum()) * H_KV * 2 * (D // 4 + 2 * 2)
-        q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
         splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, 3, 6, True)
         o = torch.empty(batch, H_Q, splits, D, device=DEV)
         lse = torch.empty(batch, H_Q, splits, device=DEV)
         int2 = triton.testing.do_bench(lambda: triton_int2.launch_int2_decode(
             q, *pools, table, hist_len, o, lse, D ** -0.5, splits, 0, 64, 1, 3, 6, whole_pages=True))
-        row = {"layout": layout, "bytes": hist_bytes, "int2_kernel": {"splits": splits, "ms": int2,
-                                                                     "gbps": hist_bytes / int2 / 1e6}}
+        row = {"cache": cache, "bytes": hist_bytes, "int2_kernel": {"splits": splits, "ms": int2,
+                                                                   "gbps": hist_bytes / int2 / 1e6}}
         want = reference_xor(pools, table, hist_len) if batch * context <= 1 << 20 else None
         for pps in (int(x) for x in args.pps.split(",")):
             n = max(1, pps * n_sm // (batch * H_KV))
@@ -160,7 +152,7 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda n=n: read_tiles(pools, table, hist_len, n))
             row[f"read_only_pps{pps}"] = {"splits": n, "ms": ms, "gbps": hist_bytes / ms / 1e6}
         report["rows"].append(row)
-        print(f"{layout}: INT2 kernel {int2:.4f} ms ({row['int2_kernel']['gbps']:.0f} GB/s, {splits} splits) | " +
+        print(f"{cache}: INT2 kernel {int2:.4f} ms ({row['int2_kernel']['gbps']:.0f} GB/s, {splits} splits) | " +
               " | ".join(f"read-only {k[13:]}/SM {v['ms']:.4f} ms ({v['gbps']:.0f} GB/s)"
                          for k, v in row.items() if k.startswith("read_only")), flush=True)
     os.makedirs(args.out, exist_ok=True)

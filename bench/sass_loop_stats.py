@@ -4,7 +4,7 @@ the loop's label and its backward branch (one tile of BLOCK_N tokens), plus regi
 
     python3 bench/sass_loop_stats.py --impl 0 4 --warps 1 4        # Qwen3-8B geometry, bf16 queries
 Prints one line per config: loop instructions per thread, per tile for the whole program (x warps), I2F count,
-registers. Needs only triton (imports the kernel file directly, not the torch-dependent package).
+registers. Needs triton and the package's own dependencies (torch, no GPU); loads the kernel file directly.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import itertools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -24,6 +25,7 @@ from triton.compiler import ASTSource
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL = os.path.join(HERE, "..", "runtime_kernels", "attention", "triton_int2.py")
+sys.path.insert(0, os.path.join(HERE, ".."))  # the kernel file imports runtime_kernels.launch_util
 PTR = {"q_ptr": None, "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
        "vz_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
 OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")

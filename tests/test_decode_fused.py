@@ -89,11 +89,17 @@ def test_fused_decode_leaves_counters_zero_and_reuses_them(monkeypatch):
         assert rel_rmse(o, want_o) < 2e-2
 
 
-def test_fused_decode_rejects_a_bad_counters_buffer():
-    pool = make_pool([64], h_kv=2, d=64, page=64, seed=71)
+def one_sequence_args(history: int, h_q: int, seed: int) -> tuple:
+    """decode_attention's inputs for one sequence: `history` INT2 tokens (2 KV heads, d = 64, 64-token pages) and a
+    full 8-token BF16 window, bf16 queries of h_q heads."""
+    pool = make_pool([history], h_kv=2, d=64, page=64, seed=seed)
     k_win, v_win = make_window(1, 2, 8, 64, torch.bfloat16)
-    args = (make_q(1, 4, 64, torch.bfloat16), *pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
+    return (make_q(1, h_q, 64, torch.bfloat16), *pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
             torch.tensor([8], dtype=torch.int32))
+
+
+def test_fused_decode_rejects_a_bad_counters_buffer():
+    args = one_sequence_args(64, 4, seed=71)
     with pytest.raises(ValueError, match=r"counters: .*at least B \* H_kv = 2"):
         A.decode_attention(*args, backend="triton", counters=torch.zeros(1, dtype=torch.int32), fused=True)
     with pytest.raises(TypeError, match="counters"):
@@ -226,10 +232,7 @@ def test_zeros_in_the_v_dots_spare_columns_change_no_stored_bit(monkeypatch, who
 
 def test_program_timeline_is_gpu_only():
     """The bench's per-program timeline reads the GPU's global timer: asking for it elsewhere is a clear error."""
-    pool = make_pool([128], h_kv=2, d=64, page=64, seed=73)
-    k_win, v_win = make_window(1, 2, 8, 64, torch.bfloat16)
-    args = (make_q(1, 8, 64, torch.bfloat16), *pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
-            torch.tensor([8], dtype=torch.int32))
+    args = one_sequence_args(128, 8, seed=73)
     with pytest.raises(ValueError, match="timeline needs a CUDA device"):
         triton_fused.launch_decode_fused(*args, torch.zeros(6, dtype=torch.int32), 0.125, 2, 1, merge=False,
                                          timeline=torch.zeros(1, 2, 3, 4, dtype=torch.int64))

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime_kernels.launch_util import next_pow2
+
 
 def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +132,8 @@ def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[
     b, h, s, d = o_part.shape
     o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
-    d_blk = min(32, triton.next_power_of_2(d))
+    d_blk = min(32, next_pow2(d))
     _reduce_splits_kernel[(b * h, triton.cdiv(d, d_blk))](
-        o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, triton.next_power_of_2(s)),
-        S_MAX=triton.next_power_of_2(s), num_warps=4)
+        o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, next_pow2(s)),
+        S_MAX=next_pow2(s), num_warps=4)
     return o, lse

@@ -27,6 +27,7 @@ from runtime_kernels.attention import merge as _merge
 from runtime_kernels.attention import triton_int2 as _int2
 from runtime_kernels.attention import triton_window as _window
 from runtime_kernels.attention.triton_int2 import INTERPRET
+from runtime_kernels.launch_util import next_pow2
 
 WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp tile fits in registers
 WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
@@ -140,8 +141,8 @@ def _reduce_block(group: int, d: int, total: int) -> int:
     """Splits per round of the in-kernel reduce: `[GP, S_BLOCK, D_PAD]` fp32 at 64 registers per lane, so the reduce
     does not raise the kernel's register count (168 at Qwen3-8B geometry, as the INT2 loop alone; 8 splits per
     round took 193)."""
-    gp = max(4, triton.next_power_of_2(group))
-    return max(1, min(triton.next_power_of_2(total), 2048 // (gp * max(16, triton.next_power_of_2(d)))))
+    gp = max(4, next_pow2(group))
+    return max(1, min(next_pow2(total), 2048 // (gp * max(16, next_pow2(d)))))
 
 
 def fused_ok(q, k_codes, k_scale, v_codes, k_win, impl: int, block_n: int) -> bool:
@@ -208,9 +209,9 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
              else _int2.chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages, v_scale, v_zero))
     num_stages = _int2.PAIR_STAGES if pair else num_stages
     kw = dict(**chunk, S_TAIL=int(pair),
-              NC=max(8, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+              NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=WINDOW_BLOCK, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=triton.next_power_of_2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
+              S_MAX=next_pow2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
               TIMELINE=timeline is not None,
               num_warps=num_warps, num_stages=num_stages,
               **_int2.maxnreg_option())

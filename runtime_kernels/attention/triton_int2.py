@@ -34,6 +34,8 @@ import warnings
 import triton
 import triton.language as tl
 
+from runtime_kernels.launch_util import next_pow2
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -872,6 +874,14 @@ def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride
 
 
 @triton.jit
+def _tile_zeros(vz_ptr, page, h, t0, offs_n, stride_vsp, stride_vsh, stride_vsr, P: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The V zeros `[BLOCK_N]` (fp16) of the tile at token t0 (tile-aligned) in page `page`, KV head h."""
+    return tl.load(vz_ptr + page * stride_vsp + h * stride_vsh + tl.multiple_of(t0 % P, BLOCK_N) * stride_vsr
+                   + offs_n * stride_vsr)
+
+
+@triton.jit
 def _pick_page(pages, offs_pv, j):
     """Entry j of a register vector of page ids (a masked sum: no memory round trip), as an int64 for addressing."""
     return tl.sum(tl.where(offs_pv == j, pages, 0), axis=0).to(tl.int64)
@@ -1002,9 +1012,8 @@ def _int2_chunk_t(
             # they are prefetched by hand one tile ahead instead, as a loop-carried register.
             pg0 = _pick_page(pg, offs_pv, 0)
             if not VPAIR:
-                vz_next = tl.load(vz_ptr + pg0 * stride_vsp + h * stride_vsh
-                                  + tl.multiple_of((start + jb * BLOCK_N) % P, BLOCK_N) * stride_vsr
-                                  + offs_n * stride_vsr)
+                vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
+                                      stride_vsr, P, BLOCK_N)
             # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two (18
             # fewer instructions per tile, 4 fewer registers; Triton's pipeliner keeps all copies asynchronous).
             page_n = pg0
@@ -1018,9 +1027,8 @@ def _int2_chunk_t(
                     vz_cur = offs_n  # unused: the zeros come with the scales
                 else:
                     vz_cur = vz_next
-                    vz_next = tl.load(vz_ptr + pgn * stride_vsp + h * stride_vsh
-                                      + tl.multiple_of((start + (jb + jn) * BLOCK_N) % P, BLOCK_N) * stride_vsr
-                                      + offs_n * stride_vsr)
+                    vz_next = _tile_zeros(vz_ptr, pgn, h, start + (jb + jn) * BLOCK_N, offs_n, stride_vsp,
+                                          stride_vsh, stride_vsr, P, BLOCK_N)
                 page_n = pgn
                 if FULL_TILES and SUBN and BLOCK_N == 64:
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
@@ -1202,8 +1210,8 @@ def launch_int2_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bl
         return _int2_decode_kernel[grid](
             *args,
             GROUP=group,
-            G_PAD=triton.next_power_of_2(group) if impl_ == 2 else max(16, triton.next_power_of_2(group)),
-            Q=q_quarter, Q_PAD=max(16, triton.next_power_of_2(q_quarter)),
+            G_PAD=next_pow2(group) if impl_ == 2 else max(16, next_pow2(group)),
+            Q=q_quarter, Q_PAD=max(16, next_pow2(q_quarter)),
             GS=d // ng, NG=ng, P=page, BLOCK_N=block_n, FP32=q.dtype.itemsize == 4, INTERP=INTERPRET, IMPL=impl_,
             PREFETCH=prefetch, KFOLD=impl_ >= 3 and FOLD_K_OFFSET and q.dtype == _torch_bf16(),
             num_warps=num_warps, num_stages=num_stages,
@@ -1276,8 +1284,8 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
     u = k_codes.shape[3] // 2  # int16 words per row
     page_vec = subnormal and k_codes.shape[2] % block_n == 0
     full = bool(full_tiles) and page_vec
-    return dict(GROUP=group, GP=max(4, triton.next_power_of_2(group)), Q=q.shape[2] // 4, U=u,
-                U_PAD=max(16, triton.next_power_of_2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
+    return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u,
+                U_PAD=max(16, next_pow2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=full, SPARE_ZERO=bool(V_SPARE_ZERO),
                 VPAIR=full and block_n == 64 and paired_v_pools(v_scale, v_zero))
@@ -1378,15 +1386,14 @@ def resident_programs_per_sm(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
 def chunk_key(q, k_codes, k_scale, v_codes, v_scale, block_table, hist_len, block_n: int, num_warps: int,
               num_stages: int, impl: int, whole_pages: bool, v_zero=None) -> tuple:
-    """Everything that selects a different compiled `_int2_chunk_t`: constexprs (the pool strides among them),
-    dtypes, and Triton's specialisation of the block-table stride (the split buffers' strides barely move
-    registers)."""
-    kc, vc = int16_views(k_codes, v_codes)
-    return (q.device.index, impl, q.dtype, q.shape[1] // k_codes.shape[1], q.shape[2], k_codes.shape[2], block_n,
-            num_warps, num_stages, IMPL5_MAXNREG, IMPL5_VFOLD, IMPL5_TILE_ACC, bool(V_SPARE_ZERO), bool(whole_pages),
-            block_table.dtype,
-            hist_len.dtype, block_table.stride(0) % 16 == 0,
-            pool_strides(q, kc, k_scale, vc, v_scale, block_table)[2:14], paired_v_pools(v_scale, v_zero))
+    """Everything that selects a different compiled `_int2_chunk_t`: its constexprs (`chunk_constexprs`, so a new
+    switch there needs no edit here) and pool strides, launch options, dtypes, and Triton's specialisation of the
+    block-table stride (the split buffers' strides barely move registers). The code pools' strides are taken in
+    bytes: they determine the int16 ones the kernels see."""
+    constexprs = chunk_constexprs(q, k_codes, block_n, impl == 6, whole_pages, v_scale, v_zero)
+    return (q.device.index, impl, q.dtype, num_warps, num_stages, IMPL5_MAXNREG, block_table.dtype, hist_len.dtype,
+            block_table.stride(0) % 16 == 0, pool_strides(q, k_codes, k_scale, v_codes, v_scale, block_table)[2:14],
+            tuple(constexprs.values()))
 
 
 def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot, _softmax_finish
+from runtime_kernels.launch_util import next_pow2
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -87,7 +88,7 @@ def launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, s
         v_win.stride(0), v_win.stride(1), v_win.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        GROUP=group, G_PAD=max(16, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
         BLOCK_N=block_n, FP32=k_win.dtype.itemsize == 4, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )

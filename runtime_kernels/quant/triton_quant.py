@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime_kernels.launch_util import next_pow2
 from runtime_kernels.quant import naive
 
 
@@ -197,7 +198,7 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
     q = d // 4
     ng = d // group_size
     rows_pp = rows_per_program or (16 if x_rot.is_cuda else 64)
-    rows_pp = min(rows_pp, triton.next_power_of_2(t))
+    rows_pp = min(rows_pp, next_pow2(t))
     clip_mode = clip_mode or ("kernel" if x_rot.is_cuda else "torch")
     if clip_mode not in ("kernel", "torch"):
         raise ValueError(f"clip_mode: expected 'kernel' or 'torch', got {clip_mode!r}")
@@ -214,7 +215,7 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
-        D_PAD=triton.next_power_of_2(d), Q_PAD=triton.next_power_of_2(q), ROWS=rows_pp,
+        D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
         CLIP=mode, RECIP=x_rot.is_cuda,
         num_warps=4,
     )
