@@ -72,20 +72,86 @@ def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, l
     tl.store(out_ptr + (b * tl.num_programs(1) + h) * n_split + s, x)
 
 
-def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int) -> torch.Tensor:
+@triton.jit
+def _split_tiles(len_ptr, b, s, n_split, P: tl.constexpr):
+    """Tiles `[t_lo, t_hi)` (whole pages) of split s of n_split of sequence b's history."""
+    n_tiles = tl.load(len_ptr + b) // P
+    per = tl.cdiv(n_tiles, n_split)
+    t_lo = s * per
+    return t_lo, tl.minimum(t_lo + per, n_tiles)
+
+
+@triton.jit
+def _pick(pages, offs, j):
+    """Entry j of a register vector of page ids (as the INT2 kernel picks them: no memory round trip)."""
+    return tl.sum(tl.where(offs == j, pages, 0), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _read_tiles_tma_kernel(kc_desc, ks_desc, kz_desc, vc_desc, vs_desc, vz_desc, bt_ptr, len_ptr, out_ptr,
+                           stride_btb, H: tl.constexpr, P: tl.constexpr, U: tl.constexpr, NPV: tl.constexpr,
+                           STAGES: tl.constexpr):
+    """`_read_tiles_kernel` through the Hopper tensor memory accelerator, with the INT2 kernel's page picks (ids NPV
+    at a time into registers, so every address is a function of the loop index and the loop pipelines, STAGES - 1
+    tiles in flight): each tile's code blocks `[P, U]` and scale vectors `[1, P]` as TMA box copies from 2-D
+    descriptors over the pools (codes `[pages * H * P, U]` int16, scales `[pages * H, P]` fp16), one instruction per
+    box instead of a cp.async per lane and 16 bytes."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    t_lo, t_hi = _split_tiles(len_ptr, b, s, tl.num_programs(2), P)
+    offs_pv = tl.arange(0, NPV)
+    acc_c = tl.zeros([P, U], tl.int32)
+    acc_s = tl.zeros([1, P], tl.int32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for jb in range(t_lo, t_hi, NPV):
+        pg = tl.load(bt_row + jb + offs_pv, mask=jb + offs_pv < t_hi, other=0)
+        # Loads that feed no dot are pipelined only when the loop asks for it.
+        for jj in tl.range(0, tl.minimum(NPV, t_hi - jb), num_stages=STAGES):
+            row = (_pick(pg, offs_pv, jj) * H + h).to(tl.int32)
+            kw = kc_desc.load([row * P, 0])
+            vw = vc_desc.load([row * P, 0])
+            ks = ks_desc.load([row, 0])
+            kz = kz_desc.load([row, 0])
+            vs = vs_desc.load([row, 0])
+            vz = vz_desc.load([row, 0])
+            acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
+            acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
+                             ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
+    x = tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(tl.reduce(acc_s, 0, _xor), 0, _xor)
+    tl.store(out_ptr + (b * tl.num_programs(1) + h) * tl.num_programs(2) + s, x)
+
+
+def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, loads: str = "ldg",
+               num_stages: int = 3) -> torch.Tensor:
     """Launch the read-only kernel over whole-page histories -> int32 `[B, H_kv, splits]` XORs. pools: (kc, ks, kz, vc,
-    vs, vz) as `attention.decode_attention` takes them (uint8 codes `[pages, H, P, d/4]`, fp16 `[pages, H, P, 1]`)."""
+    vs, vz) as `attention.decode_attention` takes them (uint8 codes `[pages, H, P, d/4]`, fp16 `[pages, H, P, 1]`).
+    loads: "ldg" (plain loads, one tile at a time) or "tma" (tensor memory accelerator box copies, `num_stages - 1`
+    tiles in flight; contiguous pools, sm_90+)."""
     kc, ks, kz, vc, vs, vz = pools
     b, h, page = table.shape[0], kc.shape[1], kc.shape[2]
     if kc.shape[3] % 2:
         raise ValueError(f"read_tiles: code rows of {kc.shape[3]} bytes, expected an even number (int16 words)")
     kw, vw = kc.view(torch.int16), vc.view(torch.int16)
     out = torch.empty(b, h, splits, dtype=torch.int32, device=kc.device)
-    _read_tiles_kernel[(b, h, splits)](
-        kw, ks, kz, vw, vs, vz, table, hist_len, out,
-        kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0),
-        P=page, U=kw.shape[3], num_warps=1)
+    strides = (kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+               vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0))
+    if loads == "ldg":
+        _read_tiles_kernel[(b, h, splits)](kw, ks, kz, vw, vs, vz, table, hist_len, out, *strides,
+                                           P=page, U=kw.shape[3], num_warps=1)
+    elif loads == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        u = kw.shape[3]
+        if not all(t.is_contiguous() for t in (kw, vw, ks, kz, vs, vz)):
+            raise ValueError("read_tiles: loads='tma' needs contiguous pools (2-D descriptors over them)")
+        codes = [TensorDescriptor.from_tensor(t.view(-1, u), [page, u]) for t in (kw, vw)]
+        scales = [TensorDescriptor.from_tensor(t.view(-1, page), [1, page]) for t in (ks, kz, vs, vz)]
+        _read_tiles_tma_kernel[(b, h, splits)](codes[0], scales[0], scales[1], codes[1], scales[2], scales[3],
+                                               table, hist_len, out, table.stride(0), H=h, P=page, U=u, NPV=64,
+                                               STAGES=num_stages, num_warps=1)
+    else:
+        raise ValueError(f"read_tiles: loads={loads!r}, expected 'ldg' or 'tma'")
     return out
 
 
@@ -121,6 +187,8 @@ def main() -> None:
     ap.add_argument("--caches", default="6,6:layout=tile,6:order=ordered,6:page=128",
                     help="cache layouts as bench_decode_graph variants (their layout=, order=, page= keys), "
                     "comma-separated")
+    ap.add_argument("--loads", default="ldg,tma", help="read-only kernels: ldg (plain loads), tma (TMA box copies, "
+                    "pipelined), comma-separated")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("read_ceiling: needs a CUDA GPU")
@@ -143,17 +211,23 @@ def main() -> None:
         want = reference_xor(pools, table, hist_len) if batch * context <= 1 << 20 else None
         for pps in (int(x) for x in args.pps.split(",")):
             n = max(1, pps * n_sm // (batch * H_KV))
-            got = read_tiles(pools, table, hist_len, n)
-            if want is not None:  # the checksum proves every byte was read (small points only: the host XOR is slow)
-                xor = got[..., 0].clone()
-                for s in range(1, n):
-                    xor ^= got[..., s]
-                assert torch.equal(xor.cpu(), want), "read_ceiling: checksum mismatch"
-            ms = triton.testing.do_bench(lambda n=n: read_tiles(pools, table, hist_len, n))
-            row[f"read_only_pps{pps}"] = {"splits": n, "ms": ms, "gbps": hist_bytes / ms / 1e6}
+            for loads in args.loads.split(","):
+                name = f"read_only_{loads}_pps{pps}"
+                try:
+                    got = read_tiles(pools, table, hist_len, n, loads)
+                    if want is not None:  # the checksum proves every byte was read (small points: the host XOR is slow)
+                        xor = got[..., 0].clone()
+                        for s in range(1, n):
+                            xor ^= got[..., s]
+                        assert torch.equal(xor.cpu(), want), "read_ceiling: checksum mismatch"
+                    ms = triton.testing.do_bench(lambda n=n, loads=loads: read_tiles(pools, table, hist_len, n, loads))
+                    row[name] = {"splits": n, "ms": ms, "gbps": hist_bytes / ms / 1e6}
+                except Exception as e:  # noqa: BLE001 - e.g. TMA on pools that are views; the other rows still run
+                    row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
         report["rows"].append(row)
         print(f"{cache}: INT2 kernel {int2:.4f} ms ({row['int2_kernel']['gbps']:.0f} GB/s, {splits} splits) | " +
-              " | ".join(f"read-only {k[13:]}/SM {v['ms']:.4f} ms ({v['gbps']:.0f} GB/s)"
+              " | ".join(f"read-only {k[10:]}/SM " + (f"{v['ms']:.4f} ms ({v['gbps']:.0f} GB/s)" if "ms" in v
+                                                       else v["error"])
                          for k, v in row.items() if k.startswith("read_only")), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "read_ceiling_" + report["gpu"].replace(" ", "_") + ".json"), "w") as fh:
