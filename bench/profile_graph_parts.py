@@ -1,6 +1,6 @@
 """Where the time of one decode attention call goes under CUDA graphs: the INT2 kernel alone, the window kernel
 alone, the split reduce alone, the whole three-launch call, the two-launch call (`DECODE_SHARED_GRID`) and the fused
-call (the last two also as programmatic dependent launches, `DECODE_PDL`), each as its own graph of 48+ calls over distinct per-layer caches (as in `bench_decode_graph.py`), for
+call, each as its own graph of 48+ calls over distinct per-layer caches (as in `bench_decode_graph.py`), for
 several INT2 kernel variants, repeated in interleaved rounds so that run-to-run drift shows. Run on the GPU machine:
 
     python3 bench/profile_graph_parts.py --impls 5,6 --point 131072x8 --rounds 3 > OUT/graph_parts.txt
@@ -32,7 +32,7 @@ from bench_decode_graph import (  # noqa: E402
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import merge, triton_int2, triton_window  # noqa: E402
 
-PARTS = ("int2", "window", "reduce", "call", "shared", "fused", "shared_pdl", "fused_pdl")
+PARTS = ("int2", "window", "reduce", "call", "shared", "fused")
 
 
 def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_len, k_win, v_win, slots, win_len,
@@ -60,16 +60,13 @@ def parts(impl: int, batch: int, context: int, layers: int, pools, tables, hist_
     out = {"splits": (s_h, s_w)}
     for name, fn in (("int2", int2), ("window", window), ("reduce", reduce)):
         out[name] = time_graph(repeat_to([lambda i=i, fn=fn: fn(i) for i in range(layers)], MIN_CALLS))
-    shared_default, pdl_default = A.DECODE_SHARED_GRID, A.DECODE_PDL
-    for name, fused, shared, pdl in (("call", False, False, False), ("shared", False, True, False),
-                                     ("fused", True, False, False), ("shared_pdl", False, True, True),
-                                     ("fused_pdl", True, False, True)):
-        # "call": three launches, "shared": two (history + window grid, reduce); "_pdl": as programmatic dependents
-        A.DECODE_SHARED_GRID, A.DECODE_PDL = shared, pdl
+    shared_default = A.DECODE_SHARED_GRID
+    for name, fused, shared in (("call", False, False), ("shared", False, True), ("fused", True, False)):
+        A.DECODE_SHARED_GRID = shared  # "call": three launches, "shared": two (history + window grid, reduce)
         out[name] = time_graph(repeat_to([lambda i=i, fused=fused: A.decode_attention(
             q, *pools, tables[i], hist_len, k_win, v_win, slots[i], win_len, impl=impl, whole_pages=True,
             fused=fused) for i in range(layers)], MIN_CALLS))
-    A.DECODE_SHARED_GRID, A.DECODE_PDL = shared_default, pdl_default
+    A.DECODE_SHARED_GRID = shared_default
     return out
 
 

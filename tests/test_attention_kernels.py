@@ -505,8 +505,8 @@ def test_merge_with_empty_segments():
 
 @pytest.mark.parametrize("splits,d", [(1, 64), (43, 128), (70, 128), (203, 256), (5, 48)])
 def test_split_reduce_in_channel_blocks_matches_the_torch_merge(splits, d):
-    """The Triton reduce runs one program per (row, 32-channel block): up to 64 splits in one round (lse and
-    partials loaded together; 43 as at 128K / batch 8), more in 64-split rounds (as at 128K / batch 1), head dims that are 1, 4, 8 and a partial block of channel blocks, and rows whose
+    """The Triton reduce runs one program per (row, 32-channel block): many splits (more than one 64-split round,
+    as at 128K / batch 1), head dims that are 1, 4, 8 and a partial block of channel blocks, and rows whose
     partials are all empty or partly empty, against the torch merge."""
     gen = torch.Generator().manual_seed(splits + d)
     o_part = torch.randn(2, 3, splits, d, generator=gen)

@@ -250,33 +250,6 @@ def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
         assert torch.equal(o, o1)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_programmatic_dependent_launches_on_gpu_under_graph_replay(monkeypatch, fused):
-    """`DECODE_PDL`: the decode launches as programmatic dependents of the kernel before them give the same bits as
-    ordinary launches, eager and in a CUDA graph of three back-to-back calls over different inputs (each call's grid
-    is placed while the previous call's reduce runs, and reuses no buffer of it before its memory is complete)."""
-    calls = [mixed_decode_batch([64 * (37 + 11 * i + j) for i in range(8)], pool_seed=21 + j, seed=14 + j,
-                                min_window=1) for j in range(3)]
-    counters = [torch.zeros(8 * 8, dtype=torch.int32, device=DEV) if fused else None for _ in calls]
-    want = [A.decode_attention(*a, whole_pages=True, counters=c, fused=fused) for a, c in zip(calls, counters)]
-    monkeypatch.setattr(A, "DECODE_PDL", True)
-    for (o_w, lse_w), a, c in zip(want, calls, counters):
-        o, lse = A.decode_attention(*a, whole_pages=True, counters=c, fused=fused)
-        assert torch.equal(o, o_w) and torch.equal(lse, lse_w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [A.decode_attention(*a, whole_pages=True, counters=c, fused=fused, validate=False)
-                for a, c in zip(calls, counters)]
-    for _ in range(3):
-        for o, _ in outs:
-            o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for (o, lse), (o_w, lse_w) in zip(outs, want):
-            assert torch.equal(o, o_w) and torch.equal(lse, lse_w)
-
-
 def test_write_pages_on_gpu():
     h, d, p = 8, 128, 64
     x = torch.randn(200, h, d, device=DEV, dtype=torch.bfloat16)

@@ -87,9 +87,6 @@ DECODE_FUSED = False
 # 0.1915 ms, 32K/B1 0.0169 vs 0.0199, 8K/B1 0.0110 vs 0.0144; bench/results/decode_graph_shared_grid_NVIDIA_H200.md)
 # and equal or faster in another (decode_graph_pair_tiles_NVIDIA_H200.md, columns pair=0 vs shared=0).
 DECODE_SHARED_GRID = True
-# Programmatic dependent launch (Hopper+, CUDA only) for the grid path's launches: each kernel's programs are placed
-# while the one before it in the stream finishes and wait for its memory in the GPU (`launch_util.pdl_options`).
-DECODE_PDL = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -397,8 +394,8 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         out = triton_fused.launch_decode_fused(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
             win_len, counters, scale, s_h, s_w, block_n, num_warps, num_stages, impl, whole_pages,
-            merge=in_kernel_reduce, pdl=DECODE_PDL)
-        return out if in_kernel_reduce else _merge().reduce_splits_triton(*out, pdl=DECODE_PDL)
+            merge=in_kernel_reduce)
+        return out if in_kernel_reduce else _merge().reduce_splits_triton(*out)
     s_h = num_splits or int2_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                         hist_len, block_n, num_warps, num_stages, impl, whole_pages)
     s_w = window_splits or default_num_splits(b, h_kv, k_win.shape[2], q.device, block_n=block_n,

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from runtime_kernels.launch_util import next_pow2, pdl_options
+from runtime_kernels.launch_util import next_pow2
 
 
 def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
@@ -72,25 +71,15 @@ def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os, d0,
     offs_d = d0 + tl.arange(0, D_BLK)
     d_ok = offs_d < D
     offs_s = tl.arange(0, S_MAX)
-    if S_MAX <= S_BLOCK:
-        # All partials in one round: the lse and o loads are independent, so both are in flight together (one memory
-        # round trip; the looped form below waits for the lse before it asks for the partials).
-        s_ok = offs_s < S
-        lse_all = tl.load(lp_row + offs_s, mask=s_ok, other=float("-inf"))
-        o = tl.load(op_row + offs_s[:, None] * stride_os + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+    m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
+    acc = tl.zeros([D_BLK], tl.float32)
+    for s0 in range(0, S, S_BLOCK):
+        offs = s0 + tl.arange(0, S_BLOCK)
+        s_ok = offs < S
+        w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
+        o = tl.load(op_row + offs[:, None] * stride_os + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        m_safe, tot = _merge_stats(lse_all, 0)
-        acc = tl.sum(tl.exp(lse_all - m_safe)[:, None] * o, axis=0)
-    else:
-        m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
-        acc = tl.zeros([D_BLK], tl.float32)
-        for s0 in range(0, S, S_BLOCK):
-            offs = s0 + tl.arange(0, S_BLOCK)
-            s_ok = offs < S
-            w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
-            o = tl.load(op_row + offs[:, None] * stride_os + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            acc += tl.sum(w[:, None] * o, axis=0)
+        acc += tl.sum(w[:, None] * o, axis=0)
     inv, lse = _merge_finish(m_safe, tot)
     tl.store(o_row + offs_d, acc * inv, mask=d_ok)
     if d0 == 0:
@@ -128,32 +117,23 @@ def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse
 
 @triton.jit(do_not_specialize=["S"])
 def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
-                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
     # Program (row, channel block): row = (batch, query head); o_part / lse_part are contiguous [rows, S, D] /
     # [rows, S]. Channel blocks of 32 give 4x the programs of one per row at d = 128, and each program reads
     # 64 partials per round: at 128K / batch 1 (32 rows of 203 splits) the reduce went from 0.0150 to 0.0049 ms
     # (bench/results/graph_parts_v8_NVIDIA_H200.txt).
-    if PDL:
-        # Launched as a programmatic dependent of the kernel that wrote the partials: wait for all of its memory,
-        # then let the next dependent launch start its programs.
-        gdc_wait()
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     _reduce_row(op_ptr + row * S * D, lp_ptr + row * S, o_ptr + row * D, lse_ptr + row, S, D,
                 tl.program_id(1) * D_BLK, D, D_BLK, S_BLOCK, S_MAX)
 
 
-def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows. `pdl` (CUDA, sm_90+):
-    launch as a programmatic dependent launch (`launch_util.pdl_options`), so its programs are placed while the
-    kernel before it finishes and wait for that kernel's memory in the GPU, not behind a launch boundary."""
+def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows."""
     b, h, s, d = o_part.shape
     o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
     d_blk = min(32, next_pow2(d))
     _reduce_splits_kernel[(b * h, triton.cdiv(d, d_blk))](
         o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, next_pow2(s)),
-        S_MAX=next_pow2(s), num_warps=4, **pdl_options(pdl, o_part.device))
+        S_MAX=next_pow2(s), num_warps=4)
     return o, lse

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from runtime_kernels.attention import merge as _merge
 from runtime_kernels.attention import triton_int2 as _int2
 from runtime_kernels.attention import triton_window as _window
 from runtime_kernels.attention.triton_int2 import INTERPRET
-from runtime_kernels.launch_util import next_pow2, pdl_options
+from runtime_kernels.launch_util import next_pow2
 
 WINDOW_BLOCK = 16  # window tile (tokens): the smallest MMA K, so a one-warp tile fits in registers
 WINDOW_SPLIT_TOKENS = 32  # tokens per window program: short programs that fill the INT2 wave's free slots
@@ -68,18 +67,12 @@ def _decode_fused_kernel(
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
     S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False, TIMELINE: tl.constexpr = False,
-    VPAIR: tl.constexpr = False, PDL: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls. TIMELINE (bench only): tl_ptr is int64
     # `[B, H_kv, S, 4]`, each program writes (start ns, end ns, SM id, 0 history / 1 window / 2 tail) at its
     # grid position.
-    if PDL:
-        # A programmatic dependent launch (`launch_util.pdl_options`): placed while the kernel before it finishes;
-        # nothing is read or written before that kernel's memory is complete. Then the split reduce after it may
-        # place its programs as soon as every program of this grid has started.
-        gdc_wait()
-        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_all = tl.num_programs(2)
@@ -169,7 +162,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
                         k_win, v_win, slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int,
                         block_n: int = 64, num_warps: int = 1, num_stages: int = 3, impl: int = 6,
                         whole_pages: bool = False, warmup: bool = False, merge: bool = True,
-                        timeline=None, pdl: bool = False):
+                        timeline=None):
     """Run the fused decode kernel -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`); with `warmup`, compile only and
     return the compiled kernel. Shapes as in `attention.decode_attention` (inputs validated there); `fused_ok` must
     hold. counters: int32 `[>= B * H_kv]` on q's device, all zero (the kernel leaves them zero); unused (may be
@@ -183,11 +176,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
 
     timeline (bench instrumentation, GPU only): int64 `[B, H_kv, S_all, 4]` (S_all = every program of the grid along
     its last axis) that each program fills with (start ns, end ns, SM id, kind: 0 history, 1 window, 2 odd-page
-    tail), from the GPU's global timer.
-
-    pdl (CUDA, sm_90+; ignored elsewhere): launch as a programmatic dependent launch, so the grid's programs are
-    placed while the kernel before it in the stream finishes (they wait for its memory in the GPU), and the launch
-    after it (the split reduce with `merge.reduce_splits_triton(pdl=True)`) may do the same."""
+    tail), from the GPU's global timer."""
     import torch
 
     b, h_q, d = q.shape
@@ -225,7 +214,7 @@ def launch_decode_fused(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, b
               S_MAX=next_pow2(total), MERGE=bool(merge), WIN_FIRST=WINDOWS_FIRST,
               TIMELINE=timeline is not None,
               num_warps=num_warps, num_stages=num_stages,
-              **_int2.maxnreg_option(), **pdl_options(pdl, q.device))
+              **_int2.maxnreg_option())
     grid = (b, h_kv, total)
     if warmup:
         return _decode_fused_kernel.warmup(*args, grid=grid, **kw)
