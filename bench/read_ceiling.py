@@ -35,7 +35,7 @@ def _xor(a, b):
 def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, out_ptr,
                        stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
-                       P: tl.constexpr, U: tl.constexpr):
+                       P: tl.constexpr, U: tl.constexpr, CACHE: tl.constexpr = ""):
     """Program (b, h, s): the tiles (one page each) of split s of sequence b's history, KV head h, read and XORed
     into one int32 at `out[b, h, s]`. Codes as int16 words `[P, U]`, scales and zeros as fp16 bits `[P]`."""
     b = tl.program_id(0)
@@ -57,14 +57,14 @@ def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, l
     for t in range(t_lo, t_hi):
         page = page_next.to(tl.int64)
         page_next = tl.load(bt_row + tl.minimum(t + 1, t_hi - 1))
-        kw = tl.load(kc_ptr + page * stride_kcp + h * stride_kch + c_off)
-        vw = tl.load(vc_ptr + page * stride_vcp + h * stride_vch + c_off)
+        kw = tl.load(kc_ptr + page * stride_kcp + h * stride_kch + c_off, cache_modifier=CACHE)
+        vw = tl.load(vc_ptr + page * stride_vcp + h * stride_vch + c_off, cache_modifier=CACHE)
         srow = page * stride_ksp + h * stride_ksh + rows * stride_ksr
         vrow = page * stride_vsp + h * stride_vsh + rows * stride_vsr
-        ks = tl.load(ks_ptr + srow)
-        kz = tl.load(kz_ptr + srow)
-        vs = tl.load(vs_ptr + vrow)
-        vz = tl.load(vz_ptr + vrow)
+        ks = tl.load(ks_ptr + srow, cache_modifier=CACHE)
+        kz = tl.load(kz_ptr + srow, cache_modifier=CACHE)
+        vs = tl.load(vs_ptr + vrow, cache_modifier=CACHE)
+        vz = tl.load(vz_ptr + vrow, cache_modifier=CACHE)
         acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
         acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
                          ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
@@ -126,8 +126,8 @@ def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, 
                num_stages: int = 3) -> torch.Tensor:
     """Launch the read-only kernel over whole-page histories -> int32 `[B, H_kv, splits]` XORs. pools: (kc, ks, kz, vc,
     vs, vz) as `attention.decode_attention` takes them (uint8 codes `[pages, H, P, d/4]`, fp16 `[pages, H, P, 1]`).
-    loads: "ldg" (plain loads, one tile at a time) or "tma" (tensor memory accelerator box copies, `num_stages - 1`
-    tiles in flight; contiguous pools, sm_90+)."""
+    loads: "ldg" (plain loads, one tile at a time), "ldg_cg" (the same, L1 bypassed: `.cg`) or "tma" (tensor memory
+    accelerator box copies, `num_stages - 1` tiles in flight; contiguous pools, sm_90+)."""
     kc, ks, kz, vc, vs, vz = pools
     b, h, page = table.shape[0], kc.shape[1], kc.shape[2]
     if kc.shape[3] % 2:
@@ -136,9 +136,10 @@ def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, 
     out = torch.empty(b, h, splits, dtype=torch.int32, device=kc.device)
     strides = (kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
                vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0))
-    if loads == "ldg":
+    if loads in ("ldg", "ldg_cg"):
         _read_tiles_kernel[(b, h, splits)](kw, ks, kz, vw, vs, vz, table, hist_len, out, *strides,
-                                           P=page, U=kw.shape[3], num_warps=1)
+                                           P=page, U=kw.shape[3], CACHE=".cg" if loads == "ldg_cg" else "",
+                                           num_warps=1)
     elif loads == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -151,7 +152,7 @@ def read_tiles(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, 
                                                table, hist_len, out, table.stride(0), H=h, P=page, U=u, NPV=64,
                                                STAGES=num_stages, num_warps=1)
     else:
-        raise ValueError(f"read_tiles: loads={loads!r}, expected 'ldg' or 'tma'")
+        raise ValueError(f"read_tiles: loads={loads!r}, expected 'ldg', 'ldg_cg' or 'tma'")
     return out
 
 
@@ -174,7 +175,7 @@ def reference_xor(pools, table: torch.Tensor, hist_len: torch.Tensor) -> torch.T
 
 def main() -> None:
     from bench_decode import DEV, H_KV, H_Q, D, make_int2_cache
-    from bench_decode_graph import point_inputs, variant_cache
+    from bench_decode_graph import apply_variant, point_inputs, variant_cache
 
     from runtime_kernels import attention as A
     from runtime_kernels.attention import triton_int2
@@ -185,10 +186,10 @@ def main() -> None:
     ap.add_argument("--pps", default="16,28", help="read-only programs per SM (split rule; 28 fit at 72 registers), "
                     "comma-separated")
     ap.add_argument("--caches", default="6,6:layout=tile,6:order=ordered,6:page=128",
-                    help="cache layouts as bench_decode_graph variants (their layout=, order=, page= keys), "
-                    "comma-separated")
-    ap.add_argument("--loads", default="ldg,tma", help="read-only kernels: ldg (plain loads), tma (TMA box copies, "
-                    "pipelined), comma-separated")
+                    help="cache layouts as bench_decode_graph variants (their layout=, order=, page= keys; their other "
+                    "keys set the INT2 kernel's switches), comma-separated")
+    ap.add_argument("--loads", default="ldg,ldg_cg,tma", help="read-only kernels: ldg (plain loads), ldg_cg (plain "
+                    "loads bypassing L1), tma (TMA box copies, pipelined), comma-separated")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("read_ceiling: needs a CUDA GPU")
@@ -199,6 +200,7 @@ def main() -> None:
     for cache in args.caches.split(","):
         context, batch, gen, q = point_inputs(args.point)
         layout, order, page = variant_cache(cache)
+        apply_variant(cache)  # the variant's kernel switches (e.g. cp8=1) for the INT2 kernel row
         pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page, layout=layout, order=order)
         hist_bytes = int(hist_len.sum()) * H_KV * 2 * (D // 4 + 2 * 2)
         splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, 3, 6, True)

@@ -19,7 +19,7 @@ import read_ceiling  # noqa: E402
 pytestmark = pytest.mark.interpreter
 
 
-@pytest.mark.parametrize("loads", ["ldg", "tma"])
+@pytest.mark.parametrize("loads", ["ldg", "ldg_cg", "tma"])
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_read_only_kernel_reads_every_history_byte(splits, loads):
     lens = [4 * 16, 0, 2 * 16, 5 * 16]  # whole pages of 16 tokens; one empty history
