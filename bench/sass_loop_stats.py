@@ -33,7 +33,7 @@ OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False,
                    maxnreg: int | None = None, full_tiles: bool = False, spare_zero: bool = False,
-                   vpair: bool = False, cp8: bool = False):
+                   vpair: bool = False):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -41,7 +41,7 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
                      TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
-                     SPARE_ZERO=spare_zero, VPAIR=vpair, CP8=cp8,
+                     SPARE_ZERO=spare_zero, VPAIR=vpair,
                      # The pool strides are constexprs of this kernel: contiguous pools of 8 KV heads, 64-row pages,
                      # 16 int16 words per code row (Qwen3-8B geometry), scales one fp16 per row.
                      stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16, stride_ksp=8 * 64, stride_ksh=64,
@@ -117,12 +117,11 @@ def main() -> None:
     ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
     ap.add_argument("--spare-zero", action="store_true", help="zeros in the V dot's spare columns (V_SPARE_ZERO)")
     ap.add_argument("--vpair", action="store_true", help="impl 6 whole pages: V scale and zero read as pairs (VPAIR)")
-    ap.add_argument("--cp8", action="store_true", help="impl 6 whole pages: 8-byte code copies through L1 (CP8)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
-                                         args.maxnreg, args.full_tiles, args.spare_zero, args.vpair, args.cp8))
+                                         args.maxnreg, args.full_tiles, args.spare_zero, args.vpair))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "

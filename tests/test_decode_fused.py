@@ -230,28 +230,6 @@ def test_zeros_in_the_v_dots_spare_columns_change_no_stored_bit(monkeypatch, who
     assert rel_rmse(o_z, want_o) < 2e-2
 
 
-def test_8_byte_code_copies_change_no_bit(monkeypatch):
-    """`CODE_COPY_8B` only narrows how the codes are copied to shared memory (an alignment hint): the switch reaches the
-    whole-page kernels, which still trace and give the same bits and the reference's answer in both launch forms
-    (under the interpreter the hint is inert; the GPU test compares the copies themselves)."""
-    lens = [64 * 5, 0, 64 * 3]
-    pool = make_pool(lens, h_kv=2, d=64, page=64, seed=32)
-    k_win, v_win = make_window(3, 2, 40, 64, torch.bfloat16, seed=15)
-    slot_ids = torch.tensor([2, 0, 1], dtype=torch.int32)
-    win_len = torch.tensor([40, 7, 0], dtype=torch.int32)
-    q = make_q(len(lens), 8, 64, torch.bfloat16)
-    want_o, _ = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
-    for fused in (False, True):
-        kw = dict(backend="triton", num_splits=2, whole_pages=True, fused=fused)
-        monkeypatch.setattr(triton_int2, "CODE_COPY_8B", False)
-        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
-        monkeypatch.setattr(triton_int2, "CODE_COPY_8B", True)
-        assert triton_int2.chunk_constexprs(q, pool[0], 64, True, True)["CP8"] is True
-        o_8, lse_8 = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)
-        assert torch.equal(o, o_8) and torch.equal(lse, lse_8)
-        assert rel_rmse(o_8, want_o) < 2e-2
-
-
 def test_program_timeline_is_gpu_only():
     """The bench's per-program timeline reads the GPU's global timer: asking for it elsewhere is a clear error."""
     args = one_sequence_args(128, 8, seed=73)

@@ -250,20 +250,6 @@ def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
         assert torch.equal(o, o1)
 
 
-def test_8_byte_code_copies_on_gpu(monkeypatch):
-    """`CODE_COPY_8B` (opt-in): codes copied into shared memory 8 bytes at a time through L1 give the same bits as the
-    16-byte copies, in both launch forms and under graph replay."""
-    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)], pool_seed=22, seed=15, min_window=1)
-    for fused in (True, False):  # the two-launch result (the last) is what the graph replays
-        monkeypatch.setattr(triton_int2, "CODE_COPY_8B", False)
-        o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused)
-        monkeypatch.setattr(triton_int2, "CODE_COPY_8B", True)
-        o2, lse2 = A.decode_attention(*args, whole_pages=True, fused=fused)
-        assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
-    for o, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, validate=False), 2):
-        assert torch.equal(o, o1)
-
-
 def test_write_pages_on_gpu():
     h, d, p = 8, 128, 64
     x = torch.randn(200, h, d, device=DEV, dtype=torch.bfloat16)

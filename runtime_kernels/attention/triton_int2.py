@@ -738,13 +738,10 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
                  stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr,
-                 INTERP: tl.constexpr, CP8: tl.constexpr = False):
+                 INTERP: tl.constexpr):
     """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces."""
     o16 = tl.arange(0, 16)
-    if CP8:  # `CODE_COPY_8B`: claim 8-byte alignment only, so the codes are copied 8 bytes at a time through L1
-        kb = kc_ptr + tl.multiple_of(page * stride_kcp + h * stride_kch + r0 * stride_kcr, 4)
-    else:
-        kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
+    kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
     k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
@@ -765,15 +762,12 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
-                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, CP8: tl.constexpr = False):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
     across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]`."""
     o16 = tl.arange(0, 16)
-    if CP8:
-        vb = vc_ptr + tl.multiple_of(page * stride_vcp + h * stride_vch + r0 * stride_vcr, 4)
-    else:
-        vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
+    vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
     if VPAIR:
         # (scale, zero) pairs side by side (`V_PAIRED_POOLS`): one `[64, 2]` load, which the pipeliner makes
@@ -819,20 +813,19 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False,
-                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, CP8: tl.constexpr = False):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False):
     """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
     masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
     TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
     tokens."""
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
-                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP, CP8)
+                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
     mx = _max4(sa0, sa1, sa2, sa3)
     if TWO:
         sb0, sb1, sb2, sb3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page_b, 0, h, stride_kcp, stride_kch, stride_kcr,
                                           stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2,
-                                          qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP,
-                                          CP8)
+                                          qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
         mx = tl.maximum(mx, _max4(sb0, sb1, sb2, sb3))
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -842,12 +835,12 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
         vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-        NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR, CP8)
+        NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR)
     if TWO:
         t0, t1, t2, t3, t4, t5, t6, t7, p_b, z_b = _page_values(
             vc_ptr, vs_ptr, page_b, 0, h, vz_b, sb0, sb1, sb2, sb3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-            NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR, CP8)
+            NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR)
         p_sum += p_b
         z_sum += z_b
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
@@ -913,7 +906,7 @@ def _int2_decode_kernel_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
     FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False, SPARE_ZERO: tl.constexpr = False,
-    VPAIR: tl.constexpr = False, CP8: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -925,7 +918,7 @@ def _int2_decode_kernel_t(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
         GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR,
-        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, CP8=CP8)
+        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
 
 
 @triton.jit
@@ -945,7 +938,7 @@ def _int2_chunk_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
     FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
-    SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, CP8: tl.constexpr = False,
+    SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
@@ -1044,7 +1037,7 @@ def _int2_chunk_t(
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                         m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, CP8=CP8)
+                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
                 else:
                     kw, vw, ks, kz, vs = _page_tile_loads(
                         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -1264,9 +1257,6 @@ V_SPARE_ZERO = False
 # largest single stall in Nsight Compute (4 % of the samples, bench/NOTES_decode.md v11). The library's pools stay
 # separate until it is measured (bench key `layout=vpair`).
 V_PAIRED_POOLS = True
-# Whole-page loop (impl 6): copy codes into shared memory 8 bytes at a time through L1 (`cp.async.ca`) instead of 16
-# bytes bypassing it (bench `cp8=1`; offline 656 instead of 649 instructions per tile, 126 registers).
-CODE_COPY_8B = False
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1298,7 +1288,7 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
                 U_PAD=max(16, next_pow2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=full, SPARE_ZERO=bool(V_SPARE_ZERO),
-                VPAIR=full and block_n == 64 and paired_v_pools(v_scale, v_zero), CP8=bool(CODE_COPY_8B))
+                VPAIR=full and block_n == 64 and paired_v_pools(v_scale, v_zero))
 
 
 def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
