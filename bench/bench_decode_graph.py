@@ -178,6 +178,7 @@ DEFAULT_WINDOWS_FIRST = _fused.WINDOWS_FIRST
 DEFAULT_PAIR_TILES = _int2.PAIR_TILES
 DEFAULT_WINDOW_TOKENS = _fused.WINDOW_SPLIT_TOKENS
 DEFAULT_SPARE_ZERO = _int2.V_SPARE_ZERO
+DEFAULT_TILE_ACC = _int2.IMPL5_TILE_ACC
 
 
 def apply_variant(variant: str) -> int:
@@ -189,7 +190,9 @@ def apply_variant(variant: str) -> int:
     launches of `DECODE_SHARED_GRID` (history and window in one grid, then the reduce), `shared=0` three;
     `wfirst=1` the window programs first in that grid (`triton_fused.WINDOWS_FIRST`); `pair=1` two-page history
     tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
-    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns (`triton_int2.V_SPARE_ZERO`); `layout=`, `order=`, `page=` the pools' layout, page order and page size (`variant_cache`)."""
+    (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns
+    (`triton_int2.V_SPARE_ZERO`); `tileacc=0` V dots chained onto the chunk accumulators (`triton_int2.IMPL5_TILE_ACC`);
+    `layout=`, `order=`, `page=` the pools' layout, page order and page size (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -201,6 +204,7 @@ def apply_variant(variant: str) -> int:
     _int2.PAIR_TILES = DEFAULT_PAIR_TILES
     _fused.WINDOW_SPLIT_TOKENS = DEFAULT_WINDOW_TOKENS
     _int2.V_SPARE_ZERO = DEFAULT_SPARE_ZERO
+    _int2.IMPL5_TILE_ACC = DEFAULT_TILE_ACC
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -219,9 +223,11 @@ def apply_variant(variant: str) -> int:
             _fused.WINDOW_SPLIT_TOKENS = int(v)
         elif k == "vzero":
             _int2.V_SPARE_ZERO = v != "0"
+        elif k == "tileacc":
+            _int2.IMPL5_TILE_ACC = v != "0"
         elif k not in ("stages", "whole", "layout", "order", "page"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, wtok, vzero, layout, order, page)")
+                             f"fused, shared, wfirst, pair, wtok, vzero, tileacc, layout, order, page)")
     return int(impl)
 
 
@@ -281,6 +287,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                         "whole_pages": whole, "fused": A.DECODE_FUSED, "shared_grid": A.DECODE_SHARED_GRID,
                         "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
                         "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS, "v_spare_zero": _int2.V_SPARE_ZERO,
+                        "tile_acc": _int2.IMPL5_TILE_ACC, "maxnreg": _int2.IMPL5_MAXNREG,
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

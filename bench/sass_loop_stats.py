@@ -33,14 +33,14 @@ OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False,
                    maxnreg: int | None = None, full_tiles: bool = False, spare_zero: bool = False,
-                   vpair: bool = False):
+                   vpair: bool = False, tile_acc: bool = True):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if impl in (5, 6):  # tokens on the MMA rows (`_int2_decode_kernel_t`), code pools viewed as int16
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
-                     TILE_ACC=True, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
+                     TILE_ACC=tile_acc, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
                      SPARE_ZERO=spare_zero, VPAIR=vpair,
                      # The pool strides are constexprs of this kernel: contiguous pools of 8 KV heads, 64-row pages,
                      # 16 int16 words per code row (Qwen3-8B geometry), scales one fp16 per row.
@@ -117,11 +117,13 @@ def main() -> None:
     ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
     ap.add_argument("--spare-zero", action="store_true", help="zeros in the V dot's spare columns (V_SPARE_ZERO)")
     ap.add_argument("--vpair", action="store_true", help="impl 6 whole pages: V scale and zero read as pairs (VPAIR)")
+    ap.add_argument("--chain", action="store_true", help="V dots chained onto the chunk accumulators (TILE_ACC off)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
-                                         args.maxnreg, args.full_tiles, args.spare_zero, args.vpair))
+                                         args.maxnreg, args.full_tiles, args.spare_zero, args.vpair,
+                                         not args.chain))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "

@@ -813,11 +813,11 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False,
-                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, TILE_ACC: tl.constexpr = True):
     """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
     masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
     TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
-    tokens."""
+    tokens. TILE_ACC False: the V dots chain onto the rescaled chunk accumulators (`IMPL5_TILE_ACC`)."""
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
                                       qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
@@ -829,11 +829,19 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
         mx = tl.maximum(mx, _max4(sb0, sb1, sb2, sb3))
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
-    # Fresh per-tile V dots (the pieces chained in the MMA accumulator, as the one [64]-token dot was), added to the
-    # chunk accumulators by an fp32 FFMA (TILE_ACC).
-    z = tl.zeros([U_PAD, NQ], tl.float32)
+    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])[None, :]
+    if TILE_ACC:
+        # Fresh per-tile V dots (the pieces chained in the MMA accumulator, as the one [64]-token dot was), added to
+        # the chunk accumulators by an fp32 FFMA below.
+        z = tl.zeros([U_PAD, NQ], tl.float32)
+        i0, i1, i2, i3, i4, i5, i6, i7 = z, z, z, z, z, z, z, z
+    else:
+        # Chained: the MMAs accumulate onto the rescaled chunk accumulators (no fresh dots live: 32 fewer registers;
+        # tensor cores truncate, so the sum drifts low over a long chunk, see `_tile_t`).
+        i0, i1, i2, i3 = acc0 * a2, acc1 * a2, acc2 * a2, acc3 * a2
+        i4, i5, i6, i7 = acc4 * a2, acc5 * a2, acc6 * a2, acc7 * a2
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
-        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, i0, i1, i2, i3, i4, i5, i6, i7,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
         NQ, U, U_PAD, ASM, INTERP, SPARE_ZERO, VPAIR)
     if TWO:
@@ -845,10 +853,12 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
         z_sum += z_b
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
     acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
-    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])[None, :]
-    return (m_new, l_i, acc_z, tl.fma(acc0, a2, t0), tl.fma(acc1, a2, t1), tl.fma(acc2, a2, t2),
-            tl.fma(acc3, a2, t3), tl.fma(acc4, a2, t4), tl.fma(acc5, a2, t5), tl.fma(acc6, a2, t6),
-            tl.fma(acc7, a2, t7))
+    if TILE_ACC:
+        return (m_new, l_i, acc_z, tl.fma(acc0, a2, t0), tl.fma(acc1, a2, t1), tl.fma(acc2, a2, t2),
+                tl.fma(acc3, a2, t3), tl.fma(acc4, a2, t4), tl.fma(acc5, a2, t5), tl.fma(acc6, a2, t6),
+                tl.fma(acc7, a2, t7))
+    else:
+        return m_new, l_i, acc_z, t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
@@ -1037,7 +1047,7 @@ def _int2_chunk_t(
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                         m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
+                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, TILE_ACC=TILE_ACC)
                 else:
                     kw, vw, ks, kz, vs = _page_tile_loads(
                         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
