@@ -25,6 +25,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from runtime_kernels.attention.triton_int2 import _pick_page  # noqa: E402 - the INT2 kernel's page pick
+
 
 @triton.jit
 def _xor(a, b):
@@ -82,12 +84,6 @@ def _split_tiles(len_ptr, b, s, n_split, P: tl.constexpr):
 
 
 @triton.jit
-def _pick(pages, offs, j):
-    """Entry j of a register vector of page ids (as the INT2 kernel picks them: no memory round trip)."""
-    return tl.sum(tl.where(offs == j, pages, 0), axis=0).to(tl.int64)
-
-
-@triton.jit
 def _read_tiles_tma_kernel(kc_desc, ks_desc, kz_desc, vc_desc, vs_desc, vz_desc, bt_ptr, len_ptr, out_ptr,
                            stride_btb, H: tl.constexpr, P: tl.constexpr, U: tl.constexpr, NPV: tl.constexpr,
                            STAGES: tl.constexpr):
@@ -108,7 +104,7 @@ def _read_tiles_tma_kernel(kc_desc, ks_desc, kz_desc, vc_desc, vs_desc, vz_desc,
         pg = tl.load(bt_row + jb + offs_pv, mask=jb + offs_pv < t_hi, other=0)
         # Loads that feed no dot are pipelined only when the loop asks for it.
         for jj in tl.range(0, tl.minimum(NPV, t_hi - jb), num_stages=STAGES):
-            row = (_pick(pg, offs_pv, jj) * H + h).to(tl.int32)
+            row = (_pick_page(pg, offs_pv, jj) * H + h).to(tl.int32)
             kw = kc_desc.load([row * P, 0])
             vw = vc_desc.load([row * P, 0])
             ks = ks_desc.load([row, 0])
