@@ -231,9 +231,10 @@ def test_zeros_in_the_v_dots_spare_columns_change_no_stored_bit(monkeypatch, who
 
 
 def test_chained_v_accumulation_in_the_whole_page_loop(monkeypatch):
-    """`IMPL5_TILE_ACC = False` reaches the whole-page (16-token pieces) loop too: its V dots chain onto the rescaled
-    chunk accumulators instead of fresh per-tile dots added by an FFMA. Under the interpreter the dots round to
-    nearest, so both forms agree to fp32 rounding and match the reference, in both launch forms."""
+    """`IMPL5_TILE_ACC = False` reaches the whole-page (16-token pieces) loops too, one- and two-page tiles: their V
+    dots chain onto the rescaled chunk accumulators instead of fresh per-tile dots added by an FFMA. Under the
+    interpreter the dots round to nearest, so both forms agree to fp32 rounding and match the reference, in both
+    launch forms."""
     lens = [64 * 5, 0, 64 * 3]
     pool = make_pool(lens, h_kv=2, d=64, page=64, seed=32)
     k_win, v_win = make_window(3, 2, 40, 64, torch.bfloat16, seed=15)
@@ -241,7 +242,8 @@ def test_chained_v_accumulation_in_the_whole_page_loop(monkeypatch):
     win_len = torch.tensor([40, 7, 0], dtype=torch.int32)
     q = make_q(len(lens), 8, 64, torch.bfloat16)
     want_o, _ = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
-    for fused in (False, True):
+    for fused, pair in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(triton_int2, "PAIR_TILES", pair)
         kw = dict(backend="triton", num_splits=2, whole_pages=True, fused=fused)
         monkeypatch.setattr(triton_int2, "IMPL5_TILE_ACC", True)
         o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, **kw)

@@ -1096,7 +1096,7 @@ def _int2_chunk_t(
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_r, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                    True, SPARE_ZERO)
+                    True, SPARE_ZERO, TILE_ACC=TILE_ACC)
     else:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + offs_n
