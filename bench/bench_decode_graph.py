@@ -247,9 +247,14 @@ def variant_whole(variant: str) -> bool:
     return next((o.split("=")[1] != "0" for o in variant.split(":")[1:] if o.startswith("whole=")), True)
 
 
+def int2_history_bytes(tokens: int) -> int:
+    """Bytes of `tokens` INT2 history tokens (all sequences together): codes + fp16 scale and zero, K and V."""
+    return tokens * H_KV * 2 * (D // 4 + 2 * 2)
+
+
 def int2_bytes_per_call(batch: int, context: int) -> int:
-    """Bytes one INT2 call reads: codes + fp16 scale and zero of the history, K and V; the BF16 windows."""
-    return batch * (context - WIN) * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
+    """Bytes one INT2 call reads: the history (`int2_history_bytes`) and the BF16 windows."""
+    return int2_history_bytes(batch * (context - WIN)) + batch * WIN * H_KV * D * 2 * 2
 
 
 def variant_layers(batch: int, context: int, gen: torch.Generator, variant: str = "") -> tuple:

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import DEV, H_KV, H_Q, D  # noqa: E402
 from bench_decode_graph import (  # noqa: E402
     MIN_CALLS,
+    point_inputs,
     repeat_to,
     time_graph,
     variant_layers,
@@ -79,10 +80,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; ms per call under CUDA graphs")
     for point in args.point.split(","):
-        context, batch = (int(x) for x in point.split("x"))
-        gen = torch.Generator(device=DEV).manual_seed(0)
+        context, batch, gen, q = point_inputs(point)
         layers, pools, tables, hist_len, k_win, v_win, slots, win_len = variant_layers(batch, context, gen)
-        q = torch.randn(batch, H_Q, D, device=DEV, generator=gen).to(torch.bfloat16)
         rows: dict[str, list] = {}
         for r in range(args.rounds):
             for impl in (int(x) for x in args.impls.split(",")):

@@ -72,7 +72,9 @@ def summarize(rec: torch.Tensor, slots_per_sm: int, n_sm: int) -> dict:
     return out
 
 
-def run_variant(batch: int, context: int, variant: str, q: torch.Tensor, gen: torch.Generator, passes: int) -> dict:
+def run_variant(batch: int, context: int, variant: str, q: torch.Tensor, gen: torch.Generator,
+                passes: int) -> tuple[dict, list]:
+    """One variant's timeline -> (its `summarize` numbers with the grid's shape, the raw records of the last call)."""
     layers, pools, tables, hist_len, k_win, v_win, slots, win_len = variant_layers(batch, context, gen, variant)
     impl, stages, whole = apply_variant(variant), variant_stages(variant), variant_whole(variant)
     s_h, s_w = A.decode_num_splits(q, *pools, tables[0], hist_len, k_win, v_win, slots[0], win_len,

@@ -34,6 +34,24 @@ def _xor(a, b):
 
 
 @triton.jit
+def _split_tiles(len_ptr, b, s, n_split, P: tl.constexpr):
+    """Tiles `[t_lo, t_hi)` (whole pages) of split s of n_split of sequence b's history."""
+    n_tiles = tl.load(len_ptr + b) // P
+    per = tl.cdiv(n_tiles, n_split)
+    t_lo = s * per
+    return t_lo, tl.minimum(t_lo + per, n_tiles)
+
+
+@triton.jit
+def _fold(acc_c, acc_s, kw, vw, ks, kz, vs, vz):
+    """XOR one tile into the running checksums: code words (int16) into acc_c, fp16 scale / zero bits into acc_s."""
+    acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
+    acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
+                     ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
+    return acc_c, acc_s
+
+
+@triton.jit
 def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, out_ptr,
                        stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                        stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
@@ -43,11 +61,7 @@ def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, l
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    n_split = tl.num_programs(2)
-    n_tiles = tl.load(len_ptr + b) // P
-    per = tl.cdiv(n_tiles, n_split)
-    t_lo = s * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    t_lo, t_hi = _split_tiles(len_ptr, b, s, tl.num_programs(2), P)
     rows = tl.arange(0, P)
     words = tl.arange(0, U)
     c_off = rows[:, None] * stride_kcr + words[None, :]
@@ -67,20 +81,9 @@ def _read_tiles_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, l
         kz = tl.load(kz_ptr + srow, cache_modifier=CACHE)
         vs = tl.load(vs_ptr + vrow, cache_modifier=CACHE)
         vz = tl.load(vz_ptr + vrow, cache_modifier=CACHE)
-        acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
-        acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
-                         ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
+        acc_c, acc_s = _fold(acc_c, acc_s, kw, vw, ks, kz, vs, vz)
     x = tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(acc_s, 0, _xor)
-    tl.store(out_ptr + (b * tl.num_programs(1) + h) * n_split + s, x)
-
-
-@triton.jit
-def _split_tiles(len_ptr, b, s, n_split, P: tl.constexpr):
-    """Tiles `[t_lo, t_hi)` (whole pages) of split s of n_split of sequence b's history."""
-    n_tiles = tl.load(len_ptr + b) // P
-    per = tl.cdiv(n_tiles, n_split)
-    t_lo = s * per
-    return t_lo, tl.minimum(t_lo + per, n_tiles)
+    tl.store(out_ptr + (b * tl.num_programs(1) + h) * tl.num_programs(2) + s, x)
 
 
 @triton.jit
@@ -111,9 +114,7 @@ def _read_tiles_tma_kernel(kc_desc, ks_desc, kz_desc, vc_desc, vs_desc, vz_desc,
             kz = kz_desc.load([row, 0])
             vs = vs_desc.load([row, 0])
             vz = vz_desc.load([row, 0])
-            acc_c = acc_c ^ (kw.to(tl.int32) ^ vw.to(tl.int32))
-            acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
-                             ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
+            acc_c, acc_s = _fold(acc_c, acc_s, kw, vw, ks, kz, vs, vz)
     x = tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(tl.reduce(acc_s, 0, _xor), 0, _xor)
     tl.store(out_ptr + (b * tl.num_programs(1) + h) * tl.num_programs(2) + s, x)
 
@@ -171,7 +172,7 @@ def reference_xor(pools, table: torch.Tensor, hist_len: torch.Tensor) -> torch.T
 
 def main() -> None:
     from bench_decode import DEV, H_KV, H_Q, D, make_int2_cache
-    from bench_decode_graph import apply_variant, point_inputs, variant_cache
+    from bench_decode_graph import apply_variant, int2_history_bytes, point_inputs, variant_cache
 
     from runtime_kernels import attention as A
     from runtime_kernels.attention import triton_int2
@@ -200,7 +201,8 @@ def main() -> None:
         layout, order, page = variant_cache(cache)
         apply_variant(cache)  # the variant's kernel switches (e.g. cp8=1) for the INT2 kernel row
         pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page, layout=layout, order=order)
-        hist_bytes = int(hist_len.sum()) * H_KV * 2 * (D // 4 + 2 * 2)
+        readers = {pps: max(1, pps * n_sm // (batch * H_KV)) for pps in (int(x) for x in args.pps.split(","))}  # splits
+        hist_bytes = int2_history_bytes(int(hist_len.sum()))
         splits = A.int2_num_splits(q, *pools, table, hist_len, 64, 1, 3, 6, True)
         o = torch.empty(batch, H_Q, splits, D, device=DEV)
         lse = torch.empty(batch, H_Q, splits, device=DEV)
@@ -211,9 +213,9 @@ def main() -> None:
         if args.once:  # the first launch compiles; a profiler measures the second
             for _ in range(2):
                 run_int2()
-                for pps in (int(x) for x in args.pps.split(",")):
+                for n in readers.values():
                     for loads in args.loads.split(","):
-                        read_tiles(pools, table, hist_len, max(1, pps * n_sm // (batch * H_KV)), loads)
+                        read_tiles(pools, table, hist_len, n, loads)
             torch.cuda.synchronize()
             print(f"{cache}: launched the INT2 kernel and the read-only kernels ({args.loads}; {args.pps} per SM) twice")
             continue
@@ -221,8 +223,7 @@ def main() -> None:
         row = {"cache": cache, "bytes": hist_bytes, "int2_kernel": {"splits": splits, "ms": int2,
                                                                    "gbps": hist_bytes / int2 / 1e6}}
         want = reference_xor(pools, table, hist_len) if batch * context <= 1 << 20 else None
-        for pps in (int(x) for x in args.pps.split(",")):
-            n = max(1, pps * n_sm // (batch * H_KV))
+        for pps, n in readers.items():
             for loads in args.loads.split(","):
                 name = f"read_only_{loads}_pps{pps}"
                 try:

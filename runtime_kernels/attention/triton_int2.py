@@ -1261,11 +1261,11 @@ PAIR_STAGES = 2
 # (bench/NOTES_decode.md v11): no faster, sustained (0.2024 / 0.2015 vs 0.2011 / 0.1987 ms at 128K / batch 8) or at
 # the first replays (0.1961 vs 0.1878 ms), so it stays off.
 V_SPARE_ZERO = False
-# Opt-in, not yet measured on a GPU (session 7): with V scale and zero pools that are two views of one
-# `[pages, H, P, 2]` buffer (`paired_v_pools`), the whole-page loop reads a row's zero with its scale in one
-# pipelined load, instead of the hand-made synchronous prefetch of the zeros one tile ahead, whose first use was the
-# largest single stall in Nsight Compute (4 % of the samples, bench/NOTES_decode.md v11). The library's pools stay
-# separate until it is measured (bench key `layout=vpair`).
+# With V scale and zero pools that are two views of one `[pages, H, P, 2]` buffer (`paired_v_pools`), the whole-page
+# loop reads a row's zero with its scale in one pipelined load, instead of the hand-made synchronous prefetch of the
+# zeros one tile ahead, whose first use was the largest single stall in Nsight Compute (bench/NOTES_decode.md v11).
+# Measured in session 8 (v12, bench key `layout=vpair`): equal at 128K / batch 8 (0.1895 vs 0.1894 ms), 1-3 % faster
+# at 128K/B32, 32K/B8 and 128K/B1. `PagedKVCache` still allocates separate pools, so the library does not use it yet.
 V_PAIRED_POOLS = True
 
 
