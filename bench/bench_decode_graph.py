@@ -235,12 +235,16 @@ def variant_stages(variant: str) -> int:
     return next((int(o.split("=")[1]) for o in variant.split(":")[1:] if o.startswith("stages=")), 3)
 
 
-def variant_cache(variant: str) -> tuple[str, str, int]:
+# The pools `PagedKVCache` allocates at one group per row: V scale and zero interleaved (since session 9).
+LIBRARY_LAYOUT = "vpair"
+
+
+def variant_cache(variant: str, default_layout: str = LIBRARY_LAYOUT) -> tuple[str, str, int]:
     """(layout, order, page) of the pools a variant runs on (`bench_decode.make_int2_cache`):
-    `layout=separate|scales|tile|vpair`, `order=scattered|ordered`, `page=N` tokens per page (default PAGE; the kernel's
-    tiles stay 64 tokens, so a 128-token page holds two)."""
+    `layout=separate|scales|tile|vpair` (default: the library's, `LIBRARY_LAYOUT`), `order=scattered|ordered`,
+    `page=N` tokens per page (default PAGE; the kernel's tiles stay 64 tokens, so a 128-token page holds two)."""
     opts = dict(o.split("=") for o in variant.split(":")[1:])
-    return opts.get("layout", "separate"), opts.get("order", "scattered"), int(opts.get("page", PAGE))
+    return opts.get("layout", default_layout), opts.get("order", "scattered"), int(opts.get("page", PAGE))
 
 
 def variant_whole(variant: str) -> bool:
@@ -293,6 +297,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                         "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
                         "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS, "v_spare_zero": _int2.V_SPARE_ZERO,
                         "tile_acc": _int2.IMPL5_TILE_ACC, "maxnreg": _int2.IMPL5_MAXNREG,
+                        "layout": "/".join(map(str, variant_cache(variant))),
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run
             out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

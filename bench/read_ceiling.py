@@ -198,7 +198,7 @@ def main() -> None:
     print(f"{report['gpu']}, {args.point}: history bytes read per call, ms (do_bench median, L2 flushed), GB/s")
     for cache in args.caches.split(","):
         context, batch, gen, q = point_inputs(args.point)
-        layout, order, page = variant_cache(cache)
+        layout, order, page = variant_cache(cache, default_layout="separate")  # the TMA reader needs contiguous pools
         apply_variant(cache)  # the variant's kernel switches (e.g. cp8=1) for the INT2 kernel row
         pools, table, hist_len, *_ = make_int2_cache(batch, context, gen, page, layout=layout, order=order)
         readers = {pps: max(1, pps * n_sm // (batch * H_KV)) for pps in (int(x) for x in args.pps.split(","))}  # splits

@@ -4,7 +4,8 @@ One `PagedKVCache` serves a batch of sequences of different lengths for every ca
 
 Storage per layer (`LayerPool`; H = KV heads, d = head_dim, G = group size, P = page size):
 - INT2 pages: `k_codes, v_codes` uint8 `[num_pages, H, P, d // 4]`, `k_scale, k_zero, v_scale, v_zero`
-  fp16 `[num_pages, H, P, d // G]`, holding clipped and quantized rotated keys/values.
+  fp16 `[num_pages, H, P, d // G]`, holding clipped and quantized rotated keys/values (with G = d, V scale and
+  zero are interleaved views of one buffer: `LayerPool`).
 - Full-precision windows: `k_win, v_win` `[num_slots, H, W, d]` in the model's dtype, with
   `W = sink + recent + P - 1`. Like the pages they hold the rotated basis (`k @ R_K`, `v @ R_V`, see
   `rotate_rows`), so one rotated query serves both segments and one `R_V^T` maps the merged output
@@ -116,6 +117,8 @@ class LayerPool:
 
     Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16;
     windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
+    With one group per row (G = d), v_scale and v_zero are the two halves of one `[num_pages, H, P, 2]` buffer
+    (row strides 2, last dim contiguous); every other pool is contiguous.
     """
 
     k_codes: torch.Tensor
@@ -236,15 +239,26 @@ class PagedKVCache:
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
 
+        def v_scale_zero():
+            # One group per row: each row's V scale and zero side by side (`[pages, H, P, 2]`, viewed as the two
+            # pools), so the whole-page decode loop reads both with one asynchronous load (`triton_int2.
+            # V_PAIRED_POOLS`: 1-3 % faster calls at 128K / batch 32, 32K / batch 8 and 128K / batch 1 on an H200,
+            # equal at 128K / batch 8; bench/NOTES_decode.md v12). Same bytes as two separate pools.
+            if d // g == 1:
+                pair = zeros((n_pages, h, p, 2), torch.float16)
+                return pair[..., 0:1], pair[..., 1:2]
+            return zeros((n_pages, h, p, d // g), torch.float16), zeros((n_pages, h, p, d // g), torch.float16)
+
         self.pools: list[LayerPool] = []
         for i in range(a):
+            v_scale, v_zero = v_scale_zero()
             self.pools.append(LayerPool(
                 k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
                 v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
                 k_scale=zeros((n_pages, h, p, d // g), torch.float16),
                 k_zero=zeros((n_pages, h, p, d // g), torch.float16),
-                v_scale=zeros((n_pages, h, p, d // g), torch.float16),
-                v_zero=zeros((n_pages, h, p, d // g), torch.float16),
+                v_scale=v_scale,
+                v_zero=v_zero,
                 k_win=zeros((s, h, w, d), dtype),
                 v_win=zeros((s, h, w, d), dtype),
                 k_rotation=k_rotation[i].to(self.device, torch.float32).contiguous(),

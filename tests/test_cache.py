@@ -12,6 +12,7 @@ import torch
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention import naive as attn_naive
+from runtime_kernels.attention import triton_int2
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.quant import naive as quant_naive
 
@@ -19,9 +20,9 @@ S, R, P = 4, 8, 4  # small sink / recent / page so short sequences use all three
 H, HQ, D, G = 2, 4, 16, 8
 
 
-def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0):
+def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0, group=G):
     """An artifact with random orthogonal per-head rotations and clip ratios below 1."""
-    art = identity_artifact(num_layers, H, HQ, D, group_size=G)
+    art = identity_artifact(num_layers, H, HQ, D, group_size=group)
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -113,8 +114,9 @@ def test_decode_matches_dense_fake_quantized_reference():
     assert cache.hist_len(ids[2]) > expected_history(37)  # decoding demoted at least one more page
 
 
-def test_demotion_keeps_segment_sizes_and_int2_codes_equal_quantize_pack():
-    art = random_artifact(num_layers=1)
+@pytest.mark.parametrize("group", [G, D])  # D: one group per row, V scale and zero in one interleaved buffer
+def test_demotion_keeps_segment_sizes_and_int2_codes_equal_quantize_pack(group):
+    art = random_artifact(num_layers=1, group=group)
     cache = make_cache(art)
     work = Workload(cache, 1)
     (s,) = work.prefill([S + R + P - 2])  # one token short of the first demotion
@@ -137,12 +139,12 @@ def test_demotion_keeps_segment_sizes_and_int2_codes_equal_quantize_pack():
             for name, x, rot, clip in (("k", work.k[s][0], art.k_rotation[0], art.k_clip_ratio[0]),
                                        ("v", work.v[s][0], art.v_rotation[0], art.v_clip_ratio[0])):
                 # the quantizer given the same rotated rows; naive's own fp32 rotation agrees almost everywhere
-                packed, scale, zero = quant_naive.quantize_pack(exact_rotate(x[S:S + h], rot), None, clip, G)
-                fp32_packed = quant_naive.quantize_pack(x[S:S + h], rot, clip, G)[0]
+                packed, scale, zero = quant_naive.quantize_pack(exact_rotate(x[S:S + h], rot), None, clip, group)
+                fp32_packed = quant_naive.quantize_pack(x[S:S + h], rot, clip, group)[0]
                 assert (fp32_packed == packed).float().mean() > 0.99
                 codes = getattr(pool, f"{name}_codes")[pages].permute(0, 2, 1, 3).reshape(h, H, D // 4)
-                sc = getattr(pool, f"{name}_scale")[pages].permute(0, 2, 1, 3).reshape(h, H, D // G)
-                ze = getattr(pool, f"{name}_zero")[pages].permute(0, 2, 1, 3).reshape(h, H, D // G)
+                sc = getattr(pool, f"{name}_scale")[pages].permute(0, 2, 1, 3).reshape(h, H, D // group)
+                ze = getattr(pool, f"{name}_zero")[pages].permute(0, 2, 1, 3).reshape(h, H, D // group)
                 assert torch.equal(codes, packed)
                 assert torch.equal(sc, scale) and torch.equal(ze, zero)
 
@@ -304,12 +306,33 @@ def test_pool_layout_matches_the_contract():
     assert pool.k_win.shape == (3, H, w, D)
     # 2 bits per element plus an fp16 scale and zero per group, for K and V, plus the windows
     assert cache.memory_bytes() == 2 * 10 * H * P * (D // 4 + 2 * 2 * (D // G)) + 2 * 3 * H * w * D * 4
+    assert all(t.is_contiguous() for t in (pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale,
+                                           pool.v_zero, pool.k_win, pool.v_win))
+
+
+def test_one_group_per_row_interleaves_v_scale_and_zero():
+    """With one group per row the V scale and zero pools are the two halves of one `[pages, H, P, 2]` buffer (what
+    the whole-page decode loop reads with one load, `triton_int2.paired_v_pools`); same shapes and bytes."""
+    art = random_artifact(num_layers=2, group=D)
+    cache = make_cache(art, max_pages=10, max_seqs=3)
+    for pool in cache.pools:
+        assert pool.v_scale.shape == pool.v_zero.shape == (10, H, P, 1)
+        assert triton_int2.paired_v_pools(pool.v_scale, pool.v_zero)
+        assert pool.v_scale.untyped_storage().nbytes() == 10 * H * P * 2 * 2  # one buffer, nothing else
+        pool.v_scale[3, 1, 2, 0] = 5.0
+        pool.v_zero[3, 1, 2, 0] = -7.0
+        pair = pool.v_scale.as_strided((10, H, P, 2), (H * P * 2, P * 2, 2, 1))
+        assert pair[3, 1, 2].tolist() == [5.0, -7.0]
+    assert cache.pools[0].v_scale.data_ptr() != cache.pools[1].v_scale.data_ptr()  # one buffer per layer
+    w = S + R + P - 1
+    assert cache.memory_bytes() == 2 * (2 * 10 * H * P * (D // 4 + 2 * 2) + 2 * 3 * H * w * D * 4)
 
 
 @pytest.mark.interpreter
-def test_triton_backend_matches_torch_backend():
+@pytest.mark.parametrize("group", [G, D])  # D: V scale and zero interleaved (the Triton demotion writes strided rows)
+def test_triton_backend_matches_torch_backend(group):
     """The same workload through the Triton kernels (interpreter on CPU) and the torch references."""
-    art = random_artifact(num_layers=1)
+    art = random_artifact(num_layers=1, group=group)
     caches = {b: PagedKVCache.from_artifact(art, max_pages=16, max_seqs=2, page_size=P, sink_tokens=S,
                                             recent_tokens=R, dtype=torch.float32, backend=b)
               for b in ("torch", "triton")}
@@ -326,7 +349,8 @@ def test_triton_backend_matches_torch_backend():
         out[b] = cache.decode_attention(0, q, ids)
         assert cache.hist_len(ids[1]) == expected_history(27 + P) > 0
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
-    assert torch.equal(caches["triton"].pools[0].k_codes, caches["torch"].pools[0].k_codes)
+    for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
+        assert torch.equal(getattr(caches["triton"].pools[0], name), getattr(caches["torch"].pools[0], name)), name
 
 
 def test_cuda_device_without_index_is_normalized(monkeypatch):

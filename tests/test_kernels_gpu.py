@@ -356,6 +356,7 @@ def test_paged_cache_serving_shapes_on_gpu():
     for dev, backend in (("cuda", "auto"), ("cpu", "torch")):
         cache = PagedKVCache.from_artifact(art, max_pages=128, max_seqs=3, device=dev, dtype=torch.bfloat16,
                                            backend=backend)
+        assert triton_int2.paired_v_pools(cache.pools[0].v_scale, cache.pools[0].v_zero)  # the VPAIR loop runs
         ids = [cache.add_sequence() for _ in prompts]
         cache.append(ids, [[p.to(dev) for p in prompts]], [[p.to(dev) for p in prompts]])
         for x in steps:
