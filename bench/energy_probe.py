@@ -10,7 +10,10 @@ adds the INT2 kernel's arithmetic in parts, without its softmax:
 - `mma`: the tensor-core work, 32 m16n8k16 MMAs per side as in the INT2 kernel (K side `[64, 16] @ [16, 8]`, V side
   `[16, 64] @ [64, 8]`, eight chained dots each), on the raw code words masked to fp16 subnormals (one `and` per
   register, not per position);
-- `extract+mma`: both, the extracted positions as the MMA operands (the INT2 kernel without softmax and scales).
+- `extract+mma`: both, the extracted positions as the MMA operands (the INT2 kernel without softmax and scales);
+- `extract+mma_h`: the same with fp16 accumulators (`HMMA.F16`);
+- `extract8+mma8`: the same multiply-adds on 8-bit integers: codes `(byte >> 2j) & 3` as int8 (four codes per
+  register) against int8 operands, m16n8k32 integer MMAs (16 per side instead of 32), int32 accumulators.
 
 Each program reads `%clock64` and `%globaltimer` at its start and end, so a launch reports its SM clock (median over
 programs of cycles / ns) with no profiler; the run reports that clock for the first launch and for the last launch
@@ -44,7 +47,10 @@ from read_ceiling import _split_tiles, _xor  # noqa: E402 - the read-only kernel
 
 from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _dot_acc  # noqa: E402
 
-VARIANTS = {"read": (False, False), "extract": (True, False), "mma": (False, True), "extract+mma": (True, True)}
+# name -> (EXTRACT, MMA, INT8, F16ACC)
+VARIANTS = {"read": (False, False, False, False), "extract": (True, False, False, False),
+            "mma": (False, True, False, False), "extract+mma": (True, True, False, False),
+            "extract+mma_h": (True, True, False, True), "extract8+mma8": (True, True, True, False)}
 
 
 @triton.jit
@@ -83,19 +89,64 @@ def _positions(x0, x1, x2, x3, x4, x5, x6, x7, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _codes_i8(b, J: tl.constexpr, INTERP: tl.constexpr):
+    """Code position J of each byte of a uint8 tile as int8, `(b >> 2J) & 3`: on the GPU one shift and one `and` per
+    four bytes (inline PTX on 32-bit registers; Triton alone spends byte permutes on it)."""
+    if INTERP:
+        return ((b >> (2 * J)) & 3).to(tl.int8)
+    elif J == 0:
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x03030303;", "=r,r", [b], dtype=tl.int8, is_pure=True,
+                                         pack=4)
+    elif J == 1:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [b], dtype=tl.int8, is_pure=True, pack=4)
+    elif J == 2:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [b], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [b], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _dot_h(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b with an fp16 accumulator (fp32 under the interpreter, rounded to fp16 after each dot)."""
+    if INTERP:
+        return (acc.to(tl.float32) + tl.dot(a.to(tl.float32), b.to(tl.float32))).to(tl.float16)
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.float16)
+
+
+@triton.jit
+def _positions_h(x0, x1, x2, x3, x4, x5, x6, x7, b, acc, INTERP: tl.constexpr):
+    """`_positions` with an fp16 accumulator."""
+    acc = _dot_h(x0, b, acc, INTERP)
+    acc = _dot_h(x1, b, acc, INTERP)
+    acc = _dot_h(x2, b, acc, INTERP)
+    acc = _dot_h(x3, b, acc, INTERP)
+    acc = _dot_h(x4, b, acc, INTERP)
+    acc = _dot_h(x5, b, acc, INTERP)
+    acc = _dot_h(x6, b, acc, INTERP)
+    return _dot_h(x7, b, acc, INTERP)
+
+
+@triton.jit
 def _sum8(x0, x1, x2, x3, x4, x5, x6, x7):
     return ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
 
 
 @triton.jit
 def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, out_ptr, f_ptr, clk_ptr,
+                  kb_ptr, vb_ptr,
                   stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                   stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
                   P: tl.constexpr, U: tl.constexpr, EXTRACT: tl.constexpr, MMA: tl.constexpr,
-                  CLOCK: tl.constexpr, INTERP: tl.constexpr):
+                  CLOCK: tl.constexpr, INTERP: tl.constexpr, INT8: tl.constexpr = False,
+                  F16ACC: tl.constexpr = False):
     """Program (b, h, s): `read_ceiling._read_tiles_kernel`'s tiles and XOR checksum (into out[b, h, s]) plus the
     variant's arithmetic, whose fp32 sum goes to f[b, h, s]; with CLOCK, (ns, cycles) of the program to clk[., 0:2].
-    K codes are read as `[P, U]` int16 words, V codes as `[U, P]` (words on the rows: the INT2 kernel's V operand)."""
+    K codes are read as `[P, U]` int16 words, V codes as `[U, P]` (words on the rows: the INT2 kernel's V operand);
+    INT8: as bytes (kb_ptr / vb_ptr, uint8 views of the same pools, `[P, 2U]` and `[2U, P]`), checksum unchanged."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -118,6 +169,15 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
     acc_v = tl.zeros([U, 8], tl.float32)
     acc_h = tl.zeros([P, U], tl.float16)
     acc_g = tl.zeros([U, P], tl.float16)
+    bytes_ = tl.arange(0, 2 * U)
+    kb_off = rows[:, None] * (2 * stride_kcr) + bytes_[None, :]  # [P, 2U] byte offsets
+    vb_off = bytes_[:, None] + rows[None, :] * (2 * stride_vcr)  # [2U, P]
+    qb8 = ((bytes_[:, None] * 8 + cols[None, :]) % 7 + 1).to(tl.int8)  # [2U, 8]
+    pb8 = ((rows[:, None] * 8 + cols[None, :]) % 5 + 1).to(tl.int8)  # [P, 8]
+    acc_kh = tl.zeros([P, 8], tl.float16)
+    acc_vh = tl.zeros([U, 8], tl.float16)
+    acc_k8 = tl.zeros([P, 8], tl.int32)
+    acc_v8 = tl.zeros([2 * U, 8], tl.int32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     page_next = tl.load(bt_row + tl.minimum(t_lo, tl.maximum(t_hi - 1, 0)))
     for t in range(t_lo, t_hi):
@@ -136,10 +196,19 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
         acc_w = acc_w ^ vw.to(tl.int32)
         acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
                          ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
-        if EXTRACT:
+        if INT8:
+            kb = tl.load(kb_ptr + 2 * (page * stride_kcp + h * stride_kch) + kb_off)
+            vb = tl.load(vb_ptr + 2 * (page * stride_vcp + h * stride_vch) + vb_off)
+            for j in tl.static_range(4):
+                acc_k8 = tl.dot(_codes_i8(kb, j, INTERP), qb8, acc_k8, out_dtype=tl.int32)
+                acc_v8 = tl.dot(_codes_i8(vb, j, INTERP), pb8, acc_v8, out_dtype=tl.int32)
+        elif EXTRACT:
             x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, not INTERP)
             y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, not INTERP)
-            if MMA:
+            if MMA and F16ACC:
+                acc_kh = _positions_h(x0, x1, x2, x3, x4, x5, x6, x7, qb, acc_kh, INTERP)
+                acc_vh = _positions_h(y0, y1, y2, y3, y4, y5, y6, y7, pb, acc_vh, INTERP)
+            elif MMA:
                 acc_k = _positions(x0, x1, x2, x3, x4, x5, x6, x7, qb, acc_k, INTERP)
                 acc_v = _positions(y0, y1, y2, y3, y4, y5, y6, y7, pb, acc_v, INTERP)
             else:
@@ -152,7 +221,9 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
          ^ tl.reduce(acc_s, 0, _xor))
     tl.store(out_ptr + pid, x)
     f = (tl.sum(tl.sum(acc_k, 1), 0) + tl.sum(tl.sum(acc_v, 1), 0) + tl.sum(tl.sum(acc_h.to(tl.float32), 1), 0)
-         + tl.sum(tl.sum(acc_g.to(tl.float32), 1), 0))
+         + tl.sum(tl.sum(acc_g.to(tl.float32), 1), 0)
+         + tl.sum(tl.sum(acc_kh.to(tl.float32), 1), 0) + tl.sum(tl.sum(acc_vh.to(tl.float32), 1), 0)
+         + (tl.sum(tl.sum(acc_k8, 1), 0) + tl.sum(tl.sum(acc_v8, 1), 0)).to(tl.float32))
     tl.store(f_ptr + pid, f)
     if CLOCK:
         t1, c1 = _clock(x)
@@ -173,12 +244,13 @@ def probe(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, varia
     out = torch.empty(b, h, splits, dtype=torch.int32, device=kc.device)
     sums = torch.empty(b, h, splits, dtype=torch.float32, device=kc.device)
     clk = torch.empty(b, h, splits, 2, dtype=torch.int64, device=kc.device) if clock else out
-    extract, mma = VARIANTS[variant]
+    extract, mma, int8, f16acc = VARIANTS[variant]
     compiled = _probe_kernel[(b, h, splits)](
-        kw, ks, kz, vw, vs, vz, table, hist_len, out, sums, clk,
+        kw, ks, kz, vw, vs, vz, table, hist_len, out, sums, clk, kc, vc,
         kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0),
-        P=page, U=kw.shape[3], EXTRACT=extract, MMA=mma, CLOCK=clock, INTERP=INTERPRET, num_warps=1)
+        P=page, U=kw.shape[3], EXTRACT=extract, MMA=mma, CLOCK=clock, INTERP=INTERPRET, INT8=int8, F16ACC=f16acc,
+        num_warps=1)
     probe.last_regs = getattr(compiled, "n_regs", None)  # registers per thread of the launched kernel (GPU)
     return out, sums, (clk if clock else None)
 
@@ -188,8 +260,11 @@ def reference_sums(pools, table: torch.Tensor, hist_len: torch.Tensor, variant: 
     -> `[B, H]` (the split does not matter: the sum is linear)."""
     kc, vc = pools[0], pools[3]
     b, h, page, u = table.shape[0], kc.shape[1], kc.shape[2], kc.shape[3] // 2
-    extract, mma = VARIANTS[variant]
+    extract, mma, int8, _ = VARIANTS[variant]  # the fp16-accumulator variant sums the same products
     words, rows, cols = torch.arange(u), torch.arange(page), torch.arange(8)
+    bytes_ = torch.arange(2 * u)
+    qb8 = ((bytes_[:, None] * 8 + cols[None, :]) % 7 + 1).double()
+    pb8 = ((rows[:, None] * 8 + cols[None, :]) % 5 + 1).double()
     qb = (((words[:, None] * 8 + cols[None, :]) % 7 + 1) * 0.125).double()
     pb = (((rows[:, None] * 8 + cols[None, :]) % 5 + 1) * 0.25).double()
     out = torch.zeros(b, h, dtype=torch.float64)
@@ -203,6 +278,12 @@ def reference_sums(pools, table: torch.Tensor, hist_len: torch.Tensor, variant: 
         pages = table[i, : int(hist_len[i]) // page].cpu().long()
         for j in range(h):
             for codes, opnd, k_side in ((kc, qb, True), (vc, pb, False)):
+                if int8:  # bytes, four code positions each, against the int8 operands
+                    by = codes[pages, j].cpu().long()  # [n, P, 2U]
+                    by = by if k_side else by.transpose(1, 2)
+                    out[i, j] += sum((((by >> (2 * p)) & 3).double() @ (qb8 if k_side else pb8)).sum()
+                                     for p in range(4))
+                    continue
                 w = codes[pages, j].cpu().contiguous().view(torch.int16).long() & 0xFFFF  # [n, P, U]
                 if not k_side:
                     w = w.transpose(1, 2)  # [n, U, P]: words on the rows
