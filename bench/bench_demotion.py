@@ -61,12 +61,13 @@ def main() -> None:
     impl_key = f"impl{att['meta']['default_impl']}"
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
+    # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.
+    v_pair = torch.zeros(n_pages, H_KV, PAGE, 2, dtype=torch.float16, device=DEV)
     pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV))
+             v_pair[..., 0:1], v_pair[..., 1:2])
     per_batch = {}
     for batch in sorted({r["batch"] for r in att["rows"]}):
         res = {}
