@@ -22,7 +22,7 @@ of `--seconds` of back-to-back launches (the board's 700 W limit acts over secon
 
     python3 bench/energy_probe.py --out OUT [--point 131072x8] [--seconds 2]
 
-Loop instructions per tile (Triton 3.6, sm_90, offline; registers): read 225 (126), extract 782 (155: 324 LOP3, and
+Loop instructions per tile (`python3 bench/sass_loop_stats.py --probe`: Triton 3.6, sm_90, offline; registers): read 225 (126), extract 782 (155: 324 LOP3, and
 256 HADD2/HFMA2 of the fp16 sums), mma 397 (168: 64 HMMA, 100 LOP3), extract+mma 656 (168: 64 HMMA, 326 LOP3);
 the INT2 kernel 649 (126). Each variant runs one full wave: splits from its own registers per thread.
 """
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from read_ceiling import _split_tiles, _xor  # noqa: E402 - the read-only kernel's pieces
 
-from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _dot_acc  # noqa: E402
+from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _dot_acc, _dot_chain8  # noqa: E402
 
 # name -> (EXTRACT, MMA, INT8, F16ACC)
 VARIANTS = {"read": (False, False, False, False), "extract": (True, False, False, False),
@@ -76,19 +76,6 @@ def _chain8(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _positions(x0, x1, x2, x3, x4, x5, x6, x7, b, acc, INTERP: tl.constexpr):
-    """acc + sum_p x_p @ b (the eight code positions against one operand, chained)."""
-    acc = _dot_acc(x0, b, acc, INTERP)
-    acc = _dot_acc(x1, b, acc, INTERP)
-    acc = _dot_acc(x2, b, acc, INTERP)
-    acc = _dot_acc(x3, b, acc, INTERP)
-    acc = _dot_acc(x4, b, acc, INTERP)
-    acc = _dot_acc(x5, b, acc, INTERP)
-    acc = _dot_acc(x6, b, acc, INTERP)
-    return _dot_acc(x7, b, acc, INTERP)
-
-
-@triton.jit
 def _codes_i8(b, J: tl.constexpr, INTERP: tl.constexpr):
     """Code position J of each byte of a uint8 tile as int8, `(b >> 2J) & 3`: on the GPU one shift and one `and` per
     four bytes (inline PTX on 32-bit registers; Triton alone spends byte permutes on it)."""
@@ -106,28 +93,6 @@ def _codes_i8(b, J: tl.constexpr, INTERP: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }", "=r,r",
                                          [b], dtype=tl.int8, is_pure=True, pack=4)
-
-
-@triton.jit
-def _dot_h(a, b, acc, INTERP: tl.constexpr):
-    """acc + a @ b with an fp16 accumulator (fp32 under the interpreter, rounded to fp16 after each dot)."""
-    if INTERP:
-        return (acc.to(tl.float32) + tl.dot(a.to(tl.float32), b.to(tl.float32))).to(tl.float16)
-    else:
-        return tl.dot(a, b, acc, out_dtype=tl.float16)
-
-
-@triton.jit
-def _positions_h(x0, x1, x2, x3, x4, x5, x6, x7, b, acc, INTERP: tl.constexpr):
-    """`_positions` with an fp16 accumulator."""
-    acc = _dot_h(x0, b, acc, INTERP)
-    acc = _dot_h(x1, b, acc, INTERP)
-    acc = _dot_h(x2, b, acc, INTERP)
-    acc = _dot_h(x3, b, acc, INTERP)
-    acc = _dot_h(x4, b, acc, INTERP)
-    acc = _dot_h(x5, b, acc, INTERP)
-    acc = _dot_h(x6, b, acc, INTERP)
-    return _dot_h(x7, b, acc, INTERP)
 
 
 @triton.jit
@@ -206,11 +171,13 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
             x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, not INTERP)
             y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, not INTERP)
             if MMA and F16ACC:
-                acc_kh = _positions_h(x0, x1, x2, x3, x4, x5, x6, x7, qb, acc_kh, INTERP)
-                acc_vh = _positions_h(y0, y1, y2, y3, y4, y5, y6, y7, pb, acc_vh, INTERP)
+                acc_kh = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_kh, INTERP,
+                                     True)
+                acc_vh = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_vh, INTERP,
+                                     True)
             elif MMA:
-                acc_k = _positions(x0, x1, x2, x3, x4, x5, x6, x7, qb, acc_k, INTERP)
-                acc_v = _positions(y0, y1, y2, y3, y4, y5, y6, y7, pb, acc_v, INTERP)
+                acc_k = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_k, INTERP)
+                acc_v = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_v, INTERP)
             else:
                 acc_h += _sum8(x0, x1, x2, x3, x4, x5, x6, x7)
                 acc_g += _sum8(y0, y1, y2, y3, y4, y5, y6, y7)

@@ -3,6 +3,7 @@ installed Triton, disassemble with its bundled nvdisasm/cuobjdump, and count SAS
 the loop's label and its backward branch (one tile of BLOCK_N tokens), plus registers per thread.
 
     python3 bench/sass_loop_stats.py --impl 0 4 --warps 1 4        # Qwen3-8B geometry, bf16 queries
+    python3 bench/sass_loop_stats.py --probe                        # bench/energy_probe.py's variants
 Prints one line per config: loop instructions per thread, per tile for the whole program (x warps), I2F count,
 registers. Needs triton and the package's own dependencies (torch, no GPU); loads the kernel file directly.
 """
@@ -74,7 +75,32 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
                                    **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def loop_stats(kernel) -> dict:
+def compile_probe(variant: str):
+    """`energy_probe._probe_kernel` for one of its variants at Qwen3-8B geometry (64-token pages, contiguous pools:
+    the code row and scale strides as the launch specializes them), with its clock reads, as it is measured."""
+    sys.path.insert(0, HERE)
+    import energy_probe
+
+    fn = energy_probe._probe_kernel
+    extract, mma, int8, f16acc = energy_probe.VARIANTS[variant]
+    const = dict(P=64, U=16, EXTRACT=extract, MMA=mma, CLOCK=True, INTERP=False, INT8=int8, F16ACC=f16acc,
+                 stride_ksr=1, stride_vsr=1)
+    ptr = {"kc_ptr": "*i16", "vc_ptr": "*i16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
+           "vz_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*i32", "f_ptr": "*fp32",
+           "clk_ptr": "*i64", "kb_ptr": "*u8", "vb_ptr": "*u8"}
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+        else:
+            sig[n] = ptr.get(n, "i32")
+            if n in ptr or n.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 1, "num_stages": 3})
+
+
+def loop_stats(kernel, need: str | None = "HMMA") -> dict:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -85,12 +111,15 @@ def loop_stats(kernel) -> dict:
                              text=True).stdout
     lines = sass.splitlines()
     labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
-    span = None  # the tile loop: the innermost backward branch whose body holds the MMAs
+    span = None  # the tile loop: the innermost backward branch whose body holds the MMAs (need=None: the longest)
     for i, ln in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             lo = labels[m.group(1)]
-            if any("HMMA" in x for x in lines[lo:i]) and (span is None or i - lo < span[1] - span[0]):
+            if need is None:
+                if span is None or i - lo > span[1] - span[0]:
+                    span = (lo, i)
+            elif any(need in x for x in lines[lo:i]) and (span is None or i - lo < span[1] - span[0]):
                 span = (lo, i)
     ops = collections.Counter()
     for ln in lines[span[0]:span[1] + 1] if span else []:
@@ -118,7 +147,19 @@ def main() -> None:
     ap.add_argument("--spare-zero", action="store_true", help="zeros in the V dot's spare columns (V_SPARE_ZERO)")
     ap.add_argument("--vpair", action="store_true", help="impl 6 whole pages: V scale and zero read as pairs (VPAIR)")
     ap.add_argument("--chain", action="store_true", help="V dots chained onto the chunk accumulators (TILE_ACC off)")
+    ap.add_argument("--probe", nargs="*", default=None, metavar="VARIANT",
+                    help="count bench/energy_probe.py's loop instead (its variants; none given: all)")
     args = ap.parse_args()
+    if args.probe is not None:
+        sys.path.insert(0, HERE)
+        import energy_probe
+
+        print(f"triton {triton.__version__}, sm_90, energy probe, Qwen3-8B geometry")
+        for variant in args.probe or list(energy_probe.VARIANTS):
+            st = loop_stats(compile_probe(variant), need=None)
+            top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
+            print(f"{variant}: {st['loop']} instr/tile, regs {st['regs']} | {top}")
+        return
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.dtype} queries")
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,

@@ -553,10 +553,15 @@ def _codes8(w, SUB: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, INTERP: tl.constexpr):
-    """`acc + a @ b` (fp16 operands, fp32 accumulator; widened to fp32 under the interpreter)."""
-    if INTERP:
+def _dot_acc(a, b, acc, INTERP: tl.constexpr, F16: tl.constexpr = False):
+    """`acc + a @ b` (fp16 operands, fp32 accumulator; widened to fp32 under the interpreter). F16: an fp16
+    accumulator (`HMMA.F16`; the interpreter rounds to fp16 after the dot)."""
+    if INTERP and F16:
+        return (acc.to(tl.float32) + tl.dot(a.to(tl.float32), b.to(tl.float32))).to(tl.float16)
+    elif INTERP:
         return acc + tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif F16:
+        return tl.dot(a, b, acc, out_dtype=tl.float16)
     else:
         return tl.dot(a, b, acc)
 
@@ -578,19 +583,26 @@ def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.co
 
 
 @triton.jit
+def _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, b0, b1, b2, b3, b4, b5, b6, b7, acc, INTERP: tl.constexpr,
+                F16: tl.constexpr = False):
+    """`acc + sum_p x_p @ b_p` over the 8 code positions, as one chain of MMAs into one accumulator (`_dot_acc`)."""
+    acc = _dot_acc(x0, b0, acc, INTERP, F16)
+    acc = _dot_acc(x1, b1, acc, INTERP, F16)
+    acc = _dot_acc(x2, b2, acc, INTERP, F16)
+    acc = _dot_acc(x3, b3, acc, INTERP, F16)
+    acc = _dot_acc(x4, b4, acc, INTERP, F16)
+    acc = _dot_acc(x5, b5, acc, INTERP, F16)
+    acc = _dot_acc(x6, b6, acc, INTERP, F16)
+    return _dot_acc(x7, b7, acc, INTERP, F16)
+
+
+@triton.jit
 def _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, ROWS: tl.constexpr,
                      GP: tl.constexpr, NQ: tl.constexpr, INTERP: tl.constexpr):
     """Raw scores `[ROWS, GP]` of ROWS tokens: the 8 code positions' operands `[ROWS, U_PAD]` against their query
     operands `[U_PAD, NQ]`, one MMA chain, then the two channel halves of each head summed."""
-    st = tl.zeros([ROWS, NQ], tl.float32)
-    st = _dot_acc(x0, qb0, st, INTERP)
-    st = _dot_acc(x1, qb1, st, INTERP)
-    st = _dot_acc(x2, qb2, st, INTERP)
-    st = _dot_acc(x3, qb3, st, INTERP)
-    st = _dot_acc(x4, qb4, st, INTERP)
-    st = _dot_acc(x5, qb5, st, INTERP)
-    st = _dot_acc(x6, qb6, st, INTERP)
-    st = _dot_acc(x7, qb7, st, INTERP)
+    st = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                     tl.zeros([ROWS, NQ], tl.float32), INTERP)
     return tl.sum(tl.reshape(st, [ROWS, GP, 2]), axis=2)
 
 
