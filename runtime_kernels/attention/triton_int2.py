@@ -1277,7 +1277,8 @@ V_SPARE_ZERO = False
 # loop reads a row's zero with its scale in one pipelined load, instead of the hand-made synchronous prefetch of the
 # zeros one tile ahead, whose first use was the largest single stall in Nsight Compute (bench/NOTES_decode.md v11).
 # Measured in session 8 (v12, bench key `layout=vpair`): equal at 128K / batch 8 (0.1895 vs 0.1894 ms), 1-3 % faster
-# at 128K/B32, 32K/B8 and 128K/B1. `PagedKVCache` still allocates separate pools, so the library does not use it yet.
+# at 128K/B32, 32K/B8 and 128K/B1; in session 9 (v13) 1-6 % faster at all nine points of the table. `PagedKVCache`
+# allocates its V scale and zero this way at one group per row (session 9), so the library uses it.
 V_PAIRED_POOLS = True
 
 
