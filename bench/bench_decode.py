@@ -76,8 +76,8 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
     "tile" (codes and scales of a (page, KV head) in one contiguous block of `P * (2 * d/4 + 8)` bytes) or "vpair"
     (V scale and zero of each row side by side, one `[pages, H, P, 2]` buffer, which the whole-page loop reads in one
     load: `triton_int2.V_PAIRED_POOLS`; what `PagedKVCache` allocates at one group per row); all but the first are
-    views with other strides. order: "scattered" (pages of a sequence at
-random pool slots, as a paged allocator leaves them) or "ordered" (consecutive slots)."""
+    views with other strides. order: "scattered" (pages of a sequence at random pool slots, as a paged allocator
+    leaves them) or "ordered" (consecutive slots)."""
     hist = (context - WIN) // page * page
     pages_per_seq = -(-hist // page)
     n_pages = batch * pages_per_seq
