@@ -10,6 +10,8 @@ adds the INT2 kernel's arithmetic in parts, without its softmax:
 - `mma`: the tensor-core work, 32 m16n8k16 MMAs per side as in the INT2 kernel (K side `[64, 16] @ [16, 8]`, V side
   `[16, 64] @ [64, 8]`, eight chained dots each), on the raw code words masked to fp16 subnormals (one `and` per
   register, not per position);
+- `mma1`: the same with one MMA where `mma` chains eight (8 per tile): does the clock follow the amount of
+  tensor-core work, or the use of the tensor cores at all?
 - `extract+mma`: both, the extracted positions as the MMA operands (the INT2 kernel without softmax and scales);
 - `extract+mma_h`: the same with fp16 accumulators (`HMMA.F16`);
 - `extract8+mma8`: the same multiply-adds on 8-bit integers: codes `(byte >> 2j) & 3` as int8 (four codes per
@@ -49,7 +51,8 @@ from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _dot_
 
 # name -> (EXTRACT, MMA, INT8, F16ACC)
 VARIANTS = {"read": (False, False, False, False), "extract": (True, False, False, False),
-            "mma": (False, True, False, False), "extract+mma": (True, True, False, False),
+            "mma": (False, True, False, False), "mma1": (False, True, False, False),
+            "extract+mma": (True, True, False, False),
             "extract+mma_h": (True, True, False, True), "extract8+mma8": (True, True, True, False)}
 
 
@@ -67,10 +70,14 @@ def _subnormal(w):
     return (w & 0x03FF).to(tl.float16, bitcast=True)
 
 
+# Chained MMAs per side and tile of the raw-word variants (`mma`: 8, like the INT2 kernel's 8 code positions).
+RAW_CHAIN = {"mma": 8, "mma1": 1}
+
+
 @triton.jit
-def _chain8(a, b, acc, INTERP: tl.constexpr):
-    """acc + 8 a @ b as eight chained MMAs (a chain: the compiler cannot merge them)."""
-    for _ in tl.static_range(8):
+def _chain(a, b, acc, N: tl.constexpr, INTERP: tl.constexpr):
+    """acc + N a @ b as N chained MMAs (a chain: the compiler cannot merge them)."""
+    for _ in tl.static_range(N):
         acc = _dot_acc(a, b, acc, INTERP)
     return acc
 
@@ -107,7 +114,7 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
                   stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
                   P: tl.constexpr, U: tl.constexpr, EXTRACT: tl.constexpr, MMA: tl.constexpr,
                   CLOCK: tl.constexpr, INTERP: tl.constexpr, INT8: tl.constexpr = False,
-                  F16ACC: tl.constexpr = False):
+                  F16ACC: tl.constexpr = False, CHAIN: tl.constexpr = 8):
     """Program (b, h, s): `read_ceiling._read_tiles_kernel`'s tiles and XOR checksum (into out[b, h, s]) plus the
     variant's arithmetic, whose fp32 sum goes to f[b, h, s]; with CLOCK, (ns, cycles) of the program to clk[., 0:2].
     K codes are read as `[P, U]` int16 words, V codes as `[U, P]` (words on the rows: the INT2 kernel's V operand);
@@ -182,8 +189,8 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
                 acc_h += _sum8(x0, x1, x2, x3, x4, x5, x6, x7)
                 acc_g += _sum8(y0, y1, y2, y3, y4, y5, y6, y7)
         elif MMA:
-            acc_k = _chain8(_subnormal(kw), qb, acc_k, INTERP)
-            acc_v = _chain8(_subnormal(vw), pb, acc_v, INTERP)
+            acc_k = _chain(_subnormal(kw), qb, acc_k, CHAIN, INTERP)
+            acc_v = _chain(_subnormal(vw), pb, acc_v, CHAIN, INTERP)
     x = (tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(tl.reduce(acc_w, 0, _xor), 0, _xor)
          ^ tl.reduce(acc_s, 0, _xor))
     tl.store(out_ptr + pid, x)
@@ -217,7 +224,7 @@ def probe(pools, table: torch.Tensor, hist_len: torch.Tensor, splits: int, varia
         kw.stride(0), kw.stride(1), kw.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vw.stride(0), vw.stride(1), vw.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), table.stride(0),
         P=page, U=kw.shape[3], EXTRACT=extract, MMA=mma, CLOCK=clock, INTERP=INTERPRET, INT8=int8, F16ACC=f16acc,
-        num_warps=1)
+        CHAIN=RAW_CHAIN.get(variant, 8), num_warps=1)
     probe.last_regs = getattr(compiled, "n_regs", None)  # registers per thread of the launched kernel (GPU)
     return out, sums, (clk if clock else None)
 
@@ -261,7 +268,7 @@ def reference_sums(pools, table: torch.Tensor, hist_len: torch.Tensor, variant: 
                     else:
                         out[i, j] += sum(subnormal(x).sum() for x in parts)
                 else:
-                    out[i, j] += 8 * (subnormal(w & 0x03FF) @ opnd).sum()
+                    out[i, j] += RAW_CHAIN[variant] * (subnormal(w & 0x03FF) @ opnd).sum()
     return out
 
 

@@ -84,7 +84,7 @@ def compile_probe(variant: str):
     fn = energy_probe._probe_kernel
     extract, mma, int8, f16acc = energy_probe.VARIANTS[variant]
     const = dict(P=64, U=16, EXTRACT=extract, MMA=mma, CLOCK=True, INTERP=False, INT8=int8, F16ACC=f16acc,
-                 stride_ksr=1, stride_vsr=1)
+                 CHAIN=energy_probe.RAW_CHAIN.get(variant, 8), stride_ksr=1, stride_vsr=1)
     ptr = {"kc_ptr": "*i16", "vc_ptr": "*i16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
            "vz_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*i32", "f_ptr": "*fp32",
            "clk_ptr": "*i64", "kb_ptr": "*u8", "vb_ptr": "*u8"}

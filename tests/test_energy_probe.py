@@ -35,7 +35,7 @@ def test_probe_reads_every_byte_and_does_its_arithmetic(variant):
     else:
         assert (want[0] > 0).all() and (want[1] == 0).all()
         # fp16 running sums (extract, extract+mma_h) round; fp32 and integer accumulation of exact products do not
-        tol = 1e-5 if variant in ("mma", "extract+mma", "extract8+mma8") else 5e-2
+        tol = 1e-5 if variant in ("mma", "mma1", "extract+mma", "extract8+mma8") else 5e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=0)
 
 
@@ -45,8 +45,8 @@ def test_probe_variants_differ_and_bad_input_is_named():
     pool = make_pool([2 * 16], h_kv=1, d=128, page=16, seed=12)
     pools, table, hist_len = pool[:6], pool[6], pool[7]
     sums = {v: float(energy_probe.reference_sums(pools, table, hist_len, v).sum())
-            for v in ("extract", "mma", "extract+mma", "extract8+mma8")}
-    assert len(set(sums.values())) == 4
+            for v in ("extract", "mma", "mma1", "extract+mma", "extract8+mma8")}
+    assert len(set(sums.values())) == 5
     with pytest.raises(ValueError, match="variant 'lop3'"):
         energy_probe.probe(pools, table, hist_len, 1, "lop3")
     with pytest.raises(ValueError, match="clock=True needs a CUDA device"):
