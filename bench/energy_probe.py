@@ -1,5 +1,5 @@
-"""Which part of the INT2 decode kernel's work pulls the H200's SM clock down? (v12: the kernel runs at ~1.71 GHz from
-its first launch, kernels that only read its bytes at ~1.95 GHz.)
+"""Which part of the INT2 decode kernel's work pulls the H200's SM clock down, and what does it cost? (v12: the kernel
+runs at ~1.71 GHz from its first launch, kernels that only read its bytes at ~1.95 GHz.)
 
 A probe kernel reads exactly the read-only ceiling's bytes (`read_ceiling._read_tiles_kernel`: per 64-token tile of a
 (sequence, KV head) the K and V code blocks and four scale / zero vectors, same split grid, one warp per program) and
@@ -24,9 +24,11 @@ of `--seconds` of back-to-back launches (the board's 700 W limit acts over secon
 
     python3 bench/energy_probe.py --out OUT [--point 131072x8] [--seconds 2]
 
-Loop instructions per tile (`python3 bench/sass_loop_stats.py --probe`: Triton 3.6, sm_90, offline; registers): read 225 (126), extract 782 (155: 324 LOP3, and
-256 HADD2/HFMA2 of the fp16 sums), mma 397 (168: 64 HMMA, 100 LOP3), extract+mma 656 (168: 64 HMMA, 326 LOP3);
-the INT2 kernel 649 (126). Each variant runs one full wave: splits from its own registers per thread.
+Loop instructions per tile (`python3 bench/sass_loop_stats.py --probe`: Triton 3.6, sm_90, offline; registers):
+read 225 (126), extract 782 (155: 324 LOP3, and 256 HADD2/HFMA2 of the fp16 sums), mma 397 (168: 64 HMMA, 100 LOP3),
+mma1 325 (168: 8 HMMA), extract+mma 656 (168: 64 HMMA, 326 LOP3), extract+mma_h 666 (161), extract8+mma8 679 (167:
+32 IMMA); the INT2 kernel 649 (126). Each variant runs one full wave: splits from its own registers per thread.
+Findings on the H200: `bench/NOTES_decode.md` v13.
 """
 
 from __future__ import annotations
