@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels import quant  # noqa: E402
+from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools  # noqa: E402
 
 H_Q, H_KV, D, PAGE, SINK, RECENT = 32, 8, 128, 64, 64, 256
 WIN = SINK + RECENT
@@ -63,6 +64,11 @@ def copy_bandwidth() -> dict:
     dst = torch.empty_like(src)
     med, lo, hi = bench(lambda: dst.copy_(src), rep=200)
     return {"bytes": 2 * n, "ms": med, "gbps": 2 * n / med / 1e6, "note": "read + write bytes of a 1 GiB copy"}
+
+
+def int2_history_bytes(tokens: int) -> int:
+    """Bytes of `tokens` INT2 history tokens (all sequences together): codes + fp16 scale and zero, K and V."""
+    return tokens * H_KV * 2 * (D // 4 + 2 * 2)
 
 
 def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = PAGE, layout: str = "separate",
@@ -97,8 +103,7 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
         sc = torch.empty(n_pages, H_KV, 4, page, dtype=torch.float16, device=dev) if layout == "scales" else None
     if layout == "vpair":  # V scale and zero of a row side by side (`triton_int2.V_PAIRED_POOLS`)
         ks, kz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(2))
-        vsz = torch.empty(n_pages, H_KV, page, 2, dtype=torch.float16, device=dev)
-        vs, vz = vsz[..., 0:1], vsz[..., 1:2]
+        vs, vz = alloc_paired_v_pools(n_pages, H_KV, page, dev, zeros=False)
     elif sc is None:
         ks, kz, vs, vz = (torch.empty(n_pages, H_KV, page, 1, dtype=torch.float16, device=dev) for _ in range(4))
     else:
@@ -121,7 +126,7 @@ def make_int2_cache(batch: int, context: int, gen: torch.Generator, page: int = 
     win_len = torch.full((batch,), WIN, dtype=torch.int32, device=dev)
     pools = (kc, ks, kz, vc, vs, vz)
     allocated = sum(t.numel() * t.element_size() for t in pools + (k_win, v_win))  # the same in every layout
-    read = batch * hist * H_KV * 2 * (D // 4 + 2 * 2) + batch * WIN * H_KV * D * 2 * 2
+    read = int2_history_bytes(batch * hist) + batch * WIN * H_KV * D * 2 * 2
     return pools, table, hist_len, k_win, v_win, slot_ids, win_len, allocated, read
 
 

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DEV, H_KV, H_Q, PAGE, WIN, D, exact_decode, make_int2_cache  # noqa: E402
+from bench_decode import DEV, H_KV, H_Q, PAGE, WIN, D, exact_decode, int2_history_bytes, make_int2_cache  # noqa: E402
 
 from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention import triton_fused as _fused  # noqa: E402
@@ -249,11 +249,6 @@ def variant_cache(variant: str, default_layout: str = LIBRARY_LAYOUT) -> tuple[s
 
 def variant_whole(variant: str) -> bool:
     return next((o.split("=")[1] != "0" for o in variant.split(":")[1:] if o.startswith("whole=")), True)
-
-
-def int2_history_bytes(tokens: int) -> int:
-    """Bytes of `tokens` INT2 history tokens (all sequences together): codes + fp16 scale and zero, K and V."""
-    return tokens * H_KV * 2 * (D // 4 + 2 * 2)
 
 
 def int2_bytes_per_call(batch: int, context: int) -> int:

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_graph import DEV, H_KV, PAGE, D, time_graph  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
+from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools  # noqa: E402
 
 
 def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True):
@@ -62,12 +63,11 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
     # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.
-    v_pair = torch.zeros(n_pages, H_KV, PAGE, 2, dtype=torch.float16, device=DEV)
     pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             v_pair[..., 0:1], v_pair[..., 1:2])
+             *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV))
     per_batch = {}
     for batch in sorted({r["batch"] for r in att["rows"]}):
         res = {}

@@ -38,6 +38,7 @@ from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
+from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -240,13 +241,11 @@ class PagedKVCache:
             return torch.zeros(shape, dtype=dt, device=self.device)
 
         def v_scale_zero():
-            # One group per row: each row's V scale and zero side by side (`[pages, H, P, 2]`, viewed as the two
-            # pools), so the whole-page decode loop reads both with one asynchronous load (`triton_int2.
-            # V_PAIRED_POOLS`: 1-3 % faster calls at 128K / batch 32, 32K / batch 8 and 128K / batch 1 on an H200,
-            # equal at 128K / batch 8; bench/NOTES_decode.md v12). Same bytes as two separate pools.
+            # One group per row: each row's V scale and zero side by side (one `[pages, H, P, 2]` buffer, same bytes),
+            # so the whole-page decode loop reads both with one asynchronous load (`triton_int2.V_PAIRED_POOLS`: 1-6 %
+            # faster calls at all nine points of the H200 table, bench/NOTES_decode.md v13).
             if d // g == 1:
-                pair = zeros((n_pages, h, p, 2), torch.float16)
-                return pair[..., 0:1], pair[..., 1:2]
+                return alloc_paired_v_pools(n_pages, h, p, self.device)
             return zeros((n_pages, h, p, d // g), torch.float16), zeros((n_pages, h, p, d // g), torch.float16)
 
         self.pools: list[LayerPool] = []

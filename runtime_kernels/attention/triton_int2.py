@@ -1292,6 +1292,16 @@ def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
                     for t in (k_codes, v_codes)) and block_n >= 16)
 
 
+def alloc_paired_v_pools(pages: int, heads: int, page_size: int, device, zeros: bool = True):
+    """V scale and zero pools `[pages, heads, page_size, 1]` fp16 as the two halves of one `[..., 2]` buffer (each row's
+    scale and zero side by side), the layout `paired_v_pools` recognizes -> (v_scale, v_zero)."""
+    import torch
+
+    make = torch.zeros if zeros else torch.empty
+    pair = make(pages, heads, page_size, 2, dtype=torch.float16, device=device)
+    return pair[..., 0:1], pair[..., 1:2]
+
+
 def paired_v_pools(v_scale, v_zero) -> bool:
     """True when each V zero is the fp16 right after its scale (one `[pages, H, P, 2]` buffer viewed as the two
     pools), so the whole-page loop can read both with one load (`_int2_chunk_t` VPAIR)."""
