@@ -56,18 +56,27 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
         const = dict(GROUP=4, G_PAD=16, Q=32, Q_PAD=32, GS=128, NG=1, P=64, BLOCK_N=block_n, FP32=False,
                      INTERP=False, IMPL=impl, PREFETCH=False, KFOLD=fold and impl >= 3 and qdtype == "bf16")
         ptr = PTR
+    return compile_sm90(fn, const, {k: v or f"*{qdtype}" for k, v in ptr.items()}, warps, stages, maxnreg,
+                        unaligned=("stride_ksr", "stride_vsr", "stride_lh"))
+
+
+def compile_sm90(fn, const: dict, ptr: dict, warps: int, stages: int, maxnreg: int | None = None,
+                 unaligned: tuple = ()):
+    """Compile jit function `fn` for sm_90 offline: `const` its constexprs (others of its names are dropped), `ptr`
+    the pointer arguments' types (16-byte aligned), `qk_scale` fp32, every other argument i32, the strides not in
+    `unaligned` divisible by 16 (as a launch specializes them)."""
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in const:
             sig[n] = "constexpr"
         elif n in ptr:
-            sig[n] = ptr[n] or f"*{qdtype}"
+            sig[n] = ptr[n]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-            if n.startswith("stride") and n not in ("stride_ksr", "stride_vsr", "stride_lh"):
+            if n.startswith("stride") and n not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
@@ -75,29 +84,24 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
                                    **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def compile_probe(variant: str):
-    """`energy_probe._probe_kernel` for one of its variants at Qwen3-8B geometry (64-token pages, contiguous pools:
-    the code row and scale strides as the launch specializes them), with its clock reads, as it is measured."""
+def _energy_probe():
     sys.path.insert(0, HERE)
     import energy_probe
 
-    fn = energy_probe._probe_kernel
+    return energy_probe
+
+
+def compile_probe(variant: str):
+    """`energy_probe._probe_kernel` for one of its variants at Qwen3-8B geometry (64-token pages, contiguous pools:
+    the code row and scale strides as the launch specializes them), with its clock reads, as it is measured."""
+    energy_probe = _energy_probe()
     extract, mma, int8, f16acc = energy_probe.VARIANTS[variant]
     const = dict(P=64, U=16, EXTRACT=extract, MMA=mma, CLOCK=True, INTERP=False, INT8=int8, F16ACC=f16acc,
                  CHAIN=energy_probe.RAW_CHAIN.get(variant, 8), stride_ksr=1, stride_vsr=1)
     ptr = {"kc_ptr": "*i16", "vc_ptr": "*i16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
            "vz_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*i32", "f_ptr": "*fp32",
            "clk_ptr": "*i64", "kb_ptr": "*u8", "vb_ptr": "*u8"}
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in const:
-            sig[n] = "constexpr"
-        else:
-            sig[n] = ptr.get(n, "i32")
-            if n in ptr or n.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 1, "num_stages": 3})
+    return compile_sm90(energy_probe._probe_kernel, const, ptr, 1, 3)
 
 
 def loop_stats(kernel, need: str | None = "HMMA") -> dict:
@@ -151,9 +155,7 @@ def main() -> None:
                     help="count bench/energy_probe.py's loop instead (its variants; none given: all)")
     args = ap.parse_args()
     if args.probe is not None:
-        sys.path.insert(0, HERE)
-        import energy_probe
-
+        energy_probe = _energy_probe()
         print(f"triton {triton.__version__}, sm_90, energy probe, Qwen3-8B geometry")
         for variant in args.probe or list(energy_probe.VARIANTS):
             st = loop_stats(compile_probe(variant), need=None)
