@@ -152,61 +152,49 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
     acc_vh = tl.zeros([U, 8], tl.float16)
     acc_k8 = tl.zeros([P, 8], tl.int32)
     acc_v8 = tl.zeros([2 * U, 8], tl.int32)
-    acc_kb = tl.zeros([P, 2 * U], tl.uint8)  # byte XORs, four to a register
-    acc_vb = tl.zeros([2 * U, P], tl.uint8)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     page_next = tl.load(bt_row + tl.minimum(t_lo, tl.maximum(t_hi - 1, 0)))
     for t in range(t_lo, t_hi):
         page = page_next.to(tl.int64)
         page_next = tl.load(bt_row + tl.minimum(t + 1, t_hi - 1))
+        kw = tl.load(kc_ptr + page * stride_kcp + h * stride_kch + k_off)
+        vw = tl.load(vc_ptr + page * stride_vcp + h * stride_vch + v_off)
         srow = page * stride_ksp + h * stride_ksh + rows * stride_ksr
         vrow = page * stride_vsp + h * stride_vsh + rows * stride_vsr
         ks = tl.load(ks_ptr + srow)
         kz = tl.load(kz_ptr + srow)
         vs = tl.load(vs_ptr + vrow)
         vz = tl.load(vz_ptr + vrow)
-        # The read-only kernel's checksum (`read_ceiling._fold`); codes as int16 words, or (INT8) as the bytes the
-        # int8 MMAs read, each code block read once.
+        # The read-only kernel's checksum (`read_ceiling._fold`), V words in their own `[U, P]` layout.
+        acc_c = acc_c ^ kw.to(tl.int32)
+        acc_w = acc_w ^ vw.to(tl.int32)
         acc_s = acc_s ^ (ks.to(tl.int16, bitcast=True).to(tl.int32) ^ kz.to(tl.int16, bitcast=True).to(tl.int32)
                          ^ vs.to(tl.int16, bitcast=True).to(tl.int32) ^ vz.to(tl.int16, bitcast=True).to(tl.int32))
         if INT8:
             kb = tl.load(kb_ptr + 2 * (page * stride_kcp + h * stride_kch) + kb_off)
             vb = tl.load(vb_ptr + 2 * (page * stride_vcp + h * stride_vch) + vb_off)
-            acc_kb = acc_kb ^ kb
-            acc_vb = acc_vb ^ vb
             for j in tl.static_range(4):
                 acc_k8 = tl.dot(_codes_i8(kb, j, INTERP), qb8, acc_k8, out_dtype=tl.int32)
                 acc_v8 = tl.dot(_codes_i8(vb, j, INTERP), pb8, acc_v8, out_dtype=tl.int32)
-        else:
-            kw = tl.load(kc_ptr + page * stride_kcp + h * stride_kch + k_off)
-            vw = tl.load(vc_ptr + page * stride_vcp + h * stride_vch + v_off)  # [U, P]: the V operand's layout
-            acc_c = acc_c ^ kw.to(tl.int32)
-            acc_w = acc_w ^ vw.to(tl.int32)
-            if EXTRACT:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, not INTERP)
-                y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, not INTERP)
-                if MMA and F16ACC:
-                    acc_kh = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_kh, INTERP,
-                                         True)
-                    acc_vh = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_vh, INTERP,
-                                         True)
-                elif MMA:
-                    acc_k = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_k, INTERP)
-                    acc_v = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_v, INTERP)
-                else:
-                    acc_h += _sum8(x0, x1, x2, x3, x4, x5, x6, x7)
-                    acc_g += _sum8(y0, y1, y2, y3, y4, y5, y6, y7)
+        elif EXTRACT:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, not INTERP)
+            y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, not INTERP)
+            if MMA and F16ACC:
+                acc_kh = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_kh, INTERP,
+                                     True)
+                acc_vh = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_vh, INTERP,
+                                     True)
             elif MMA:
-                acc_k = _chain(_subnormal(kw), qb, acc_k, CHAIN, INTERP)
-                acc_v = _chain(_subnormal(vw), pb, acc_v, CHAIN, INTERP)
+                acc_k = _dot_chain8(x0, x1, x2, x3, x4, x5, x6, x7, qb, qb, qb, qb, qb, qb, qb, qb, acc_k, INTERP)
+                acc_v = _dot_chain8(y0, y1, y2, y3, y4, y5, y6, y7, pb, pb, pb, pb, pb, pb, pb, pb, acc_v, INTERP)
+            else:
+                acc_h += _sum8(x0, x1, x2, x3, x4, x5, x6, x7)
+                acc_g += _sum8(y0, y1, y2, y3, y4, y5, y6, y7)
+        elif MMA:
+            acc_k = _chain(_subnormal(kw), qb, acc_k, CHAIN, INTERP)
+            acc_v = _chain(_subnormal(vw), pb, acc_v, CHAIN, INTERP)
     x = (tl.reduce(tl.reduce(acc_c, 0, _xor), 0, _xor) ^ tl.reduce(tl.reduce(acc_w, 0, _xor), 0, _xor)
          ^ tl.reduce(acc_s, 0, _xor))
-    if INT8:
-        # Byte XORs -> the XOR of the int16 words they form, each sign-extended to int32 as `kw.to(tl.int32)` is.
-        k2 = tl.reduce(tl.reduce(tl.reshape(acc_kb.to(tl.int32), [P, U, 2]), 0, _xor), 0, _xor)  # [2]: low, high
-        v2 = tl.reduce(tl.reduce(tl.reshape(acc_vb.to(tl.int32), [U, 2, P]), 2, _xor), 0, _xor)
-        lo, hi = tl.split(k2 ^ v2)
-        x = x ^ (lo | (hi << 8) | (((hi >> 7) & 1) * -65536))
     tl.store(out_ptr + pid, x)
     f = (tl.sum(tl.sum(acc_k, 1), 0) + tl.sum(tl.sum(acc_v, 1), 0) + tl.sum(tl.sum(acc_h.to(tl.float32), 1), 0)
          + tl.sum(tl.sum(acc_g.to(tl.float32), 1), 0)
