@@ -15,7 +15,11 @@ adds the INT2 kernel's arithmetic in parts, without its softmax:
 - `extract+mma`: both, the extracted positions as the MMA operands (the INT2 kernel without softmax and scales);
 - `extract+mma_h`: the same with fp16 accumulators (`HMMA.F16`);
 - `extract8+mma8`: the same multiply-adds on 8-bit integers: codes `(byte >> 2j) & 3` as int8 (four codes per
-  register) against int8 operands, m16n8k32 integer MMAs (16 per side instead of 32), int32 accumulators.
+  register) against int8 operands, m16n8k32 integer MMAs (16 per side instead of 32), int32 accumulators. It reads
+  each code block twice: int16 words for the checksum and bytes for the MMAs (the second read mostly from L1), so its
+  time overstates int8's cost. A version that read the bytes only (commit 107f3f9, reverted) ran slower still on the
+  H200: 0.318 vs 0.197 ms for extract+mma in the same run, compiled to 140 registers where offline Triton 3.6 gave
+  168 (`energy_probe_i8once_s9_*`); not diagnosed.
 
 Each program reads `%clock64` and `%globaltimer` at its start and end, so a launch reports its SM clock (median over
 programs of cycles / ns) with no profiler; the run reports that clock for the first launch and for the last launch
