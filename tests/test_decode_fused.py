@@ -285,8 +285,10 @@ def test_pages_of_two_tiles_in_the_fused_grid(monkeypatch, fused):
 def paired_v(pool):
     """The same pool with its V scale and zero as two views of one `[pages, H, P, 2]` buffer (scale, zero per row)."""
     kc, ks, kz, vc, vs, vz, table, hist = pool
-    buf = torch.stack([vs[..., 0], vz[..., 0]], dim=-1).contiguous()
-    return kc, ks, kz, vc, buf[..., 0:1], buf[..., 1:2], table, hist
+    vs2, vz2 = triton_int2.alloc_paired_v_pools(*vs.shape[:3], vs.device)
+    vs2.copy_(vs)
+    vz2.copy_(vz)
+    return kc, ks, kz, vc, vs2, vz2, table, hist
 
 
 @pytest.mark.parametrize("fused", [False, True])
