@@ -236,11 +236,14 @@ def test_program_timeline_records_every_program_on_gpu():
 
 
 def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
-    """`V_PAIRED_POOLS` (opt-in by layout): V scale and zero as views of one `[pages, H, P, 2]` buffer give the same
-    answer as the separate pools, in both launch forms and under graph replay."""
+    """`V_PAIRED_POOLS` (the layout `PagedKVCache` allocates at one group per row): V scale and zero as views of one
+    `[pages, H, P, 2]` buffer give the same answer as the separate pools, in both launch forms and under graph
+    replay."""
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)], pool_seed=20, seed=13, min_window=1)
-    vsz = torch.stack([args[5][..., 0], args[6][..., 0]], dim=-1).contiguous()
-    paired = args[:5] + (vsz[..., 0:1], vsz[..., 1:2]) + args[7:]
+    vs, vz = triton_int2.alloc_paired_v_pools(*args[5].shape[:3], args[5].device)
+    vs.copy_(args[5])
+    vz.copy_(args[6])
+    paired = args[:5] + (vs, vz) + args[7:]
     assert triton_int2.paired_v_pools(paired[5], paired[6])
     for fused in (True, False):  # the two-launch result (the last) is what the graph replays
         o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused)
