@@ -179,6 +179,7 @@ DEFAULT_PAIR_TILES = _int2.PAIR_TILES
 DEFAULT_WINDOW_TOKENS = _fused.WINDOW_SPLIT_TOKENS
 DEFAULT_SPARE_ZERO = _int2.V_SPARE_ZERO
 DEFAULT_TILE_ACC = _int2.IMPL5_TILE_ACC
+DEFAULT_K_INT8 = _int2.K_INT8_SCORES
 
 
 def apply_variant(variant: str) -> int:
@@ -192,7 +193,7 @@ def apply_variant(variant: str) -> int:
     tiles in that grid (`triton_int2.PAIR_TILES`); `wtok=N` window tokens per program of that grid
     (`triton_fused.WINDOW_SPLIT_TOKENS`); `vzero=1` zeros in the V dot's spare columns
     (`triton_int2.V_SPARE_ZERO`); `tileacc=0` V dots chained onto the chunk accumulators (`triton_int2.IMPL5_TILE_ACC`);
-    `layout=`, `order=`, `page=` the pools' layout, page order and page size (`variant_cache`)."""
+    `ki8=1|0` int8 score MMAs on the K code bytes (`triton_int2.K_INT8_SCORES`); `layout=`, `order=`, `page=` the pools' layout, page order and page size (`variant_cache`)."""
     from runtime_kernels.attention import triton_int2
 
     impl, *opts = variant.split(":")
@@ -205,6 +206,7 @@ def apply_variant(variant: str) -> int:
     _fused.WINDOW_SPLIT_TOKENS = DEFAULT_WINDOW_TOKENS
     _int2.V_SPARE_ZERO = DEFAULT_SPARE_ZERO
     _int2.IMPL5_TILE_ACC = DEFAULT_TILE_ACC
+    _int2.K_INT8_SCORES = DEFAULT_K_INT8
     for o in opts:
         k, v = o.split("=")
         if k == "maxnreg":
@@ -225,9 +227,11 @@ def apply_variant(variant: str) -> int:
             _int2.V_SPARE_ZERO = v != "0"
         elif k == "tileacc":
             _int2.IMPL5_TILE_ACC = v != "0"
+        elif k == "ki8":
+            _int2.K_INT8_SCORES = v != "0"
         elif k not in ("stages", "whole", "layout", "order", "page"):
             raise SystemExit(f"--variants: unknown option {k!r} in {variant!r} (maxnreg, waves, stages, whole, "
-                             f"fused, shared, wfirst, pair, wtok, vzero, tileacc, layout, order, page)")
+                             f"fused, shared, wfirst, pair, wtok, vzero, tileacc, ki8, layout, order, page)")
     return int(impl)
 
 
@@ -292,6 +296,7 @@ def int2_point(batch: int, context: int, q: torch.Tensor, gen: torch.Generator, 
                         "windows_first": _fused.WINDOWS_FIRST, "pair_tiles": _int2.PAIR_TILES,
                         "window_split_tokens": _fused.WINDOW_SPLIT_TOKENS, "v_spare_zero": _int2.V_SPARE_ZERO,
                         "tile_acc": _int2.IMPL5_TILE_ACC, "maxnreg": _int2.IMPL5_MAXNREG,
+                        "k_int8_scores": _int2.K_INT8_SCORES,
                         "layout": "/".join(map(str, variant_cache(variant))),
                         "correct": bool(err < 1e-2), "gbps": read / g / 1e6, "pct_copy": 100 * read / g / 1e6 / copy}
         except Exception as e:  # noqa: BLE001 - one failing variant is recorded, the others still run

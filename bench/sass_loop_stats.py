@@ -34,7 +34,7 @@ OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str, fold: bool, vfold: bool = False,
                    maxnreg: int | None = None, full_tiles: bool = False, spare_zero: bool = False,
-                   vpair: bool = False, tile_acc: bool = True):
+                   vpair: bool = False, tile_acc: bool = True, ki8: bool = False):
     spec = importlib.util.spec_from_file_location("triton_int2_offline", KERNEL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -42,7 +42,7 @@ def compile_kernel(impl: int, warps: int, block_n: int, stages: int, qdtype: str
         fn = mod._int2_decode_kernel_t
         const = dict(GROUP=4, GP=4, Q=32, U=16, U_PAD=16, P=64, BLOCK_N=block_n, INTERP=False, VFOLD=vfold,
                      TILE_ACC=tile_acc, SUBN=impl == 6, PAGE_VEC=impl == 6, NPV=64, FULL_TILES=full_tiles,
-                     SPARE_ZERO=spare_zero, VPAIR=vpair,
+                     SPARE_ZERO=spare_zero, VPAIR=vpair, KI8=ki8,
                      # The pool strides are constexprs of this kernel: contiguous pools of 8 KV heads, 64-row pages,
                      # 16 int16 words per code row (Qwen3-8B geometry), scales one fp16 per row.
                      stride_kcp=8 * 64 * 16, stride_kch=64 * 16, stride_kcr=16, stride_ksp=8 * 64, stride_ksh=64,
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--full-tiles", action="store_true", help="impl 6: whole pages promised (no mask in the loop)")
     ap.add_argument("--spare-zero", action="store_true", help="zeros in the V dot's spare columns (V_SPARE_ZERO)")
     ap.add_argument("--vpair", action="store_true", help="impl 6 whole pages: V scale and zero read as pairs (VPAIR)")
+    ap.add_argument("--ki8", action="store_true", help="impl 6 whole pages: int8 score MMAs on the K code bytes (KI8)")
     ap.add_argument("--chain", action="store_true", help="V dots chained onto the chunk accumulators (TILE_ACC off)")
     ap.add_argument("--probe", nargs="*", default=None, metavar="VARIANT",
                     help="count bench/energy_probe.py's loop instead (its variants; none given: all)")
@@ -166,7 +167,7 @@ def main() -> None:
     for impl, warps, bn in itertools.product(args.impl, args.warps, args.block_n):
         st = loop_stats(compile_kernel(impl, warps, bn, args.stages, args.dtype, not args.exact_k, args.vfold,
                                          args.maxnreg, args.full_tiles, args.spare_zero, args.vpair,
-                                         not args.chain))
+                                         not args.chain, args.ki8))
         per64 = st["loop"] * warps * 64 / bn
         top = ", ".join(f"{k} {v}" for k, v in st["ops"].most_common(args.top))
         print(f"impl {impl} warps {warps} block_n {bn}: {st['loop']} instr/thread/tile, {per64:.0f} warp-instr per "

@@ -67,7 +67,7 @@ def _decode_fused_kernel(
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr = True, WIN_FIRST: tl.constexpr = False,
     S_TAIL: tl.constexpr = 0, SPARE_ZERO: tl.constexpr = False, TIMELINE: tl.constexpr = False,
-    VPAIR: tl.constexpr = False,
+    VPAIR: tl.constexpr = False, KI8: tl.constexpr = False,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls. TIMELINE (bench only): tl_ptr is int64
@@ -94,7 +94,7 @@ def _decode_fused_kernel(
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist,
             GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES,
-            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
+            S_TAIL == 1, S_TAIL, SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, KI8=KI8)
     elif sp < n_all - S_TAIL:
         _window._window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,

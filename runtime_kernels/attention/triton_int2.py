@@ -720,6 +720,54 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
 
 
 @triton.jit
+def _codes_i8(kb, J: tl.constexpr, ASM: tl.constexpr):
+    """Code position J of each byte of an int8 code tile (channel quarter J, see the module docstring) as int8
+    0..3: one `shr` and one `and` per four codes (J = 0: the `and` alone)."""
+    if not ASM:
+        return ((kb >> (2 * J)) & 3).to(tl.int8)
+    elif J == 0:
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x03030303;", "=r,r", [kb], dtype=tl.int8,
+                                         is_pure=True, pack=4)
+    elif J == 1:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
+    elif J == 2:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }", "=r,r",
+                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, J: tl.constexpr, Q: tl.constexpr):
+    """The int8 query operand of channel quarter J (`KI8`): `[Q, NQ]`, row j = channel j + J Q, column (i, 0) =
+    hi = round(q / sq) and column (i, 1) = lo = round(254 (q / sq - hi)) of head i, both in [-127, 127], so that
+    q = sq (hi + lo / 254) to within sq / 508 (sq: the head's max |q| / 127)."""
+    qs = tl.load(q_cols + (offs_j + J * Q)[:, None], mask=c_ok[None, :], other=0.0).to(tl.float32) / sq[None, :]
+    hi = tl.floor(qs + 0.5)
+    lo = tl.floor((qs - hi) * 254.0 + 0.5)
+    return tl.where((c_half == 0)[None, :], hi, lo).to(tl.int8)
+
+
+@triton.jit
+def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, qz8, csc8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
+    """Scaled logits `[16, GP]` of a 16-token piece from its code bytes kb `[16, Q]` int8 (`KI8`): one m16n8k32
+    integer MMA per channel quarter (half the MMAs of the fp16 path), exact int32 sums; the hi and lo columns of
+    each head recombine as 254 hi + lo (exact in fp32: at most 128 * 3 * 127 * 255 < 2^24 for d <= 128).
+    qz8 `[GP]`: the same combination of the query operands' sums (the zero term); csc8 `[GP]`: the log2 softmax
+    scale times sq / 254."""
+    acc = tl.zeros([16, NQ], tl.int32)
+    acc = tl.dot(_codes_i8(kb, 0, ASM), qi0, acc, out_dtype=tl.int32)
+    acc = tl.dot(_codes_i8(kb, 1, ASM), qi1, acc, out_dtype=tl.int32)
+    acc = tl.dot(_codes_i8(kb, 2, ASM), qi2, acc, out_dtype=tl.int32)
+    acc = tl.dot(_codes_i8(kb, 3, ASM), qi3, acc, out_dtype=tl.int32)
+    hi, lo = tl.split(tl.reshape(acc, [16, GP, 2]))
+    sc = (hi * 254 + lo).to(tl.float32)
+    return (sc - kz[:, None] * qz8[None, :]) * (ks[:, None] * csc8[None, :])
+
+
+@triton.jit
 def _pv16(p, vs, NQ: tl.constexpr, SPARE_ZERO: tl.constexpr = False):
     """p * V scale in fp16 (`[16, GP]`, for the zero term) and as the V dot's operand `[16, NQ]` (`_v_operand`)."""
     pv = (p * vs[:, None]).to(tl.float16)
@@ -750,23 +798,39 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
                  stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr,
-                 INTERP: tl.constexpr):
-    """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces."""
+                 INTERP: tl.constexpr, KI8: tl.constexpr = False):
+    """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces. KI8: the
+    code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
+    operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
-    kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
-    k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
     ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))
     kz0, kz1, kz2, kz3 = _split4(tl.load(kz_ptr + srow).to(tl.float32))
-    s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
-                  kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
-    s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                  qb6, qb7, kz1, ks1, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
-    s2 = _score16(_load_piece(kb + 32 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                  qb6, qb7, kz2, ks2, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
-    s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                  qb6, qb7, kz3, ks3, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+    if KI8:
+        # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
+        # j + k Q of quarters k = 0..3.
+        kb8 = kc_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + 2 * (page * stride_kcp + h * stride_kch
+                                                                        + r0 * stride_kcr)
+        b_offs = o16[:, None] * (2 * stride_kcr) + tl.arange(0, 2 * U)[None, :]  # [16, Q]
+        s0 = _score16_i8(tl.load(kb8 + b_offs), qb0, qb1, qb2, qb3, kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM)
+        s1 = _score16_i8(tl.load(kb8 + 16 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz1, ks1, qsum_s, ksc_s,
+                         GP, NQ, ASM)
+        s2 = _score16_i8(tl.load(kb8 + 32 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz2, ks2, qsum_s, ksc_s,
+                         GP, NQ, ASM)
+        s3 = _score16_i8(tl.load(kb8 + 48 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz3, ks3, qsum_s, ksc_s,
+                         GP, NQ, ASM)
+    else:
+        kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
+        k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
+        s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                      kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+        s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                      qb6, qb7, kz1, ks1, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+        s2 = _score16(_load_piece(kb + 32 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                      qb6, qb7, kz2, ks2, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+        s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
+                      qb6, qb7, kz3, ks3, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
     return s0, s1, s2, s3
 
 
@@ -825,19 +889,21 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur, pa
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, TWO: tl.constexpr = False,
-                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, TILE_ACC: tl.constexpr = True):
+                 SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, TILE_ACC: tl.constexpr = True,
+                 KI8: tl.constexpr = False):
     """One whole tile in 16-token pieces -> the updated online-softmax state (same arithmetic as `_tile_t` without
     masks): the 64 tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched by the caller), and with
     TWO the 64 rows of page_b after them (V zeros vz_b), so one softmax step and one accumulator update serve 128
     tokens. TILE_ACC False: the V dots chain onto the rescaled chunk accumulators (`IMPL5_TILE_ACC`)."""
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
-                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
+                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP, KI8)
     mx = _max4(sa0, sa1, sa2, sa3)
     if TWO:
         sb0, sb1, sb2, sb3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page_b, 0, h, stride_kcp, stride_kch, stride_kcr,
                                           stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2,
-                                          qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP)
+                                          qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP,
+                                          KI8)
         mx = tl.maximum(mx, _max4(sb0, sb1, sb2, sb3))
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -928,7 +994,7 @@ def _int2_decode_kernel_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr = False, PAGE_VEC: tl.constexpr = False, NPV: tl.constexpr = 64,
     FULL_TILES: tl.constexpr = False, PAIR: tl.constexpr = False, SPARE_ZERO: tl.constexpr = False,
-    VPAIR: tl.constexpr = False,
+    VPAIR: tl.constexpr = False, KI8: tl.constexpr = False,
 ):
     # SUBN (impl 6): codes as exact fp16 subnormals (`_codes8_subn`), no code offset anywhere; else impl 5.
     # kc_ptr / vc_ptr: the code pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units.
@@ -940,7 +1006,7 @@ def _int2_decode_kernel_t(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
         GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, VFOLD, TILE_ACC, SUBN, PAGE_VEC, NPV, FULL_TILES, PAIR,
-        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR)
+        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, KI8=KI8)
 
 
 @triton.jit
@@ -960,13 +1026,14 @@ def _int2_chunk_t(
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, VFOLD: tl.constexpr,
     TILE_ACC: tl.constexpr, SUBN: tl.constexpr, PAGE_VEC: tl.constexpr, NPV: tl.constexpr,
     FULL_TILES: tl.constexpr, PAIR: tl.constexpr = False, RANGE: tl.constexpr = 0,
-    SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False,
+    SPARE_ZERO: tl.constexpr = False, VPAIR: tl.constexpr = False, KI8: tl.constexpr = False,
 ):
     """Program (b, h, split sp of n_split) of `_int2_decode_kernel_t`: one chunk of sequence b's history, KV head h
     -> the partial output and log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel).
     PAIR: whole tiles of two pages (BLOCK_N = 2 P, chunks over the whole tiles only: RANGE 1); RANGE 2: the one-page
     tail that PAIR programs leave (see `_chunk_bounds`). VPAIR (whole-page tiles only): the V zero of a row is the
-    fp16 right after its scale (`V_PAIRED_POOLS`), read with it."""
+    fp16 right after its scale (`V_PAIRED_POOLS`), read with it. KI8 (whole-page tiles only, `K_INT8_SCORES`): the
+    scores come from int8 MMAs on the code bytes against a hi/lo int8 split of the query (`_score16_i8`)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N, RANGE)
@@ -997,6 +1064,30 @@ def _int2_chunk_t(
     qsum = tl.sum(tl.reshape(qsum_c, [GP, 2]), axis=1)  # [GP], = 16 * sum_j q_j
     # SUBN: the score dot gives 2^-24 * (16 q . code); both the zero term and the scale move by 2^24.
     qsum_s = qsum * 5.9604644775390625e-08  # 2^-24: fp16 subnormal bits n = n * 2^-24
+    ksc = qk_scale * 0.0625
+    ksc_s = ksc * 16777216.0
+    if KI8:
+        # The query as int8 hi/lo pairs per head (`_qi8_quarter`): the hi/lo operands replace qb0-qb3, and the zero
+        # term's query sum and the logits' column scale become per-head vectors (`_score16_i8`).
+        offs_j = tl.arange(0, Q)
+        amax = tl.zeros([NQ], tl.float32)
+        for jq in tl.static_range(4):
+            qj = tl.load(q_cols + (offs_j + jq * Q)[:, None], mask=c_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(qj), axis=0))
+        sq = tl.where(amax > 0.0, amax / 127.0, 1.0)  # [NQ], the same for a head's two columns
+        qb0 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 0, Q)
+        qb1 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 1, Q)
+        qb2 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 2, Q)
+        qb3 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 3, Q)
+        wcol = tl.where(c_half == 0, 254.0, 1.0)
+        colsum = (tl.sum(qb0.to(tl.float32), axis=0) + tl.sum(qb1.to(tl.float32), axis=0)
+                  + tl.sum(qb2.to(tl.float32), axis=0) + tl.sum(qb3.to(tl.float32), axis=0))
+        qsum_s = tl.sum(tl.reshape(colsum * wcol, [GP, 2]), axis=1)  # [GP]: sum of (254 hi + lo) per head
+        ksc_s = tl.max(tl.reshape(qk_scale * sq / 254.0, [GP, 2]), axis=1)  # [GP]
+        z8 = tl.zeros([16, Q], tl.int8)
+        warm = (tl.dot(z8, qb0, out_dtype=tl.int32) + tl.dot(z8, qb1, out_dtype=tl.int32)
+                + tl.dot(z8, qb2, out_dtype=tl.int32) + tl.dot(z8, qb3, out_dtype=tl.int32))
+        ksc_s = ksc_s + tl.sum(tl.sum(warm, axis=0), axis=0).to(tl.float32) * 0.0
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -1009,8 +1100,6 @@ def _int2_chunk_t(
     acc5 = tl.zeros([U_PAD, NQ], tl.float32)
     acc6 = tl.zeros([U_PAD, NQ], tl.float32)
     acc7 = tl.zeros([U_PAD, NQ], tl.float32)
-    ksc = qk_scale * 0.0625
-    ksc_s = ksc * 16777216.0
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     if PAGE_VEC:
@@ -1059,7 +1148,7 @@ def _int2_chunk_t(
                         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                         offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                         m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, TILE_ACC=TILE_ACC)
+                        SPARE_ZERO=SPARE_ZERO, VPAIR=VPAIR, TILE_ACC=TILE_ACC, KI8=KI8)
                 else:
                     kw, vw, ks, kz, vs = _page_tile_loads(
                         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -1280,6 +1369,10 @@ V_SPARE_ZERO = False
 # at 128K/B32, 32K/B8 and 128K/B1; in session 9 (v13) 1-6 % faster at all nine points of the table. `PagedKVCache`
 # allocates its V scale and zero this way at one group per row (session 9), so the library uses it.
 V_PAIRED_POOLS = True
+# Whole-page tiles: score the K codes with m16n8k32 int8 MMAs on the code bytes (4 codes per `and`, one MMA per
+# channel quarter and 16 tokens: half the score MMAs) against the query split into int8 hi/lo pairs, carried in the
+# score MMA's otherwise unused columns (`_score16_i8`). Needs 32 or 64 code bytes per row (head_dim 128 or 256).
+K_INT8_SCORES = False
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
@@ -1317,11 +1410,14 @@ def chunk_constexprs(q, k_codes, block_n: int, subnormal: bool, full_tiles: bool
     u = k_codes.shape[3] // 2  # int16 words per row
     page_vec = subnormal and k_codes.shape[2] % block_n == 0
     full = bool(full_tiles) and page_vec
+    u_pad = max(16, next_pow2(u))
+    pieces = full and block_n == 64
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u,
-                U_PAD=max(16, next_pow2(u)), P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
+                U_PAD=u_pad, P=k_codes.shape[2], BLOCK_N=block_n, INTERP=INTERPRET,
                 VFOLD=IMPL5_VFOLD, TILE_ACC=IMPL5_TILE_ACC, SUBN=subnormal, PAGE_VEC=page_vec, NPV=64,
                 FULL_TILES=full, SPARE_ZERO=bool(V_SPARE_ZERO),
-                VPAIR=full and block_n == 64 and paired_v_pools(v_scale, v_zero))
+                VPAIR=pieces and paired_v_pools(v_scale, v_zero),
+                KI8=bool(K_INT8_SCORES) and pieces and u == u_pad and (2 * u) % 32 == 0 and 2 * u <= 64)
 
 
 def pair_tiles_apply(k_codes, block_n: int, impl: int, whole_pages: bool) -> bool:
