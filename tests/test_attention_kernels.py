@@ -11,7 +11,7 @@ import torch
 from runtime_kernels import attention as A
 from runtime_kernels.attention import merge as M
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.attention import paged_ref
+from runtime_kernels.attention import paged_ref, triton_int2
 from runtime_kernels.quant import naive as qnaive
 
 pytestmark = pytest.mark.interpreter  # Triton kernels on CPU tensors (see conftest)
@@ -230,12 +230,19 @@ def test_impl6_reads_more_than_one_block_of_page_ids():
     assert_lse_close(lse, lse_ref, 2e-4)
 
 
+def _int8_scores_used(q, pool) -> bool:
+    """Whether the whole-page INT2 kernel would score these pools with int8 MMAs (`_int2_chunk_t` KI8)."""
+    return triton_int2.chunk_constexprs(q, pool[0], 64, True, True, pool[4], pool[5])["KI8"]
+
+
 @pytest.mark.parametrize("splits,d,group", [(1, 64, 4), (3, 64, 4), (2, 128, 8), (2, 128, 1)])
-def test_int2_whole_pages_loop_matches_the_reference(splits, d, group):
+def test_int2_whole_pages_loop_matches_the_reference(splits, d, group, monkeypatch):
     """`whole_pages=True` (PagedKVCache's promise: every history is whole pages) runs impl 6's tile loop without any
     mask, each 64-token tile in four 16-token pieces (`_tile_pieces`); over whole-page histories of mixed lengths,
     with NaN scales in unused pages of the pool and the second block of page ids reached, it must equal the
-    reference and the masked loop (one [64]-token tile at a time). d = 64 pads the code words (U = 8 < 16)."""
+    reference and the masked loop (one [64]-token tile at a time). d = 64 pads the code words (U = 8 < 16).
+    With the fp16 score MMAs (K_INT8_SCORES off) the two loops are the same arithmetic in another order; the int8
+    scores (the default at d = 128) are checked against the reference of the query they use."""
     lens = [64, 4480, 0, 640]
     kc, ks, kz, vc, vs, vz, table, hist = make_pool(lens, h_kv=2, d=d, page=64, seed=47, extra_pages=4)
     used = set(table[i, j].item() for i, n in enumerate(lens) for j in range(n // 64))
@@ -244,6 +251,11 @@ def test_int2_whole_pages_loop_matches_the_reference(splits, d, group):
             t[p] = float("nan")
     q = make_q(len(lens), 2 * group, d, torch.bfloat16)
     pool = (kc, ks, kz, vc, vs, vz, table, hist)
+    int8 = _int8_scores_used(q, pool)
+    assert int8 == (d == 128)  # int8 scores need 32 or 64 code bytes per row
+    if int8:
+        o8, lse8 = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=6, whole_pages=True)
+    monkeypatch.setattr(triton_int2, "K_INT8_SCORES", False)
     o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=6, whole_pages=True)
     o_m, lse_m = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=6)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
@@ -253,6 +265,63 @@ def test_int2_whole_pages_loop_matches_the_reference(splits, d, group):
     # Same arithmetic in another summation order (pieces of 16 tokens): equal to fp32 rounding.
     torch.testing.assert_close(o, o_m, rtol=0, atol=2e-5)
     torch.testing.assert_close(lse, lse_m, rtol=0, atol=2e-6)
+    if int8:
+        o8_ref, lse8_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
+        assert torch.isfinite(o8).all()
+        assert rel_rmse(o8, o8_ref) < 2e-4
+        assert_lse_close(lse8, lse8_ref, 2e-5)
+
+
+@pytest.mark.parametrize("d,group,splits", [(128, 4, 2), (128, 8, 1), (128, 1, 3), (256, 4, 2)])
+def test_int8_scores_equal_the_reference_of_their_query(d, group, splits, monkeypatch):
+    """K_INT8_SCORES (the whole-page default at head_dim 128 and 256): codes as int8 against the query's int8 hi/lo
+    pair per channel. Against the float reference on the query those pairs encode (`paged_ref.hilo_query_ref`) the
+    kernel must agree to fp32 rounding, like the fp16 path does on q itself; against q itself within the hi/lo
+    error (far below q's bf16 rounding); and the fp16 path must differ from it by no more than that. One head's query
+    is all zeros (its scale falls back to 1) and one sequence is empty."""
+    lens = [64, 576, 0, 192]
+    pool = make_pool(lens, h_kv=2, d=d, page=64, seed=51, extra_pages=2)
+    q = make_q(len(lens), 2 * group, d, torch.bfloat16, seed=7)
+    q[1, 0] = 0.0
+    assert triton_int2.K_INT8_SCORES and _int8_scores_used(q, pool)
+    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=6, whole_pages=True)
+    o8_ref, lse8_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
+    assert torch.isfinite(o).all()
+    assert rel_rmse(o, o8_ref) < 2e-4
+    assert_lse_close(lse, lse8_ref, 2e-5)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    assert rel_rmse(o, o_ref) < 2e-3
+    assert_lse_close(lse, lse_ref, 2e-3)
+    monkeypatch.setattr(triton_int2, "K_INT8_SCORES", False)
+    o16, lse16 = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=6, whole_pages=True)
+    assert rel_rmse(o16, o_ref) < 2e-4
+    assert rel_rmse(o, o16) < 2e-3
+
+
+def test_int8_scores_apply_only_where_the_code_rows_fit():
+    """The int8 score MMAs take 32 code bytes per quarter-channel block (m16n8k32): head_dim 128 and 256 use them,
+    head_dim 64 (16 bytes) keeps the fp16 MMAs, and so do the masked loop and two-page tiles (not whole 64-token
+    pieces)."""
+    for d, want in ((64, False), (128, True), (256, True)):
+        pool = make_pool([128], h_kv=1, d=d, page=64, seed=3)
+        assert _int8_scores_used(make_q(1, 4, d, torch.bfloat16), pool) is want
+    pool = make_pool([128], h_kv=1, d=128, page=64, seed=3)
+    q = make_q(1, 4, 128, torch.bfloat16)
+    assert not triton_int2.chunk_constexprs(q, pool[0], 64, True, False, pool[4], pool[5])["KI8"]  # masked
+    assert not triton_int2.pair_constexprs(q, pool[0], 64)["KI8"]
+
+
+def test_hilo_query_ref_is_within_its_bound():
+    """`hilo_query_ref`: q~ is within max|q| / (127 * 508) of q per head
+    (plus fp32 rounding); an all-zero head stays zero."""
+    q = make_q(3, 5, 128, torch.float32, seed=9) * torch.tensor([1e-3, 1.0, 40.0])[:, None, None]
+    q[2, 4] = 0.0
+    q8 = paged_ref.hilo_query_ref(q)
+    amax = q.abs().amax(-1, keepdim=True)
+    bound = amax / (127 * 508) * (1 + 1e-5) + amax * 2e-7
+    assert ((q8 - q).abs() <= bound).all()
+    assert (q8[2, 4] == 0).all()
+    assert ((q8 - q).abs() > amax / (127 * 508) / 8).any()  # a real quantization, not the identity
 
 
 def _run_ptx5(text: str, word: int) -> list[int]:

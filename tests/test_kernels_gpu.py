@@ -174,6 +174,7 @@ def test_two_page_tiles_on_gpu_under_graph_replay(monkeypatch, fused):
     the two-launch and the one-launch form, eager and replayed from a CUDA graph, against one-page tiles."""
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=14, seed=7, min_window=0)
     counters = torch.zeros(10 * 8, dtype=torch.int32, device=DEV) if fused else None
+    monkeypatch.setattr(triton_int2, "K_INT8_SCORES", False)  # two-page tiles score in fp16: compare like with like
     o1, lse1 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
     monkeypatch.setattr(triton_int2, "PAIR_TILES", True)
     o2, lse2 = A.decode_attention(*args, whole_pages=True, counters=counters, fused=fused)
@@ -206,7 +207,7 @@ def test_fused_decode_under_graph_replay_on_gpu():
     counters = torch.zeros(32 * 8, dtype=torch.int32, device=DEV)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(A, "DECODE_SHARED_GRID", False)
-        o3, lse3 = A.decode_attention(*args)  # three launches
+        o3, lse3 = A.decode_attention(*args, whole_pages=True)  # three launches, the same history kernel
     A.decode_attention(*args, whole_pages=True, counters=counters, fused=True)  # compile outside the capture
     for o, lse in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, counters=counters, validate=False,
                                                            fused=True), 5):
@@ -251,6 +252,26 @@ def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
     for o, _ in graph_replays(lambda: A.decode_attention(*paired, whole_pages=True, validate=False), 2):
         assert torch.equal(o, o1)
+
+
+def test_int8_scores_on_gpu(monkeypatch):
+    """K_INT8_SCORES (the whole-page default at Qwen3-8B geometry): the int8 score MMAs on the tensor cores agree with
+    the float reference on the query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding, and with the fp16
+    score MMAs within the hi/lo error, in both launch forms."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=22, seed=15, min_window=1)
+    q, pool = args[0], args[1:9]
+    assert triton_int2.chunk_constexprs(q, pool[0], 64, True, True, pool[4], pool[5])["KI8"]
+    o, lse = A.int2_decode_attention(q, *pool, whole_pages=True)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
+    assert rel_rmse(o, o_ref) < 3e-4
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_ref[fin], atol=5e-5)
+    of, lsef = A.decode_attention(*args, whole_pages=True, fused=True)
+    monkeypatch.setattr(triton_int2, "K_INT8_SCORES", False)
+    o16, lse16 = A.int2_decode_attention(q, *pool, whole_pages=True)
+    of16, _ = A.decode_attention(*args, whole_pages=True, fused=True)
+    assert rel_rmse(o, o16) < 2e-3 and rel_rmse(of, of16) < 2e-3
+    assert torch.allclose(lse[fin], lse16[fin], atol=2e-3)
 
 
 def test_write_pages_on_gpu():

@@ -81,6 +81,22 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
     return torch.stack(outs), torch.stack(lses)
 
 
+def hilo_query_ref(q: torch.Tensor) -> torch.Tensor:
+    """The query as the whole-page INT2 kernel's int8 score MMAs see it (`triton_int2.K_INT8_SCORES`), fp32.
+
+    Per (sequence, head): sq = max |q| / 127; hi = round(q / sq) and lo = round(254 (q / sq - hi)), both int8 in
+    [-127, 127]; the kernel scores with 254 hi + lo, i.e. with q~ = sq (hi + lo / 254), within sq / 508 of q.
+    Rounding is half up (floor(x + 0.5)), as in the kernel.
+    """
+    x = q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    sq = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    qs = x / sq
+    hi = torch.floor(qs + 0.5)
+    lo = torch.floor((qs - hi) * 254.0 + 0.5)
+    return (sq.double() * (hi.double() + lo.double() / 254.0)).float()
+
+
 def window_attention_ref(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, slot_ids: torch.Tensor,
                          win_len: torch.Tensor, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the full-precision sink + recent window of each sequence.

@@ -1371,8 +1371,12 @@ V_SPARE_ZERO = False
 V_PAIRED_POOLS = True
 # Whole-page tiles: score the K codes with m16n8k32 int8 MMAs on the code bytes (4 codes per `and`, one MMA per
 # channel quarter and 16 tokens: half the score MMAs) against the query split into int8 hi/lo pairs, carried in the
-# score MMA's otherwise unused columns (`_score16_i8`). Needs 32 or 64 code bytes per row (head_dim 128 or 256).
-K_INT8_SCORES = False
+# score MMA's otherwise unused columns (`_score16_i8`; the query as the MMAs see it: `paged_ref.hilo_query_ref`,
+# within max|q| / 64516 of q, far below q's own bf16 rounding). Needs 32 or 64 code bytes per row (head_dim 128 or
+# 256); other geometries keep the fp16 score MMAs. Offline (Triton 3.6, sm_90): 610 instead of 655 instructions per
+# tile, 126 registers either way. Measured on the H200 (session 10, bench/NOTES_decode.md v14): 128K / batch 8
+# 0.1608 vs 0.1807 ms per graph call (5.77x vs 5.14x over cuDNN), sustained 0.172 vs 0.187 ms.
+K_INT8_SCORES = True
 
 
 def _impl5_ok(q, k_codes, v_codes, ng: int, page: int, block_n: int) -> bool:
