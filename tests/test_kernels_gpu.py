@@ -155,8 +155,12 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first
     o_ref, lse_ref = A.decode_attention(*args, backend="torch")
     monkeypatch.setattr(A, "DECODE_SHARED_GRID", True)
     monkeypatch.setattr(triton_fused, "WINDOWS_FIRST", windows_first)
-    o2, lse2 = A.decode_attention(*args, whole_pages=True)
-    o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True)  # same kernel code, in-kernel reduce
+    # The same split counts for both forms: their kernels compile separately, and their register counts (so the
+    # splits that fill the SMs) may differ.
+    # (An explicit window_splits would select the three-launch path: the grid derives its own.)
+    s_h, _ = A.decode_num_splits(args[0], *args[1:], whole_pages=True, fused=False)
+    o2, lse2 = A.decode_attention(*args, whole_pages=True, num_splits=s_h)
+    o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True, num_splits=s_h)  # same code, in-kernel reduce
     assert rel_rmse(o2, o_ref) < 2e-2
     assert rel_rmse(o2, o1) < 1e-5
     # The three-launch window kernel rounds its bf16 probabilities differently (1.4e-3 here on 0-320-token windows).
@@ -164,7 +168,8 @@ def test_shared_grid_decode_on_gpu_under_graph_replay(monkeypatch, windows_first
     fin = torch.isfinite(lse3)
     assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse3[fin], atol=1e-3)
     assert torch.allclose(lse2[fin], lse1[fin], atol=1e-5)
-    for o, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, validate=False), 3):
+    for o, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, validate=False, num_splits=s_h),
+                              3):
         assert torch.equal(o, o2)
 
 
@@ -247,10 +252,14 @@ def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
     paired = args[:5] + (vs, vz) + args[7:]
     assert triton_int2.paired_v_pools(paired[5], paired[6])
     for fused in (True, False):  # the two-launch result (the last) is what the graph replays
-        o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused)
-        o2, lse2 = A.decode_attention(*paired, whole_pages=True, fused=fused)
+        # The same split counts for both layouts: each compiles its own kernel, whose registers set the splits.
+        # (An explicit window_splits would select the three-launch path: the grid derives its own.)
+        s_h, _ = A.decode_num_splits(*paired, whole_pages=True, fused=fused)
+        o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
+        o2, lse2 = A.decode_attention(*paired, whole_pages=True, fused=fused, num_splits=s_h)
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
-    for o, _ in graph_replays(lambda: A.decode_attention(*paired, whole_pages=True, validate=False), 2):
+    for o, _ in graph_replays(lambda: A.decode_attention(*paired, whole_pages=True, validate=False, num_splits=s_h),
+                              2):
         assert torch.equal(o, o1)
 
 
