@@ -24,6 +24,10 @@ OR-ed into the mantissa of a float whose mantissa spacing is 1 and the bits are 
 `q.(c + 128) - (z + 128) sum q`: the score dot restarts from zero on every tile, so the extra rounding is fp32
 rounding of a sum about 128 sum|q| large, far below the bf16 rounding of q itself). Impl 4 does this in inline
 PTX, four codes per `shr, and, prmt, prmt` block (about one instruction per code).
+
+The default whole-page loop (impl 6, `_tile_pieces`) takes V codes as exact fp16 subnormals (`and` alone gives the
+bits of M * code * 2^-24) and, at head_dim 128 or 256, scores K codes with int8 MMAs (`K_INT8_SCORES`): quarter k
+of a row's bytes is an int8 tile by itself, against the query as int8 hi/lo pairs (`_score16_i8`).
 """
 
 from __future__ import annotations
