@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from read_ceiling import _split_tiles, _xor  # noqa: E402 - the read-only kernel's pieces
 
-from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _dot_acc, _dot_chain8  # noqa: E402
+from runtime_kernels.attention.triton_int2 import (  # noqa: E402
+    INTERPRET, _codes8_subn, _codes_i8, _dot_acc, _dot_chain8)
 
 # name -> (EXTRACT, MMA, INT8, F16ACC)
 VARIANTS = {"read": (False, False, False, False), "extract": (True, False, False, False),
@@ -86,26 +87,6 @@ def _chain(a, b, acc, N: tl.constexpr, INTERP: tl.constexpr):
     for _ in tl.static_range(N):
         acc = _dot_acc(a, b, acc, INTERP)
     return acc
-
-
-@triton.jit
-def _codes_i8(b, J: tl.constexpr, INTERP: tl.constexpr):
-    """Code position J of each byte of a uint8 tile as int8, `(b >> 2J) & 3`: on the GPU one shift and one `and` per
-    four bytes (inline PTX on 32-bit registers; Triton alone spends byte permutes on it)."""
-    if INTERP:
-        return ((b >> (2 * J)) & 3).to(tl.int8)
-    elif J == 0:
-        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x03030303;", "=r,r", [b], dtype=tl.int8, is_pure=True,
-                                         pack=4)
-    elif J == 1:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [b], dtype=tl.int8, is_pure=True, pack=4)
-    elif J == 2:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [b], dtype=tl.int8, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [b], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -178,8 +159,8 @@ def _probe_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_pt
             kb = tl.load(kb_ptr + 2 * (page * stride_kcp + h * stride_kch) + kb_off)
             vb = tl.load(vb_ptr + 2 * (page * stride_vcp + h * stride_vch) + vb_off)
             for j in tl.static_range(4):
-                acc_k8 = tl.dot(_codes_i8(kb, j, INTERP), qb8, acc_k8, out_dtype=tl.int32)
-                acc_v8 = tl.dot(_codes_i8(vb, j, INTERP), pb8, acc_v8, out_dtype=tl.int32)
+                acc_k8 = tl.dot(_codes_i8(kb, j, not INTERP), qb8, acc_k8, out_dtype=tl.int32)
+                acc_v8 = tl.dot(_codes_i8(vb, j, not INTERP), pb8, acc_v8, out_dtype=tl.int32)
         elif EXTRACT:
             x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, not INTERP)
             y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, not INTERP)

@@ -725,8 +725,9 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
 
 @triton.jit
 def _codes_i8(kb, J: tl.constexpr, ASM: tl.constexpr):
-    """Code position J of each byte of an int8 code tile (channel quarter J, see the module docstring) as int8
-    0..3: one `shr` and one `and` per four codes (J = 0: the `and` alone)."""
+    """Code position J of each byte of an int8 or uint8 code tile (channel quarter J, see the module docstring) as
+    int8 0..3: one `shr` and one `and` per four codes (J = 0: the `and` alone), as inline PTX on 32-bit registers
+    (Triton alone spends byte permutes on it)."""
     if not ASM:
         return ((kb >> (2 * J)) & 3).to(tl.int8)
     elif J == 0:
