@@ -283,6 +283,21 @@ def test_int8_scores_on_gpu(monkeypatch):
     assert torch.allclose(lse[fin], lse16[fin], atol=2e-3)
 
 
+@pytest.mark.parametrize("group,d", [(1, 128), (8, 128), (4, 256), (8, 256)])
+def test_int8_scores_other_geometries_on_gpu(group, d):
+    """K_INT8_SCORES beyond Qwen3-8B's geometry: GQA 1 and 8 (8 and 16 score columns), head_dim 256 (64 code bytes,
+    two m16n8k32 steps per quarter), whole-page histories of mixed lengths, against the reference on the hi/lo query."""
+    lens = [64 * 70, 0, 64, 64 * 9]
+    pool = make_pool(lens, 2, d, seed=d + group + 100)
+    q = torch.randn(len(lens), 2 * group, d, device=DEV, dtype=torch.bfloat16)
+    assert triton_int2.chunk_constexprs(q, pool[0], 64, True, True, pool[4], pool[5])["KI8"]
+    o, lse = A.int2_decode_attention(q, *pool, whole_pages=True)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
+    assert rel_rmse(o, o_ref) < 3e-4
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_ref[fin], atol=5e-5)
+
+
 def test_write_pages_on_gpu():
     h, d, p = 8, 128, 64
     x = torch.randn(200, h, d, device=DEV, dtype=torch.bfloat16)
