@@ -53,8 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from read_ceiling import _split_tiles, _xor  # noqa: E402 - the read-only kernel's pieces
 
-from runtime_kernels.attention.triton_int2 import (  # noqa: E402
-    INTERPRET, _codes8_subn, _codes_i8, _dot_acc, _dot_chain8)
+from runtime_kernels.attention.triton_int2 import INTERPRET, _codes8_subn, _codes_i8, _dot_acc, _dot_chain8  # noqa: E402
 
 # name -> (EXTRACT, MMA, INT8, F16ACC)
 VARIANTS = {"read": (False, False, False, False), "extract": (True, False, False, False),

@@ -263,18 +263,25 @@ def test_paired_v_scale_and_zero_pools_on_gpu(monkeypatch):
         assert torch.equal(o, o1)
 
 
-def test_int8_scores_on_gpu(monkeypatch):
-    """K_INT8_SCORES (the whole-page default at Qwen3-8B geometry): the int8 score MMAs on the tensor cores agree with
-    the float reference on the query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding, and with the fp16
-    score MMAs within the hi/lo error, in both launch forms."""
-    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=22, seed=15, min_window=1)
-    q, pool = args[0], args[1:9]
+def int8_scores_match_their_reference(q, pool) -> tuple:
+    """Assert that the whole-page INT2 kernel scores these pools with int8 MMAs and agrees with the float reference
+    on the hi/lo query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding -> (o, lse, finite-lse mask)."""
     assert triton_int2.chunk_constexprs(q, pool[0], 64, True, True, pool[4], pool[5])["KI8"]
     o, lse = A.int2_decode_attention(q, *pool, whole_pages=True)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
     assert rel_rmse(o, o_ref) < 3e-4
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_ref[fin], atol=5e-5)
+    return o, lse, fin
+
+
+def test_int8_scores_on_gpu(monkeypatch):
+    """K_INT8_SCORES (the whole-page default at Qwen3-8B geometry): the int8 score MMAs on the tensor cores agree with
+    the float reference on the query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding, and with the fp16
+    score MMAs within the hi/lo error, in both launch forms."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=22, seed=15, min_window=1)
+    q, pool = args[0], args[1:9]
+    o, lse, fin = int8_scores_match_their_reference(q, pool)
     of, lsef = A.decode_attention(*args, whole_pages=True, fused=True)
     monkeypatch.setattr(triton_int2, "K_INT8_SCORES", False)
     o16, lse16 = A.int2_decode_attention(q, *pool, whole_pages=True)
@@ -290,12 +297,7 @@ def test_int8_scores_other_geometries_on_gpu(group, d):
     lens = [64 * 70, 0, 64, 64 * 9]
     pool = make_pool(lens, 2, d, seed=d + group + 100)
     q = torch.randn(len(lens), 2 * group, d, device=DEV, dtype=torch.bfloat16)
-    assert triton_int2.chunk_constexprs(q, pool[0], 64, True, True, pool[4], pool[5])["KI8"]
-    o, lse = A.int2_decode_attention(q, *pool, whole_pages=True)
-    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
-    assert rel_rmse(o, o_ref) < 3e-4
-    fin = torch.isfinite(lse_ref)
-    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_ref[fin], atol=5e-5)
+    int8_scores_match_their_reference(q, pool)
 
 
 def test_write_pages_on_gpu():

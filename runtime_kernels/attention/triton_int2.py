@@ -745,11 +745,12 @@ def _codes_i8(kb, J: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, J: tl.constexpr, Q: tl.constexpr):
-    """The int8 query operand of channel quarter J (`KI8`): `[Q, NQ]`, row j = channel j + J Q, column (i, 0) =
-    hi = round(q / sq) and column (i, 1) = lo = round(254 (q / sq - hi)) of head i, both in [-127, 127], so that
-    q = sq (hi + lo / 254) to within sq / 508 (sq: the head's max |q| / 127)."""
-    qs = tl.load(q_cols + (offs_j + J * Q)[:, None], mask=c_ok[None, :], other=0.0).to(tl.float32) / sq[None, :]
+def _qi8_quarter(qj, c_half, sq):
+    """The int8 query operand of a channel quarter (`KI8`) from its fp32 query tile qj `[Q, NQ]` (row j = channel
+    j + k Q, both columns of head i holding head i's query): column (i, 0) = hi = round(q / sq) and column (i, 1) =
+    lo = round(254 (q / sq - hi)), both in [-127, 127], so that q = sq (hi + lo / 254) to within sq / 508 (sq
+    `[NQ]`: the head's max |q| / 127)."""
+    qs = qj / sq[None, :]
     hi = tl.floor(qs + 0.5)
     lo = tl.floor((qs - hi) * 254.0 + 0.5)
     return tl.where((c_half == 0)[None, :], hi, lo).to(tl.int8)
@@ -1074,16 +1075,17 @@ def _int2_chunk_t(
     if KI8:
         # The query as int8 hi/lo pairs per head (`_qi8_quarter`): the hi/lo operands replace qb0-qb3, and the zero
         # term's query sum and the logits' column scale become per-head vectors (`_score16_i8`).
-        offs_j = tl.arange(0, Q)
-        amax = tl.zeros([NQ], tl.float32)
-        for jq in tl.static_range(4):
-            qj = tl.load(q_cols + (offs_j + jq * Q)[:, None], mask=c_ok[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(qj), axis=0))
+        q_rows = q_cols + tl.arange(0, Q)[:, None]  # [Q, NQ]: channel j of each column's head
+        q0 = tl.load(q_rows, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q1 = tl.load(q_rows + Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + 2 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q3 = tl.load(q_rows + 3 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), axis=0)
         sq = tl.where(amax > 0.0, amax / 127.0, 1.0)  # [NQ], the same for a head's two columns
-        qb0 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 0, Q)
-        qb1 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 1, Q)
-        qb2 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 2, Q)
-        qb3 = _qi8_quarter(q_cols, offs_j, c_ok, c_half, sq, 3, Q)
+        qb0 = _qi8_quarter(q0, c_half, sq)
+        qb1 = _qi8_quarter(q1, c_half, sq)
+        qb2 = _qi8_quarter(q2, c_half, sq)
+        qb3 = _qi8_quarter(q3, c_half, sq)
         wcol = tl.where(c_half == 0, 254.0, 1.0)
         colsum = (tl.sum(qb0.to(tl.float32), axis=0) + tl.sum(qb1.to(tl.float32), axis=0)
                   + tl.sum(qb2.to(tl.float32), axis=0) + tl.sum(qb3.to(tl.float32), axis=0))
