@@ -333,3 +333,18 @@ def test_identity_rule_in_load_artifact_and_oscar_cache(tmp_path):
     with pytest.raises(ModelMismatchError, match="model_id"):
         OscarCache.from_artifact(tmp_path, other)
     assert OscarCache.from_artifact(art, other, allow_other_model=True).artifact is art
+
+
+def test_eval_cli_refuses_an_artifact_for_another_model(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from oscar_calib.cli import main
+    from oscar_calib.demo import FIXTURE_DIR
+
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id="org/other"), tmp_path / "art")  # the fixture's shapes
+    monkeypatch.setattr(sys, "argv", ["oscar-calib", "eval", "--model", str(FIXTURE_DIR), "--artifact",
+                                      str(tmp_path / "art"), "--context", "64", "--device", "cpu"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "field 'model_id'" in err and "--allow-other-model" in err

@@ -84,6 +84,8 @@ def export_cmd(
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
     reference_version: Annotated[int, typer.Option("--reference-version", help="2: per KV head (v3 when keys are centred); "
                                                                                "1: one rotation per layer.")] = 2,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model-config: check shapes only, "
+                                                                                "not that the artifact names this model.")] = False,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
     from oscar_calib.reference_format import export_reference
@@ -95,7 +97,7 @@ def export_cmd(
         artifact = read_artifact(directory)
     if model_config is not None:
         try:
-            check_against_model(artifact, _load_config(model_config))
+            check_against_model(artifact, _load_config(model_config), allow_other_model=allow_other_model)
         except ValueError as exc:
             raise InputError(str(exc)) from None
     written = export_reference(artifact, out, head_reduce=head_reduce, overwrite=overwrite, version=reference_version)
