@@ -208,9 +208,17 @@ class OscarArtifact:
         return int(hits[0, 0]) if hits.numel() else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the artifact holds (the optional ones only when set)."""
-        names = V1_TENSOR_NAMES + MEAN_TENSOR_NAMES + CODEBOOK_TENSOR_NAMES
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        """Every tensor the artifact holds (the codebooks only when set). A v2 artifact built in memory
+        without means gets zero means (no centering), so code written before v2 keeps producing valid ones."""
+        out = {name: getattr(self, name) for name in V1_TENSOR_NAMES}
+        for name in MEAN_TENSOR_NAMES:
+            value = getattr(self, name)
+            if value is None and self.schema_version >= 2:
+                value = torch.zeros(self.k_rotation.shape[:-1], dtype=torch.float32)
+            if value is not None:
+                out[name] = value
+        out.update({n: getattr(self, n) for n in CODEBOOK_TENSOR_NAMES if getattr(self, n) is not None})
+        return out
 
     def validate(self) -> OscarArtifact:
         validate_tensors(self.tensors(), self.metadata, self.source)

@@ -2,7 +2,7 @@
 
 Zoo layout (one git repo on the Hub, many models):
 
-    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v1, see artifact.py)
+    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v2, see artifact.py)
     <model_id>/<calibration>/README.md              the model card
     <model_id>/<calibration>/release.json           the release record: sha256 and size of every file above
     ...                                             plus any stats or evaluation files of the release

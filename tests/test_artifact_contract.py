@@ -348,3 +348,28 @@ def test_eval_cli_refuses_an_artifact_for_another_model(tmp_path, monkeypatch, c
         main()
     err = capsys.readouterr().err
     assert info.value.code == 2 and "field 'model_id'" in err and "--allow-other-model" in err
+
+
+def test_v2_artifact_built_in_memory_without_means_gets_zero_means(tmp_path):
+    art = identity_artifact(A, H, 4, D)
+    art.k_mean = art.v_mean = None  # code written before v2 builds artifacts without them
+    back = read_artifact(write_artifact(art.validate(), tmp_path))
+    assert torch.equal(back.k_mean, torch.zeros(A, H, D)) and not back.is_centered
+
+
+def test_calibration_writes_contract_v2_through_the_one_builder(monkeypatch):
+    from tiny_models import tiny_model
+
+    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.config import SolverSettings
+    from runtime_kernels.contract import V2_METADATA
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    model = tiny_model("qwen3", head_dim=D, num_layers=2, vocab_size=64)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    art = calibrate_model(model, ids, SolverSettings(sink_tokens=4, recent_tokens=8, k_clip_grid=(1.0,),
+                                                     v_clip_grid=(1.0,)), compare_alternatives=False,
+                          holdout_queries=8)
+    assert set(art.metadata) == set(V2_METADATA) and art.schema_version == 2
+    assert art.layout == CacheLayout(sink_tokens=4, recent_tokens=8, group_size=D)
+    assert art.metadata["created_at"] == "2023-11-14T22:13:20Z" and not art.is_centered
