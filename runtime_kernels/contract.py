@@ -86,7 +86,8 @@ class DuplicateKeyError(ValueError):
     """A JSON object names the same key twice (json's default keeps the last one silently)."""
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for json.loads: a dict, or DuplicateKeyError naming the repeated key."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -102,7 +103,7 @@ def _refuse_constant(name: str) -> None:
 def strict_json_loads(text: str | bytes, source: str, field_name: str) -> Any:
     """json.loads that refuses duplicate keys, NaN/Infinity and deep nesting. Raises ArtifactError naming the field."""
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+        return json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_refuse_constant)
     except (DuplicateKeyError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         fail(source, field_name, f"expected strict JSON (no duplicate keys): {type(exc).__name__}: {exc}")
 

@@ -42,6 +42,7 @@ from runtime_kernels.artifact import (
     check_against_model,
     read_artifact,
 )
+from runtime_kernels.contract import reject_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +156,9 @@ def parse_release_record(raw: bytes, source: str) -> dict[str, Any]:
 
     if len(raw) > MAX_RELEASE_RECORD_BYTES:
         fail("<file>", f"release record larger than {MAX_RELEASE_RECORD_BYTES} bytes")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    try:  # duplicate keys are refused (json keeps the last one silently); ValueError covers JSONDecodeError
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ArtifactError(f"{source}: not a JSON release record: {exc}") from None
     if not isinstance(data, dict):
         fail("<root>", "expected a JSON object")

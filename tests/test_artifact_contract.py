@@ -373,3 +373,16 @@ def test_calibration_writes_contract_v2_through_the_one_builder(monkeypatch):
     assert set(art.metadata) == set(V2_METADATA) and art.schema_version == 2
     assert art.layout == CacheLayout(sink_tokens=4, recent_tokens=8, group_size=D)
     assert art.metadata["created_at"] == "2023-11-14T22:13:20Z" and not art.is_centered
+
+
+def test_release_record_with_a_duplicate_key_is_refused():
+    from runtime_kernels.loader import parse_release_record
+
+    good = ('{"format": "oscar-kv-release", "schema_version": 1, "model_id": "a/b", "model_revision": "r", '
+            '"calibration": "default", "version": "v1", "files": {"oscar_kv.safetensors": '
+            '{"sha256": "' + "a" * 64 + '", "size": 1}}')
+    assert parse_release_record((good + "}").encode(), "release.json")["version"] == "v1"
+    with pytest.raises(ArtifactError, match="duplicate key 'version'"):
+        parse_release_record((good + ', "version": "v9"}').encode(), "release.json")
+    with pytest.raises(ArtifactError, match="release.json"):
+        parse_release_record(b'{"schema_version": ' + b"9" * 5000 + b"}", "release.json")
