@@ -9,8 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime_kernels.contract import MAX_WINDOW_TOKENS
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS
 
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.

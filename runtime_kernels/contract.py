@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS, CacheLayout
 
 FORMAT_NAME = "oscar-kv"
 SCHEMA_VERSION = 2
@@ -58,7 +58,6 @@ CODEBOOK_LEVELS = 4
 V1_DEFAULTS = {"mean_basis": "original", "quantizer": "uniform_minmax", "scale_dtype": "float16"}
 
 # Bounds, checked before anything is allocated from them.
-MAX_WINDOW_TOKENS = 1 << 20  # sink / recent: a million tokens of BF16 per sequence is already absurd
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 1024
