@@ -386,3 +386,17 @@ def test_release_record_with_a_duplicate_key_is_refused():
         parse_release_record((good + ', "version": "v9"}').encode(), "release.json")
     with pytest.raises(ArtifactError, match="release.json"):
         parse_release_record(b'{"schema_version": ' + b"9" * 5000 + b"}", "release.json")
+
+
+def test_calibrate_does_not_import_the_job_and_the_loaders_have_a_public_home():
+    import ast
+
+    import oscar_calib.calibrate as calibrate
+    import oscar_calib.job as job
+    import oscar_calib.loading as loading
+
+    tree = ast.parse(Path(calibrate.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "oscar_calib.job" not in imported and not hasattr(calibrate, "run_calibration")  # no import circle
+    assert job._load_model is loading.load_model and job._load_tokenizer is loading.load_tokenizer
