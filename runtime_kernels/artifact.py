@@ -115,7 +115,9 @@ class OscarArtifact:
 
     @property
     def schema_version(self) -> int:
-        return int(self.metadata.get("schema_version", SCHEMA_VERSION))
+        """1 or 2 (a malformed value reads as the writer's version here; `validate` refuses it by name)."""
+        raw = self.metadata.get("schema_version", str(SCHEMA_VERSION))
+        return int(raw) if raw in ("1", "2") else SCHEMA_VERSION
 
     def _meta(self, key: str) -> str:
         return self.metadata.get(key, V1_DEFAULTS.get(key, ""))

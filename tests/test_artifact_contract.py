@@ -400,3 +400,10 @@ def test_calibrate_does_not_import_the_job_and_the_loaders_have_a_public_home():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert "oscar_calib.job" not in imported and not hasattr(calibrate, "run_calibration")  # no import circle
     assert job._load_model is loading.load_model and job._load_tokenizer is loading.load_tokenizer
+
+
+def test_in_memory_artifact_with_a_bad_schema_version_is_refused_by_name():
+    art = identity_artifact(A, H, 4, D)
+    art.metadata["schema_version"] = "two"
+    with pytest.raises(ArtifactError, match="field 'schema_version'.*got 'two'"):
+        art.validate()
