@@ -1,14 +1,13 @@
 """Calibration core: capture statistics, solve rotations, fit clip ratios, build the artifact.
 
 `calibrate_model` works on a loaded model and token ids (used by tests, eval and the job);
-`run_calibration` (in `oscar_calib.job`) is the whole job behind `oscar-calib run`.
+`oscar_calib.job.run_calibration` is the whole job behind `oscar-calib run` (it imports this module, never
+the other way round).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,9 @@ from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.solve import solve_rotations
-from runtime_kernels.artifact import FORMAT_NAME, SCHEMA_VERSION, OscarArtifact, model_geometry
+from runtime_kernels.artifact import OscarArtifact, model_geometry
+from runtime_kernels.contract import build_metadata
+from runtime_kernels.layout import DEFAULT_LAYOUT
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
 
@@ -76,13 +77,6 @@ class CalibrationReport:
             "clip_at_grid_edge": edges,
             "alternatives": self.comparison,
         }
-
-
-def created_at() -> str:
-    """UTC timestamp; honours SOURCE_DATE_EPOCH so that two identical runs give identical bytes."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    now = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_supported(config) -> None:
@@ -174,7 +168,7 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
         holdout_ids: `[S, T']` sequences for fitting clip ratios (default: the last row of input_ids, which
             is then excluded from the statistics when N > 1).
     Returns:
-        (artifact, report). The artifact validates against contract v1.
+        (artifact, report). The artifact validates against contract v2.
     """
     settings = settings or SolverSettings()
     config = model.config
@@ -236,29 +230,20 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     calib.setdefault("tokens", int(input_ids.numel()))
     calib.setdefault("holdout_tokens", int(holdout_ids.numel()))
     calib["solver"] = json.loads(settings.model_dump_json())
-    meta = {
-        "format": FORMAT_NAME,
-        "schema_version": str(SCHEMA_VERSION),
-        "model_id": model_id or str(getattr(config, "_name_or_path", "") or "unknown"),
-        "model_revision": model_revision or str(getattr(config, "_commit_hash", None) or "unknown"),
-        "num_attention_heads": str(h_q),
-        "num_key_value_heads": str(h_kv),
-        "head_dim": str(d),
-        "bits": "2",
-        "group_size": str(settings.group_size or d),
-        "sink_tokens": str(settings.sink_tokens),
-        "recent_tokens": str(settings.recent_tokens),
-        "granularity": settings.granularity,
-        "key_target": settings.key_target,
-        "value_target": settings.value_target,
-        "calibration": json.dumps(calib, sort_keys=True),
-        "tool_version": f"oscar-calib {__version__}",
-        "created_at": created_at(),
-    }
+    meta = build_metadata(
+        model_id=model_id or str(getattr(config, "_name_or_path", "") or "unknown"),
+        model_revision=model_revision or str(getattr(config, "_commit_hash", None) or "unknown"),
+        num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,
+        key_target=settings.key_target, value_target=settings.value_target, calibration=calib,
+        tool_version=f"oscar-calib {__version__}",
+        layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
+                                    group_size=settings.group_size or d))
+    zeros = torch.zeros(k_eig.shape, dtype=torch.float32)  # no centering yet (issue 19 part 1 fills these)
     artifact = OscarArtifact(
         layer_ids=torch.tensor(layer_ids, dtype=torch.int64),
         k_rotation=k_rot, v_rotation=v_rot, k_clip_ratio=k_ratio.float(), v_clip_ratio=v_ratio.float(),
         k_eigenvalues=k_eig, v_eigenvalues=v_eig, metadata=meta, source="<calibration>",
+        k_mean=zeros, v_mean=zeros.clone(),
     ).validate()
     # Contract v2 means (model basis); zeros = an uncentered cache, so every artifact carries both tensors.
     artifact.k_mean = means[0] if settings.center_keys else torch.zeros_like(means[0])
@@ -307,10 +292,3 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
 def calibrate_model(model, input_ids: torch.Tensor, settings: SolverSettings | None = None, **kwargs) -> OscarArtifact:
     """`calibrate_model_with_report` without the report. input_ids `[N, T]`."""
     return calibrate_model_with_report(model, input_ids, settings, **kwargs)[0]
-
-
-def run_calibration(config, out_dir, overwrite: bool = False, console=None):
-    """The whole job behind `oscar-calib run` (see `oscar_calib.job.run_calibration`)."""
-    from oscar_calib.job import run_calibration as _run
-
-    return _run(config, out_dir, overwrite=overwrite, console=console)

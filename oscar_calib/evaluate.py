@@ -383,7 +383,7 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
     with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
                                          page_size=page_size, sink_tokens=sink, recent_tokens=recent,
-                                         backend=backend)
+                                         backend=backend, allow_other_model=True)  # identity: checked by the caller
         logits = [model(input_ids=tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
         for pos in range(prompt_len, tokens.shape[1] - 1):
             logits.append(model(input_ids=tokens[:, pos:pos + 1], past_key_values=cache, use_cache=True).logits)

@@ -2,7 +2,7 @@
 
 Zoo layout (one git repo on the Hub, many models):
 
-    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v1, see artifact.py)
+    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v2, see artifact.py)
     <model_id>/<calibration>/README.md              the model card
     <model_id>/<calibration>/release.json           the release record: sha256 and size of every file above
     ...                                             plus any stats or evaluation files of the release
@@ -37,10 +37,12 @@ from typing import Any
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     ArtifactError,
+    ModelMismatchError,
     OscarArtifact,
     check_against_model,
     read_artifact,
 )
+from runtime_kernels.contract import reject_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,6 @@ class ReleaseNotFoundError(LookupError):
     """The repo, revision, release directory or one of its files does not exist (or is not cached offline)."""
 
     exit_code = 5
-
-
-class ModelMismatchError(ArtifactError):
-    """The artifact was made for another model (shapes or metadata disagree with the model config)."""
-
-    exit_code = 2
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -160,9 +156,9 @@ def parse_release_record(raw: bytes, source: str) -> dict[str, Any]:
 
     if len(raw) > MAX_RELEASE_RECORD_BYTES:
         fail("<file>", f"release record larger than {MAX_RELEASE_RECORD_BYTES} bytes")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    try:  # duplicate keys are refused (json keeps the last one silently); ValueError covers JSONDecodeError
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ArtifactError(f"{source}: not a JSON release record: {exc}") from None
     if not isinstance(data, dict):
         fail("<root>", "expected a JSON object")
@@ -417,10 +413,11 @@ def copy_release_files(files: dict[str, Path], local_dir: Path) -> dict[str, Pat
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None) -> None:
+def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None,
+                 allow_other_model: bool = False) -> None:
     """check_against_model with its ArtifactError turned into ModelMismatchError (another model)."""
     try:
-        check_against_model(artifact, model_config, model_id=model_id)
+        check_against_model(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model)
     except ArtifactError as exc:
         raise ModelMismatchError(str(exc)) from None
 
@@ -428,7 +425,8 @@ def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | Non
 def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, revision: str | None = None,
                   model_config: Any = None, expected_sha256: dict[str, str] | None = None,
                   token: str | None = None, cache_dir: str | os.PathLike | None = None, *,
-                  calibration: str = "default", endpoint: str | None = None) -> OscarArtifact:
+                  calibration: str = "default", endpoint: str | None = None,
+                  allow_other_model: bool = False) -> OscarArtifact:
     """Load a validated artifact from a local path or from a zoo repo on the Hub.
 
     - `repo` is None: `path_or_model_id` is a local directory or `.safetensors` file (read_artifact);
@@ -438,7 +436,8 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
       verify sha256 against the release record and `expected_sha256`; offline from a warm cache).
 
     With `model_config` (a transformers config), the artifact is checked against it (heads, head_dim,
-    layer count, and the model id when pulled by model id) and a mismatch raises ModelMismatchError.
+    layer count, and the model identity: the requested model id, else the config's `_name_or_path`)
+    and a mismatch raises ModelMismatchError; `allow_other_model=True` waives the identity check only.
     """
     if repo is None:
         path = Path(path_or_model_id)
@@ -454,7 +453,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
             verify_files(paths, {n: {"sha256": d} for n, d in expected_sha256.items()}, str(folder))
         artifact = read_artifact(path)
         if model_config is not None:
-            _check_model(artifact, model_config, None)
+            _check_model(artifact, model_config, None, allow_other_model)
         return artifact
     model_id = str(path_or_model_id)
     pulled = pull_release(model_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,
