@@ -238,16 +238,14 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
         tool_version=f"oscar-calib {__version__}",
         layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
                                     group_size=settings.group_size or d))
-    zeros = torch.zeros(k_eig.shape, dtype=torch.float32)  # no centering yet (issue 19 part 1 fills these)
+    # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     artifact = OscarArtifact(
         layer_ids=torch.tensor(layer_ids, dtype=torch.int64),
         k_rotation=k_rot, v_rotation=v_rot, k_clip_ratio=k_ratio.float(), v_clip_ratio=v_ratio.float(),
         k_eigenvalues=k_eig, v_eigenvalues=v_eig, metadata=meta, source="<calibration>",
-        k_mean=zeros, v_mean=zeros.clone(),
+        k_mean=(means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous(),
+        v_mean=(means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous(),
     ).validate()
-    # Contract v2 means (model basis); zeros = an uncentered cache, so every artifact carries both tensors.
-    artifact.k_mean = means[0] if settings.center_keys else torch.zeros_like(means[0])
-    artifact.v_mean = means[1] if settings.center_values else torch.zeros_like(means[1])
     report = CalibrationReport(layer_ids=layer_ids, skipped_layers=sorted(skip), tokens=int(input_ids.numel()),
                                holdout_tokens=int(holdout_ids.numel()), timings=timings, fits=fits,
                                k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,

@@ -164,8 +164,11 @@ class TableInt2(RowwiseInt2):
 
 def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int, LayerTables]:
     """Decoder layer -> LayerTables of an artifact; means (contract v2, model basis) when `centered`."""
-    k_mean = getattr(artifact, "k_mean", None) if centered else None
-    v_mean = getattr(artifact, "v_mean", None) if centered else None
+    def mean(kind: str) -> torch.Tensor | None:
+        m = artifact.key_mean("original") if kind == "k" else artifact.value_mean("original")
+        return m if centered and bool(m.any()) else None  # all zeros: the uncentered path, bit for bit
+
+    k_mean, v_mean = mean("k"), mean("v")
     out = {}
     for a, layer in enumerate(artifact.layer_ids.tolist()):
         out[int(layer)] = LayerTables(
