@@ -38,7 +38,7 @@ from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -242,8 +242,8 @@ class PagedKVCache:
 
         def v_scale_zero():
             # One group per row: each row's V scale and zero side by side (one `[pages, H, P, 2]` buffer, same bytes),
-            # so the whole-page decode loop reads both with one asynchronous load (`triton_int2.V_PAIRED_POOLS`: 1-6 %
-            # faster calls at all nine points of the H200 table, bench/NOTES_decode.md v13).
+            # so the whole-page decode loop reads both with one asynchronous load (1-6 % faster calls at all nine
+            # points of the H200 table, docs/kernels.md).
             if d // g == 1:
                 return alloc_paired_v_pools(n_pages, h, p, self.device)
             return zeros((n_pages, h, p, d // g), torch.float16), zeros((n_pages, h, p, d // g), torch.float16)
@@ -524,9 +524,8 @@ class PagedKVCache:
                 head's KV head (GQA groups share it).
             seq_ids: the B sequences (each must hold at least one token).
             sm_scale: softmax scale (default `1 / sqrt(d)`).
-            fused: one kernel launch instead of three on the Triton path (None: the library default,
-                `attention.DECODE_FUSED`); fewer host microseconds for eager callers, slower under CUDA graphs at
-                small batch (bench/NOTES_decode.md, "v7").
+            fused: one kernel launch instead of two on the Triton path (None: `DecodeOptions.fused`, False);
+                fewer host microseconds for eager callers, slower under CUDA graphs at small batch (docs/kernels.md).
         Returns:
             o fp32 `[B, H_q, d]` in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
@@ -571,7 +570,7 @@ class PagedKVCache:
         Returns: k, v fp32 `[n, H, d]`. Materialises the history: meant for multi-token appends on a
         non-empty sequence and for inspection, not for the decode path.
         """
-        from runtime_kernels.attention.paged_ref import gather_history
+        from runtime_kernels.attention.int2_decode.naive import gather_history
 
         pool = self._pool(layer)
         st = self._state(seq_id)

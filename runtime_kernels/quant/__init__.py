@@ -113,7 +113,7 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
         check_tensor(name, ix, dtypes=INT_DTYPES, ndim=1, device=x.device)
         check_dim(name, ix, 0, t, "one entry per token of x")
     if resolve_backend(backend, x.device) == "torch":
-        from runtime_kernels.attention.paged_ref import write_pages_ref
+        from runtime_kernels.attention.int2_decode.naive import write_pages_ref
 
         write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g)
         return

@@ -1,4 +1,4 @@
-"""Triton split-K decode attention over the full-precision (BF16) sink + recent window of each sequence.
+"""Split-K decode attention over the full-precision (BF16) sink + recent window of each sequence.
 
 Grid `(B, H_kv, num_splits)`; program `(b, h, s)` reads a chunk of rows `[0, win_len[b])` of window slot
 `slot_ids[b]`, KV head h, once for all `GROUP` query heads (one `tl.dot` with `G_PAD >= 16` rows) and writes
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.triton_int2 import INTERPRET, _chunk_bounds, _dot, _softmax_finish
+from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _softmax_finish, interpreting
 from runtime_kernels.launch_util import next_pow2
 
 
@@ -89,7 +89,7 @@ def launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, s
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_PAD=max(16, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
-        BLOCK_N=block_n, FP32=k_win.dtype.itemsize == 4, INTERP=INTERPRET,
+        BLOCK_N=block_n, FP32=k_win.dtype.itemsize == 4, INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -1,7 +1,5 @@
-"""Readable torch references for the paged INT2 KV layout (see the layout contract in the kernels docs).
-
-These are the definitions the Triton kernels are tested against, and the CPU backend of the functional
-API. They favour clarity over speed (a Python loop over the batch).
+"""Readable torch references for the paged INT2 KV layout: the definitions the decode kernels are tested against,
+and the CPU backend of the functional API. They favour clarity over speed (a Python loop over the batch).
 
 Pool layout for one attention layer (H = KV heads, d = head_dim, G = group size, P = page size):
 - codes: uint8 `[num_pages, H, P, d // 4]` (quarter-split packing of `naive.pack`)
@@ -82,7 +80,7 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
 
 
 def hilo_query_ref(q: torch.Tensor) -> torch.Tensor:
-    """The query as the whole-page INT2 kernel's int8 score MMAs see it (`triton_int2.K_INT8_SCORES`), fp32.
+    """The query as the production kernel's int8 score MMAs see it (whole pages, head_dim 128/256), fp32.
 
     Per (sequence, head): sq = max |q| / 127; hi = round(q / sq) and lo = round(254 (q / sq - hi)), both int8 in
     [-127, 127]; the kernel scores with 254 hi + lo, i.e. with q~ = sq (hi + lo / 254), within sq / 508 of q.
