@@ -38,12 +38,6 @@ def _launch():
     return launch
 
 
-def _merge():
-    from runtime_kernels.attention.int2_decode import merge
-
-    return merge
-
-
 def __getattr__(name: str):
     # `DecodeOptions` / `DEFAULT_OPTIONS` live with the launcher (which needs Triton): resolved on first use.
     if name in ("DecodeOptions", "DEFAULT_OPTIONS"):
@@ -189,7 +183,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
         if tuple(t.shape) != tuple(o_a.shape[:-1]):
             raise ValueError(f"{name}: expected shape {tuple(o_a.shape[:-1])} (o without its last dim), "
                              f"got {tuple(t.shape)}")
-    return _merge().merge_pair(o_a, lse_a, o_b, lse_b)
+    return paged_ref.merge_pair(o_a, lse_a, o_b, lse_b)
 
 
 def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
@@ -232,7 +226,7 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         o_h, l_h = paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                                        block_table, hist_len, scale)
         o_w, l_w = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
-        return _merge().merge_pair(o_h, l_h, o_w, l_w)
+        return paged_ref.merge_pair(o_h, l_h, o_w, l_w)
     opts = _options(options, fused)
     if opts.fused and counters is not None and validate:
         check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)

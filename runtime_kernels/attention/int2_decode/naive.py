@@ -144,3 +144,29 @@ def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: 
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
     zero_pool[p, :, r] = zero.to(zero_pool.dtype)
+
+
+def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partials: o `[..., d]`, lse `[...]` each -> (o fp32 `[..., d]`, lse fp32 `[...]`)."""
+    lse_a = lse_a.float()
+    lse_b = lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a = torch.exp(lse_a - m_safe)
+    w_b = torch.exp(lse_b - m_safe)
+    tot = w_a + w_b
+    o = (w_a.unsqueeze(-1) * o_a.float() + w_b.unsqueeze(-1) * o_b.float()) / tot.clamp_min(1e-30).unsqueeze(-1)
+    lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(tot, float("-inf")))
+    return o, lse
+
+
+def reduce_splits_torch(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge along the split axis: o_part `[B, H, S, d]`, lse_part `[B, H, S]` -> (o `[B, H, d]`, lse `[B, H]`)."""
+    m = lse_part.amax(dim=-1)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_part - m_safe.unsqueeze(-1))
+    tot = w.sum(dim=-1)
+    o = (w.unsqueeze(-1) * o_part).sum(dim=-2) / tot.clamp_min(1e-30).unsqueeze(-1)
+    lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(tot, float("-inf")))
+    return o, lse
