@@ -187,12 +187,13 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 
 
 def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                      slot_ids, win_len, whole_pages: bool = False, options=None) -> tuple[int, int]:
+                      slot_ids, win_len, whole_pages: bool = False, fused: bool | None = None,
+                      options=None) -> tuple[int, int]:
     """(history splits, window splits) that `decode_attention` launches by default on the Triton path (whole waves
     of the compiled kernel that runs on a GPU; a fixed rule under the interpreter), from shapes only."""
     return _launch().decode_num_splits(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                        block_table, hist_len, k_win, v_win, slot_ids, win_len, whole_pages,
-                                       _options(options, None))
+                                       _options(options, fused))
 
 
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
