@@ -5,8 +5,8 @@ with a fake-quant reference built from the loaded artifact (`quant.naive.fake_qu
 plain full-precision cache).
 
 Tolerance: the OSCAR path keeps windows and queries in bf16 (the kernel's inputs) while the reference runs in fp32;
-measured max |logit difference| 0.03 over the generated steps, logits of order 10, bound 0.3. Greedy tokens must
-be equal.
+measured max |logit difference| 0.128 over the 6 generated steps (max |logit| 14.9), bound 0.3. Greedy tokens must
+be equal, which is the sharp check.
 """
 
 from __future__ import annotations
@@ -112,5 +112,4 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
                         return_dict_in_generate=True, pad_token_id=0, **cache_kw(ref, DynamicCache()))
     assert torch.equal(got.sequences, want.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
-    print(f"e2e max |logit diff| {diff:.4g}, max |logit| {max(b.abs().max().item() for b in want.logits):.3g}")
     assert diff < LOGIT_ATOL, diff
