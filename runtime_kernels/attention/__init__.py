@@ -123,6 +123,24 @@ def _check_window(q, k_win, v_win, slot_ids, win_len) -> None:
         check_dim(name, ix, 0, b, "batch size of q")
 
 
+def _check_means(k_mean, v_mean, q, k_codes) -> tuple:
+    """A centered cache's means: both fp32-castable `[H_kv, d]` tensors on q's device, or both None. Returns them
+    fp32 and contiguous (no copy when they already are)."""
+    if k_mean is None and v_mean is None:
+        return None, None
+    if k_mean is None or v_mean is None:
+        raise ValueError(f"{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
+                         f"v_mean (or neither)")
+    want = (k_codes.shape[1], q.shape[2])
+    out = []
+    for name, m in (("k_mean", k_mean), ("v_mean", v_mean)):
+        check_tensor(name, m, dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
+        if tuple(m.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} (KV heads, head_dim), got {tuple(m.shape)}")
+        out.append(m if m.dtype == torch.float32 and m.is_contiguous() else m.float().contiguous())
+    return tuple(out)
+
+
 def _scale(sm_scale: float | None, d: int) -> float:
     return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
 
@@ -130,7 +148,7 @@ def _scale(sm_scale: float | None, d: int) -> float:
 # ------------------------------------------------------------------------------------------------- API
 def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                           sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          whole_pages: bool = False, options=None):
+                          whole_pages: bool = False, options=None, k_mean=None, v_mean=None):
     """Decode attention over the paged INT2 history.
 
     Args:
@@ -140,17 +158,20 @@ def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         whole_pages: promise that every hist_len is a multiple of the page size (as PagedKVCache keeps it); the
         production kernel then skips all masking (tokens of a partial last page would be ignored).
         options: `DecodeOptions` (None: `DEFAULT_OPTIONS`).
+        k_mean, v_mean: `[H_kv, d]` means of a centered cache (rotated basis; the pools hold quant(x - mu)), or
+        None (uncentered, no extra work): history logits get + q.mu_k * sm_scale, the history output + mu_v.
     Returns:
         o fp32 `[B, H_q, d]` (0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where hist_len == 0).
     """
     _check_q(q)
     _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
+    k_mean, v_mean = _check_means(k_mean, v_mean, q, k_codes)
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
         return paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                   block_table, hist_len, scale)
+                                                   block_table, hist_len, scale, k_mean, v_mean)
     return _launch().history(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                             hist_len, scale, num_splits, whole_pages, _options(options, None))
+                             hist_len, scale, num_splits, whole_pages, _options(options, None), k_mean, v_mean)
 
 
 def window_attention(q, k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, backend: str = "auto",
@@ -200,7 +221,7 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
                      k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
                      window_splits: int | None = None, backend: str = "auto", validate: bool = True,
                      whole_pages: bool = False, counters: torch.Tensor | None = None, fused: bool | None = None,
-                     options=None):
+                     options=None, k_mean=None, v_mean=None):
     """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention`
     and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`.
 
@@ -214,6 +235,10 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
     `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
     which lets the production kernel skip all masking.
 
+    `k_mean`, `v_mean`: `[H_kv, d]` means of a centered cache (see `int2_decode_attention`); only the history
+    segment is corrected, so the merge with the windows stays exact. With `validate=False` they must already be
+    fp32 and contiguous.
+
     `validate=False` skips the argument checks: only for callers that built the pools and tables themselves,
     like `PagedKVCache`, which checks them once."""
     if validate:
@@ -222,10 +247,11 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
         _check_window(q, k_win, v_win, slot_ids, win_len)
         if k_win.shape[1] != k_codes.shape[1]:
             raise ValueError(f"k_win: {k_win.shape[1]} KV heads, but k_codes has {k_codes.shape[1]}")
+        k_mean, v_mean = _check_means(k_mean, v_mean, q, k_codes)
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
         o_h, l_h = paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                       block_table, hist_len, scale)
+                                                       block_table, hist_len, scale, k_mean, v_mean)
         o_w, l_w = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
         return paged_ref.merge_pair(o_h, l_h, o_w, l_w)
     opts = _options(options, fused)
@@ -236,7 +262,7 @@ def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bloc
                              f"{q.shape[0] * k_codes.shape[1]} elements, got shape {tuple(counters.shape)}")
     return _launch().decode(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                             hist_len, k_win, v_win, slot_ids, win_len, scale, num_splits, window_splits,
-                            whole_pages, counters, opts)
+                            whole_pages, counters, opts, k_mean, v_mean)
 
 
 def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor) -> torch.Tensor:

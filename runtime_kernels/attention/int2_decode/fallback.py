@@ -54,7 +54,7 @@ def _dequant_quarter(c, zs, ss, gi, cm):
 
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_fallback_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, km_ptr, vm_ptr,
     qk_scale, split_offset,
     stride_qb, stride_qh,
     stride_kcp, stride_kch, stride_kcr,
@@ -66,9 +66,10 @@ def _int2_decode_fallback_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
     GS: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
-    INTERP: tl.constexpr, KFOLD: tl.constexpr,
+    INTERP: tl.constexpr, KFOLD: tl.constexpr, CENTER: tl.constexpr,
 ):
     # KFOLD (bf16 queries, one group per row): the K codes keep their +128 offset, folded into the zero term.
+    # CENTER: centered pools (means km/vm fp32 `[H_kv, d]`): lse + q.mu_k * sm_scale, o + mu_v (see `kernel.py`).
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -182,9 +183,26 @@ def _int2_decode_fallback_kernel(
     inv, lse = _softmax_finish(m_i, l_i)
     o_row = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh
              + (split_offset + sp) * stride_os + offs_j[None, :])
-    tl.store(o_row, (acc0 - acc_z[:, None]) * inv[:, None], mask=qm)
-    tl.store(o_row + Q, (acc1 - acc_z[:, None]) * inv[:, None], mask=qm)
-    tl.store(o_row + 2 * Q, (acc2 - acc_z[:, None]) * inv[:, None], mask=qm)
-    tl.store(o_row + 3 * Q, (acc3 - acc_z[:, None]) * inv[:, None], mask=qm)
+    o0 = (acc0 - acc_z[:, None]) * inv[:, None]
+    o1 = (acc1 - acc_z[:, None]) * inv[:, None]
+    o2 = (acc2 - acc_z[:, None]) * inv[:, None]
+    o3 = (acc3 - acc_z[:, None]) * inv[:, None]
+    if CENTER:
+        km = km_ptr + h * (4 * Q) + offs_j
+        vm = vm_ptr + h * (4 * Q) + offs_j
+        qmu = tl.sum(q0.to(tl.float32) * tl.load(km, mask=j_ok, other=0.0)[None, :]
+                     + q1.to(tl.float32) * tl.load(km + Q, mask=j_ok, other=0.0)[None, :]
+                     + q2.to(tl.float32) * tl.load(km + 2 * Q, mask=j_ok, other=0.0)[None, :]
+                     + q3.to(tl.float32) * tl.load(km + 3 * Q, mask=j_ok, other=0.0)[None, :], axis=1)
+        lse = lse + qmu * (qk_scale * 0.6931471805599453)  # -inf stays -inf
+        has = (l_i > 0.0)[:, None]
+        o0 += tl.where(has, tl.load(vm, mask=j_ok, other=0.0)[None, :], 0.0)
+        o1 += tl.where(has, tl.load(vm + Q, mask=j_ok, other=0.0)[None, :], 0.0)
+        o2 += tl.where(has, tl.load(vm + 2 * Q, mask=j_ok, other=0.0)[None, :], 0.0)
+        o3 += tl.where(has, tl.load(vm + 3 * Q, mask=j_ok, other=0.0)[None, :], 0.0)
+    tl.store(o_row, o0, mask=qm)
+    tl.store(o_row + Q, o1, mask=qm)
+    tl.store(o_row + 2 * Q, o2, mask=qm)
+    tl.store(o_row + 3 * Q, o3, mask=qm)
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
              lse, mask=g_ok)

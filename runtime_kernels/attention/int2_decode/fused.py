@@ -28,7 +28,7 @@ from runtime_kernels.attention.int2_decode.window import _window_chunk_t
 def _decode_grid_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr,
     kw_ptr, vw_ptr, slot_ptr, wlen_ptr,
-    op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr,
+    op_ptr, lp_ptr, o_ptr, lse_ptr, cnt_ptr, km_ptr, vm_ptr,
     qk_scale, s_hist,
     stride_qb, stride_qh,
     # Pool strides are compile-time constants (see `kernel._int2_decode_kernel`).
@@ -43,7 +43,7 @@ def _decode_grid_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
-    VPAIR: tl.constexpr, KI8: tl.constexpr,
+    VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr,
 ):
@@ -59,8 +59,8 @@ def _decode_grid_kernel(
             stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            b, h, sp, s_hist,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8)
+            b, h, sp, s_hist, km_ptr, vm_ptr,
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER)
     else:
         _window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,

@@ -90,6 +90,17 @@ def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.co
 
 
 @triton.jit
+def _store_pos_centered(o_cols, acc, z2, inv2, offs_u, omask, vm_h, vm_ok, POS: tl.constexpr, Q: tl.constexpr,
+                        INV_M: tl.constexpr):
+    """`_store_pos` of a centered cache: the history's V mean `vm_h [d]` (this KV head) added to the normalised
+    output of every column with tokens (vm_ok `[NQ]`; an empty chunk stays 0)."""
+    ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
+    mv = tl.load(vm_h + ch, mask=ch < 4 * Q, other=0.0)
+    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :]
+             + tl.where(vm_ok[None, :], mv[:, None], 0.0), mask=omask)
+
+
+@triton.jit
 def _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, ROWS: tl.constexpr,
                      GP: tl.constexpr, NQ: tl.constexpr, INTERP: tl.constexpr):
     """Raw scores `[ROWS, GP]` of ROWS tokens: the 8 code positions' operands `[ROWS, U_PAD]` against their query
@@ -414,16 +425,19 @@ def _int2_chunk(
     stride_btb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    b, h, sp, n_split,
+    b, h, sp, n_split, km_ptr, vm_ptr,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr,
+    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split): one chunk of sequence b's history, KV head h -> the partial output and
     log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel). kc_ptr / vc_ptr: the code
     pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units. FULL_TILES: whole pages
     promised (four unmasked 16-token pieces per tile when BLOCK_N = 64). VPAIR: the V zero of a row is the fp16
-    right after its scale (paired pools). KI8: scores by int8 MMAs against the query's hi/lo int8 split."""
+    right after its scale (paired pools). KI8: scores by int8 MMAs against the query's hi/lo int8 split.
+    CENTER: the pools hold x - mu (per KV head, rotated basis; km_ptr / vm_ptr fp32 `[H_kv, d]`): every history logit
+    gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
+    (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
@@ -556,22 +570,42 @@ def _int2_chunk(
               + (split_offset + sp) * stride_os)
     omask = u_ok[:, None] & (c_ok & (c_half == 0))[None, :]
     US: tl.constexpr = 16777216.0  # the V operands carried a factor 2^-24
-    _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, US * 1.0)
-    _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, US * 0.25)
-    _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, US * 0.0625)
-    _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, US * 0.015625)
-    _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, US * 0.00390625)
-    _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, US * 0.0625)
-    _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, US * 0.015625)
-    _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, US * 0.00390625)
     offs_g = tl.arange(0, GP)
+    if CENTER:
+        D_PAD: tl.constexpr = 8 * U_PAD
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < 4 * Q
+        q_rows = (q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh
+                  + offs_d[None, :])
+        qf = tl.load(q_rows, mask=(offs_g < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        mk = tl.load(km_ptr + h * (4 * Q) + offs_d, mask=d_ok, other=0.0)
+        lse = lse + tl.sum(qf * mk[None, :], axis=1) * (qk_scale * 0.6931471805599453)  # -inf stays -inf
+        vm_h = vm_ptr + h * (4 * Q)
+        vm_ok = tl.reshape(tl.join(l_i > 0.0, l_i > 0.0), [NQ])
+        _store_pos_centered(o_cols, acc0, z2, inv2, offs_u, omask, vm_h, vm_ok, 0, Q, US * 1.0)
+        _store_pos_centered(o_cols, acc1, z2, inv2, offs_u, omask, vm_h, vm_ok, 1, Q, US * 0.25)
+        _store_pos_centered(o_cols, acc2, z2, inv2, offs_u, omask, vm_h, vm_ok, 2, Q, US * 0.0625)
+        _store_pos_centered(o_cols, acc3, z2, inv2, offs_u, omask, vm_h, vm_ok, 3, Q, US * 0.015625)
+        _store_pos_centered(o_cols, acc4, z2, inv2, offs_u, omask, vm_h, vm_ok, 4, Q, US * 0.00390625)
+        _store_pos_centered(o_cols, acc5, z2, inv2, offs_u, omask, vm_h, vm_ok, 5, Q, US * 0.0625)
+        _store_pos_centered(o_cols, acc6, z2, inv2, offs_u, omask, vm_h, vm_ok, 6, Q, US * 0.015625)
+        _store_pos_centered(o_cols, acc7, z2, inv2, offs_u, omask, vm_h, vm_ok, 7, Q, US * 0.00390625)
+    else:
+        _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, US * 1.0)
+        _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, US * 0.25)
+        _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, US * 0.0625)
+        _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, US * 0.015625)
+        _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, US * 0.00390625)
+        _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, US * 0.0625)
+        _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, US * 0.015625)
+        _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, US * 0.00390625)
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
              lse, mask=offs_g < GROUP)
 
 
 @triton.jit(do_not_specialize=["split_offset"])
 def _int2_decode_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, km_ptr, vm_ptr,
     qk_scale, split_offset,
     stride_qb, stride_qh,
     # Pool strides are compile-time constants: the cache's pools are contiguous, so they follow from the geometry
@@ -586,7 +620,7 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr,
+    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
 ):
     # Grid (B, H_kv, num_splits); q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row.
     _int2_chunk(
@@ -594,5 +628,5 @@ def _int2_decode_kernel(
         stride_qb, stride_qh, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8)
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), km_ptr, vm_ptr,
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER)

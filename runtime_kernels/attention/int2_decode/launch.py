@@ -157,7 +157,8 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions) -> dict:
+def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
+                     centered: bool = False) -> dict:
     """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid)."""
     u = k_codes.shape[3] // 2  # int16 words per row
     u_pad = max(16, next_pow2(u))
@@ -168,7 +169,7 @@ def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: Decod
                 BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
                 VPAIR=pieces and paired_v_pools(v_scale, v_zero),
                 # int8 score MMAs need 32 or 64 code bytes per row (head_dim 128 or 256)
-                KI8=pieces and u == u_pad and (2 * u) % 32 == 0 and 2 * u <= 64)
+                KI8=pieces and u == u_pad and (2 * u) % 32 == 0 and 2 * u <= 64, CENTER=bool(centered))
 
 
 def pool_strides(q, kc, k_scale, vc, v_scale, block_table) -> tuple:
@@ -188,17 +189,23 @@ def partial_strides(o_part, lse_part) -> tuple:
 
 
 def _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                  sm_scale: float, split_offset: int) -> tuple:
-    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                  sm_scale: float, split_offset: int, k_mean, v_mean) -> tuple:
+    k_mean, v_mean = _mean_ptrs(q, k_mean, v_mean)
+    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part, k_mean, v_mean,
             sm_scale * 1.4426950408889634, split_offset,
             *pool_strides(q, kc, k_scale, vc, v_scale, block_table), *partial_strides(o_part, lse_part))
 
 
+def _mean_ptrs(q, k_mean, v_mean) -> tuple:
+    """The centered cache's means as kernel arguments (q stands in as an unused pointer when uncentered)."""
+    return (q, q) if k_mean is None else (k_mean, v_mean)
+
+
 def chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_len, whole_pages: bool,
-              opts: DecodeOptions) -> tuple:
+              opts: DecodeOptions, centered: bool = False) -> tuple:
     """Everything that selects a different compiled history chunk: constexprs, pool strides (the code pools' in
     bytes), options, dtypes and Triton's specialisation of the block-table stride."""
-    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts)
+    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, centered)
     return (q.device.index, q.dtype, opts, block_table.dtype, hist_len.dtype, block_table.stride(0) % 16 == 0,
             pool_strides(q, k_codes, k_scale, v_codes, v_scale, block_table)[2:14], tuple(constexprs.values()))
 
@@ -206,18 +213,20 @@ def chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_l
 # ----------------------------------------------------------------------------------------------- launches
 def launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                    sm_scale: float, num_splits: int, split_offset: int, whole_pages: bool, opts: DecodeOptions,
-                   warmup: bool = False):
+                   warmup: bool = False, k_mean=None, v_mean=None):
     """Write the history partials into splits `[split_offset, split_offset + num_splits)` of `o_part [B, H_q, S, d]`
     and `lse_part [B, H_q, S]` (fp32): the production kernel where it applies, else the fallback. Inputs are
     validated by the functional API. `whole_pages` promises hist_len % page_size == 0 (a partial last page would be
-    ignored by the production kernel). Returns Triton's compiled-kernel handle (`warmup`: compile only)."""
+    ignored by the production kernel). k_mean, v_mean: fp32 `[H_kv, d]` contiguous means of a centered cache, or
+    None. Returns Triton's compiled-kernel handle (`warmup`: compile only)."""
     b, h_q, d = q.shape
     grid = (b, k_codes.shape[1], num_splits)
     if production_ok(q, k_codes, k_scale, v_codes, opts):
         kc, vc = int16_views(k_codes, v_codes)
         args = _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                             sm_scale, split_offset)
-        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts), num_warps=opts.num_warps,
+                             sm_scale, split_offset, k_mean, v_mean)
+        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
+                  num_warps=opts.num_warps,
                   num_stages=opts.num_stages)
         if warmup:
             return kernel._int2_decode_kernel.warmup(*args, grid=grid, **kw)
@@ -227,11 +236,11 @@ def launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_
     group = h_q // k_codes.shape[1]
     ng = k_scale.shape[3]
     args = _history_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
-                         lse_part, sm_scale, split_offset)
+                         lse_part, sm_scale, split_offset, k_mean, v_mean)
     return fallback._int2_decode_fallback_kernel[grid](
         *args, GROUP=group, G_PAD=max(16, next_pow2(group)), Q=d // 4, Q_PAD=max(16, next_pow2(d // 4)),
         GS=d // ng, NG=ng, P=k_codes.shape[2], BLOCK_N=opts.block_n, FP32=q.dtype.itemsize == 4,
-        INTERP=interpreting(), KFOLD=ng == 1 and q.dtype == torch.bfloat16,
+        INTERP=interpreting(), KFOLD=ng == 1 and q.dtype == torch.bfloat16, CENTER=k_mean is not None,
         num_warps=opts.num_warps, num_stages=opts.num_stages)
 
 
@@ -267,7 +276,7 @@ def _reduce_block(group: int, d: int, total: int) -> int:
 
 def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
                 slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int, whole_pages: bool,
-                opts: DecodeOptions, warmup: bool = False):
+                opts: DecodeOptions, warmup: bool = False, k_mean=None, v_mean=None):
     """Run the production grid (`fused._decode_grid_kernel`; `grid_ok` must hold). opts.fused: one launch ->
     (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`), counters int32 `[>= B * H_kv]`, all zero (left zero). Else
     -> the partials (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`, S = s_hist + s_win) for
@@ -282,14 +291,15 @@ def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tab
     kc, vc = int16_views(k_codes, v_codes)
     if counters is None:  # the two-launch form never touches them
         counters = hist_len
+    km, vm = _mean_ptrs(q, k_mean, v_mean)
     args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
-            o_part, lse_part, o, lse, counters,
+            o_part, lse_part, o, lse, counters, km, vm,
             sm_scale * 1.4426950408889634, s_hist,
             *pool_strides(q, kc, k_scale, vc, v_scale, block_table),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *partial_strides(o_part, lse_part))
-    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts),
+    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
               NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=next_pow2(total), MERGE=bool(opts.fused),
@@ -318,13 +328,13 @@ def grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block
 
 
 def history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, sm_scale: float,
-            num_splits: int | None, whole_pages: bool, opts: DecodeOptions):
+            num_splits: int | None, whole_pages: bool, opts: DecodeOptions, k_mean=None, v_mean=None):
     """History-only decode attention -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
     splits = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                               hist_len, whole_pages, opts)
     o_part, lse_part = _partials(q, splits)
     launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                   sm_scale, splits, 0, whole_pages, opts)
+                   sm_scale, splits, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
     return merge.reduce_splits_triton(o_part, lse_part)
 
 
@@ -339,7 +349,7 @@ def windows(q, k_win, v_win, slot_ids, win_len, sm_scale: float, num_splits: int
 
 def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
            win_len, sm_scale: float, num_splits: int | None, window_splits: int | None, whole_pages: bool,
-           counters: torch.Tensor | None, opts: DecodeOptions):
+           counters: torch.Tensor | None, opts: DecodeOptions, k_mean=None, v_mean=None):
     """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
     b = q.shape[0]
     h_kv = k_codes.shape[1]
@@ -354,14 +364,15 @@ def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, h
             s_h, s_w = grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
                                        k_win, v_win, slot_ids, win_len, whole_pages, opts)
         out = launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                          v_win, slot_ids, win_len, counters, sm_scale, s_h, s_w, whole_pages, opts)
+                          v_win, slot_ids, win_len, counters, sm_scale, s_h, s_w, whole_pages, opts,
+                          k_mean=k_mean, v_mean=v_mean)
         return out if opts.fused else merge.reduce_splits_triton(*out)
     s_h = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                            hist_len, whole_pages, opts)
     s_w = window_splits or window_num_splits(q, k_win, opts)
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                   sm_scale, s_h, 0, whole_pages, opts)
+                   sm_scale, s_h, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
     window.launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale, s_w, s_h,
                                 opts.block_n)
     return merge.reduce_splits_triton(o_part, lse_part)

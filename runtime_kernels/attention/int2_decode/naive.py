@@ -55,7 +55,8 @@ def _one_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
 def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                               v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                               block_table: torch.Tensor, hist_len: torch.Tensor,
-                              sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              sm_scale: float | None = None, k_mean: torch.Tensor | None = None,
+                              v_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per sequence over its paged INT2 history.
 
     Args:
@@ -63,6 +64,8 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
         k_codes, v_codes: `[num_pages, H, P, d // 4]` uint8; k/v_scale, k/v_zero: `[num_pages, H, P, d // G]` fp16.
         block_table: int `[B, max_pages]`; hist_len: int `[B]`.
         sm_scale: softmax scale (default `1 / sqrt(d)`).
+        k_mean, v_mean: fp32 `[H, d]` means of a centered cache (the pools hold quant(x_rot - mu)): the history's
+            keys and values are dequant + mu. None: uncentered.
     Returns:
         o fp32 `[B, H_q, d]` (rotated V basis; 0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where empty).
     """
@@ -73,6 +76,9 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
         n = int(hist_len[i])
         k = gather_history(k_codes, k_scale, k_zero, block_table[i], n)
         v = gather_history(v_codes, v_scale, v_zero, block_table[i], n)
+        if k_mean is not None:
+            k = k + k_mean.float()[:, None, :]
+            v = v + v_mean.float()[:, None, :]
         o, lse = _one_segment(q[i], k, v, sm_scale)
         outs.append(o)
         lses.append(lse)
@@ -126,20 +132,22 @@ def merge_attention_ref(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tenso
 
 
 def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                      group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      group_size: int | None = None, mean: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale fp16 `[T, H, d // G]`, zero fp16 `[T, H, d // G]`)."""
-    return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size)
+    return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size, mean=mean)
 
 
 def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                     codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
-                    page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None) -> None:
+                    page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
+                    mean: torch.Tensor | None = None) -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]` (in place).
 
     Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16;
     page_ids, rows: int `[T]`.
     """
-    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size)
+    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean)
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
