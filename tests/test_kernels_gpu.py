@@ -278,3 +278,23 @@ def test_paged_cache_serving_shapes_on_gpu():
         out[dev] = cache.decode_attention(0, q.to(dev).to(torch.bfloat16), ids).cpu()
         assert [cache.hist_len(i) for i in ids] == [64 * ((n + 70 - 64 - 256) // 64) for n in (330, 1000, 4500)]
     assert rel_rmse(out["cuda"], out["cpu"]) < 1e-2
+
+
+def test_centered_decode_on_gpu():
+    """Centered pools at Qwen3-8B geometry, both launch forms: the kernels against the torch definition (history
+    dequantized + mean), and zero means bit-identical to the uncentered call."""
+    args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0], pool_seed=30, seed=21, min_window=1)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    k_mean, v_mean = (torch.randn(8, 128, generator=gen, device=DEV) * 3 for _ in range(2))
+    o_ref, lse_ref = A.decode_attention(*args, backend="torch", k_mean=k_mean, v_mean=v_mean)
+    zeros = torch.zeros(8, 128, device=DEV)
+    for fused in (False, True):
+        o, lse = A.decode_attention(*args, whole_pages=True, fused=fused, k_mean=k_mean, v_mean=v_mean)
+        assert rel_rmse(o, o_ref) < 2e-2
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        s_h, _ = A.decode_num_splits(*args, whole_pages=True, fused=fused)
+        o0, l0 = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
+        oz, lz = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h, k_mean=zeros,
+                                    v_mean=zeros)
+        assert torch.equal(o0, oz) and torch.equal(l0, lz)
+
