@@ -41,6 +41,15 @@ def save_checkpoint(path: Path, totals: dict[int, LayerStats], next_sample: int,
     atomic_save_safetensors(sums_to_tensors(totals), meta, Path(path))
 
 
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Delete temporary files a killed run left beside the checkpoint `path` (never the checkpoint itself)."""
+    path = Path(path)
+    stale = sorted(path.parent.glob(f".{path.name}.tmp-*")) if path.parent.is_dir() else []
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return stale
+
+
 def load_checkpoint(path: Path, identity: dict) -> Checkpoint:
     """Read the checkpoint at `path` and check it was made by a run with this `identity`.
 

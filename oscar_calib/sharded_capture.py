@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from oscar_calib.capture import CaptureSession, capturing, forward_batch
-from oscar_calib.checkpoint import load_checkpoint, save_checkpoint
+from oscar_calib.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from oscar_calib.distributed import DistContext, gather_partials, pack_partial, unpack_partial
 from oscar_calib.errors import InputError
 from oscar_calib.placement import input_device
@@ -67,6 +67,8 @@ def make_accumulator(plan: CapturePlan):
         rank = plan.dist.rank if plan.dist else 0
         totals: dict[int, LayerStats] = {}
         first = 0
+        if plan.checkpoint_path is not None and rank == 0:
+            remove_stale_temporaries(plan.checkpoint_path)
         if plan.resume:
             ckpt = load_checkpoint(plan.checkpoint_path, plan.identity)
             offset = ckpt.next_sample - start

@@ -142,8 +142,11 @@ def make_provenance(config, dtype: torch.dtype, *, model_id: str | None = None, 
 
 
 def first_difference(expected: dict, got: dict, prefix: str = "") -> tuple[str, object, object] | None:
-    """The first (dotted field, expected value, got value) where two nested dicts differ, or None."""
-    for key in sorted(set(expected) | set(got)):
+    """The first (dotted field, expected value, got value) where two nested dicts differ, or None.
+
+    Fields are visited in `got`'s order (data before capture settings), so the message names the cause.
+    """
+    for key in [*got, *(k for k in expected if k not in got)]:
         a, b = expected.get(key), got.get(key)
         name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
