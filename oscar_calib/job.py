@@ -269,7 +269,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     main_rank = ctx is None or ctx.is_main
     console = console or Console(stderr=True, quiet=not main_rank)
     check_output_dir(out_dir, overwrite)
-    if options.resume and options.checkpoint_every is None and not options.checkpoint_path(out_dir).exists():
+    if options.resume and not options.checkpoint_path(out_dir).exists():
         raise InputError(f"--resume: no checkpoint at {options.checkpoint_path(out_dir)} (pass --checkpoint PATH)")
     if config.max_memory is not None and config.device_map is None:
         raise InputError("--max-memory needs --device-map (auto, balanced, balanced_low_0 or sequential)")

@@ -202,6 +202,7 @@ def test_bad_statistics_files_are_refused(tmp_path, monkeypatch, capsys, referen
 
 
 # -- data parallel -------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # subprocesses (torch + transformers start-up each); still part of `make test`
 def test_two_gloo_ranks_give_the_one_process_bytes(model_dir, text_file, tmp_path, reference):
     out = tmp_path / "dp"
     proc = run_sub(torchrun("-m", "oscar_calib", *args(model_dir, text_file, out)))
@@ -211,6 +212,7 @@ def test_two_gloo_ranks_give_the_one_process_bytes(model_dir, text_file, tmp_pat
     assert json.loads((out / "calibration_log.json").read_text())["run"]["world_size"] == 2
 
 
+@pytest.mark.slow  # subprocesses (torch + transformers start-up each); still part of `make test`
 def test_a_killed_rank_fails_the_job_with_no_artifact(model_dir, text_file, tmp_path):
     out = tmp_path / "dp"
     proc = run_sub(torchrun(str(ROOT / "tests" / "fault_runner.py"), "forward:2", "KILL", "1", "--",
@@ -256,6 +258,7 @@ def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(
     assert digests(out) == digests(reference) and not ckpt.exists()
 
 
+@pytest.mark.slow  # subprocesses (torch + transformers start-up each); still part of `make test`
 def test_sigkill_at_several_points_then_resume_gives_the_same_bytes(model_dir, text_file, tmp_path, reference):
     out, ckpt = tmp_path / "art", tmp_path / "art.checkpoint.safetensors"
     runner = [sys.executable, str(ROOT / "tests" / "fault_runner.py")]
