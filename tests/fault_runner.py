@@ -69,3 +69,23 @@ def _arm(point: str, n: int, sig: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def gather_with_a_dead_peer(rank: int, port: int, queue) -> None:
+    """Process-group member for tests: rank 1 leaves right after joining; rank 0 then gathers and reports."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    import torch
+
+    from oscar_calib import distributed
+    from oscar_calib.errors import CaptureError
+
+    ctx = distributed.from_environment()
+    distributed.initialise(ctx, "cpu")
+    if rank == 1:
+        os._exit(1)  # a rank that dies without a word
+    try:
+        distributed.gather_partials(ctx, torch.zeros(3, dtype=torch.float64))
+        queue.put("no error")
+    except CaptureError as exc:
+        queue.put(f"CaptureError: {exc}")

@@ -218,8 +218,36 @@ def test_a_killed_rank_fails_the_job_with_no_artifact(model_dir, text_file, tmp_
     proc = run_sub(torchrun(str(ROOT / "tests" / "fault_runner.py"), "forward:2", "KILL", "1", "--",
                             *args(model_dir, text_file, out)))
     assert proc.returncode != 0
-    assert "failed" in proc.stderr.lower() or "signal" in proc.stderr.lower(), proc.stderr[-3000:]
+    # the launcher stops rank 0 and names the root cause: rank 1, killed
+    assert "Signal 9 (SIGKILL)" in proc.stderr and "rank      : 1" in proc.stderr, proc.stderr[-3000:]
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".dp.")]
+
+
+def test_a_dead_peer_turns_into_a_clear_capture_error(monkeypatch):
+    """Without a launcher to stop the others, the collective itself fails and names the rank."""
+    import multiprocessing as mp
+    import socket
+
+    import fault_runner
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=fault_runner.gather_with_a_dead_peer, args=(r, port, queue)) for r in (0, 1)]
+    monkeypatch.setenv("OSCAR_CALIB_DIST_TIMEOUT", "30")  # the children inherit it
+    try:
+        for p in procs:
+            p.start()
+        message = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert message.startswith("CaptureError: data parallel: rank 0 of 2: exchanging statistics"), message
+    assert "no artifact is written" in message
 
 
 # -- checkpoint and resume -----------------------------------------------------------------------------------------
