@@ -245,7 +245,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
         raise InputError("statistics have no held-out capture (keys, values, queries of the held-out sequences); "
                          "the clip fit needs it: use the statistics file written by `oscar-calib run`")
     session = statistics.holdout_on(device) if device is not None else statistics
-    timings = dict(getattr(statistics, "timings", {}))
+    timings = dict(statistics.timings)
 
     t0 = time.perf_counter()
     k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target, settings.granularity)
