@@ -150,12 +150,14 @@ def test_merge_of_two_halves_equals_the_whole(model_dir, text_file, tmp_path, mo
         assert (a.query_count, a.token_count) == (b.query_count, b.token_count)
         for name in ("key_sum", "attn_out_sum", "logit_v_sum", "logit_w_sum"):
             x, y = getattr(a, name), getattr(b, name)
-            # (s0 + s1) + (s2 + s3) against ((s0 + s1) + s2) + s3: fp64 summation order only
-            assert ((x - y).abs().max() / y.abs().max()).item() < 1e-14, name
+            # (s0 + s1) + (s2 + s3 + s4) against (((s0 + s1) + s2) + s3) + s4: fp64 summation order only. The
+            # per-batch terms are fp32 products, so a few of them add exactly in fp64 (measured: 0); allow 4 ulp.
+            assert ((x - y).abs().max() / y.abs().max()).item() <= 4 * torch.finfo(torch.float64).eps, name
     art_m, _ = artifact_from_statistics(merged, compare_alternatives=False)
     art_w = read_artifact(reference)
     assert torch.equal(art_m.k_clip_ratio, art_w.k_clip_ratio) and torch.equal(art_m.v_clip_ratio, art_w.v_clip_ratio)
-    assert (art_m.k_rotation - art_w.k_rotation).abs().max() < 1e-5
+    assert (art_m.k_rotation - art_w.k_rotation).abs().max() < 1e-6  # measured: 0 (the sums are the same bits)
+    assert (art_m.v_rotation - art_w.v_rotation).abs().max() < 1e-6
     # Refusals name the field.
     code, _, stderr = run_cli(["stats", "merge", str(tmp_path / "s0"), str(tmp_path / "s0"), "--out",
                                str(tmp_path / "x.safetensors")], monkeypatch, capsys)
@@ -182,7 +184,7 @@ def test_statistics_merge_by_addition_in_memory():
     b = capture_statistics(model, ids[2:4], hold, holdout_queries=8, sample_ranges=[[2, 4]])
     merged = merge_statistics([("b", b), ("a", a)], "2023-11-14T22:13:20Z")
     assert merged.provenance.sample_ranges == [[0, 4]]
-    torch.testing.assert_close(merged.stats[0].key_sum, whole.stats[0].key_sum, rtol=1e-14, atol=0)
+    torch.testing.assert_close(merged.stats[0].key_sum, whole.stats[0].key_sum, rtol=4e-16, atol=0)
     c = capture_statistics(model, ids[1:3], hold, holdout_queries=8, sample_ranges=[[1, 3]])
     with pytest.raises(InputError, match="sample_ranges"):
         merge_statistics([("a", a), ("c", c)], "")
@@ -199,6 +201,12 @@ def test_bad_statistics_files_are_refused(tmp_path, monkeypatch, capsys, referen
     code, _, stderr = run_cli(["stats", "merge", str(reference), "--out", str(tmp_path / "m.safetensors")],
                               monkeypatch, capsys)
     assert code == 2 and "at least two" in stderr
+    code, _, stderr = run_cli(["stats", "merge", str(reference), str(reference), "--out", str(tmp_path)],
+                              monkeypatch, capsys)
+    assert code == 2 and "is a directory" in stderr
+    code, _, stderr = run_cli(["refit", str(reference), "--out", str(tmp_path / "o"), "--device", "tpu"],
+                              monkeypatch, capsys)
+    assert code == 2 and "--device tpu" in stderr and not (tmp_path / "o").exists()
 
 
 # -- data parallel -------------------------------------------------------------------------------------------------

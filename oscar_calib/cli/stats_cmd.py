@@ -60,6 +60,11 @@ def refit_cmd(
         raise InputError(f"option '{field}': {first['msg']} (got {first.get('input')!r})") from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):
         raise InputError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: no CUDA device is visible (expected cpu, or a machine with a GPU)")
     refit(stats, out, settings, overwrite=overwrite, device=device or "cpu")
     typer.echo(str(out))
 
