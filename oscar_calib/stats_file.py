@@ -337,6 +337,11 @@ def load_statistics(path: str | os.PathLike) -> CalibrationStatistics:
     except ValueError as exc:
         raise InputError(f"{where}: metadata field 'scaling' is {meta.get('scaling')!r}, expected a number") from exc
     stats = sums_from_tensors(tensors, where)
+    geometry = provenance.geometry
+    h_kv, d = tuple(tensors["key_sum"].shape[1:3])
+    if (geometry.get("num_key_value_heads"), geometry.get("head_dim")) != (h_kv, d):
+        raise InputError(f"{where}: metadata field 'geometry' says {geometry}, but 'key_sum' holds {h_kv} KV heads "
+                         f"of head_dim {d}")
     holdout = _holdout_from_tensors(tensors, sorted(stats), where)
     return CalibrationStatistics(stats, holdout, scaling, provenance)
 
