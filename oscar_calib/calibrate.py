@@ -8,11 +8,12 @@ and `artifact_from_statistics` (statistics -> artifact, no model: what `oscar-ca
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -227,6 +228,19 @@ def capture_statistics(model, input_ids: torch.Tensor, holdout_ids: torch.Tensor
                                  timings={"forward_capture_s": capture_s})
 
 
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Run CPU ops single-threaded: LAPACK's eigh and fp64 matmuls block their sums by thread count, so the
+    rotations' last bits would otherwise depend on the machine (measured: 1 ulp on the tiny-qwen3 fixture).
+    The solve is `A x H_kv` eigendecompositions of `d x d`, cheap on one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def artifact_from_statistics(statistics: CalibrationStatistics, settings: SolverSettings | None = None, *,
                              compare_alternatives: bool = True,
                              device: torch.device | str | None = None) -> tuple[OscarArtifact, CalibrationReport]:
@@ -248,7 +262,9 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     timings = dict(statistics.timings)
 
     t0 = time.perf_counter()
-    k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target, settings.granularity)
+    with one_cpu_thread():  # the same bits whatever the thread count (torchrun sets OMP_NUM_THREADS=1 per rank)
+        k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target,
+                                                settings.granularity)
     fits = _fit_all(session, layer_ids, k_rot, v_rot, settings)
     comparison = {}
     if compare_alternatives:

@@ -370,3 +370,37 @@ def test_artifact_from_statistics_needs_the_holdout(model_dir):
     stats.holdout = {}
     with pytest.raises(InputError, match="held-out capture"):
         artifact_from_statistics(stats, SolverSettings())
+
+
+def test_artifact_bits_do_not_depend_on_the_thread_count():
+    """torchrun runs each rank with OMP_NUM_THREADS=1; the solve must give the one-process bits anyway
+    (without pinning, eigh and the fp64 matmul of d = 128 targets differ in the last bit between 1 and 2 threads)."""
+    from oscar_calib.capture import HoldoutRows
+    from oscar_calib.stats import LayerStats
+    from oscar_calib.stats_file import CalibrationStatistics, StatsProvenance
+
+    g = torch.Generator().manual_seed(0)
+    layers, h_kv, h_q, d, t, n = 2, 8, 16, 128, 16, 8
+
+    def spd():
+        x = torch.randn(h_kv, 4 * d, d, generator=g, dtype=torch.float64)
+        return x.transpose(1, 2) @ x
+
+    stats = {i: LayerStats(spd(), spd(), spd(), torch.rand(h_kv, generator=g, dtype=torch.float64) + 1, 100, 50)
+             for i in range(layers)}
+    holdout = {i: HoldoutRows([torch.randn(1, h_kv, t, d, generator=g)], [torch.randn(1, h_kv, t, d, generator=g)],
+                              [torch.randn(1, h_q, n, d, generator=g)], [torch.arange(t - n, t)[None]])
+               for i in range(layers)}
+    geometry = {"num_hidden_layers": layers, "num_attention_heads": h_q, "num_key_value_heads": h_kv, "head_dim": d}
+    statistics = CalibrationStatistics(stats, holdout, d ** -0.5,
+                                       StatsProvenance("m", "r", "h", geometry, {}, {}, [[0, 1]], [], EPOCH))
+    before = torch.get_num_threads()
+    arts = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            arts.append(artifact_from_statistics(statistics, compare_alternatives=False)[0])
+    finally:
+        torch.set_num_threads(before)
+    for name, tensor in arts[0].tensors().items():
+        assert torch.equal(tensor, getattr(arts[1], name)), name
