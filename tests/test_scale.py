@@ -404,3 +404,25 @@ def test_artifact_bits_do_not_depend_on_the_thread_count():
         torch.set_num_threads(before)
     for name, tensor in arts[0].tensors().items():
         assert torch.equal(tensor, getattr(arts[1], name)), name
+
+
+def test_checkpoint_file_round_trip_and_refusals(tmp_path, reference):
+    from oscar_calib.checkpoint import load_checkpoint, save_checkpoint
+    from oscar_calib.stats import LayerStats
+
+    totals = {3: LayerStats.zeros(2, 4)}
+    totals[3].key_sum += torch.arange(32, dtype=torch.float64).reshape(2, 4, 4)
+    totals[3].query_count, totals[3].token_count = 12, 6
+    identity = {"tool_version": "oscar-calib 1", "data": {"seed": 0, "samples": 8}, "sample_range": [0, 8]}
+    path = tmp_path / "c.checkpoint.safetensors"
+    save_checkpoint(path, totals, 6, identity)
+    back = load_checkpoint(path, identity)
+    assert back.next_sample == 6 and torch.equal(back.totals[3].key_sum, totals[3].key_sum)
+    assert (back.totals[3].query_count, back.totals[3].token_count) == (12, 6)
+    assert not list(tmp_path.glob(".c.checkpoint.safetensors.tmp-*"))
+    with pytest.raises(InputError, match=r"data\.samples=8.*data\.samples=16"):
+        load_checkpoint(path, {**identity, "data": {"seed": 0, "samples": 16}})
+    with pytest.raises(InputError, match="'format'"):
+        load_checkpoint(reference / STATS_FILENAME, identity)
+    with pytest.raises(InputError, match="file not found"):
+        load_checkpoint(tmp_path / "missing.safetensors", identity)
