@@ -85,6 +85,9 @@ class CalibrationConfig(_Strict):
     device_map: Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]] = Field(
         None, description="accelerate placement across all visible devices (models larger than one GPU); "
                           "None = the whole model on `device`.")
+    max_memory: Optional[dict[str, int]] = Field(
+        None, description="Bytes accelerate may place per device ('0', '1', ... for GPUs, 'cpu', 'disk'); beyond "
+                          "them layers are offloaded (CPU, then disk). Needs device_map.")
     trust_remote_code: bool = False
 
     @model_validator(mode="after")

@@ -289,17 +289,33 @@ class PagedKVCache:
                       sink_tokens: int | None = None, recent_tokens: int | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                       clip: bool = True, backend: str = "auto") -> PagedKVCache:
-        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata)."""
+        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata).
+
+        Refused, naming the field: a quantizer this runtime does not serve (`lloyd_max` codebooks), and windows
+        that disagree with the ones a calibrated artifact's clips were fitted for (an identity artifact, which
+        fitted nothing, takes any windows).
+        """
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
         artifact.validate()
+        if artifact.quantizer != "uniform_minmax":
+            raise ValueError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; this runtime serves "
+                             "uniform_minmax INT2 only (the int8 key scores rely on uniform levels)")
+        if artifact.metadata.get("key_target") != "identity":
+            for name, asked, fitted in (("sink_tokens", sink_tokens, artifact.sink_tokens),
+                                        ("recent_tokens", recent_tokens, artifact.recent_tokens)):
+                if asked is not None and int(asked) != fitted:
+                    raise ValueError(f"{artifact.source}: {name}={asked} disagrees with the artifact's {name}="
+                                     f"{fitted} (its clips were fitted for those windows); recalibrate with "
+                                     f"--{name.split('_')[0]} {asked}, or leave {name} unset")
         return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio,
                    group_size=artifact.group_size, max_pages=max_pages, max_seqs=max_seqs, page_size=page_size,
                    sink_tokens=artifact.sink_tokens if sink_tokens is None else sink_tokens,
                    recent_tokens=artifact.recent_tokens if recent_tokens is None else recent_tokens,
                    device=device, dtype=dtype, clip=clip, backend=backend,
-                   # a centered artifact (contract v2) carries its means; older artifacts have none
-                   k_mean=getattr(artifact, "k_mean", None), v_mean=getattr(artifact, "v_mean", None))
+                   # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
+                   k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
+                   v_mean=artifact.value_mean("rotated") if artifact.is_centered else None)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from oscar_calib.calibrate import calibrate_model
+from oscar_calib.config import SolverSettings
 from runtime_kernels import load_artifact
 from runtime_kernels.artifact import write_artifact
 from runtime_kernels.hf import OscarCache, enable_oscar_attention
@@ -44,7 +45,7 @@ def cache_kw(model, cache):
 
 def fake_quant_attention(art):
     """Attention over a plain cache's full-precision K/V with the history segment `[S, S + h)` fake-quantized as
-    the artifact says (rotation, clip ratio, group size)."""
+    the artifact says (centering mean, rotation, clip ratio, group size): `fq(x - mu) + mu`."""
     pos = {int(g): i for i, g in enumerate(art.layer_ids.tolist())}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -55,11 +56,13 @@ def fake_quant_attention(art):
             h = P * (max(0, n - S - R) // P)
             if h:
                 key, value = key.clone(), value.clone()
-                for t, rot, clip in ((key, art.k_rotation[i], art.k_clip_ratio[i]),
-                                     (value, art.v_rotation[i], art.v_clip_ratio[i])):
+                for t, rot, clip, mu in ((key, art.k_rotation[i], art.k_clip_ratio[i], art.key_mean("original")[i]),
+                                         (value, art.v_rotation[i], art.v_clip_ratio[i],
+                                          art.value_mean("original")[i])):
                     for b in range(t.shape[0]):
-                        seg = t[b, :, S:S + h].transpose(0, 1)  # [h, H, d]
-                        t[b, :, S:S + h] = quant_naive.fake_quantize(seg, rot, clip, art.group_size).transpose(0, 1)
+                        seg = t[b, :, S:S + h].transpose(0, 1) - mu  # [h, H, d]
+                        fq = quant_naive.fake_quantize(seg, rot, clip, art.group_size) + mu
+                        t[b, :, S:S + h] = fq.transpose(0, 1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
 
@@ -86,7 +89,10 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
     calib = tok((FIXTURE / "calib.txt").read_text(), return_tensors="pt")["input_ids"][0]
     ids = calib[: 4 * 128].reshape(4, 128)
-    art = calibrate_model(model, ids, model_id=MODEL, model_revision=REV, holdout_queries=64)
+    # the shipped recipe (centered, block_out clips) with the test's small windows
+    art = calibrate_model(model, ids, SolverSettings(sink_tokens=S, recent_tokens=R), model_id=MODEL,
+                          model_revision=REV, holdout_queries=64)
+    assert art.is_centered
     write_artifact(art, tmp_path / "art")
     push(tmp_path / "art", REPO, token=TOKEN, endpoint=hub.endpoint)
     loaded = load_artifact(MODEL, repo=REPO, revision="v1", token=TOKEN, cache_dir=tmp_path / "cache",

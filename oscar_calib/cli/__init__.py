@@ -15,6 +15,7 @@ from oscar_calib.cli import (
     hub_cmd,  # noqa: F401  (registers `push`, `pull`)
     interop_cmd,  # noqa: F401  (registers `import`, `export`)
     run_cmd,  # noqa: F401  (registers `run`)
+    stats_cmd,  # noqa: F401  (registers `refit`, `stats merge`)
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app
