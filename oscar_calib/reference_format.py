@@ -18,7 +18,7 @@ ratios, K 0.96 / V 0.92): import stores those ratios (or the ones given) for eve
 Safety: the importer executes nothing. `torch.load(weights_only=True)` restricts unpickling to
 tensors and plain containers, and the result is then checked to be exactly the structure above made
 of plain dense CPU tensors, str, int, float and dicts; anything else is refused (ReferenceFormatError,
-exit code 2).
+the CLI exits 2).
 
 Heads: our artifacts can hold one rotation per KV head. Export writes one per layer, so it refuses a
 per-head artifact whose heads differ, unless `head_reduce="first"` is chosen: then KV head 0's

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib.cli.app import app
+from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
 from oscar_calib.errors import InputError
 
@@ -119,8 +120,11 @@ def eval_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
+    if plot is not None:
+        require("matplotlib", "plot", "--plot")
     import torch
 
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import (
@@ -132,7 +136,7 @@ def eval_cmd(
         resolve_dtype,
     )
     from oscar_calib.methods import standard_methods
-    from runtime_kernels.artifact import check_against_model, model_geometry, read_artifact
+    from runtime_kernels.artifact import model_geometry, read_artifact
 
     if model is None:
         if not fixture_available():
@@ -160,7 +164,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_against_model(art, lm.config)
+        check_model(art, lm.config)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"

@@ -1,13 +1,14 @@
 """`oscar-calib push` and `oscar-calib pull`: publish to and fetch from a zoo repo on the Hub.
 
-Exit codes (oscar_calib.errors.EXIT_CODES): 0 ok (also when the content was already released),
-2 bad input (names with '..', control characters or absolute paths; artifact for another model),
-4 integrity (sha256 mismatch, broken artifact), 5 Hub refused (tag exists with other content,
-concurrent publisher, unknown repo/revision/release).
+Exit codes (oscar_calib.cli.exit_codes): 0 ok (also when the content was already released, unless
+`--version` asked for a new version: then 6), 2 bad input (names with '..', control characters or
+absolute paths; artifact for another model), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
+refused (tag exists with other content, concurrent publisher, unknown repo/revision/release).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,11 +20,19 @@ import typer
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
 from oscar_calib.errors import InputError
-from oscar_calib.hub import translate_errors
 
 CalibrationOpt = Annotated[
     str, typer.Option("--calibration", help="Calibration name: the release lives in '<model_id>/<calibration>/'.")]
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
+
+
+@contextlib.contextmanager
+def translate_errors():
+    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch)."""
+    from oscar_calib.hub import translate_errors as translate
+
+    with translate():
+        yield
 
 
 def endpoint() -> str | None:

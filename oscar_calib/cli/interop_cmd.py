@@ -14,6 +14,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.hub_cmd import _load_config, translate_errors
+from oscar_calib.cli.options import ExportFormat, HeadReduce
 from oscar_calib.errors import InputError
 
 _IMPORT_EXAMPLES = """
@@ -69,26 +70,24 @@ Examples:
 def export_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory or .safetensors file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for keys.pt and values.pt.")],
-    fmt: Annotated[str, typer.Option("--format", help="Output format: reference (the authors' RotationZoo).")] = "reference",
-    head_reduce: Annotated[str, typer.Option("--head-reduce", help="none: refuse differing per-head rotations; "
-                                                                   "first: use KV head 0's rotation per layer.")] = "none",
+    fmt: Annotated[ExportFormat, typer.Option("--format", help="Output format: reference (the authors' "
+                                                               "RotationZoo).")] = ExportFormat.reference,
+    head_reduce: Annotated[HeadReduce, typer.Option("--head-reduce", help="none: refuse differing per-head "
+                                                    "rotations; first: use KV head 0's rotation per layer.")
+                           ] = HeadReduce.none,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.reference_format import export_reference
-    from runtime_kernels.artifact import check_against_model, read_artifact
+    from runtime_kernels.artifact import read_artifact
 
-    if fmt != "reference":
-        raise InputError(f"--format {fmt!r}: expected 'reference'")
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
-        try:
-            check_against_model(artifact, _load_config(model_config))
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
-    written = export_reference(artifact, out, head_reduce=head_reduce, overwrite=overwrite)
+        check_model(artifact, _load_config(model_config))
+    written = export_reference(artifact, out, head_reduce=head_reduce.value, overwrite=overwrite)
     print(written["keys"].parent)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):

@@ -20,13 +20,13 @@ from typing import Annotated, Any
 
 import typer
 
-from oscar_calib.cli.app import app
+from oscar_calib.cli.app import CONTEXT, app
 from oscar_calib.cli.hub_cmd import endpoint, translate_errors
 from oscar_calib.cli.options import DeviceOpt, TokenOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
-zoo_app = typer.Typer(help="Validate, build and publish the rotation zoo described by zoo_manifest.yaml.",
-                      no_args_is_help=True)
+zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
+                      no_args_is_help=True, context_settings=CONTEXT)
 app.add_typer(zoo_app, name="zoo")
 
 ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
