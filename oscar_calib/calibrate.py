@@ -26,6 +26,7 @@ from oscar_calib.capture import (
 from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
+from oscar_calib.progress import StepFn
 from oscar_calib.solve import solve_rotations
 from runtime_kernels.artifact import FORMAT_NAME, SCHEMA_VERSION, OscarArtifact, model_geometry
 
@@ -114,9 +115,11 @@ def _solve_all(session: CaptureSession, layer_ids: list[int], settings: SolverSe
 
 
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
-             no_clip: bool = False) -> dict[int, ClipFit]:
+             no_clip: bool = False, tick: Callable[[], None] | None = None) -> dict[int, ClipFit]:
     fits = {}
     for a, layer in enumerate(layer_ids):
+        if tick is not None:
+            tick()
         keys, values, queries, positions = session.holdout[layer].stacked()
         dev = keys.device
         fits[layer] = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev),
@@ -137,14 +140,16 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
                                 holdout_ids: torch.Tensor | None = None, batch_size: int = 1,
                                 holdout_queries: int = 256, seed: int = 0, compare_alternatives: bool = True,
                                 progress: ProgressFn | None = None, model_id: str | None = None,
-                                model_revision: str | None = None,
-                                calibration_meta: dict | None = None) -> tuple[OscarArtifact, CalibrationReport]:
+                                model_revision: str | None = None, calibration_meta: dict | None = None,
+                                fit_progress: StepFn | None = None) -> tuple[OscarArtifact, CalibrationReport]:
     """Calibrate `model` on token ids.
 
     Args:
         input_ids: `[N, T]` int64 sequences for the statistics.
         holdout_ids: `[S, T']` sequences for fitting clip ratios (default: the last row of input_ids, which
             is then excluded from the statistics when N > 1).
+        fit_progress: called `(what, layers done, layers in total)` as the clip fits (and the comparison of
+            the alternatives) advance, for a progress bar.
     Returns:
         (artifact, report). The artifact validates against contract v1.
     """
@@ -183,11 +188,23 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
                            f"{(h_q, h_kv, d)}")
 
     t0 = time.perf_counter()
+    # One clip fit pass per layer, plus five per layer for the alternatives compared (3 variants, Hadamard, none).
+    total, done = len(layer_ids) * (6 if compare_alternatives else 1), [0]
+
+    def tick(what: str) -> Callable[[], None]:
+        def step() -> None:
+            if fit_progress is not None:
+                fit_progress(what, done[0], total)
+            done[0] += 1
+        return step
+
     k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target, settings.granularity)
-    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings)
+    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, tick=tick("clip fit"))
     comparison = {}
     if compare_alternatives:
-        comparison = _compare_alternatives(session, layer_ids, settings, fits)
+        comparison = _compare_alternatives(session, layer_ids, settings, fits, tick("alternatives"))
+    if fit_progress is not None:
+        fit_progress("done", total, total)
     timings["solve_s"] = time.perf_counter() - t0
 
     k_ratio = torch.stack([fits[i].k_ratio for i in layer_ids])
@@ -227,7 +244,8 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     return artifact, report
 
 
-def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit]) -> dict:
+def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit],
+                          tick: Callable[[], None] | None = None) -> dict:
     """Held-out errors (best clip per head) of the other value target and granularity, for the record.
 
     This is how the defaults were decided: the alternative with the lower attention-aware error wins.
@@ -243,17 +261,17 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
             if name in out:
                 continue
             k_rot, _, v_rot, _ = _solve_all(session, layer_ids, settings, vt, gran)
-            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings)
+            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, tick=tick)
             out[name] = {"key": best(fits, "k"), "value": best(fits, "v")}
     # Baseline without the eigen-basis (Hadamard only) for context.
     from oscar_calib.solve import hadamard
 
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
     had = hadamard(d).float().expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, had, had, settings)
+    fits = _fit_all(session, layer_ids, had, had, settings, tick=tick)
     out["hadamard_only"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     eye = torch.eye(d).expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, eye, eye, settings, no_clip=True)
+    fits = _fit_all(session, layer_ids, eye, eye, settings, no_clip=True, tick=tick)
     out["no_rotation_no_clip"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     return out
 

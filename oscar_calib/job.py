@@ -25,6 +25,7 @@ from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
 from oscar_calib.model_card import render_model_card
+from oscar_calib.progress import Stages
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     current_umask,
@@ -139,32 +140,6 @@ def _load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device
 
 def max_positions(config) -> int | None:
     return getattr(text_config(config), "max_position_embeddings", None)
-
-
-class _Progress:
-    """A rich progress bar on stderr with tokens per second."""
-
-    def __init__(self, console: Console, total: int, label: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("tokens"), TextColumn("{task.fields[tps]}"), TimeElapsedColumn(),
-                                 console=console, transient=False)
-        self.task = self.progress.add_task(label, total=total, tps="")
-        self.start = time.perf_counter()
-        self.done = 0
-
-    def __call__(self, tokens: int, _total: int) -> None:
-        self.done += tokens
-        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        self.progress.update(self.task, advance=tokens, tps=f"{rate:,.0f} tok/s")
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.__exit__(*exc)
 
 
 @contextmanager
@@ -289,10 +264,12 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
         "tokens": int(data.input_ids.numel()),
         "documents": data.documents,
     }
-    with _Progress(console, int(data.input_ids.numel() + data.holdout_ids.numel()), "capture") as progress:
+    with Stages(console) as stages:  # capture (tokens, tok/s) then solve + clip fit (layers), each with an ETA
         artifact, report = calibrate_model_with_report(
             model, data.input_ids, config.solver, holdout_ids=data.holdout_ids, batch_size=batch_size,
-            holdout_queries=data_cfg.holdout_queries, seed=data_cfg.seed, progress=progress,
+            holdout_queries=data_cfg.holdout_queries, seed=data_cfg.seed,
+            progress=stages.tokens("capture", int(data.input_ids.numel() + data.holdout_ids.numel())),
+            fit_progress=stages.steps("solve + clip fit", unit="layer fits"),
             model_id=model_id, model_revision=revision, calibration_meta=calibration_meta)
     timings.update(report.timings)
 

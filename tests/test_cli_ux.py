@@ -201,3 +201,49 @@ def test_compared_panels_share_one_colour_scale_and_show_values(tmp_path):
     written = audit_plots.write_audit_plots(report, tmp_path)
     assert [p.name for p in written] == ["summary.png", "clip_ratios.png", "quant_error.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+# ------------------------------------------------------------------------------------------------ progress
+def test_clip_fit_reports_progress_over_every_layer_fit():
+    import torch
+
+    from oscar_calib.calibrate import calibrate_model_with_report
+
+    m = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, vocab_size=64)
+    ids = torch.randint(0, 64, (3, 32), generator=torch.Generator().manual_seed(0))
+    for compare, passes in ((False, 1), (True, 6)):
+        calls, tokens = [], []
+        calibrate_model_with_report(m, ids, compare_alternatives=compare, holdout_queries=8,
+                                    progress=lambda n, total: tokens.append((n, total)),
+                                    fit_progress=lambda what, done, total: calls.append((what, done, total)))
+        total = 2 * passes  # 2 layers x (chosen fit + alternatives)
+        assert {c[2] for c in calls} == {total} and calls[-1] == ("done", total, total)
+        assert [c[1] for c in calls] == list(range(total + 1))  # one step per layer fit, in order
+        assert sum(n for n, _ in tokens) == ids.numel()
+
+
+@pytest.mark.slow  # a whole eval (two calibrations, 4 windows, 16 agreement steps): ~30 s of CPU
+def test_eval_picks_cpu_sized_defaults_and_says_so(tmp_path, monkeypatch, capsys, model_dir):
+    text = tmp_path / "t.txt"
+    text.write_text("\n<|endoftext|>\n".join(f"document {i}: " + "the quick brown fox jumps " * 30
+                                             for i in range(12)))
+    code, out, err = run_cli(["eval", "--model", str(model_dir), "--data", str(text), "--calib-data", str(text),
+                              "--context", "64", "--device", "cpu", "--methods", "bf16,oscar-head", "--sink", "4",
+                              "--recent", "8", "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    for line in ("--max-windows 4 (CPU-sized default; 16 on a GPU", "--calib-samples 6 (CPU-sized default",
+                 "--generation-steps 16 (CPU-sized default", "--batch-size 1 (CPU-sized default"):
+        assert line in err, err
+    result = json.loads(out)
+    assert result["windows"]["long"] + result["windows"]["packed"] <= 4
+    assert result["generation_agreement"]["steps"] == 16
+
+
+def test_explicit_eval_sizes_are_kept_and_not_logged(capsys):
+    from oscar_calib.cli.eval_cmd import _sized
+
+    assert _sized(2, "--max-windows", on_gpu=False, gpu=16, cpu=4) == 2
+    assert _sized(None, "--max-windows", on_gpu=True, gpu=16, cpu=4) == 16
+    err = capsys.readouterr().err
+    assert err.count("--max-windows") == 1 and "--max-windows 16 (GPU" in err
