@@ -246,4 +246,13 @@ def test_explicit_eval_sizes_are_kept_and_not_logged(capsys):
     assert _sized(2, "--max-windows", on_gpu=False, gpu=16, cpu=4) == 2
     assert _sized(None, "--max-windows", on_gpu=True, gpu=16, cpu=4) == 16
     err = capsys.readouterr().err
-    assert err.count("--max-windows") == 1 and "--max-windows 16 (GPU" in err
+    assert err.count("\n") == 1 and "[eval] --max-windows 16 (GPU" in err  # only the chosen default is logged
+
+
+def test_export_json_names_the_files_written(tmp_path, monkeypatch, capsys):
+    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")
+    code, out, err = run_cli(["export", str(tmp_path / "a"), "--out", str(tmp_path / "ref"), "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    written = json.loads(out)
+    assert set(written) >= {"keys", "values"} and all(Path(p).is_file() for p in written.values())

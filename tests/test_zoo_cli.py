@@ -175,3 +175,16 @@ def test_push_dry_run_contacts_no_hub(tmp_path, monkeypatch, capsys):
         (art / "oscar_kv.safetensors").read_bytes()).hexdigest()
     code, _, err = run_cli(["push", str(tmp_path / "missing"), "--repo", REPO, "--dry-run"], monkeypatch, capsys)
     assert code == exit_codes.BAD_INPUT and "not a directory" in err
+
+
+def test_validate_json(tmp_path, monkeypatch, capsys):
+    manifest = tmp_path / "zoo_manifest.yaml"
+    manifest.write_text(GOOD.replace("DATASET", "calib.txt"))
+    code, out, err = run_cli(["zoo", "validate", "--manifest", str(manifest), "--offline", "--json"], monkeypatch,
+                             capsys)
+    assert code == 0, err
+    assert json.loads(out) == {"valid": True, "recipes": 1, "releases": 0, "pending": ["Qwen/Qwen3-8B/default"],
+                               "hub_checked": False}
+    manifest.write_text(GOOD.replace("DATASET", "calib.txt").replace("samples: 4", "samples: 0x10"))
+    code, out, err = run_cli(["zoo", "validate", "--manifest", str(manifest), "--offline"], monkeypatch, capsys)
+    assert code == exit_codes.BAD_INPUT and "'0x10' is ambiguous YAML" in err and out == ""

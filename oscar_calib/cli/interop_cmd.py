@@ -6,6 +6,7 @@ Exit codes: 2 bad or unsafe input file / option / output path, 4 the result brea
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.hub_cmd import _load_config, translate_errors
-from oscar_calib.cli.options import ExportFormat, HeadReduce
+from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt
 from oscar_calib.errors import InputError
 
 _IMPORT_EXAMPLES = """
@@ -36,6 +37,7 @@ def import_cmd(
     k_clip: Annotated[float, typer.Option("--k-clip", help="Key clip ratio for every head (reference: 0.96).")] = 0.96,
     v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Convert a reference key file + value file into a validated OSCAR artifact (layer granularity)."""
     from oscar_calib import __version__
@@ -54,7 +56,11 @@ def import_cmd(
                                      tool_version=f"oscar-calib {__version__}")
     with translate_errors():
         path = write_artifact(artifact, out)
-    print(path)
+    if as_json:
+        print(json.dumps({"artifact": str(path), "layers": artifact.num_layers, "model_id": model_id,
+                          "key_objective": k_ref["objective"], "value_objective": v_ref["objective"]}, indent=2))
+    else:
+        print(path)
     print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
 
 
@@ -77,6 +83,7 @@ def export_cmd(
                            ] = HeadReduce.none,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
     from oscar_calib.cli.checks import check_model
@@ -88,7 +95,10 @@ def export_cmd(
     if model_config is not None:
         check_model(artifact, _load_config(model_config))
     written = export_reference(artifact, out, head_reduce=head_reduce.value, overwrite=overwrite)
-    print(written["keys"].parent)
+    if as_json:
+        print(json.dumps({name: str(path) for name, path in written.items()}, indent=2, sort_keys=True))
+    else:
+        print(written["keys"].parent)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
         print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",

@@ -87,6 +87,7 @@ def validate_cmd(
     manifest: ManifestOpt = Path("zoo_manifest.yaml"),
     offline: Annotated[bool, typer.Option("--offline", help="Only check the file, not the Hub.")] = False,
     token: TokenOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check the manifest against its schema and (online) that every release exists as recorded."""
     from oscar_calib.manifest import load_manifest
@@ -94,7 +95,8 @@ def validate_cmd(
 
     zoo = load_manifest(manifest)
     print(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok", file=sys.stderr)
-    if offline or is_offline():
+    hub_checked = not (offline or is_offline())
+    if not hub_checked:
         if zoo.releases:
             print("offline: releases were not checked against the Hub", file=sys.stderr)
     else:
@@ -102,7 +104,12 @@ def validate_cmd(
             for release in zoo.releases:
                 check_release_online(release, token)
                 print(f"ok {release.repo} {release.version} {release.path_in_repo} {release.commit}", file=sys.stderr)
-    print("valid")
+    if as_json:
+        print(json.dumps({"valid": True, "recipes": len(zoo.recipes), "releases": len(zoo.releases),
+                          "pending": [f"{r.model_id}/{r.calibration}" for r in zoo.pending()],
+                          "hub_checked": hub_checked}, indent=2))
+    else:
+        print("valid")
 
 
 # --- build ---------------------------------------------------------------------------------------
