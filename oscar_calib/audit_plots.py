@@ -185,13 +185,16 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
     image = left.imshow(flags, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
     if flags.size <= MAX_ANNOTATED_CELLS:
         for (i, j), text in words.items():
-            left.text(j, i, "\n".join(text) if text else "ok", ha="center", va="center", fontsize=6,
-                      color="white" if len(text) >= 2 else "black")
+            if text:  # clean heads stay blank (green), so the flagged ones stand out
+                left.text(j, i, "\n".join(text), ha="center", va="center", fontsize=6,
+                          color="white" if len(text) >= 2 else "black")
     _axes_labels(left, layers, heads, left=True)
-    left.set_title("flags per head (cell: why)", fontsize=9)
+    left.set_title("flags per head (cell: why; blank = no flag)", fontsize=9)
     fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1), shrink=0.9)
 
-    bad = rows[:worst]  # the report is sorted worst first
+    from oscar_calib.audit import _badness
+
+    bad = sorted(rows, key=_badness, reverse=True)[:worst]  # worst first, as the audit table
     names = [f"L{r['layer']} H{r['head']}" for r in bad]
     x = np.arange(len(bad))
     if report.get("with_activations"):

@@ -191,9 +191,6 @@ def eval_cmd(
         sink = next(iter(arts.values())).sink_tokens if arts else 64
     if recent is None:
         recent = next(iter(arts.values())).recent_tokens if arts else 256
-    if generation_steps > 0 and generation_steps >= context - sink - recent:  # checked before any work
-        raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
-                         f"({sink + recent}) inside the {context}-token window (pass --generation-steps 0 to skip)")
     if not arts:
         calib_data = calib_data or FIXTURE_DIR / "calib.txt"
         arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, sink, recent)
@@ -210,6 +207,9 @@ def eval_cmd(
         if unknown:
             raise InputError(f"--methods: unknown method(s) {unknown}; expected names from {known}")
         all_methods = [m for m in all_methods if m.name in wanted]
+    if generation_steps > 0 and generation_steps >= context - sink - recent:  # checked before the evaluation
+        raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
+                         f"({sink + recent}) inside the {context}-token window (pass --generation-steps 0 to skip)")
     _log(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
          f"methods: {', '.join(m.name for m in all_methods)}")
     t0 = time.perf_counter()
