@@ -1,7 +1,8 @@
 """`oscar-calib` command line. Results go to stdout, progress and chatter to stderr.
 
-Known errors (`OscarError`, `ArtifactError`) print one line and exit with their code; set
-`OSCAR_CALIB_DEBUG=1` to see the traceback.
+Known errors print one line and exit with the code of their kind (`oscar_calib.cli.exit_codes`, the one
+table); set `OSCAR_CALIB_DEBUG=1` to see the traceback. Command modules import torch, transformers and
+Triton inside their command functions only, so `oscar-calib --help` starts fast.
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ from oscar_calib.cli import (
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app
-from oscar_calib.errors import OscarError
+from oscar_calib.cli.exit_codes import INTERRUPTED, exit_code_for
 
 
 def main() -> None:
-    from runtime_kernels.artifact import ArtifactError
-
     try:
         app()  # standalone: click prints usage errors itself and exits 2
-    except (OscarError, ArtifactError) as exc:
-        if os.environ.get("OSCAR_CALIB_DEBUG"):
-            raise
-        code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
-        print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(code)
     except KeyboardInterrupt:
         print("Interrupted; nothing was written.", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
+    except Exception as exc:
+        code = exit_code_for(exc)
+        if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
+            raise
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(code)

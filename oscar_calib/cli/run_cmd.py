@@ -9,7 +9,7 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt, validation_message
 from oscar_calib.config import (
     DEFAULT_K_CLIP_GRID,
     DEFAULT_V_CLIP_GRID,
@@ -118,9 +118,7 @@ def run(
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise InputError(f"option '{field}': {first['msg']} (got {first.get('input')!r})") from exc
+        raise InputError(validation_message(exc)) from exc
     if out is None:
         if not demo:
             raise InputError("--out is required with --model (the artifact directory to create)")
