@@ -50,7 +50,6 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
     return int(index), int(count)
 
 
-@app.command("run", epilog=_EXAMPLES)
 def _default_samples(demo: bool) -> int:
     """32 sequences; the demo 8 on the fixture's calibration text, 3 on the small demo text of the random fallback."""
     if not demo:
@@ -60,6 +59,7 @@ def _default_samples(demo: bool) -> int:
     return 8 if fixture_available() else 3
 
 
+@app.command("run", epilog=_EXAMPLES)
 def run(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: demo).")] = None,
     revision: RevisionOpt = None,
