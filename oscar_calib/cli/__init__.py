@@ -22,16 +22,16 @@ from oscar_calib.errors import OscarError
 
 
 def main() -> None:
+    from oscar_calib.interrupts import handle_interrupts
     from runtime_kernels.artifact import ArtifactError
+    from runtime_kernels.atomic import OutputDirError
 
-    try:
-        app()  # standalone: click prints usage errors itself and exits 2
-    except (OscarError, ArtifactError) as exc:
-        if os.environ.get("OSCAR_CALIB_DEBUG"):
-            raise
-        code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
-        print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(code)
-    except KeyboardInterrupt:
-        print("Interrupted; nothing was written.", file=sys.stderr)
-        sys.exit(130)
+    with handle_interrupts():  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
+        try:
+            app()  # standalone: click prints usage errors itself and exits 2
+        except (OscarError, ArtifactError, OutputDirError) as exc:
+            if os.environ.get("OSCAR_CALIB_DEBUG"):
+                raise
+            code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
+            print(f"Error: {exc}", file=sys.stderr)
+            sys.exit(code)

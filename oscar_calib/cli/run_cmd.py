@@ -74,8 +74,8 @@ def run(
             model=model,
             model_revision=revision,
             data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
-                            split=split, text_column=text_column, samples=samples or (8 if demo else 32),
-                            seq_len=seq_len or (256 if demo else 1024), seed=seed, chat_template=chat_template),
+                            split=split, text_column=text_column, samples=(8 if demo else 32) if samples is None else samples,
+                            seq_len=(256 if demo else 1024) if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
             solver=SolverSettings(granularity=granularity, value_target=value_target,
                                   k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                                   v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
@@ -91,9 +91,5 @@ def run(
         if not demo:
             raise InputError("--out is required with --model (the artifact directory to create)")
         out = Path("zoo/demo")
-    try:
-        run_calibration(config, out, overwrite=overwrite)
-    except KeyboardInterrupt:
-        typer.echo("Interrupted; nothing was written.", err=True)
-        raise typer.Exit(130) from None
+    run_calibration(config, out, overwrite=overwrite)  # Ctrl-C / SIGTERM: oscar_calib.interrupts, exit 130 / 143
     typer.echo(str(out))
