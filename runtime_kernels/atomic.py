@@ -223,8 +223,10 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str) -> None:
                 if not target.exists():
                     os.rename(old, target)
                 raise
-            _checkpoint("before-remove-old")
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                _checkpoint("before-remove-old")
+            finally:  # the new content is in place; an interrupt here must not leave the old copy behind
+                shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(target.parent)
 
 
