@@ -39,21 +39,21 @@ def import_cmd(
     """Convert a reference key file + value file into a validated OSCAR artifact (layer granularity)."""
     from oscar_calib import __version__
     from oscar_calib.reference_format import load_reference, reference_to_artifact
-    from runtime_kernels.artifact import write_artifact
+    from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
+    from runtime_kernels.atomic import atomic_output_dir, preflight
     from runtime_kernels.loader import check_model_id
 
     with translate_errors():
         check_model_id(model_id, "--model-id")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        raise InputError(f"--out {out}: exists and is not an empty directory; pass --overwrite")
+    preflight(out, overwrite, "--out")  # before reading anything
     config = _load_config(model_config)
     k_ref = load_reference(keys)
     v_ref = load_reference(values)
     artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
                                      tool_version=f"oscar-calib {__version__}")
-    with translate_errors():
-        path = write_artifact(artifact, out)
-    print(path)
+    with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:
+        write_artifact(artifact, tmp)
+    print(out / ARTIFACT_FILENAME)
     print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
 
 
@@ -78,9 +78,11 @@ def export_cmd(
     """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
     from oscar_calib.reference_format import export_reference
     from runtime_kernels.artifact import check_against_model, read_artifact
+    from runtime_kernels.atomic import atomic_output_dir, preflight
 
     if fmt != "reference":
         raise InputError(f"--format {fmt!r}: expected 'reference'")
+    preflight(out, overwrite, "--out")
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
@@ -88,8 +90,9 @@ def export_cmd(
             check_against_model(artifact, _load_config(model_config))
         except ValueError as exc:
             raise InputError(str(exc)) from None
-    written = export_reference(artifact, out, head_reduce=head_reduce, overwrite=overwrite)
-    print(written["keys"].parent)
+    with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
+        export_reference(artifact, tmp, head_reduce=head_reduce, overwrite=True)
+    print(out)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
         print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",
