@@ -503,9 +503,13 @@ class PagedKVCache:
 
     @staticmethod
     def _all_in_range(*rows: torch.Tensor) -> bool:
-        """One reduction and one host sync: every element finite and within MAX_KV_MAGNITUDE (NaN fails `<=`)."""
-        peaks = torch.stack([x.abs().amax() if x.numel() else x.new_zeros(()) for x in rows]).float()
-        return bool((peaks <= MAX_KV_MAGNITUDE).all())
+        """One host sync: every element finite and within MAX_KV_MAGNITUDE (`torch.maximum` keeps a NaN; NaN fails `<=`)."""
+        peak = None
+        for x in rows:
+            if x.numel():
+                p = x.abs().amax()
+                peak = p if peak is None else torch.maximum(peak, p.to(peak.dtype))
+        return peak is None or bool(peak.float() <= MAX_KV_MAGNITUDE)
 
     def _find_bad_element(self, layer: int, plan: AppendPlan, k_rot: torch.Tensor, v_rot: torch.Tensor) -> str | None:
         """None when the rotated rows `[N, H, d]` may be stored, else where the first bad element is."""
