@@ -474,8 +474,8 @@ class PagedKVCache:
         pool = self._pool(layer)
         self._check_tokens("keys", keys, plan.num_new)
         self._check_tokens("values", values, plan.num_new)
-        k_rot = rotate_rows(keys, pool.k_rotation).to(pool.k_win.dtype)
-        v_rot = rotate_rows(values, pool.v_rotation).to(pool.v_win.dtype)
+        k_rot = rotate_rows(keys, pool.k_rotation)  # fp32 `[N, H, d]`: checked before the cast to the window dtype
+        v_rot = rotate_rows(values, pool.v_rotation)
         if self.check_finite and not self._capturing():
             problem = self._find_bad_element(layer, plan, k_rot, v_rot)
             if problem is not None:
@@ -489,6 +489,7 @@ class PagedKVCache:
             (k_rot, pool.k_win, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero),
             (v_rot, pool.v_win, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero),
         ):
+            x = x.to(win.dtype)
             # Read the rows that move before anything is written (sources and targets may overlap).
             src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
             if plan.demote_src.numel():  # rows are already rotated: clip, quantize, pack
