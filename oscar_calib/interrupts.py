@@ -27,7 +27,16 @@ class Terminated(KeyboardInterrupt):
     exit_code = TERMINATE_EXIT
 
 
+_received: list[int] = []  # signals delivered while `handle_interrupts` is active
+
+
+def _raise_interrupt(signum, frame):
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
 def _raise_terminated(signum, frame):
+    _received.append(signum)
     raise Terminated(f"signal {signum}")
 
 
@@ -53,28 +62,38 @@ def exit_now(code: int) -> None:
 
 
 @contextlib.contextmanager
-def handle_interrupts(message: str = "stopped before finishing; no output was written or replaced (temporaries "
-                                     "removed); run the command again") -> Iterator[None]:
-    """Around a CLI entry point: SIGTERM behaves like Ctrl-C; either ends with `message` and exit 130 / 143."""
+def handle_interrupts(message: str = "nothing was written or replaced (temporaries removed); run the command "
+                                     "again") -> Iterator[None]:
+    """Around a CLI entry point: SIGTERM behaves like Ctrl-C; either ends with `message` and exit 130 / 143.
+
+    After a real signal the process leaves at once (`exit_now`); a KeyboardInterrupt raised without one (a caller
+    running the CLI in-process) becomes a normal `SystemExit` so that the caller keeps running.
+    """
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    previous = {}
+    if main:
+        _received.clear()
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, _raise_interrupt),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as exc:
         interrupt = interrupt_in_chain(exc)
         if interrupt is None:
             raise
-        # A second signal during the last prints must not bring back a traceback.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if main:
+        signalled = bool(_received)
+        if main and signalled:  # a second signal during the last prints must not bring back a traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code = TERMINATE_EXIT if isinstance(interrupt, Terminated) else INTERRUPT_EXIT
         with contextlib.suppress(Exception):
-            print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}: {message}", file=sys.stderr)
-        exit_now(code)
+            print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; {message}", file=sys.stderr)
+        if signalled:
+            exit_now(code)
+        raise SystemExit(code) from None
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 __all__ = ["INTERRUPT_EXIT", "TERMINATE_EXIT", "Terminated", "exit_now", "handle_interrupts", "interrupt_in_chain"]
