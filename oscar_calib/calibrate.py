@@ -1,14 +1,13 @@
 """Calibration core: capture statistics, solve rotations, fit clip ratios, build the artifact.
 
 `calibrate_model` works on a loaded model and token ids (used by tests, eval and the job);
-`run_calibration` (in `oscar_calib.job`) is the whole job behind `oscar-calib run`.
+`oscar_calib.job.run_calibration` is the whole job behind `oscar-calib run` (it imports this module, never
+the other way round).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,9 @@ from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.solve import solve_rotations
-from runtime_kernels.artifact import FORMAT_NAME, SCHEMA_VERSION, OscarArtifact, model_geometry
+from runtime_kernels.artifact import OscarArtifact, model_geometry
+from runtime_kernels.contract import build_metadata
+from runtime_kernels.layout import DEFAULT_LAYOUT
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
 
@@ -46,39 +47,36 @@ class CalibrationReport:
     v_grid: tuple[float, ...] = ()
     comparison: dict[str, dict[str, float]] = field(default_factory=dict)
     key_objective: str = "attn_kl"
+    means: tuple[torch.Tensor, torch.Tensor] | None = None  # ([A, H_kv, d], [A, H_kv, d]) model basis
 
     def summary(self) -> dict:
         """JSON-ready headline numbers: mean held-out errors at the fitted ratios vs the global ratios and no clip."""
         if not self.fits:
             return {}
-        def at(err: torch.Tensor, grid: tuple[float, ...], ratio: float) -> float | None:
+        def at(f: ClipFit, side: str, ratio: float) -> float | None:
+            grid, err = (f.k_grid, f.k_errors) if side == "k" else (f.v_grid, f.v_errors)
             return float(err[list(grid).index(ratio)].mean()) if ratio in grid else None
 
-        k_fit = float(torch.stack([f.k_errors.min(dim=0).values.mean() for f in self.fits.values()]).mean())
-        v_fit = float(torch.stack([f.v_errors.min(dim=0).values.mean() for f in self.fits.values()]).mean())
-        k_glob = [at(f.k_errors, self.k_grid, 0.96) for f in self.fits.values()]
-        v_glob = [at(f.v_errors, self.v_grid, 0.92) for f in self.fits.values()]
-        k_none = [at(f.k_errors, self.k_grid, 1.0) for f in self.fits.values()]
-        v_none = [at(f.v_errors, self.v_grid, 1.0) for f in self.fits.values()]
+        fits = list(self.fits.values())
+        k_fit = float(torch.stack([f.k_errors.min(dim=0).values.mean() for f in fits]).mean())
+        v_fit = float(torch.stack([f.v_errors.min(dim=0).values.mean() for f in fits]).mean())
         mean = lambda xs: (sum(xs) / len(xs)) if xs and None not in xs else None  # noqa: E731
-        k_ratios = torch.cat([f.k_ratio for f in self.fits.values()])
-        v_ratios = torch.cat([f.v_ratio for f in self.fits.values()])
+        k_ratios = torch.cat([f.k_ratio for f in fits])
+        v_ratios = torch.cat([f.v_ratio for f in fits])
+        edges = sum(int((f.k_edge | f.v_edge).sum()) for f in fits if f.k_edge is not None)
         return {
             "key_objective": self.key_objective,
-            "key_error": {"fitted": k_fit, "global_0.96": mean(k_glob), "no_clip": mean(k_none)},
-            "value_rel_out_err": {"fitted": v_fit, "global_0.92": mean(v_glob), "no_clip": mean(v_none)},
+            "key_error": {"fitted": k_fit, "global_0.96": mean([at(f, "k", 0.96) for f in fits]),
+                          "no_clip": mean([at(f, "k", 1.0) for f in fits])},
+            "value_rel_out_err": {"fitted": v_fit, "global_0.92": mean([at(f, "v", 0.92) for f in fits]),
+                                  "no_clip": mean([at(f, "v", 1.0) for f in fits])},
             "k_clip_ratio_mean": float(k_ratios.mean()),
             "v_clip_ratio_mean": float(v_ratios.mean()),
-            "clip_at_grid_edge": int(((k_ratios == min(self.k_grid)) | (v_ratios == min(self.v_grid))).sum()),
+            "k_clip_ratio_min": float(k_ratios.min()),
+            "v_clip_ratio_min": float(v_ratios.min()),
+            "clip_at_grid_edge": edges,
             "alternatives": self.comparison,
         }
-
-
-def created_at() -> str:
-    """UTC timestamp; honours SOURCE_DATE_EPOCH so that two identical runs give identical bytes."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    now = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_supported(config) -> None:
@@ -113,16 +111,40 @@ def _solve_all(session: CaptureSession, layer_ids: list[int], settings: SolverSe
     return k_rot, k_eig, v_rot, v_eig
 
 
+def session_means(session: CaptureSession, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibrated key and value means `[A, H_kv, d]` float32 (model basis, post-RoPE keys)."""
+    k = torch.stack([session.stats[i].key_mean().cpu() for i in layer_ids]).float()
+    v = torch.stack([session.stats[i].value_mean().cpu() for i in layer_ids]).float()
+    return k, v
+
+
+def o_proj_weights(model, layer_ids: list[int]) -> dict[int, torch.Tensor] | None:
+    """Layer -> o_proj weight `[hidden, H_q * d]` (for the `block_out` clip objective), or None if not found."""
+    from oscar_calib.capture import decoder_of
+
+    try:
+        layers = decoder_of(model).layers
+        return {i: layers[i].self_attn.o_proj.weight.detach() for i in layer_ids}
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
-             no_clip: bool = False) -> dict[int, ClipFit]:
+             no_clip: bool = False, means: tuple[torch.Tensor, torch.Tensor] | None = None,
+             o_weights: dict[int, torch.Tensor] | None = None) -> dict[int, ClipFit]:
+    """Clip fit of every layer; `means` `([A, H_kv, d], [A, H_kv, d])` for a centered cache (None = uncentered)."""
     fits = {}
     for a, layer in enumerate(layer_ids):
         keys, values, queries, positions = session.holdout[layer].stacked()
         dev = keys.device
+        k_mean = means[0][a].to(dev) if means is not None and settings.center_keys else None
+        v_mean = means[1][a].to(dev) if means is not None and settings.center_values else None
+        w_o = o_weights.get(layer).to(dev) if o_weights and settings.key_clip_objective == "block_out" else None
         fits[layer] = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev),
                                 (1.0,) if no_clip else settings.k_clip_grid, session.scaling, settings.group_size,
                                 settings.sink_tokens, settings.recent_tokens, settings.key_clip_objective,
-                                (1.0,) if no_clip else settings.v_clip_grid)
+                                (1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
+                                o_weight=w_o, extend=not no_clip)
     return fits
 
 
@@ -146,7 +168,7 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
         holdout_ids: `[S, T']` sequences for fitting clip ratios (default: the last row of input_ids, which
             is then excluded from the statistics when N > 1).
     Returns:
-        (artifact, report). The artifact validates against contract v1.
+        (artifact, report). The artifact validates against contract v2.
     """
     settings = settings or SolverSettings()
     config = model.config
@@ -154,6 +176,13 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     n_layers, h_q, h_kv, d = model_geometry(config)
     if settings.group_size and d % settings.group_size:
         raise InputError(f"group_size={settings.group_size} must divide head_dim={d}")
+    windows = settings.sink_tokens + settings.recent_tokens
+    held_len = (holdout_ids if holdout_ids is not None else input_ids).shape[1]
+    if held_len <= windows:
+        raise InputError(
+            f"--seq-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
+            f"{settings.sink_tokens} + recent {settings.recent_tokens} = {windows} tokens), or no held-out query "
+            f"reads an INT2 key and the clip fit has nothing to score; use --seq-len {windows + 64} or more")
     if holdout_ids is None:
         if input_ids.shape[0] > 1:
             input_ids, holdout_ids = input_ids[:-1], input_ids[-1:]
@@ -184,10 +213,15 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
 
     t0 = time.perf_counter()
     k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target, settings.granularity)
-    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings)
+    means = session_means(session, layer_ids)
+    o_weights = o_proj_weights(model, layer_ids) if settings.key_clip_objective == "block_out" else None
+    if settings.key_clip_objective == "block_out" and o_weights is None:
+        raise InputError(f"key clip objective 'block_out': model {type(model).__name__} has no "
+                         "`self_attn.o_proj` in its decoder layers; use --key-objective out_err")
+    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights)
     comparison = {}
     if compare_alternatives:
-        comparison = _compare_alternatives(session, layer_ids, settings, fits)
+        comparison = _compare_alternatives(session, layer_ids, settings, fits, means, o_weights)
     timings["solve_s"] = time.perf_counter() - t0
 
     k_ratio = torch.stack([fits[i].k_ratio for i in layer_ids])
@@ -196,38 +230,32 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     calib.setdefault("tokens", int(input_ids.numel()))
     calib.setdefault("holdout_tokens", int(holdout_ids.numel()))
     calib["solver"] = json.loads(settings.model_dump_json())
-    meta = {
-        "format": FORMAT_NAME,
-        "schema_version": str(SCHEMA_VERSION),
-        "model_id": model_id or str(getattr(config, "_name_or_path", "") or "unknown"),
-        "model_revision": model_revision or str(getattr(config, "_commit_hash", None) or "unknown"),
-        "num_attention_heads": str(h_q),
-        "num_key_value_heads": str(h_kv),
-        "head_dim": str(d),
-        "bits": "2",
-        "group_size": str(settings.group_size or d),
-        "sink_tokens": str(settings.sink_tokens),
-        "recent_tokens": str(settings.recent_tokens),
-        "granularity": settings.granularity,
-        "key_target": settings.key_target,
-        "value_target": settings.value_target,
-        "calibration": json.dumps(calib, sort_keys=True),
-        "tool_version": f"oscar-calib {__version__}",
-        "created_at": created_at(),
-    }
+    meta = build_metadata(
+        model_id=model_id or str(getattr(config, "_name_or_path", "") or "unknown"),
+        model_revision=model_revision or str(getattr(config, "_commit_hash", None) or "unknown"),
+        num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,
+        key_target=settings.key_target, value_target=settings.value_target, calibration=calib,
+        tool_version=f"oscar-calib {__version__}",
+        layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
+                                    group_size=settings.group_size or d))
+    # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     artifact = OscarArtifact(
         layer_ids=torch.tensor(layer_ids, dtype=torch.int64),
         k_rotation=k_rot, v_rotation=v_rot, k_clip_ratio=k_ratio.float(), v_clip_ratio=v_ratio.float(),
         k_eigenvalues=k_eig, v_eigenvalues=v_eig, metadata=meta, source="<calibration>",
+        k_mean=(means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous(),
+        v_mean=(means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous(),
     ).validate()
     report = CalibrationReport(layer_ids=layer_ids, skipped_layers=sorted(skip), tokens=int(input_ids.numel()),
                                holdout_tokens=int(holdout_ids.numel()), timings=timings, fits=fits,
                                k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,
+                               means=means,
                                key_objective=settings.key_clip_objective)
     return artifact, report
 
 
-def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit]) -> dict:
+def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit],
+                          means=None, o_weights=None) -> dict:
     """Held-out errors (best clip per head) of the other value target and granularity, for the record.
 
     This is how the defaults were decided: the alternative with the lower attention-aware error wins.
@@ -243,17 +271,18 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
             if name in out:
                 continue
             k_rot, _, v_rot, _ = _solve_all(session, layer_ids, settings, vt, gran)
-            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings)
+            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights)
             out[name] = {"key": best(fits, "k"), "value": best(fits, "v")}
     # Baseline without the eigen-basis (Hadamard only) for context.
     from oscar_calib.solve import hadamard
 
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
     had = hadamard(d).float().expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, had, had, settings)
+    fits = _fit_all(session, layer_ids, had, had, settings, means=means, o_weights=o_weights)
     out["hadamard_only"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     eye = torch.eye(d).expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, eye, eye, settings, no_clip=True)
+    fits = _fit_all(session, layer_ids, eye, eye, settings.model_copy(update={"center_keys": False,
+                    "center_values": False}), no_clip=True, o_weights=o_weights)
     out["no_rotation_no_clip"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     return out
 
@@ -261,10 +290,3 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
 def calibrate_model(model, input_ids: torch.Tensor, settings: SolverSettings | None = None, **kwargs) -> OscarArtifact:
     """`calibrate_model_with_report` without the report. input_ids `[N, T]`."""
     return calibrate_model_with_report(model, input_ids, settings, **kwargs)[0]
-
-
-def run_calibration(config, out_dir, overwrite: bool = False, console=None):
-    """The whole job behind `oscar-calib run` (see `oscar_calib.job.run_calibration`)."""
-    from oscar_calib.job import run_calibration as _run
-
-    return _run(config, out_dir, overwrite=overwrite, console=console)

@@ -1,14 +1,27 @@
 """Fit clip ratios per (layer, KV head, K/V) on held-out calibration tokens (OSCAR_METHOD section 4).
 
 The error is attention-aware and reproduces what a decoder sees: for a query at position t, keys and
-values at positions `< sink` or `> t - recent` stay exact, the others are rotated, clipped, quantized
-to INT2 and de-rotated (the runtime's quantizer, `runtime_kernels.quant.naive`).
+values at positions `< sink` or `> t - recent` stay exact, the others are (centered,) rotated, clipped,
+quantized to INT2 and de-rotated (the runtime's quantizer, `runtime_kernels.quant.naive`).
 
-- key error ("attn_kl", default): KL(P || P_hat) of each query's causal attention distribution, where
-  P_hat uses the quantized keys on quantized pairs, averaged over queries; ("logit_mse"): mean squared
-  logit error `(scale * q . (k_hat - k))^2` over (query, quantized key) pairs
-- value error: relative attention-output error `|P_quant (V_hat - V)|^2 / |P V|^2`, with `P` the exact
-  causal softmax and `P_quant` its entries on quantized pairs
+Objectives (`P` the exact causal softmax, `P_hat` with quantized keys on quantized pairs, `O = P V`):
+- keys, `attn_kl`: KL(P || P_hat) of each query's attention distribution, averaged over queries;
+- keys, `logit_mse`: mean squared logit error `(scale * q . (k_hat - k))^2` over (query, quantized key) pairs;
+- keys, `out_err`: relative attention-output error of the key error alone, `|(P_hat - P) V|^2 / |O|^2`;
+- values, `out_err`: relative attention-output error `|P_quant (V_hat - V)|^2 / |O|^2`, `P_quant` = `P` on
+  quantized pairs.
+With `o_weight` (the layer's `o_proj` weight), the output errors are measured after the output projection
+(`block_out`): each query head's output error is mapped through its columns of `W_o` and summed over the group,
+so an error in a direction `o_proj` ignores costs nothing.
+
+Why the output errors: a clip trades the rounding noise of every entry against a bias on the clipped
+entries. The KL of each query's distribution counts both the same, so it keeps asking for more clipping, while
+the bias moves outputs coherently across tokens and layers (perplexity). The output error sees that bias in
+the attention output itself. `tools/clip_objective_study.py` measures how well each objective ranks methods by
+held-out perplexity (README, "Which defaults, and why").
+
+A fit extends its grid below the lowest candidate while the error still falls there, so that no fitted ratio
+sits at the edge of what was searched (unless the floor `MIN_RATIO` is reached; `edge` says so).
 """
 
 from __future__ import annotations
@@ -17,53 +30,101 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_calib.errors import InputError
+from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.quant import naive
+
+KEY_OBJECTIVES = ("attn_kl", "logit_mse", "out_err", "block_out")
+VALUE_OBJECTIVES = ("out_err", "block_out")
+MIN_RATIO = 0.5  # never clip more than half of a row's entries
+EXTEND_STEP = 0.02
 
 
 @dataclass
 class ClipFit:
-    """Per-layer fit result. ratios `[H_kv]`; errors `[len(grid), H_kv]` (float64, on CPU)."""
+    """Per-layer fit result. ratios `[H_kv]`; errors `[len(grid), H_kv]` (float64, on CPU) over `k_grid`/`v_grid`.
+
+    `k_edge`/`v_edge` `[H_kv]` bool: the ratio is the lowest candidate searched (the floor was reached).
+    """
 
     k_ratio: torch.Tensor
     v_ratio: torch.Tensor
     k_errors: torch.Tensor
     v_errors: torch.Tensor
+    k_grid: tuple[float, ...] = ()
+    v_grid: tuple[float, ...] = ()
+    k_edge: torch.Tensor | None = None
+    v_edge: torch.Tensor | None = None
 
 
 def quantized_pair_mask(positions: torch.Tensor, seq_len: int, sink: int, recent: int) -> torch.Tensor:
     """bool `[S, n_q, T]`: True where key j of the query at `positions [S, n_q]` is INT2 in the cache.
 
-    Falls back to "every causal pair" when the windows cover the whole held-out sequence.
+    Raises InputError when no query reads a quantized key (the held-out sequence is not longer than the
+    windows): a fit on such data would score pairs the decoder never quantizes.
     """
     j = torch.arange(seq_len, device=positions.device)
     pos = positions[..., None]
-    causal = j <= pos
-    mask = causal & (j >= sink) & (j <= pos - recent)
-    return mask if bool(mask.any()) else causal
+    mask = (j <= pos) & (j >= sink) & (j <= pos - recent)
+    if not bool(mask.any()):
+        raise InputError(
+            f"clip fit: the held-out sequence has {seq_len} tokens, not more than the BF16 windows (sink {sink} + "
+            f"recent {recent}), so no held-out query reads an INT2 key; use a longer --seq-len (at least "
+            f"{sink + recent + 64}) or smaller windows")
+    return mask
 
 
-def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float, group_size: int | None) -> torch.Tensor:
-    """x `[S, H, T, d]` -> quantize-dequantize in the rotated basis, then back; same shape, fp32."""
-    xr = torch.einsum("shtd,hde->shte", x.float(), rotation.float())
-    xr = naive.clip_rows(xr, ratio) if ratio < 1.0 else xr
+def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | torch.Tensor,
+                        group_size: int | None, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[S, H, T, d]` -> `fq(x - mean) + mean` in the rotated basis, then back; same shape, fp32.
+
+    ratio: a scalar or per head `[H]`; mean `[H, d]` (model basis) or None.
+    """
+    xf = x.float() if mean is None else x.float() - mean.float()[None, :, None, :]
+    xr = torch.einsum("shtd,hde->shte", xf, rotation.float())
+    r = torch.as_tensor(ratio, dtype=torch.float64)
+    if bool((r < 1.0).any()):
+        xr = naive.clip_rows(xr, r[None, :, None] if r.dim() == 1 else r)
     codes, scale, zero = naive.quantize(xr, group_size)
     xq = naive.dequantize(codes, scale, zero)
-    return torch.einsum("shte,hde->shtd", xq, rotation.float())
+    out = torch.einsum("shte,hde->shtd", xq, rotation.float())
+    return out if mean is None else out + mean.float()[None, :, None, :]
 
 
-def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor,
-                k_rotation: torch.Tensor, v_rotation: torch.Tensor, grid: tuple[float, ...], scaling: float,
-                group_size: int | None = None, sink: int = 64, recent: int = 256,
-                key_objective: str = "attn_kl", v_grid: tuple[float, ...] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention-aware errors of every key clip ratio in `grid` and value clip ratio in `v_grid` (default: `grid`).
+@dataclass
+class _HeldOut:
+    """Exact attention of the held-out queries, shared by every candidate ratio."""
 
-    Args:
-        keys, values: `[S, H_kv, T, d]`; queries `[S, H_q, n_q, d]`; positions `[S, n_q]` int64.
-        k_rotation, v_rotation: `[H_kv, d, d]`.
-    Returns:
-        key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU).
-    """
+    q: torch.Tensor  # [S, H, g*n_q, d]
+    k: torch.Tensor  # [S, H, T, d]
+    v: torch.Tensor
+    qmask: torch.Tensor  # [S, H, g*n_q, T] bool, INT2 pairs
+    scores: torch.Tensor  # masked causal scores
+    probs: torch.Tensor
+    log_p: torch.Tensor
+    out: torch.Tensor  # [S, H, g*n_q, d]
+    g: int
+    scaling: float
+    o_weight: torch.Tensor | None  # [H, g, d, hidden]: W_o's columns of each query head, transposed
+
+    def project(self, delta: torch.Tensor) -> torch.Tensor:
+        """Output error `[S, H, g*n_q, d]` -> `[S, H, n_q, hidden]` through o_proj (summed over the group)."""
+        s, h, gn, d = delta.shape
+        dg = delta.reshape(s, h, self.g, gn // self.g, d)
+        return torch.einsum("shgnd,hgdo->shno", dg, self.o_weight)
+
+    def energy(self) -> torch.Tensor:
+        """Denominator `[H]` of the relative output errors."""
+        ref = self.out if self.o_weight is None else self.project(self.out)
+        return ref.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)
+
+    def out_err(self, delta: torch.Tensor) -> torch.Tensor:
+        """`[H]` relative output error of an output perturbation `[S, H, g*n_q, d]`."""
+        d = delta if self.o_weight is None else self.project(delta)
+        return d.pow(2).sum(dim=(0, 2, 3)) / self.energy()
+
+
+def _held_out(keys, values, queries, positions, scaling, sink, recent, o_weight) -> _HeldOut:
     s, h_kv, t, d = keys.shape
     g = queries.shape[1] // h_kv
     n_q = queries.shape[2]
@@ -75,31 +136,62 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     qmask = qmask[:, None, None].expand(s, h_kv, g, n_q, t).reshape(s, h_kv, g * n_q, t)
     causal = (torch.arange(t, device=k.device) <= pos[..., None])[:, None, None]
     causal = causal.expand(s, h_kv, g, n_q, t).reshape(s, h_kv, g * n_q, t)
-    scores = torch.einsum("shqd,shtd->shqt", q, k) * scaling
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    exact_out = torch.einsum("shqt,shtd->shqd", probs, v)
-    out_energy = exact_out.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)  # [H]
-    pair_count = qmask.sum(dim=(0, 2, 3)).clamp_min(1).double()
-    p_quant = probs * qmask
+    scores = (torch.einsum("shqd,shtd->shqt", q, k) * scaling).masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    w = None
+    if o_weight is not None:
+        # o_proj weight [hidden, H_q * d]: query head i reads columns [i*d, (i+1)*d).
+        w = o_weight.float().to(k.device).reshape(-1, h_kv, g, d).permute(1, 2, 3, 0).contiguous()
+    return _HeldOut(q, k, v, qmask, scores, probs, torch.log_softmax(scores, dim=-1),
+                    torch.einsum("shqt,shtd->shqd", probs, v), g, scaling, w)
+
+
+def _key_error(ho: _HeldOut, dk: torch.Tensor, objective: str) -> torch.Tensor:
+    """`[H]` error of the key perturbation `dk [S, H, T, d]` under `objective`."""
+    logit_err = torch.einsum("shqd,shtd->shqt", ho.q, dk) * ho.scaling * ho.qmask
+    if objective == "logit_mse":
+        return logit_err.pow(2).sum(dim=(0, 2, 3)) / ho.qmask.sum(dim=(0, 2, 3)).clamp_min(1)
+    log_p_hat = torch.log_softmax(ho.scores + logit_err, dim=-1)
+    if objective == "attn_kl":
+        kl = (ho.probs * (ho.log_p - log_p_hat)).nan_to_num(0.0).sum(dim=-1)  # [S, H, g*n_q]
+        return kl.sum(dim=(0, 2)) / (kl.shape[0] * kl.shape[2])
+    delta = torch.einsum("shqt,shtd->shqd", log_p_hat.exp() - ho.probs, ho.v)
+    return ho.out_err(delta)
+
+
+def _value_error(ho: _HeldOut, dv: torch.Tensor) -> torch.Tensor:
+    return ho.out_err(torch.einsum("shqt,shtd->shqd", ho.probs * ho.qmask, dv))
+
+
+def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor,
+                k_rotation: torch.Tensor, v_rotation: torch.Tensor, grid: tuple[float, ...], scaling: float,
+                group_size: int | None = None, sink: int = DEFAULT_LAYOUT.sink_tokens,
+                recent: int = DEFAULT_LAYOUT.recent_tokens, key_objective: str = "attn_kl",
+                v_grid: tuple[float, ...] | None = None, k_mean: torch.Tensor | None = None,
+                v_mean: torch.Tensor | None = None, o_weight: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention-aware errors of every key clip ratio in `grid` and value clip ratio in `v_grid` (default: `grid`).
+
+    Args:
+        keys, values: `[S, H_kv, T, d]`; queries `[S, H_q, n_q, d]`; positions `[S, n_q]` int64.
+        k_rotation, v_rotation: `[H_kv, d, d]`. k_mean, v_mean: `[H_kv, d]` (model basis) for a centered cache.
+        key_objective: one of KEY_OBJECTIVES; `block_out` needs `o_weight` (`[hidden, H_q * d]`), and then the
+            value error is measured after o_proj too.
+    Returns:
+        key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU).
+    """
+    if key_objective not in KEY_OBJECTIVES:
+        raise InputError(f"key clip objective '{key_objective}': expected one of {', '.join(KEY_OBJECTIVES)}")
+    if key_objective == "block_out" and o_weight is None:
+        raise InputError("key clip objective 'block_out' needs the layer's o_proj weight")
+    ho = _held_out(keys, values, queries, positions, scaling, sink, recent,
+                   o_weight if key_objective == "block_out" else None)
+    objective = "out_err" if key_objective == "block_out" else key_objective
+    k_err = torch.stack([_key_error(ho, _fake_quant_rotated(ho.k, k_rotation, r, group_size, k_mean) - ho.k,
+                                    objective) for r in grid]).double().cpu()
     v_grid = grid if v_grid is None else v_grid
-    k_err = torch.empty(len(grid), h_kv, dtype=torch.float64)
-    v_err = torch.empty(len(v_grid), h_kv, dtype=torch.float64)
-    masked_scores = scores.masked_fill(~causal, float("-inf"))
-    log_p = torch.log_softmax(masked_scores, dim=-1)
-    n_queries = s * g * n_q
-    for gi, ratio in enumerate(grid):
-        dk = _fake_quant_rotated(k, k_rotation, ratio, group_size) - k
-        logit_err = torch.einsum("shqd,shtd->shqt", q, dk) * scaling * qmask
-        if key_objective == "logit_mse":
-            k_err[gi] = logit_err.pow(2).sum(dim=(0, 2, 3)).double().cpu() / pair_count.cpu()
-        else:  # KL(P || P_hat) of each query's attention distribution, averaged over queries
-            log_p_hat = torch.log_softmax(masked_scores + logit_err, dim=-1)
-            kl = (probs * (log_p - log_p_hat)).nan_to_num(0.0).sum(dim=-1)  # [S, H, g*n_q]
-            k_err[gi] = kl.sum(dim=(0, 2)).double().cpu() / n_queries
-    for gi, ratio in enumerate(v_grid):
-        dv = _fake_quant_rotated(v, v_rotation, ratio, group_size) - v
-        out_err = torch.einsum("shqt,shtd->shqd", p_quant, dv)
-        v_err[gi] = (out_err.pow(2).sum(dim=(0, 2, 3)) / out_energy).double().cpu()
+    v_err = torch.stack([_value_error(ho, _fake_quant_rotated(ho.v, v_rotation, r, group_size, v_mean) - ho.v)
+                         for r in v_grid]).double().cpu()
     return k_err, v_err
 
 
@@ -111,11 +203,51 @@ def pick_ratios(errors: torch.Tensor, grid: tuple[float, ...]) -> torch.Tensor:
     return grid_t.flip(0)[best_rev].float()
 
 
+def extended_grid(grid: tuple[float, ...], step: float = EXTEND_STEP) -> tuple[float, ...]:
+    """`grid` with one more candidate `step` below its lowest (not below MIN_RATIO); unchanged at the floor."""
+    low = round(min(grid) - step, 6)
+    return grid if low < MIN_RATIO - 1e-9 else tuple(sorted({low, *grid}))
+
+
+def _fit_one_side(errors_of, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor]:
+    """Search `grid`, extending it downward while some head's best ratio is its lowest candidate.
+
+    errors_of(ratios) -> `[len(ratios), H]`. Returns (ratios `[H]`, errors `[len(grid'), H]`, grid', edge `[H]`).
+    """
+    grid = tuple(sorted(grid))
+    errors = errors_of(grid)
+    while True:
+        ratio = pick_ratios(errors, grid)
+        at_edge = ratio == min(grid)
+        wider = extended_grid(grid)
+        if not bool(at_edge.any()) or wider == grid:
+            return ratio, errors, grid, at_edge
+        new = tuple(r for r in wider if r not in grid)
+        errors = torch.cat([errors_of(new), errors])
+        grid = wider
+
+
 def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, scaling, group_size=None,
-              sink: int = 64, recent: int = 256, key_objective: str = "attn_kl",
-              v_grid: tuple[float, ...] | None = None) -> ClipFit:
-    """Fit K (over `grid`) and V (over `v_grid`, default `grid`) clip ratios of one layer; shapes as in `clip_errors`."""
+              sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens,
+              key_objective: str = "attn_kl", v_grid: tuple[float, ...] | None = None,
+              k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+              o_weight: torch.Tensor | None = None, extend: bool = True) -> ClipFit:
+    """Fit K (over `grid`) and V (over `v_grid`, default `grid`) clip ratios of one layer; shapes as in `clip_errors`.
+
+    With `extend`, a grid whose lowest candidate wins for some head is extended downward (EXTEND_STEP at a time,
+    down to MIN_RATIO) until the error turns up.
+    """
     v_grid = grid if v_grid is None else v_grid
-    k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, scaling,
-                               group_size, sink, recent, key_objective, v_grid)
-    return ClipFit(pick_ratios(k_err, grid), pick_ratios(v_err, v_grid), k_err, v_err)
+    kw = dict(scaling=scaling, group_size=group_size, sink=sink, recent=recent, key_objective=key_objective,
+              k_mean=k_mean, v_mean=v_mean, o_weight=o_weight)
+    if not extend:
+        k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, v_grid=v_grid, **kw)
+        kr, vr = pick_ratios(k_err, grid), pick_ratios(v_err, v_grid)
+        return ClipFit(kr, vr, k_err, v_err, tuple(grid), tuple(v_grid), kr == min(grid), vr == min(v_grid))
+    k_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, g,
+                                                v_grid=(1.0,), **kw)[0], grid)
+    v_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, (1.0,),
+                                                v_grid=g, **kw)[1], v_grid)
+    floor_k = torch.tensor(min(k_fit[2]) <= MIN_RATIO + 1e-9)
+    floor_v = torch.tensor(min(v_fit[2]) <= MIN_RATIO + 1e-9)
+    return ClipFit(k_fit[0], v_fit[0], k_fit[1], v_fit[1], k_fit[2], v_fit[2], k_fit[3] & floor_k, v_fit[3] & floor_v)

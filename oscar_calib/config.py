@@ -9,6 +9,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS
+
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
 # Their lower ends were set by measurement (README, "Which defaults, and why"): below K 0.94 the held-out
@@ -47,11 +49,15 @@ class SolverSettings(_Strict):
     key_target: Literal["query_moment"] = "query_moment"
     k_clip_grid: tuple[float, ...] = DEFAULT_K_CLIP_GRID
     v_clip_grid: tuple[float, ...] = DEFAULT_V_CLIP_GRID
-    key_clip_objective: Literal["attn_kl", "logit_mse"] = Field(
-        "attn_kl", description="Held-out error that picks key clip ratios: attention KL or logit MSE.")
+    key_clip_objective: Literal["attn_kl", "logit_mse", "out_err", "block_out"] = Field(
+        "attn_kl", description="Held-out error that picks clip ratios: keys by attention KL, logit MSE or the "
+                               "attention-output error (`out_err`, `block_out` = after o_proj; values then too).")
+    center_keys: bool = Field(False, description="Subtract the calibrated per-(layer, KV head) key mean before "
+                                                 "quantizing (exact for attention: q . mu is added back).")
+    center_values: bool = Field(False, description="Subtract the calibrated value mean before quantizing.")
     group_size: Optional[int] = Field(None, description="Quantization group (channels); None = head_dim.")
-    sink_tokens: int = Field(64, ge=0)
-    recent_tokens: int = Field(256, ge=0)
+    sink_tokens: int = Field(DEFAULT_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+    recent_tokens: int = Field(DEFAULT_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
 
     @field_validator("k_clip_grid", "v_clip_grid")
     @classmethod

@@ -267,6 +267,23 @@ def ppl(nll: torch.Tensor) -> float:
     return math.exp(float(nll.double().mean())) if nll.numel() else float("nan")
 
 
+def bootstrap_delta_ci(window_nll: torch.Tensor, ref_window_nll: torch.Tensor, n_boot: int = 2000,
+                       level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the ppl change (percent) of a method against a reference.
+
+    `window_nll`, `ref_window_nll`: `[N]` mean NLL of the same N windows under each. Windows are resampled
+    together (paired), so what the interval measures is the noise of choosing these windows, not of the model.
+    """
+    a, b = window_nll.double(), ref_window_nll.double()
+    if a.numel() < 2:
+        return float("nan"), float("nan")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, a.numel(), (n_boot, a.numel()), generator=gen)
+    deltas = 100.0 * torch.expm1(a[idx].mean(dim=1) - b[idx].mean(dim=1))
+    tail = (1.0 - level) / 2
+    return float(deltas.quantile(tail)), float(deltas.quantile(1.0 - tail))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the comparison
 # ----------------------------------------------------------------------------------------------------------
@@ -298,6 +315,7 @@ def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_siz
             "description": method.description,
             "effective_bits": method.effective_bits(context, head_dim, sink, recent),
             "history_bits": method.history_bits(head_dim),
+            "effective_bits_32k": method.effective_bits(32768, head_dim, sink, recent),
             "effective_bits_128k": method.effective_bits(131072, head_dim, sink, recent),
             "ppl": ppl(nll),
             "ppl_second_half": ppl(nll[:, half:]),
@@ -306,10 +324,13 @@ def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_siz
             "mean_attn_kl": (sum(r["attn_kl"] for r in layers) / len(layers)) if layers else 0.0,
             "mean_out_rel_err": (sum(r["out_rel_err"] for r in layers) / len(layers)) if layers else 0.0,
             "layers": layers,
+            "window_nll": nll.double().mean(dim=1).tolist(),
         })
     base = next((r for r in rows if r["name"] == "bf16"), None)
     for r in rows:
         r["ppl_delta_pct"] = 100.0 * (r["ppl"] / base["ppl"] - 1.0) if base else None
+        r["ppl_delta_ci95"] = (list(bootstrap_delta_ci(torch.tensor(r["window_nll"]), torch.tensor(base["window_nll"])))
+                               if base and r is not base else None)
     return {
         "context": context,
         "sink": sink,
@@ -362,7 +383,7 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
     with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
                                          page_size=page_size, sink_tokens=sink, recent_tokens=recent,
-                                         backend=backend)
+                                         backend=backend, allow_other_model=True)  # identity: checked by the caller
         logits = [model(input_ids=tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
         for pos in range(prompt_len, tokens.shape[1] - 1):
             logits.append(model(input_ids=tokens[:, pos:pos + 1], past_key_values=cache, use_cache=True).logits)
@@ -405,6 +426,7 @@ def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: i
 
 __all__ = [
     "EvalSession",
+    "bootstrap_delta_ci",
     "Windows",
     "evaluate_methods",
     "evaluating",

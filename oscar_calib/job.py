@@ -21,6 +21,9 @@ from oscar_calib.calibrate import (
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
+from oscar_calib.loading import load_config as _load_config
+from oscar_calib.loading import load_model as _load_model
+from oscar_calib.loading import load_tokenizer as _load_tokenizer
 from oscar_calib.model_card import render_model_card
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
@@ -92,44 +95,6 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         preflight(out_dir, overwrite, "--out")
     except OutputDirError as exc:
         raise InputError(str(exc)) from None
-
-
-def _load_config(model_ref: str, revision: str | None, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_ref, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, HTTP errors...
-        kind = "local directory" if Path(model_ref).exists() else "Hub model id or local directory"
-        raise InputError(f"--model {model_ref}: cannot load its config (expected a {kind} with config.json"
-                         f"{', revision ' + revision if revision else ''}): {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-
-
-def _load_tokenizer(model_ref: str, revision: str | None, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_ref, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(f"--model {model_ref}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from exc
-
-
-def _load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device: str, trust_remote_code: bool,
-                device_map: str | None = None):
-    from transformers import AutoModelForCausalLM
-
-    # accelerate places the weights straight onto the device (no full CPU copy first), or spreads the layers
-    # over every visible device with an accelerate strategy ("auto", "balanced", ...). Statistics then live on
-    # each layer's own device and only the d x d targets move to the CPU for the solver.
-    if device_map is None:
-        device_map = {"": device} if device != "cpu" else None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_ref, revision=revision, dtype=dtype, device_map=device_map,
-                                                     trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(f"--model {model_ref}: cannot load the weights: {type(exc).__name__}: {exc}") from exc
-    return model.eval()
 
 
 def max_positions(config) -> int | None:

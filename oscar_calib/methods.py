@@ -13,7 +13,9 @@ Methods:
   sink, so the quantized history splits into whole blocks), values per token like `int2`.
 - `quarot-int2`: normalised Hadamard rotation, no clipping, then `int2`.
 - `hadamard-clip`: Hadamard rotation with the reference's global clip ratios (K 0.96, V 0.92).
-- `oscar[...]`: per-(layer, KV head) rotations and clip ratios from an artifact.
+- `oscar[...]`: per-(layer, KV head) rotations and clip ratios from an artifact; with means (contract v2),
+  a centered cache: `x_hat = fq(x - mu) + mu`. That is exactly what the runtime computes by adding `q . mu_k`
+  to the history logits and `(sum of history probabilities) mu_v` to the history output.
 """
 
 from __future__ import annotations
@@ -111,27 +113,78 @@ class RowwiseInt2(KVMethod):
         return effective_bits(context_len, self.group_size or head_dim, sink, recent, SCALE_BITS)
 
     def _one(self, x: torch.Tensor, rotation: torch.Tensor | None, clip: float) -> torch.Tensor:
-        b, _, t, _ = x.shape
-        rot = None if rotation is None else rotation.to(x.device, torch.float32)
         ratio = None if clip >= 1.0 else clip
-        return _from_rows(naive.fake_quantize(_to_rows(x.float()), rot, ratio, self.group_size), b, t)
+        return centered_fake_quantize(x, rotation, ratio, None, self.group_size)
 
     def fake_quantize(self, layer_idx, keys, values, sink=64):
         return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
 
 
 @dataclass
-class ArtifactInt2(RowwiseInt2):
-    """OSCAR: per-(layer, KV head) rotations `[H_kv, d, d]` and clip ratios `[H_kv]` from an artifact.
+class LayerTables:
+    """One layer's quantizer tables: rotations `[H_kv, d, d]`, clip ratios `[H_kv]`, means `[H_kv, d]` or None."""
 
-    Layers the artifact does not list (e.g. sliding-window layers) stay BF16, as in the runtime.
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_clip: torch.Tensor
+    v_clip: torch.Tensor
+    k_mean: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+
+    def to(self, device) -> LayerTables:
+        f = lambda t: None if t is None else t.to(device, torch.float32)  # noqa: E731
+        return LayerTables(*(f(t) for t in (self.k_rotation, self.v_rotation, self.k_clip, self.v_clip,
+                                             self.k_mean, self.v_mean)))
+
+
+@dataclass
+class TableInt2(RowwiseInt2):
+    """Per-(layer, KV head) rotations, clip ratios and optional means (`tables`: decoder layer -> LayerTables).
+
+    Layers without tables stay BF16 (as sliding-window layers do in the runtime).
     """
 
-    artifact: OscarArtifact | None = None
+    tables: dict[int, LayerTables] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def quantizes(self, layer_idx: int) -> bool:
-        return self.artifact is not None and self.artifact.index_of_layer(layer_idx) is not None
+        return layer_idx in self.tables
+
+    def fake_quantize(self, layer_idx, keys, values, sink=64):
+        if layer_idx not in self.tables:
+            return keys.float(), values.float()
+        key = (layer_idx, keys.device)
+        if key not in self._cache:
+            self._cache[key] = self.tables[layer_idx].to(keys.device)
+        t = self._cache[key]
+        g = self.group_size
+        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g),
+                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g))
+
+
+def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int, LayerTables]:
+    """Decoder layer -> LayerTables of an artifact; means (contract v2, model basis) when `centered`."""
+    def mean(kind: str) -> torch.Tensor | None:
+        m = artifact.key_mean("original") if kind == "k" else artifact.value_mean("original")
+        return m if centered and bool(m.any()) else None  # all zeros: the uncentered path, bit for bit
+
+    k_mean, v_mean = mean("k"), mean("v")
+    out = {}
+    for a, layer in enumerate(artifact.layer_ids.tolist()):
+        out[int(layer)] = LayerTables(
+            artifact.k_rotation[a], artifact.v_rotation[a], artifact.k_clip_ratio[a], artifact.v_clip_ratio[a],
+            None if k_mean is None else k_mean[a], None if v_mean is None else v_mean[a])
+    return out
+
+
+class ArtifactInt2(TableInt2):
+    """OSCAR: per-(layer, KV head) rotations, clip ratios (and means, when the artifact has them)."""
+
+    def __init__(self, name: str = "oscar", description: str = "OSCAR artifact", artifact: OscarArtifact | None = None,
+                 centered: bool = True):
+        super().__init__(name, description, group_size=artifact.group_size if artifact is not None else None,
+                         tables=artifact_tables(artifact, centered) if artifact is not None else {})
+        self.artifact = artifact
 
     def history_bits(self, head_dim: int) -> float:
         return history_bits_rowwise(self.artifact.group_size)
@@ -139,21 +192,23 @@ class ArtifactInt2(RowwiseInt2):
     def effective_bits(self, context_len, head_dim, sink=64, recent=256):
         return effective_bits(context_len, self.artifact.group_size, sink, recent, SCALE_BITS)
 
-    def fake_quantize(self, layer_idx, keys, values, sink=64):
-        a = self.artifact.index_of_layer(layer_idx)
-        if a is None:
-            return keys.float(), values.float()
-        key = (a, keys.device)
-        if key not in self._cache:
-            art = self.artifact
-            self._cache[key] = tuple(t.to(keys.device, torch.float32) for t in (
-                art.k_rotation[a], art.v_rotation[a], art.k_clip_ratio[a], art.v_clip_ratio[a]))
-        rk, rv, ck, cv = self._cache[key]
-        b, _, t, _ = keys.shape
-        g = self.artifact.group_size
-        k_hat = naive.fake_quantize(_to_rows(keys.float()), rk, _clip_or_none(ck), g)
-        v_hat = naive.fake_quantize(_to_rows(values.float()), rv, _clip_or_none(cv), g)
-        return _from_rows(k_hat, b, t), _from_rows(v_hat, b, t)
+
+def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip, mean: torch.Tensor | None,
+                           group_size: int | None) -> torch.Tensor:
+    """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2, de-rotate.
+
+    `rotation` `[H_kv, d, d]` / `[d, d]` / None; `clip` `[H_kv]`, a scalar or None; `mean` `[H_kv, d]` or None
+    (model basis; the rotated mean is `mean @ R`, the same centering in the rotated basis).
+    """
+    b, _, t, _ = x.shape
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean.to(xf.device, torch.float32)[None, :, None, :]
+    rot = None if rotation is None else rotation.to(x.device, torch.float32)
+    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size), b, t)
+    if mean is not None:
+        out = out + mean.to(out.device, torch.float32)[None, :, None, :]
+    return out
 
 
 def _clip_or_none(ratio: torch.Tensor) -> torch.Tensor | None:
@@ -226,6 +281,10 @@ def standard_methods(head_dim: int, artifacts: dict[str, OscarArtifact] | None =
 
 __all__ = [
     "ArtifactInt2",
+    "LayerTables",
+    "TableInt2",
+    "artifact_tables",
+    "centered_fake_quantize",
     "KVMethod",
     "Kivi2",
     "RowwiseInt2",

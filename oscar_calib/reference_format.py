@@ -1,66 +1,91 @@
 """Interop with the authors' reference "RotationZoo" files (served by their SGLang fork).
 
-A reference file is a `torch.save`d dict holding one rotation per layer for ONE target (keys or values):
+A reference file is a `torch.save`d dict for ONE target (keys or values); three versions exist
+(`../shared/DESIGN.md` section 5b):
 
     {
-      "format_version": int,              # 1
-      "objective": str,                   # which target the rotations were fitted to
-      "layers": {layer_idx: {             # int -> dict, global decoder-layer index
-          "rotation": Tensor [d, d],      # orthogonal, row-vector convention x_rot = x @ R
-          "eigenvalues": Tensor [d],      # spectrum of the target
+      "format_version": 1 | 2 | 3,
+      "objective": str,                     # which target the rotations were fitted to
+      "source_grouping": str,               # how the statistics were grouped (optional here: our own
+                                            #   exports before contract v2 did not write it)
+      "layers": {layer_idx: {               # int -> dict, global decoder-layer index
+          "layer_id": int,                  # optional; equal to the key when present
+          "rotation": Tensor,               # v1 [d, d] (one per layer); v2/v3 [H_kv, d, d] (per KV head)
+          "eigenvalues": Tensor,            # v1 [d]; v2/v3 [H_kv, d]: spectrum of the target
+          "q_rotation": Tensor,             # v3, optional, shaped like rotation: the transform of the queries
+          "o_rotation": Tensor,             # v3, optional, shaped like rotation: the transform of the output
+          "k_mean": Tensor,                 # v3, optional, [H_kv, d] or [d]: key centering mean
       }},
     }
 
-An OSCAR artifact needs both targets, so one import reads a key file and a value file; one export
-writes `keys.pt` and `values.pt`. The reference has no clip ratios (its server uses two global
-ratios, K 0.96 / V 0.92): import stores those ratios (or the ones given) for every head; export drops ours.
+Row-vector convention `x_rot = x @ R` throughout. An OSCAR artifact needs both targets, so one import
+reads a key file and a value file; one export writes `keys.pt` and `values.pt`.
 
-Safety: the importer executes nothing. `torch.load(weights_only=True)` restricts unpickling to
-tensors and plain containers, and the result is then checked to be exactly the structure above made
-of plain dense CPU tensors, str, int, float and dicts; anything else is refused (ReferenceFormatError,
-exit code 2).
+Mapping into contract v2:
+- `k_mean` becomes the artifact's `k_mean` with `mean_basis = original`. Assumption (stated because the
+  files do not say): the reference subtracts the mean from the raw post-RoPE key *before* rotating it,
+  `(k - mu) @ R`, so its mean is in the original basis. `v_mean` is zero (the reference centres keys only).
+- `q_rotation`: our runtime rotates queries with the key rotation itself (q @ R_K), which preserves q . k
+  only for an orthogonal R_K. A `q_rotation` must therefore be orthogonal and equal to the file's key
+  `rotation`; a non-orthogonal one is refused with the reason: non-orthogonal key transforms collapse under
+  a scalar INT2 quantizer and q . k is no longer preserved.
+- `o_rotation` must be orthogonal and equal to the value `rotation` or its transpose (either way the
+  runtime undoes R_V with R_V^T; it keeps no separate output transform).
+- Clip ratios, windows and scale dtype are not in the files: import stores the reference's global ratios
+  (K 0.96 / V 0.92, or the ones given) for every head, the default windows and float32 scales (what the
+  reference serves with); export drops our per-head ratios.
 
-Heads: our artifacts can hold one rotation per KV head. Export writes one per layer, so it refuses a
-per-head artifact whose heads differ, unless `head_reduce="first"` is chosen: then KV head 0's
-rotation and eigenvalues stand for the layer (the only choice that keeps an exact calibrated
-rotation; averaging rotations would not be orthogonal). The choice is recorded in the objective
-string (`<target>;head_reduce=first`).
+Export writes format v2 (per KV head, no reduction needed), or v3 when the artifact centres keys; values
+can't be centred in the reference format, so an artifact with a non-zero `v_mean` is refused. Format v1
+(one rotation per layer) is written on request: it refuses a per-head artifact whose heads differ unless
+`head_reduce="first"` (KV head 0's rotation stands for the layer: averaging rotations would not be
+orthogonal), recorded in the objective string (`<target>;head_reduce=first`).
+
+Safety: the importer executes nothing. `torch.load(weights_only=True)` restricts unpickling to tensors and
+plain containers; the result is then checked to be exactly the structure above made of plain dense CPU
+tensors, str, int and dicts; anything else is refused (ReferenceFormatError, exit code 2).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import shutil
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from oscar_calib.errors import InputError
-from runtime_kernels.artifact import (
-    FORMAT_NAME,
+from runtime_kernels.artifact import ArtifactError, OscarArtifact, build_metadata, model_geometry
+from runtime_kernels.contract import (
+    MAX_CLIP_RATIO,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_MEAN_ABS,
+    MIN_CLIP_RATIO,
     ORTHOGONALITY_TOL,
-    SCHEMA_VERSION,
-    ArtifactError,
-    OscarArtifact,
-    model_geometry,
     orthogonality_error,
 )
+from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
 
-REFERENCE_FORMAT_VERSION = 1
-REFERENCE_KEYS = {"format_version", "objective", "layers"}
+REFERENCE_FORMAT_VERSIONS = (1, 2, 3)
+EXPORT_FORMAT_VERSION = 2  # v3 when keys are centred
+REQUIRED_KEYS = {"format_version", "objective", "layers"}
+OPTIONAL_KEYS = {"source_grouping"}
 LAYER_KEYS = {"rotation", "eigenvalues"}
+OPTIONAL_LAYER_KEYS = {1: {"layer_id"}, 2: {"layer_id"}, 3: {"layer_id", "q_rotation", "o_rotation", "k_mean"}}
 MAX_REFERENCE_BYTES = 1 << 30
-MAX_LAYERS = 4096
-MAX_HEAD_DIM = 1024
 HEAD_REDUCE_CHOICES = ("none", "first")
 DEFAULT_K_CLIP = 0.96  # the reference's global ratios (OSCAR_METHOD.md section 4)
 DEFAULT_V_CLIP = 0.92
+REFERENCE_SCALE_DTYPE = "float32"  # the reference serves with fp32 scale/zero (OSCAR_METHOD.md section 8)
 KEYS_FILENAME = "keys.pt"
 VALUES_FILENAME = "values.pt"
+NON_ORTHOGONAL_REASON = ("non-orthogonal key transforms collapse under a scalar INT2 quantizer and q.k is no longer "
+                         "preserved; only orthogonal rotations can be imported")
 
 
 class ReferenceFormatError(InputError):
@@ -81,55 +106,109 @@ def _plain_tensor(value: Any, source: str, field: str) -> torch.Tensor:
     return value
 
 
+def _float32(value: Any, source: str, field: str, shape: list[int]) -> torch.Tensor:
+    t = _plain_tensor(value, source, field)
+    if list(t.shape) != shape:
+        _fail(source, field, f"expected shape {shape}, got {list(t.shape)}")
+    t32 = t.to(torch.float32).contiguous().clone()
+    if not torch.isfinite(t32).all():
+        _fail(source, field, "contains NaN or Inf (or overflows float32)")
+    return t32
+
+
+def _orthogonal(t: torch.Tensor, source: str, field: str, why: str = "") -> None:
+    err = orthogonality_error(t)
+    if not err <= ORTHOGONALITY_TOL:
+        _fail(source, field, f"not orthogonal: max |R R^T - I| = {err:.2e} > {ORTHOGONALITY_TOL:.0e}{why}")
+
+
+def _validate_layer(entry: Any, idx: int, version: int, source: str, head_dim: int | None,
+                    heads: int | None) -> dict[str, torch.Tensor]:
+    """One `layers` entry -> {rotation [h, d, d], eigenvalues [h, d] descending, k_mean [h, d] (v3, if any)}."""
+    where = f"layers.{idx}"
+    allowed = LAYER_KEYS | OPTIONAL_LAYER_KEYS[version]
+    if type(entry) is not dict or not LAYER_KEYS <= set(entry) or not set(entry) <= allowed:
+        _fail(source, where, f"expected a dict with {sorted(LAYER_KEYS)} and optionally "
+                             f"{sorted(OPTIONAL_LAYER_KEYS[version])} (format v{version})")
+    if "layer_id" in entry and (type(entry["layer_id"]) is not int or entry["layer_id"] != idx):
+        _fail(source, f"{where}.layer_id", f"expected {idx} (the layer's key), got {entry['layer_id']!r:.40}")
+    rot = _plain_tensor(entry["rotation"], source, f"{where}.rotation")
+    if version == 1:
+        if rot.dim() != 2:
+            _fail(source, f"{where}.rotation", f"expected a square [d, d] matrix (format v1), got {list(rot.shape)}")
+        rot = rot.unsqueeze(0)
+    elif rot.dim() != 3 or not 0 < rot.shape[0] <= MAX_HEADS:
+        _fail(source, f"{where}.rotation", f"expected [H_kv, d, d] (format v{version}), got {list(rot.shape)}")
+    if rot.shape[-1] != rot.shape[-2] or not 0 < rot.shape[-1] <= MAX_HEAD_DIM:
+        _fail(source, f"{where}.rotation", f"expected square [d, d] matrices, got {list(rot.shape)}")
+    h, d = int(rot.shape[0]), int(rot.shape[-1])
+    if head_dim is not None and d != head_dim:
+        _fail(source, f"{where}.rotation", f"head_dim {d} differs from the first layer's {head_dim}")
+    if heads is not None and h != heads:
+        _fail(source, f"{where}.rotation", f"{h} KV heads differ from the first layer's {heads}")
+    rot32 = _float32(rot, source, f"{where}.rotation", [h, d, d])
+    _orthogonal(rot32, source, f"{where}.rotation")
+    eig_shape = [d] if version == 1 else [h, d]
+    eig32 = _float32(entry["eigenvalues"], source, f"{where}.eigenvalues", eig_shape).view(h, d)
+    out = {"rotation": rot32, "eigenvalues": torch.sort(eig32, dim=-1, descending=True).values}
+    if "q_rotation" in entry:
+        q = _float32(entry["q_rotation"], source, f"{where}.q_rotation", [h, d, d])
+        _orthogonal(q, source, f"{where}.q_rotation", f": {NON_ORTHOGONAL_REASON}")
+        if not torch.allclose(q, rot32, atol=ORTHOGONALITY_TOL * 10):
+            _fail(source, f"{where}.q_rotation", "differs from the key rotation: the runtime rotates queries with the "
+                                                 "key rotation itself (q @ R_K), the only transform that preserves q.k")
+    if "o_rotation" in entry:
+        o = _float32(entry["o_rotation"], source, f"{where}.o_rotation", [h, d, d])
+        _orthogonal(o, source, f"{where}.o_rotation")
+        tol = ORTHOGONALITY_TOL * 10
+        if not (torch.allclose(o, rot32, atol=tol) or torch.allclose(o, rot32.transpose(-1, -2), atol=tol)):
+            _fail(source, f"{where}.o_rotation", "expected the value rotation or its transpose (the runtime undoes "
+                                                 "R_V with R_V^T and keeps no separate output transform)")
+    if "k_mean" in entry:
+        raw = _plain_tensor(entry["k_mean"], source, f"{where}.k_mean")
+        mean = _float32(raw, source, f"{where}.k_mean", [d] if raw.dim() == 1 else [h, d]).expand(h, d).clone()
+        if (mean.abs() > MAX_MEAN_ABS).any():
+            _fail(source, f"{where}.k_mean", f"expected |mean| <= {MAX_MEAN_ABS:g}")
+        out["k_mean"] = mean
+    return out
+
+
 def validate_reference(obj: Any, source: str) -> dict[str, Any]:
-    """Check the loaded object is exactly a reference file. Returns {format_version, objective, layers:
-    {int: (rotation float32 [d, d], eigenvalues float32 [d])}} with eigenvalues sorted descending."""
+    """Check the loaded object is exactly a reference file of format v1, v2 or v3.
+
+    Returns {format_version, objective, source_grouping (str or None), heads (1 for v1), layers:
+    {int: {rotation float32 [h, d, d], eigenvalues float32 [h, d] descending, k_mean float32 [h, d] (v3, optional)}}}.
+    """
     if type(obj) is not dict:
         _fail(source, "<root>", f"expected a dict, got {type(obj).__name__}")
     keys = set(obj)
-    if keys != REFERENCE_KEYS:
-        extra = sorted(map(str, keys - REFERENCE_KEYS))
-        missing = sorted(REFERENCE_KEYS - keys)
-        _fail(source, (extra or missing)[0], f"{'unknown key' if extra else 'missing'} (expected exactly "
-                                             f"{sorted(REFERENCE_KEYS)})")
+    if not REQUIRED_KEYS <= keys or not keys <= REQUIRED_KEYS | OPTIONAL_KEYS:
+        extra = sorted(map(str, keys - REQUIRED_KEYS - OPTIONAL_KEYS))
+        missing = sorted(REQUIRED_KEYS - keys)
+        _fail(source, (extra or missing)[0], f"{'unknown key' if extra else 'missing'} (expected "
+                                             f"{sorted(REQUIRED_KEYS)} and optionally {sorted(OPTIONAL_KEYS)})")
     version = obj["format_version"]
-    if type(version) is not int or version != REFERENCE_FORMAT_VERSION:
-        _fail(source, "format_version", f"expected {REFERENCE_FORMAT_VERSION}, got {version!r}")
-    objective = obj["objective"]
-    if type(objective) is not str or not objective or len(objective) > 200 or not objective.isprintable():
-        _fail(source, "objective", "expected a short printable string")
+    if type(version) is not int or version not in REFERENCE_FORMAT_VERSIONS:
+        _fail(source, "format_version", f"expected one of {list(REFERENCE_FORMAT_VERSIONS)}, got {version!r:.40}")
+    for name in ("objective", "source_grouping"):
+        text = obj.get(name, "x")
+        if type(text) is not str or not text or len(text) > 200 or not text.isprintable():
+            _fail(source, name, "expected a short printable string")
     layers = obj["layers"]
     if type(layers) is not dict or not layers:
-        _fail(source, "layers", "expected a non-empty dict {layer index: {rotation, eigenvalues}}")
+        _fail(source, "layers", "expected a non-empty dict {layer index: {rotation, eigenvalues, ...}}")
     if len(layers) > MAX_LAYERS:
         _fail(source, "layers", f"more than {MAX_LAYERS} layers")
-    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    head_dim = None
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    head_dim = heads = None
     for idx, entry in layers.items():
         if type(idx) is not int or idx < 0:
-            _fail(source, "layers", f"expected non-negative int layer indices, got {idx!r}")
-        where = f"layers.{idx}"
-        if type(entry) is not dict or set(entry) != LAYER_KEYS:
-            _fail(source, where, f"expected a dict with exactly {sorted(LAYER_KEYS)}")
-        rot = _plain_tensor(entry["rotation"], source, f"{where}.rotation")
-        eig = _plain_tensor(entry["eigenvalues"], source, f"{where}.eigenvalues")
-        if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or not 0 < rot.shape[0] <= MAX_HEAD_DIM:
-            _fail(source, f"{where}.rotation", f"expected a square [d, d] matrix, got {list(rot.shape)}")
-        d = int(rot.shape[0])
-        if head_dim is None:
-            head_dim = d
-        if d != head_dim:
-            _fail(source, f"{where}.rotation", f"head_dim {d} differs from the first layer's {head_dim}")
-        if list(eig.shape) != [d]:
-            _fail(source, f"{where}.eigenvalues", f"expected shape [{d}], got {list(eig.shape)}")
-        rot32, eig32 = rot.to(torch.float32).contiguous(), eig.to(torch.float32).contiguous()
-        if not torch.isfinite(rot32).all() or not torch.isfinite(eig32).all():
-            _fail(source, where, "contains NaN or Inf (or overflows float32)")
-        err = orthogonality_error(rot32)
-        if not err <= ORTHOGONALITY_TOL:
-            _fail(source, f"{where}.rotation", f"not orthogonal: max |R R^T - I| = {err:.2e} > {ORTHOGONALITY_TOL:.0e}")
-        out[idx] = (rot32.clone(), torch.sort(eig32, descending=True).values)
-    return {"format_version": version, "objective": objective, "layers": dict(sorted(out.items()))}
+            _fail(source, "layers", f"expected non-negative int layer indices, got {idx!r:.40}")
+        out[idx] = _validate_layer(entry, idx, version, source, head_dim, heads)
+        heads, head_dim = out[idx]["rotation"].shape[:2]
+        heads, head_dim = int(heads), int(head_dim)
+    return {"format_version": version, "objective": obj["objective"], "source_grouping": obj.get("source_grouping"),
+            "heads": heads, "layers": dict(sorted(out.items()))}
 
 
 def load_reference(path: str | os.PathLike) -> dict[str, Any]:
@@ -150,43 +229,59 @@ def load_reference(path: str | os.PathLike) -> dict[str, Any]:
 
 def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_config: Any, model_id: str,
                           model_revision: str = "unknown", k_clip: float = DEFAULT_K_CLIP,
-                          v_clip: float = DEFAULT_V_CLIP, tool_version: str = "oscar-calib") -> OscarArtifact:
-    """Build a validated layer-granularity artifact from a key file and a value file (validated dicts)."""
+                          v_clip: float = DEFAULT_V_CLIP, tool_version: str = "oscar-calib",
+                          layout: CacheLayout = DEFAULT_LAYOUT) -> OscarArtifact:
+    """Build a validated contract-v2 artifact from a key file and a value file (validate_reference results).
+
+    Per-layer (v1) files give `granularity=layer` (the rotation repeated over KV heads); per-head files
+    `granularity=head`. The key file's `k_mean` becomes `k_mean` in the original basis (module docstring).
+    """
     n_layers, h_q, h_kv, d = model_geometry(model_config)
     if set(keys["layers"]) != set(values["layers"]):
         raise ReferenceFormatError("field 'layers': the key and value files name different layers "
                                    f"({sorted(keys['layers'])} vs {sorted(values['layers'])})")
     for name, ratio in (("k_clip", k_clip), ("v_clip", v_clip)):
-        if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 0 < ratio <= 1):
-            raise InputError(f"field '{name}': expected a ratio in (0, 1], got {ratio!r}")
+        if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and MIN_CLIP_RATIO <= ratio <= MAX_CLIP_RATIO):
+            raise InputError(f"field '{name}': expected a ratio in [{MIN_CLIP_RATIO}, {MAX_CLIP_RATIO}], got {ratio!r}")
     ids = sorted(keys["layers"])
-    first_d = int(keys["layers"][ids[0]][0].shape[0])
-    if first_d != d or int(values["layers"][ids[0]][0].shape[0]) != d:
-        raise InputError(f"field 'head_dim': reference rotations are {first_d}x{first_d}, the model has head_dim {d}")
+    for ref, which in ((keys, "key"), (values, "value")):
+        rot = ref["layers"][ids[0]]["rotation"]
+        if int(rot.shape[-1]) != d:
+            raise InputError(f"field 'head_dim': the {which} file's rotations are {rot.shape[-1]}x{rot.shape[-1]}, "
+                             f"the model has head_dim {d}")
+        if ref["heads"] not in (1, h_kv):
+            raise InputError(f"field 'num_key_value_heads': the {which} file has {ref['heads']} rotations per layer, "
+                             f"the model has {h_kv} KV heads")
     if ids[-1] >= n_layers:
         raise InputError(f"field 'layers': reference names layer {ids[-1]}, the model has {n_layers} layers")
+    if any("k_mean" in values["layers"][i] for i in ids):
+        raise ReferenceFormatError("field 'k_mean': found in the value file; a key mean belongs in the key file")
 
-    def stack(ref: dict[str, Any], which: int) -> torch.Tensor:
-        per_layer = torch.stack([ref["layers"][i][which] for i in ids])  # [A, d, d] or [A, d]
-        return per_layer.unsqueeze(1).expand(-1, h_kv, *per_layer.shape[1:]).contiguous().clone()
+    def stack(ref: dict[str, Any], name: str) -> torch.Tensor:
+        per_layer = torch.stack([ref["layers"][i][name] for i in ids])  # [A, h, ...] with h = 1 or H_kv
+        return per_layer.expand(-1, h_kv, *per_layer.shape[2:]).contiguous().clone()
 
-    metadata = {
-        "format": FORMAT_NAME, "schema_version": str(SCHEMA_VERSION), "model_id": model_id,
-        "model_revision": model_revision, "num_attention_heads": str(h_q), "num_key_value_heads": str(h_kv),
-        "head_dim": str(d), "bits": "2", "group_size": str(d), "sink_tokens": "64", "recent_tokens": "256",
-        "granularity": "layer", "key_target": keys["objective"], "value_target": values["objective"],
-        "calibration": json.dumps({"source": "reference RotationZoo import",
-                                   "format_version": keys["format_version"],
-                                   "clip": "reference global ratios", "k_clip": k_clip, "v_clip": v_clip},
-                                  sort_keys=True),
-        "tool_version": tool_version,
-        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+    k_mean = torch.zeros(len(ids), h_kv, d)
+    for n, i in enumerate(ids):
+        if "k_mean" in keys["layers"][i]:
+            k_mean[n] = keys["layers"][i]["k_mean"].expand(h_kv, d)
+    per_layer = keys["heads"] == 1 and values["heads"] == 1
+    calibration = {"source": "reference RotationZoo import", "format_version": keys["format_version"],
+                   "value_format_version": values["format_version"], "source_grouping": keys["source_grouping"],
+                   "clip": "reference global ratios", "k_clip": k_clip, "v_clip": v_clip,
+                   "mean_basis_assumption": "reference subtracts k_mean before rotating (original basis)"}
+    metadata = build_metadata(
+        model_id=model_id, model_revision=model_revision, num_attention_heads=h_q, num_key_value_heads=h_kv,
+        head_dim=d, granularity="layer" if per_layer else "head", key_target=keys["objective"],
+        value_target=values["objective"], calibration=calibration, tool_version=tool_version,
+        layout=layout.with_(group_size=d), mean_basis="original", scale_dtype=REFERENCE_SCALE_DTYPE)
     a = len(ids)
     artifact = OscarArtifact(
-        layer_ids=torch.tensor(ids, dtype=torch.int64), k_rotation=stack(keys, 0), v_rotation=stack(values, 0),
-        k_clip_ratio=torch.full((a, h_kv), float(k_clip)), v_clip_ratio=torch.full((a, h_kv), float(v_clip)),
-        k_eigenvalues=stack(keys, 1), v_eigenvalues=stack(values, 1), metadata=metadata, source="<reference import>")
+        layer_ids=torch.tensor(ids, dtype=torch.int64), k_rotation=stack(keys, "rotation"),
+        v_rotation=stack(values, "rotation"), k_clip_ratio=torch.full((a, h_kv), float(k_clip)),
+        v_clip_ratio=torch.full((a, h_kv), float(v_clip)), k_eigenvalues=stack(keys, "eigenvalues"),
+        v_eigenvalues=stack(values, "eigenvalues"), metadata=metadata, source="<reference import>",
+        k_mean=k_mean, v_mean=torch.zeros(a, h_kv, d))
     try:
         return artifact.validate()
     except ArtifactError as exc:
@@ -196,34 +291,56 @@ def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_co
 def _per_layer(artifact: OscarArtifact, rotation: torch.Tensor, eigenvalues: torch.Tensor, name: str,
                head_reduce: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[A, H, d, d], [A, H, d] -> [A, d, d], [A, d] following `head_reduce` (see module docstring)."""
-    if head_reduce not in HEAD_REDUCE_CHOICES:
-        raise InputError(f"field 'head_reduce': expected one of {list(HEAD_REDUCE_CHOICES)}, got {head_reduce!r}")
     same = bool((rotation == rotation[:, :1]).all()) and bool((eigenvalues == eigenvalues[:, :1]).all())
     if not same and head_reduce == "none":
-        raise InputError(f"{artifact.source}: field '{name}': the reference format has one rotation per layer but this "
+        raise InputError(f"{artifact.source}: field '{name}': reference format v1 has one rotation per layer but this "
                          f"artifact has {rotation.shape[1]} different per-KV-head rotations; pass --head-reduce first "
-                         "to export KV head 0's rotation for every layer")
+                         "to export KV head 0's rotation for every layer, or export format v2")
     return rotation[:, 0].contiguous().clone(), eigenvalues[:, 0].contiguous().clone()
 
 
-def artifact_to_reference(artifact: OscarArtifact, head_reduce: str = "none") -> tuple[dict, dict]:
-    """The (keys, values) reference dicts of an artifact (one rotation per layer each)."""
+def artifact_to_reference(artifact: OscarArtifact, head_reduce: str = "none",
+                          version: int = EXPORT_FORMAT_VERSION) -> tuple[dict, dict]:
+    """The (keys, values) reference dicts of an artifact: format v2 (v3 with a key mean) or, on request, v1."""
     artifact.validate()
+    if head_reduce not in HEAD_REDUCE_CHOICES:
+        raise InputError(f"field 'head_reduce': expected one of {list(HEAD_REDUCE_CHOICES)}, got {head_reduce!r}")
+    if version not in (1, 2):
+        raise InputError(f"field 'reference_version': expected 1 or 2 (v3 is written automatically for a "
+                         f"centred artifact), got {version!r}")
+    if artifact.value_mean("original").any():
+        raise InputError(f"{artifact.source}: field 'v_mean': the reference format has no value mean; this artifact "
+                         "centres values and cannot be exported without changing its outputs")
+    k_mean = artifact.key_mean("original")
+    centred = bool(k_mean.any())
+    if centred and version == 1:
+        raise InputError(f"{artifact.source}: field 'k_mean': reference format v1 has no key mean; export format v2 "
+                         "(written as v3 with k_mean)")
+    ids = [int(i) for i in artifact.layer_ids.tolist()]
     out = []
     for kind, target in (("k", artifact.metadata["key_target"]), ("v", artifact.metadata["value_target"])):
-        rot, eig = _per_layer(artifact, getattr(artifact, f"{kind}_rotation"), getattr(artifact, f"{kind}_eigenvalues"),
-                              f"{kind}_rotation", head_reduce)
-        objective = target if head_reduce == "none" else f"{target};head_reduce={head_reduce}"
-        layers = {int(i): {"rotation": rot[n], "eigenvalues": eig[n]}
-                  for n, i in enumerate(artifact.layer_ids.tolist())}
-        out.append({"format_version": REFERENCE_FORMAT_VERSION, "objective": objective, "layers": layers})
+        rot, eig = getattr(artifact, f"{kind}_rotation"), getattr(artifact, f"{kind}_eigenvalues")
+        if version == 1:
+            rot, eig = _per_layer(artifact, rot, eig, f"{kind}_rotation", head_reduce)
+            objective = target if head_reduce == "none" else f"{target};head_reduce={head_reduce}"
+            grouping, file_version = "layer", 1
+        else:
+            objective, grouping = target, "kv_head"
+            file_version = 3 if centred and kind == "k" else 2
+        layers = {}
+        for n, i in enumerate(ids):
+            layers[i] = {"layer_id": i, "rotation": rot[n].contiguous().clone(), "eigenvalues": eig[n].contiguous().clone()}
+            if file_version == 3:
+                layers[i]["k_mean"] = k_mean[n].contiguous().clone()
+        out.append({"format_version": file_version, "objective": objective, "source_grouping": grouping,
+                    "layers": layers})
     return out[0], out[1]
 
 
 def export_reference(artifact: OscarArtifact, out_dir: str | os.PathLike, head_reduce: str = "none",
-                     overwrite: bool = False) -> dict[str, Path]:
+                     overwrite: bool = False, version: int = EXPORT_FORMAT_VERSION) -> dict[str, Path]:
     """Write `keys.pt` and `values.pt` into `out_dir` (atomically: a temporary directory renamed into place)."""
-    keys, values = artifact_to_reference(artifact, head_reduce)
+    keys, values = artifact_to_reference(artifact, head_reduce, version)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
         raise InputError(f"field '--out': '{out_dir}' exists and is not an empty directory; pass --overwrite")
@@ -241,7 +358,5 @@ def export_reference(artifact: OscarArtifact, out_dir: str | os.PathLike, head_r
             os.replace(tmp, out_dir)
     finally:
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     return {"keys": out_dir / KEYS_FILENAME, "values": out_dir / VALUES_FILENAME}

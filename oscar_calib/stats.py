@@ -8,6 +8,8 @@ For one layer with `g = H_q / H_kv` query heads per KV head, and tensors as atte
 - `logit_v_sum[h]   = sum_{b,t} w_t v^T v`, `w_t = k_t M_h^(batch) k_t^T` (reference code's value target,
    with `M_h^(batch)` the query moment of the same forward batch, so shards stay additive)
 - `logit_w_sum[h]   = sum_{b,t} w_t`                            (normalises the weights to mean 1)
+- `key_vec_sum[h]   = sum_{b,t} k`, `value_vec_sum[h] = sum_{b,t} v` (`[H_kv, d]`: the means a centered cache
+   subtracts before quantizing; count = B*T)
 
 Per-batch products are computed in fp32 on the activations' device and added into fp64 sums.
 """
@@ -47,13 +49,16 @@ class LayerStats:
     attn_out_sum: torch.Tensor
     logit_v_sum: torch.Tensor
     logit_w_sum: torch.Tensor  # [H_kv] float64
+    key_vec_sum: torch.Tensor | None = None  # [H_kv, d] float64
+    value_vec_sum: torch.Tensor | None = None  # [H_kv, d] float64
     query_count: int = 0  # tokens x query heads per group (same for every head)
     token_count: int = 0
 
     @classmethod
     def zeros(cls, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> LayerStats:
         z = lambda: torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float64, device=device)  # noqa: E731
-        return cls(z(), z(), z(), torch.zeros(num_kv_heads, dtype=torch.float64, device=device))
+        zv = lambda: torch.zeros(num_kv_heads, head_dim, dtype=torch.float64, device=device)  # noqa: E731
+        return cls(z(), z(), z(), torch.zeros(num_kv_heads, dtype=torch.float64, device=device), zv(), zv())
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """Add one forward batch. Shapes: q, out `[B, H_q, T, d]`; k, v `[B, H_kv, T, d]`."""
@@ -72,6 +77,8 @@ class LayerStats:
         w = torch.einsum("bhtd,hde,bhte->bht", kf, m_batch, kf)  # expected squared raw logit of each key
         self.logit_v_sum += torch.einsum("bht,bhtd,bhte->hde", w, vf, vf).double()
         self.logit_w_sum += w.sum(dim=(0, 2)).double()
+        self.key_vec_sum += kf.sum(dim=(0, 2)).double()
+        self.value_vec_sum += vf.sum(dim=(0, 2)).double()
         self.query_count += b * t * g
         self.token_count += b * t
 
@@ -81,6 +88,8 @@ class LayerStats:
         self.attn_out_sum += other.attn_out_sum.to(self.key_sum.device)
         self.logit_v_sum += other.logit_v_sum.to(self.key_sum.device)
         self.logit_w_sum += other.logit_w_sum.to(self.key_sum.device)
+        self.key_vec_sum += other.key_vec_sum.to(self.key_sum.device)
+        self.value_vec_sum += other.value_vec_sum.to(self.key_sum.device)
         self.query_count += other.query_count
         self.token_count += other.token_count
         return self
@@ -89,6 +98,14 @@ class LayerStats:
     def key_target(self) -> torch.Tensor:
         """Query second moment of each group, `[H_kv, d, d]` float64."""
         return self.key_sum / max(self.query_count, 1)
+
+    def key_mean(self) -> torch.Tensor:
+        """Mean post-RoPE key of each KV head, `[H_kv, d]` float64 (model basis)."""
+        return self.key_vec_sum / max(self.token_count, 1)
+
+    def value_mean(self) -> torch.Tensor:
+        """Mean value of each KV head, `[H_kv, d]` float64 (model basis)."""
+        return self.value_vec_sum / max(self.token_count, 1)
 
     def value_target(self, kind: str) -> torch.Tensor:
         """`attn_output` (paper) or `logit_weighted` (reference code), `[H_kv, d, d]` float64."""

@@ -1,17 +1,23 @@
-"""The OSCAR KV artifact: read, validate and write `oscar_kv.safetensors` (contract version 1).
+"""The OSCAR KV artifact: read, validate and write `oscar_kv.safetensors` (contract version 2; v1 still reads).
 
 This module is the only thing that crosses from calibration to the runtime. It imports nothing
-from `oscar_calib`. Row-vector convention: `x_rot = x @ R`, `x = x_rot @ R^T`.
+from `oscar_calib`. Row-vector convention: `x_rot = x @ R`, `x = x_rot @ R^T`. The rules themselves
+(names, bounds, the metadata builder) live in `runtime_kernels.contract`; the bounded container reader
+in `runtime_kernels.container`.
 
 Tensors (A = calibrated attention layers, H = KV heads, d = head_dim):
 
     layer_ids      int64   [A]
     k_rotation     float32 [A, H, d, d]
     v_rotation     float32 [A, H, d, d]
-    k_clip_ratio   float32 [A, H]       in (0, 1]; 1 = no clipping
+    k_clip_ratio   float32 [A, H]       in [0.5, 1]; 1 = no clipping
     v_clip_ratio   float32 [A, H]
     k_eigenvalues  float32 [A, H, d]    descending
     v_eigenvalues  float32 [A, H, d]
+    k_mean         float32 [A, H, d]    v2: centering mean (basis in metadata `mean_basis`); zeros = none
+    v_mean         float32 [A, H, d]    v2
+    k_codebook     float32 [A, H, 4]    v2, optional (quantizer = lloyd_max)
+    v_codebook     float32 [A, H, 4]    v2, optional (quantizer = lloyd_max)
 """
 
 from __future__ import annotations
@@ -28,39 +34,31 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-ARTIFACT_FILENAME = "oscar_kv.safetensors"
-FORMAT_NAME = "oscar-kv"
-SCHEMA_VERSION = 1
-ORTHOGONALITY_TOL = 1e-5
+from runtime_kernels.container import read_header
+from runtime_kernels.contract import (
+    CODEBOOK_TENSOR_NAMES,
+    FORMAT_NAME,
+    MEAN_TENSOR_NAMES,
+    ORTHOGONALITY_TOL,
+    SCALE_DTYPES,
+    SCHEMA_VERSION,
+    V1_DEFAULTS,
+    V1_METADATA,
+    V1_TENSOR_NAMES,
+    ArtifactError,
+    ContractMetadata,
+    build_metadata,
+    fail,
+    orthogonality_error,
+    parse_metadata,
+    tensor_specs,
+)
+from runtime_kernels.contract import validate_tensors as _validate_contract
+from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
 
-TENSOR_NAMES = (
-    "layer_ids",
-    "k_rotation",
-    "v_rotation",
-    "k_clip_ratio",
-    "v_clip_ratio",
-    "k_eigenvalues",
-    "v_eigenvalues",
-)
-REQUIRED_METADATA = (
-    "format",
-    "schema_version",
-    "model_id",
-    "model_revision",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "bits",
-    "group_size",
-    "sink_tokens",
-    "recent_tokens",
-    "granularity",
-    "key_target",
-    "value_target",
-    "calibration",
-    "tool_version",
-    "created_at",
-)
+ARTIFACT_FILENAME = "oscar_kv.safetensors"
+TENSOR_NAMES = V1_TENSOR_NAMES  # present in every version (audit reads these)
+REQUIRED_METADATA = V1_METADATA
 INT_METADATA = (
     "schema_version",
     "num_attention_heads",
@@ -71,15 +69,22 @@ INT_METADATA = (
     "sink_tokens",
     "recent_tokens",
 )
+UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)  # the uniform quantizer's codes, in units of the group scale
 
 
-class ArtifactError(ValueError):
-    """An artifact that breaks the contract. The message names the file, the field and what was expected."""
+class ModelMismatchError(ArtifactError):
+    """The artifact was made for another model (shapes or model identity disagree with the model)."""
+
+    exit_code = 2
 
 
 @dataclass
 class OscarArtifact:
-    """In-memory form of one artifact. Tensors live on the CPU in their contract dtypes."""
+    """In-memory form of one artifact. Tensors live on the CPU in their contract dtypes.
+
+    `k_mean`/`v_mean` are None for a v1 artifact (the accessors then return zeros); the codebooks are
+    None unless the quantizer is lloyd_max.
+    """
 
     layer_ids: torch.Tensor
     k_rotation: torch.Tensor
@@ -90,6 +95,10 @@ class OscarArtifact:
     v_eigenvalues: torch.Tensor
     metadata: dict[str, str] = field(default_factory=dict)
     source: str = "<memory>"
+    k_mean: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+    k_codebook: torch.Tensor | None = None
+    v_codebook: torch.Tensor | None = None
 
     # -- convenience accessors -------------------------------------------------------------
     @property
@@ -105,16 +114,91 @@ class OscarArtifact:
         return int(self.k_rotation.shape[-1])
 
     @property
+    def schema_version(self) -> int:
+        """1 or 2 (a malformed value reads as the writer's version here; `validate` refuses it by name)."""
+        raw = self.metadata.get("schema_version", str(SCHEMA_VERSION))
+        return int(raw) if raw in ("1", "2") else SCHEMA_VERSION
+
+    def _meta(self, key: str) -> str:
+        return self.metadata.get(key, V1_DEFAULTS.get(key, ""))
+
+    @property
     def group_size(self) -> int:
         return int(self.metadata.get("group_size", self.head_dim))
 
     @property
     def sink_tokens(self) -> int:
-        return int(self.metadata.get("sink_tokens", 64))
+        return int(self.metadata.get("sink_tokens", DEFAULT_LAYOUT.sink_tokens))
 
     @property
     def recent_tokens(self) -> int:
-        return int(self.metadata.get("recent_tokens", 256))
+        return int(self.metadata.get("recent_tokens", DEFAULT_LAYOUT.recent_tokens))
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The cache layout the artifact was calibrated for (windows and group; page size is the runtime's)."""
+        return DEFAULT_LAYOUT.with_(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+                                    group_size=self.group_size)
+
+    @property
+    def quantizer(self) -> str:
+        """`uniform_minmax` (v1 and the default) or `lloyd_max`."""
+        return self._meta("quantizer")
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """dtype of the per-group scale and zero (float16 for v1)."""
+        return SCALE_DTYPES[self._meta("scale_dtype")]
+
+    @property
+    def scale_bits(self) -> int:
+        return torch.finfo(self.scale_dtype).bits
+
+    @property
+    def mean_basis(self) -> str:
+        """`original` (means of x) or `rotated` (means of x @ R)."""
+        return self._meta("mean_basis")
+
+    @property
+    def is_centered(self) -> bool:
+        return any(m is not None and bool(m.any()) for m in (self.k_mean, self.v_mean))
+
+    def _mean(self, kind: str, basis: str) -> torch.Tensor:
+        if basis not in ("original", "rotated"):
+            raise ValueError(f"basis: expected 'original' or 'rotated', got {basis!r}")
+        stored = getattr(self, f"{kind}_mean")
+        rot = getattr(self, f"{kind}_rotation")
+        if stored is None:
+            return torch.zeros(rot.shape[:-1], dtype=torch.float32)
+        if basis == self.mean_basis:
+            return stored
+        # Row vectors: mu_rot = mu @ R, mu = mu_rot @ R^T (R orthogonal).
+        eq = "ahd,ahde->ahe" if basis == "rotated" else "ahe,ahde->ahd"
+        return torch.einsum(eq, stored.double(), rot.double()).float()
+
+    def key_mean(self, basis: str) -> torch.Tensor:
+        """Key centering mean `[A, H, d]` float32 in `basis` ('original' or 'rotated'); zeros for v1."""
+        return self._mean("k", basis)
+
+    def value_mean(self, basis: str) -> torch.Tensor:
+        """Value centering mean `[A, H, d]` float32 in `basis` ('original' or 'rotated'); zeros for v1."""
+        return self._mean("v", basis)
+
+    def k_mean_rotated(self) -> torch.Tensor:
+        """`key_mean("rotated")`: the mean the runtime subtracts before quantizing `x @ R_K`."""
+        return self.key_mean("rotated")
+
+    def v_mean_rotated(self) -> torch.Tensor:
+        return self.value_mean("rotated")
+
+    def codebook(self, kind: str) -> torch.Tensor:
+        """`[A, H, 4]` float32 levels for 'k' or 'v' (units of the group scale); uniform (0, 1, 2, 3) without one."""
+        if kind not in ("k", "v"):
+            raise ValueError(f"kind: expected 'k' or 'v', got {kind!r}")
+        stored = getattr(self, f"{kind}_codebook")
+        if stored is not None:
+            return stored
+        return torch.tensor(UNIFORM_LEVELS).expand(self.num_layers, self.num_kv_heads, 4).contiguous()
 
     @property
     def calibration(self) -> dict[str, Any]:
@@ -126,129 +210,97 @@ class OscarArtifact:
         return int(hits[0, 0]) if hits.numel() else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in TENSOR_NAMES}
+        """Every tensor the artifact holds (the codebooks only when set). A v2 artifact built in memory
+        without means gets zero means (no centering), so code written before v2 keeps producing valid ones."""
+        out = {name: getattr(self, name) for name in V1_TENSOR_NAMES}
+        for name in MEAN_TENSOR_NAMES:
+            value = getattr(self, name)
+            if value is None and self.schema_version >= 2:
+                value = torch.zeros(self.k_rotation.shape[:-1], dtype=torch.float32)
+            if value is not None:
+                out[name] = value
+        out.update({n: getattr(self, n) for n in CODEBOOK_TENSOR_NAMES if getattr(self, n) is not None})
+        return out
 
     def validate(self) -> OscarArtifact:
         validate_tensors(self.tensors(), self.metadata, self.source)
         return self
 
-
-def _fail(source: str, field_name: str, message: str) -> None:
-    raise ArtifactError(f"{source}: field '{field_name}': {message}")
-
-
-def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> None:
-    """Check every rule of contract version 1. Raises ArtifactError naming the first broken field."""
-    for name in TENSOR_NAMES:
-        if name not in tensors:
-            _fail(source, name, "missing tensor")
-    extra = sorted(set(tensors) - set(TENSOR_NAMES))
-    if extra:
-        _fail(source, extra[0], f"unexpected tensor (contract v{SCHEMA_VERSION} has {list(TENSOR_NAMES)})")
-    for key in REQUIRED_METADATA:
-        if key not in metadata:
-            _fail(source, key, "missing from __metadata__")
-    if metadata["format"] != FORMAT_NAME:
-        _fail(source, "format", f"expected '{FORMAT_NAME}', got '{metadata['format']}'")
-    for key in INT_METADATA:
-        try:
-            int(metadata[key])
-        except ValueError:
-            _fail(source, key, f"expected an integer string, got '{metadata[key]}'")
-    if int(metadata["schema_version"]) != SCHEMA_VERSION:
-        _fail(source, "schema_version", f"expected {SCHEMA_VERSION}, got {metadata['schema_version']}")
-    if int(metadata["bits"]) != 2:
-        _fail(source, "bits", f"expected 2, got {metadata['bits']}")
-    if metadata["granularity"] not in ("head", "layer"):
-        _fail(source, "granularity", f"expected 'head' or 'layer', got '{metadata['granularity']}'")
-    try:
-        json.loads(metadata["calibration"])
-    except json.JSONDecodeError as exc:
-        _fail(source, "calibration", f"expected JSON: {exc}")
-
-    layer_ids = tensors["layer_ids"]
-    if layer_ids.dtype != torch.int64 or layer_ids.dim() != 1:
-        _fail(source, "layer_ids", f"expected int64 [A], got {layer_ids.dtype} {list(layer_ids.shape)}")
-    if layer_ids.numel() == 0:
-        _fail(source, "layer_ids", "expected at least one calibrated layer")
-    if (layer_ids < 0).any() or (layer_ids[1:] <= layer_ids[:-1]).any():
-        _fail(source, "layer_ids", "expected strictly increasing non-negative layer indices")
-    num_layers = layer_ids.numel()
-    h_kv = int(metadata["num_key_value_heads"])
-    h_q = int(metadata["num_attention_heads"])
-    d = int(metadata["head_dim"])
-    if h_kv <= 0 or h_q % h_kv:
-        _fail(source, "num_key_value_heads", f"expected a divisor of num_attention_heads={h_q}, got {h_kv}")
-    if d <= 0 or d & (d - 1):
-        _fail(source, "head_dim", f"expected a power of two, got {d}")
-    g = int(metadata["group_size"])
-    if g <= 0 or d % g or g % 4:
-        _fail(source, "group_size", f"expected a multiple of 4 dividing head_dim={d}, got {g}")
-
-    expected = {
-        "k_rotation": (num_layers, h_kv, d, d),
-        "v_rotation": (num_layers, h_kv, d, d),
-        "k_clip_ratio": (num_layers, h_kv),
-        "v_clip_ratio": (num_layers, h_kv),
-        "k_eigenvalues": (num_layers, h_kv, d),
-        "v_eigenvalues": (num_layers, h_kv, d),
-    }
-    for name, shape in expected.items():
-        t = tensors[name]
-        if t.dtype != torch.float32:
-            _fail(source, name, f"expected float32, got {t.dtype}")
-        if tuple(t.shape) != shape:
-            _fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
-        if not torch.isfinite(t).all():
-            _fail(source, name, "contains NaN or Inf")
-    for name in ("k_clip_ratio", "v_clip_ratio"):
-        t = tensors[name]
-        if (t <= 0).any() or (t > 1).any():
-            _fail(source, name, "expected every ratio in (0, 1]")
-    for name in ("k_rotation", "v_rotation"):
-        err = orthogonality_error(tensors[name])
-        if err > ORTHOGONALITY_TOL:
-            _fail(source, name, f"not orthogonal: max |R R^T - I| = {err:.2e} > {ORTHOGONALITY_TOL:.0e}")
-    for name in ("k_eigenvalues", "v_eigenvalues"):
-        t = tensors[name]
-        if (t[..., 1:] > t[..., :-1] + 1e-6 * t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)).any():
-            _fail(source, name, "expected descending eigenvalues")
+    def as_v2(self) -> OscarArtifact:
+        """This artifact in contract v2 (a v1 one gains zero means and v1's defaults, written out)."""
+        if self.schema_version == SCHEMA_VERSION:
+            return self
+        zeros = torch.zeros(self.k_rotation.shape[:-1], dtype=torch.float32)
+        meta = {**V1_DEFAULTS, **self.metadata, "schema_version": str(SCHEMA_VERSION)}
+        return OscarArtifact(*(getattr(self, n) for n in V1_TENSOR_NAMES), metadata=meta, source=self.source,
+                             k_mean=zeros, v_mean=zeros.clone())
 
 
-def orthogonality_error(rotations: torch.Tensor) -> float:
-    """max |R R^T - I| over a stack of square matrices `[..., d, d]`, computed in fp32."""
-    r = rotations.float()
-    eye = torch.eye(r.shape[-1], dtype=torch.float32)
-    return float((r @ r.transpose(-1, -2) - eye).abs().amax()) if r.numel() else 0.0
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
+    """Check every rule of contract v1/v2 (see runtime_kernels.contract). Raises ArtifactError naming the field."""
+    return _validate_contract(tensors, metadata, source)
 
 
-def read_raw(path: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of an artifact file or directory, not validated: (file, tensors, metadata).
-
-    Raises ArtifactError if there is no artifact file or it is not readable safetensors.
-    """
+def _artifact_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     file = path / ARTIFACT_FILENAME if path.is_dir() else path
     if not file.is_file():
         raise ArtifactError(f"{file}: no artifact file (expected '{ARTIFACT_FILENAME}' in the directory)")
+    return file
+
+
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except Exception as exc:  # safetensors raises several types for a corrupt header
+            return {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as exc:  # safetensors raises several types for a corrupt file
         raise ArtifactError(f"{file}: not a readable safetensors file: {exc}") from exc
-    return file, tensors, metadata
+
+
+def read_raw(path: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of an artifact file or directory, not checked against the contract.
+
+    The container is checked first (runtime_kernels.container: header size, tensor count, strict JSON,
+    offsets), so a hostile file is refused before any tensor is read. Raises ArtifactError.
+    """
+    file = _artifact_file(path)
+    header = read_header(file)
+    return file, _load_tensors(file), header.metadata
 
 
 def read_artifact(path: str | os.PathLike) -> OscarArtifact:
-    """Load and validate an artifact from a directory or a `.safetensors` file."""
-    file, tensors, metadata = read_raw(path)
-    validate_tensors(tensors, metadata, str(file))
-    return OscarArtifact(**{n: tensors[n] for n in TENSOR_NAMES}, metadata=metadata, source=str(file))
+    """Load and validate an artifact (contract v1 or v2) from a directory or a `.safetensors` file.
+
+    Order: container bounds, then the metadata, then every tensor's dtype and shape in the header
+    against what the metadata implies, and only then the tensor data (values: finite, ranges, orthogonality).
+    """
+    file = _artifact_file(path)
+    source = str(file)
+    header = read_header(file)
+    meta = parse_metadata(header.metadata, source)
+    ids = header.tensors.get("layer_ids")
+    if ids is None:
+        fail(source, "layer_ids", "missing tensor")
+    if len(ids.shape) != 1:
+        fail(source, "layer_ids", f"expected int64 [A], got {ids.torch_dtype_name} {list(ids.shape)}")
+    for name, (dtype, shape) in tensor_specs(meta, ids.shape[0], set(header.tensors), source).items():
+        entry = header.tensors[name]
+        want = str(dtype).replace("torch.", "")
+        if entry.torch_dtype_name != want:
+            fail(source, name, f"expected {want}, got {entry.torch_dtype_name}")
+        if entry.shape != shape:
+            fail(source, name, f"expected shape {list(shape)}, got {list(entry.shape)}")
+    tensors = _load_tensors(file)
+    validate_tensors(tensors, header.metadata, source)
+    return OscarArtifact(**tensors, metadata=dict(header.metadata), source=source)
 
 
 def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Path:
-    """Validate, then write `oscar_kv.safetensors` atomically (temporary file, fsync, rename)."""
+    """Validate, then write `oscar_kv.safetensors` in contract v2 atomically (temporary file, fsync, rename).
+
+    A v1 artifact is written as v2 (zero means, v1's quantizer and scale dtype recorded).
+    """
+    artifact = artifact.as_v2()
     artifact.validate()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -290,7 +342,8 @@ def current_umask() -> int:
     return mask
 
 
-def effective_bits(context_len: int, group_size: int, sink: int = 64, recent: int = 256, scale_bits: int = 16) -> float:
+def effective_bits(context_len: int, group_size: int, sink: int = DEFAULT_LAYOUT.sink_tokens,
+                   recent: int = DEFAULT_LAYOUT.recent_tokens, scale_bits: int = 16) -> float:
     """Bits per KV element at `context_len` (OSCAR_METHOD section 5): 2-bit codes + scale/zero per group, BF16 windows."""
     bf16 = min(context_len, sink + recent)
     history = context_len - bf16
@@ -312,69 +365,99 @@ def model_geometry(config: Any) -> tuple[int, int, int, int]:
     return int(cfg.num_hidden_layers), h_q, h_kv, d
 
 
-def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | None = None,
-                        model_revision: str | None = None) -> None:
-    """Refuse an artifact that does not fit `config` (a transformers PretrainedConfig or its text config).
+def model_identity(config: Any, model_id: str | None = None) -> str | None:
+    """Who the model is: the given `model_id`, else the config's `_name_or_path` (None when neither is known)."""
+    if model_id:
+        return str(model_id)
+    for cfg in (config, text_config(config)):
+        name = getattr(cfg, "_name_or_path", None)
+        if name:
+            return str(name)
+    return None
 
-    Each mismatch names the field, the artifact's value and the model's value.
+
+def _hub_id_of_cache_path(path: str) -> str | None:
+    """'ORG/NAME' for a path inside the Hugging Face cache (`.../models--ORG--NAME/snapshots/<sha>`)."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part[len("models--"):].replace("--", "/")
+    return None
+
+
+def same_model(artifact_model_id: str, identity: str) -> bool:
+    """The identity rule: equal ids; or two paths of the same local directory; or a Hub-cache snapshot of the id."""
+    if artifact_model_id == identity:
+        return True
+    if _hub_id_of_cache_path(identity) == artifact_model_id or _hub_id_of_cache_path(artifact_model_id) == identity:
+        return True
+    if os.path.exists(identity) and os.path.exists(artifact_model_id):
+        return os.path.realpath(identity) == os.path.realpath(artifact_model_id)
+    return False
+
+
+def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | None = None,
+                        model_revision: str | None = None, *, allow_other_model: bool = False) -> None:
+    """Refuse an artifact that does not fit the model (`config`: a transformers PretrainedConfig or its text config).
+
+    Shapes (heads, head_dim, layer count) must always match. The artifact's `model_id` must name the
+    model (`model_id` if given, else `config._name_or_path`; see `same_model`) unless
+    `allow_other_model=True`; a model whose identity is unknown (a config built in memory) is checked
+    on shapes only. Raises ModelMismatchError naming the field, the artifact's value and the model's.
     """
     n_layers, h_q, h_kv, d = model_geometry(config)
     meta = artifact.metadata
     src = artifact.source
     for name, model_value in (("num_attention_heads", h_q), ("num_key_value_heads", h_kv), ("head_dim", d)):
         if int(meta[name]) != model_value:
-            raise ArtifactError(f"{src}: field '{name}': artifact has {meta[name]}, the model has {model_value}")
+            raise ModelMismatchError(f"{src}: field '{name}': artifact has {meta[name]}, the model has {model_value}")
     if int(artifact.layer_ids.max()) >= n_layers:
-        raise ArtifactError(
+        raise ModelMismatchError(
             f"{src}: field 'layer_ids': artifact names layer {int(artifact.layer_ids.max())}, "
             f"the model has {n_layers} layers")
-    if model_id is not None and meta["model_id"] != model_id:
-        raise ArtifactError(f"{src}: field 'model_id': artifact has '{meta['model_id']}', expected '{model_id}'")
+    identity = model_identity(config, model_id)
+    if identity is not None and not allow_other_model and not same_model(meta["model_id"], identity):
+        raise ModelMismatchError(
+            f"{src}: field 'model_id': artifact was calibrated for '{meta['model_id']}', the model is '{identity}'; "
+            "pass allow_other_model=True (CLI: --allow-other-model) to use it anyway (shapes still must match)")
     if model_revision is not None and meta["model_revision"] != model_revision:
-        raise ArtifactError(
+        raise ModelMismatchError(
             f"{src}: field 'model_revision': artifact has '{meta['model_revision']}', expected '{model_revision}'")
 
 
 def identity_artifact(num_layers: int, num_kv_heads: int, num_heads: int, head_dim: int,
                       model_id: str = "identity", layer_ids: list[int] | None = None,
-                      group_size: int | None = None) -> OscarArtifact:
-    """An artifact with identity rotations and no clipping: the runtime then equals plain INT2."""
+                      group_size: int | None = None, layout: CacheLayout = DEFAULT_LAYOUT) -> OscarArtifact:
+    """An artifact with identity rotations, no clipping and no centering: the runtime then equals plain INT2."""
     ids = torch.tensor(layer_ids if layer_ids is not None else list(range(num_layers)), dtype=torch.int64)
     a = ids.numel()
     eye = torch.eye(head_dim).expand(a, num_kv_heads, head_dim, head_dim).contiguous()
     ones = torch.ones(a, num_kv_heads)
     eig = torch.ones(a, num_kv_heads, head_dim)
-    meta = {
-        "format": FORMAT_NAME,
-        "schema_version": str(SCHEMA_VERSION),
-        "model_id": model_id,
-        "model_revision": "unknown",
-        "num_attention_heads": str(num_heads),
-        "num_key_value_heads": str(num_kv_heads),
-        "head_dim": str(head_dim),
-        "bits": "2",
-        "group_size": str(group_size or head_dim),
-        "sink_tokens": "64",
-        "recent_tokens": "256",
-        "granularity": "head",
-        "key_target": "identity",
-        "value_target": "identity",
-        "calibration": "{}",
-        "tool_version": "identity",
-        "created_at": "1970-01-01T00:00:00Z",
-    }
+    zeros = torch.zeros(a, num_kv_heads, head_dim)
+    meta = build_metadata(model_id=model_id, model_revision="unknown", num_attention_heads=num_heads,
+                          num_key_value_heads=num_kv_heads, head_dim=head_dim, granularity="head",
+                          key_target="identity", value_target="identity", calibration={}, tool_version="identity",
+                          layout=layout.with_(group_size=group_size))
     return OscarArtifact(ids, eye.clone(), eye.clone(), ones.clone(), ones.clone(), eig.clone(), eig.clone(),
-                         metadata=meta, source="<identity>")
+                         metadata=meta, source="<identity>", k_mean=zeros, v_mean=zeros.clone())
 
 
 __all__ = [
     "ARTIFACT_FILENAME",
+    "FORMAT_NAME",
+    "ORTHOGONALITY_TOL",
+    "SCHEMA_VERSION",
     "ArtifactError",
+    "ModelMismatchError",
     "OscarArtifact",
+    "build_metadata",
     "check_against_model",
     "effective_bits",
     "identity_artifact",
     "model_geometry",
+    "model_identity",
+    "same_model",
     "orthogonality_error",
     "read_artifact",
     "text_config",

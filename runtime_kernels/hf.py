@@ -116,11 +116,12 @@ class OscarCache(Cache):
     def __init__(self, artifact: OscarArtifact, model_config, *, batch_size: int = 1, max_tokens: int = 4096,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  backend: str = "auto", page_size: int = 64, sink_tokens: int | None = None,
-                 recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None):
+                 recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None,
+                 allow_other_model: bool = False):
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact (or a path to one), got {type(artifact).__name__}")
         artifact.validate()
-        check_against_model(artifact, model_config)
+        check_against_model(artifact, model_config, allow_other_model=allow_other_model)
         cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         if int(batch_size) < 1:
             raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
@@ -164,7 +165,7 @@ class OscarCache(Cache):
                       max_tokens: int = 4096, device: torch.device | str | None = None,
                       dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = 64,
                       sink_tokens: int | None = None, recent_tokens: int | None = None, clip: bool = True,
-                      max_seqs: int | None = None) -> OscarCache:
+                      max_seqs: int | None = None, allow_other_model: bool = False) -> OscarCache:
         """Build a cache for `model_config` from an artifact (object or path); refuses a mismatched artifact.
 
         Args:
@@ -175,12 +176,13 @@ class OscarCache(Cache):
             page_size, sink_tokens, recent_tokens: P, S, R (S and R default to the artifact's metadata).
             clip: False turns clipping off (for exactness checks).
             max_seqs: window slots (default batch_size; raise it for num_return_sequences > 1 or beams).
+            allow_other_model: use an artifact whose model_id names another model (shapes must still match).
         """
         if isinstance(artifact, (str, os.PathLike, Path)):
             artifact = read_artifact(artifact)
         return cls(artifact, model_config, batch_size=batch_size, max_tokens=max_tokens, device=device,
                    dtype=dtype, backend=backend, page_size=page_size, sink_tokens=sink_tokens,
-                   recent_tokens=recent_tokens, clip=clip, max_seqs=max_seqs)
+                   recent_tokens=recent_tokens, clip=clip, max_seqs=max_seqs, allow_other_model=allow_other_model)
 
     # -- internals ------------------------------------------------------------------------------------------
     def _ensure_paged(self, key_states: torch.Tensor) -> PagedKVCache:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+MAX_WINDOW_TOKENS = 1 << 20  # a million BF16 tokens per sequence and window: past any real model, far from overflow
+
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -27,8 +29,8 @@ class CacheLayout:
 
     def __post_init__(self) -> None:
         for name in ("sink_tokens", "recent_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CacheLayout.{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) <= MAX_WINDOW_TOKENS:
+                raise ValueError(f"CacheLayout.{name} must be in [0, {MAX_WINDOW_TOKENS}], got {getattr(self, name)}")
         if self.page_size <= 0:
             raise ValueError(f"CacheLayout.page_size must be > 0, got {self.page_size}")
         if self.group_size is not None and (self.group_size <= 0 or self.group_size % 4):
@@ -46,4 +48,4 @@ class CacheLayout:
 
 DEFAULT_LAYOUT = CacheLayout()
 
-__all__ = ["CacheLayout", "DEFAULT_LAYOUT"]
+__all__ = ["CacheLayout", "DEFAULT_LAYOUT", "MAX_WINDOW_TOKENS"]

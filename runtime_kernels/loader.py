@@ -2,7 +2,7 @@
 
 Zoo layout (one git repo on the Hub, many models):
 
-    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v1, see artifact.py)
+    <model_id>/<calibration>/oscar_kv.safetensors   the artifact (contract v2, see artifact.py)
     <model_id>/<calibration>/README.md              the model card
     <model_id>/<calibration>/release.json           the release record: sha256 and size of every file above
     ...                                             plus any stats or evaluation files of the release
@@ -36,10 +36,12 @@ from typing import Any
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     ArtifactError,
+    ModelMismatchError,
     OscarArtifact,
     check_against_model,
     read_artifact,
 )
+from runtime_kernels.contract import DuplicateKeyError, reject_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +98,6 @@ def unreachable(endpoint: str | None, doing: str, exc: BaseException) -> HubUnre
     return HubUnreachableError(
         f"cannot reach the Hub at {where} while trying to {doing} ({type(exc).__name__}: {first}); check the network "
         "and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is already in the local cache")
-
-
-class ModelMismatchError(ArtifactError):
-    """The artifact was made for another model (shapes or metadata disagree with the model config)."""
-
-    exit_code = 2
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -186,15 +182,6 @@ class _RecordSyntaxError(ValueError):
     """Raised by the JSON hooks below; becomes an ArtifactError naming the record."""
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _RecordSyntaxError(f"field {_describe(key)}: duplicate key (a JSON object may name a key once)")
-        out[key] = value
-    return out
-
-
 def _bounded_int(text: str) -> int:
     digits = text.lstrip("-")
     if len(digits) > MAX_JSON_INT_DIGITS:
@@ -212,7 +199,7 @@ def strict_json(raw: bytes) -> Any:
     Raises `_RecordSyntaxError` for those, `UnicodeDecodeError` / `json.JSONDecodeError` / `RecursionError`
     for the rest (the caller names the file).
     """
-    return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_int=_bounded_int,
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys, parse_int=_bounded_int,
                       parse_constant=_no_constant)
 
 
@@ -231,7 +218,7 @@ def parse_release_record(raw: bytes, source: str) -> dict[str, Any]:
         fail("<file>", f"release record larger than {MAX_RELEASE_RECORD_BYTES} bytes")
     try:
         data = strict_json(bytes(raw))
-    except _RecordSyntaxError as exc:
+    except (_RecordSyntaxError, DuplicateKeyError) as exc:
         raise ArtifactError(f"{source}: not a valid release record: {exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise ArtifactError(f"{source}: not a JSON release record: {type(exc).__name__}: "
@@ -537,10 +524,11 @@ def copy_release_files(files: dict[str, Path], local_dir: Path, overwrite: bool 
     return {name: Path(os.path.abspath(local_dir)) / name for name in files}
 
 
-def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None) -> None:
+def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None,
+                 allow_other_model: bool = False) -> None:
     """check_against_model with its ArtifactError turned into ModelMismatchError (another model)."""
     try:
-        check_against_model(artifact, model_config, model_id=model_id)
+        check_against_model(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model)
     except ArtifactError as exc:
         raise ModelMismatchError(str(exc)) from None
 
@@ -548,7 +536,8 @@ def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | Non
 def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, revision: str | None = None,
                   model_config: Any = None, expected_sha256: dict[str, str] | None = None,
                   token: str | None = None, cache_dir: str | os.PathLike | None = None, *,
-                  calibration: str = "default", endpoint: str | None = None) -> OscarArtifact:
+                  calibration: str = "default", endpoint: str | None = None,
+                  allow_other_model: bool = False) -> OscarArtifact:
     """Load a validated artifact from a local path or from a zoo repo on the Hub.
 
     - `repo` is None: `path_or_model_id` is a local directory or `.safetensors` file (read_artifact);
@@ -558,7 +547,8 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
       verify sha256 against the release record and `expected_sha256`; offline from a warm cache).
 
     With `model_config` (a transformers config), the artifact is checked against it (heads, head_dim,
-    layer count, and the model id when pulled by model id) and a mismatch raises ModelMismatchError.
+    layer count, and the model identity: the requested model id, else the config's `_name_or_path`)
+    and a mismatch raises ModelMismatchError; `allow_other_model=True` waives the identity check only.
     """
     if repo is None:
         path = Path(path_or_model_id)
@@ -574,7 +564,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
             verify_files(paths, {n: {"sha256": d} for n, d in expected_sha256.items()}, str(folder))
         artifact = read_artifact(path)
         if model_config is not None:
-            _check_model(artifact, model_config, None)
+            _check_model(artifact, model_config, None, allow_other_model)
         return artifact
     model_id = str(path_or_model_id)
     pulled = pull_release(model_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,

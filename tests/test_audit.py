@@ -172,7 +172,9 @@ def model_dir(tmp_path_factory, model):
 
 def test_cli_audit_json_and_plots(tmp_path, monkeypatch, capsys, model_dir):
     pytest.importorskip("matplotlib")
-    write_artifact(_calibrated_like(), tmp_path / "a")
+    art = _calibrated_like()
+    art.metadata["model_id"] = str(model_dir)  # the identity rule: the artifact must name the audited model
+    write_artifact(art, tmp_path / "a")
     data = tmp_path / "t.txt"
     data.write_text("the quick brown fox jumps over the lazy dog " * 40)
     code, out, err = run_cli(["audit", str(tmp_path / "a"), "--model", str(model_dir), "--data", str(data),

@@ -336,7 +336,8 @@ def test_cli_eval_with_an_artifact(tmp_path, monkeypatch, capsys, model_dir, tex
     code, out, err = run_cli(["eval", "--model", str(model_dir), "--artifact", str(tmp_path / "art"),
                               "--data", str(text_file), "--context", "64", "--sink", "4", "--recent", "8",
                               "--page-size", "1", "--generation-steps", "8", "--generation-windows", "1",
-                              "--json", "--json-out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
+                              "--json", "--json-out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+                              "--allow-other-model"],  # the artifact is built in memory for another model id
                              monkeypatch, capsys)
     assert code == 0, err
     res = json.loads(out)
@@ -368,7 +369,7 @@ def test_cli_eval_bad_input(args, needle, tmp_path, monkeypatch, capsys, model_d
 
     write_artifact(_artifact(), tmp_path / "art")
     base = ["eval", "--model", str(model_dir), "--artifact", str(tmp_path / "art"), "--data", str(text_file),
-            "--context", "64", "--json-out", str(tmp_path / "r.json")]
+            "--context", "64", "--json-out", str(tmp_path / "r.json"), "--allow-other-model"]
     code, out, err = run_cli(base + args, monkeypatch, capsys)
     assert code == 2 and needle in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()  # nothing half-written

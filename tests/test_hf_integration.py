@@ -231,6 +231,7 @@ def test_trained_fixture_generates_text_with_a_two_bit_history():
     cfg = m.config
     art = random_artifact(num_layers=cfg.num_hidden_layers, heads=(cfg.num_attention_heads, cfg.num_key_value_heads),
                           head_dim=cfg.head_dim, group_size=32, clip=(0.96, 0.92))
+    art.metadata["model_id"] = str(FIXTURE)  # the identity rule: the artifact must name the model
     prompt = tok("The history of the", return_tensors="pt")
     cache = OscarCache.from_artifact(art, cfg, batch_size=1, max_tokens=128, page_size=8, sink_tokens=4,
                                      recent_tokens=8, backend="torch")

@@ -10,7 +10,8 @@ def test_default_layout_is_the_papers():
     assert DEFAULT_LAYOUT.window_tokens == 320
 
 
-@pytest.mark.parametrize("field,value", [("sink_tokens", -1), ("recent_tokens", -5), ("page_size", 0),
+@pytest.mark.parametrize("field,value", [("sink_tokens", -1), ("recent_tokens", -5), ("recent_tokens", 10 ** 14),
+                                         ("sink_tokens", (1 << 20) + 1), ("page_size", 0),
                                          ("group_size", 6), ("group_size", 0)])
 def test_layout_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -1,4 +1,5 @@
-"""Reference RotationZoo interop: safe import (executes nothing, plain structure only) and export."""
+"""Reference RotationZoo interop: safe import of formats v1, v2, v3 (executes nothing, plain structure only) and
+export of v2 (v3 with a key mean) and v1. The test builds every .pt file itself."""
 
 from __future__ import annotations
 
@@ -30,9 +31,23 @@ def orthogonal(n: int, seed: int, d: int = D) -> torch.Tensor:
 
 
 def reference_dict(layers=(0, 1), seed=0, objective="query_moment", d=D):
+    """Format v1 as the reference writes it: one rotation per layer, source_grouping and layer_id included."""
     rots = orthogonal(len(layers), seed, d)
-    return {"format_version": 1, "objective": objective,
-            "layers": {i: {"rotation": rots[n], "eigenvalues": torch.linspace(1, 2, d)} for n, i in enumerate(layers)}}
+    return {"format_version": 1, "objective": objective, "source_grouping": "layer",
+            "layers": {i: {"layer_id": i, "rotation": rots[n], "eigenvalues": torch.linspace(1, 2, d)}
+                       for n, i in enumerate(layers)}}
+
+
+def reference_v2(layers=(0, 1), heads=2, seed=0, objective="query_moment", version=2, **extra):
+    """Format v2/v3: one rotation per KV head; `extra` maps a layer key (k_mean, q_rotation, ...) to a
+    function (layer index, rotation [H, d, d]) -> tensor."""
+    rots = orthogonal(len(layers) * heads, seed).view(len(layers), heads, D, D)
+    out = {"format_version": version, "objective": objective, "source_grouping": "kv_head", "layers": {}}
+    for n, i in enumerate(layers):
+        entry = {"layer_id": i, "rotation": rots[n], "eigenvalues": torch.linspace(1, 2, D).repeat(heads, 1)}
+        entry.update({key: make(i, rots[n]) for key, make in extra.items()})
+        out["layers"][i] = entry
+    return out
 
 
 def config(**kw):
@@ -55,30 +70,40 @@ def test_import_builds_a_valid_layer_artifact(tmp_path):
     assert read_artifact(tmp_path / "out").num_layers == 2
 
 
-def test_export_then_import_round_trips(tmp_path):
+def test_legacy_v1_without_source_grouping_still_imports():
+    data = reference_dict()
+    del data["source_grouping"]
+    for entry in data["layers"].values():
+        del entry["layer_id"]
+    keys = validate_reference(data, "old.pt")
+    assert keys["source_grouping"] is None and keys["heads"] == 1
+
+
+def test_v1_export_then_import_round_trips(tmp_path):
     art = identity_artifact(2, 1, 4, D, model_id="tiny/m")
     art.k_rotation = orthogonal(2, 3).unsqueeze(1).contiguous()
     art.v_rotation = orthogonal(2, 4).unsqueeze(1).contiguous()
-    paths = export_reference(art, tmp_path / "ref")
+    paths = export_reference(art, tmp_path / "ref", version=1)
     raw = torch.load(paths["keys"], weights_only=True)
-    assert set(raw) == {"format_version", "objective", "layers"} and set(raw["layers"]) == {0, 1}
+    assert set(raw) == {"format_version", "objective", "source_grouping", "layers"} and set(raw["layers"]) == {0, 1}
+    assert raw["format_version"] == 1 and raw["layers"][1]["layer_id"] == 1
     assert torch.equal(raw["layers"][1]["rotation"], art.k_rotation[1, 0])
     back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]),
                                  tiny_config("qwen3", num_heads=4, num_kv_heads=1, head_dim=D, num_layers=2), "tiny/m")
     assert torch.equal(back.v_rotation, art.v_rotation)
 
 
-def test_export_refuses_differing_heads_unless_head_reduce(tmp_path):
+def test_v1_export_refuses_differing_heads_unless_head_reduce(tmp_path):
     art = identity_artifact(2, 2, 4, D)
     art.k_rotation = orthogonal(4, 5).view(2, 2, D, D).contiguous()
     with pytest.raises(InputError, match="head-reduce"):
-        export_reference(art, tmp_path / "ref")
+        export_reference(art, tmp_path / "ref", version=1)
     assert not (tmp_path / "ref").exists()
-    keys, values = artifact_to_reference(art, head_reduce="first")
+    keys, values = artifact_to_reference(art, head_reduce="first", version=1)
     assert torch.equal(keys["layers"][1]["rotation"], art.k_rotation[1, 0])
     assert keys["objective"].endswith("head_reduce=first")
     same = identity_artifact(2, 2, 4, D)  # equal heads export without any reduction
-    assert artifact_to_reference(same)[0]["objective"] == "identity"
+    assert artifact_to_reference(same, version=1)[0]["objective"] == "identity"
 
 
 class Evil:
@@ -108,7 +133,11 @@ def test_pickle_payload_executes_nothing(tmp_path):
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d.update(extra=1), "extra"),
     (lambda d: d.pop("objective"), "objective"),
-    (lambda d: d.update(format_version=2), "format_version"),
+    (lambda d: d.update(format_version=4), "format_version"),
+    (lambda d: d.update(format_version=True), "format_version"),
+    (lambda d: d.update(source_grouping=3), "source_grouping"),
+    (lambda d: d["layers"][0].update(layer_id=1), "layers.0.layer_id"),
+    (lambda d: d["layers"][0].update(k_mean=torch.zeros(D)), "layers.0"),  # k_mean is a v3 key
     (lambda d: d.update(format_version="1"), "format_version"),
     (lambda d: d.update(layers={"0": d["layers"][0]}), "layers"),
     (lambda d: d.update(layers={-1: d["layers"][0]}), "layers"),
@@ -156,15 +185,132 @@ def test_cli_import_export(tmp_path, monkeypatch, capsys):
     torch.save(reference_dict(seed=1), tmp_path / "v.pt")
     config().save_pretrained(tmp_path / "model")
     code, out, err = run("import", "--keys", str(tmp_path / "k.pt"), "--values", str(tmp_path / "v.pt"),
-                         "--model-config", str(tmp_path / "model"), "--model-id", "tiny/qwen3", "--out", str(tmp_path / "art"))
+                         "--model-config", str(tmp_path / "model"), "--model-id", "tiny/qwen3", "--out", str(tmp_path / "art"),
+                         "--sink", "128", "--recent", "1024")
     assert code == 0, err
+    assert read_artifact(tmp_path / "art").layout.window_tokens == 128 + 1024
     code, out, err = run("export", str(tmp_path / "art"), "--format", "reference", "--out", str(tmp_path / "ref"))
     assert code == 0, err
-    assert torch.equal(torch.load(tmp_path / "ref" / "keys.pt", weights_only=True)["layers"][0]["rotation"],
+    exported = torch.load(tmp_path / "ref" / "keys.pt", weights_only=True)  # v2: the layer's rotation per KV head
+    assert exported["format_version"] == 2
+    for h in range(2):
+        assert torch.equal(exported["layers"][0]["rotation"][h], reference_dict(seed=0)["layers"][0]["rotation"])
+    code, out, err = run("export", str(tmp_path / "art"), "--format", "reference", "--out", str(tmp_path / "ref1"),
+                         "--reference-version", "1")
+    assert code == 0, err
+    assert torch.equal(torch.load(tmp_path / "ref1" / "keys.pt", weights_only=True)["layers"][0]["rotation"],
                        reference_dict(seed=0)["layers"][0]["rotation"])
+    code, out, err = run("import", "--keys", str(tmp_path / "k.pt"), "--values", str(tmp_path / "v.pt"),
+                         "--model-config", str(tmp_path / "model"), "--model-id", "tiny/qwen3", "--out", str(tmp_path / "w"),
+                         "--recent", str(10 ** 14))
+    assert code == 2 and "--recent" in err and not (tmp_path / "w").exists()
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")
     code, out, err = run("import", "--keys", str(tmp_path / "bad.pt"), "--values", str(tmp_path / "v.pt"),
                          "--model-config", str(tmp_path / "model"), "--model-id", "tiny/qwen3", "--out", str(tmp_path / "x"))
     assert code == 2 and "bad.pt" in err and not (tmp_path / "x").exists()
     code, out, err = run("export", str(tmp_path / "art"), "--format", "gguf", "--out", str(tmp_path / "y"))
     assert code == 2 and not (tmp_path / "y").exists()
+
+
+def test_v2_import_keeps_one_rotation_per_kv_head():
+    keys = validate_reference(reference_v2(seed=0), "k.pt")
+    values = validate_reference(reference_v2(seed=1, objective="attn_output"), "v.pt")
+    art = reference_to_artifact(keys, values, config(), "tiny/qwen3")
+    raw = reference_v2(seed=0)["layers"]
+    for n, layer in enumerate((0, 1)):
+        assert torch.equal(art.k_rotation[n], raw[layer]["rotation"])
+    assert not torch.equal(art.k_rotation[0, 0], art.k_rotation[0, 1])
+    assert art.metadata["granularity"] == "head" and art.schema_version == 2
+    assert art.metadata["scale_dtype"] == "float32" and not art.is_centered
+    with pytest.raises(InputError, match="num_key_value_heads"):  # 2 rotations per layer, model has 1 KV head
+        reference_to_artifact(keys, values, tiny_config("qwen3", num_heads=4, num_kv_heads=1, head_dim=D,
+                                                        num_layers=2), "tiny/qwen3")
+
+
+def test_v3_k_mean_maps_to_original_basis_and_converts_with_the_rotation():
+    gen = torch.Generator().manual_seed(7)
+    means = {i: torch.randn(2, D, generator=gen) for i in (0, 1)}
+    keys = validate_reference(reference_v2(version=3, k_mean=lambda i, r: means[i]), "k.pt")
+    values = validate_reference(reference_v2(seed=1, version=3), "v.pt")
+    art = reference_to_artifact(keys, values, config(), "tiny/qwen3")
+    assert art.mean_basis == "original" and art.is_centered
+    for n, layer in enumerate((0, 1)):
+        assert torch.equal(art.key_mean("original")[n], means[layer])
+        for h in range(2):  # x_rot = x @ R, so the rotated mean is mu @ R (row vector), computed here per head
+            want = (means[layer][h].double() @ art.k_rotation[n, h].double()).float()
+            torch.testing.assert_close(art.k_mean_rotated()[n, h], want, atol=1e-6, rtol=0)
+    assert not art.value_mean("rotated").any()
+    shared = validate_reference(reference_v2(version=3, k_mean=lambda i, r: torch.ones(D)), "k.pt")
+    assert torch.equal(shared["layers"][0]["k_mean"], torch.ones(2, D))  # a [d] mean is shared by the heads
+    with pytest.raises(ReferenceFormatError, match="value file"):
+        reference_to_artifact(values, keys, config(), "tiny/qwen3")
+
+
+def test_v3_non_orthogonal_q_rotation_is_refused_with_the_reason():
+    skewed = lambda i, r: r @ torch.diag(torch.linspace(0.5, 2.0, D))  # noqa: E731 - scales channels: not orthogonal
+    with pytest.raises(ReferenceFormatError, match=r"q_rotation.*not orthogonal.*collapse under a scalar INT2.*q\.k"):
+        validate_reference(reference_v2(version=3, q_rotation=skewed), "k.pt")
+    other = lambda i, r: orthogonal(2, 99)  # noqa: E731 - orthogonal, but not the key rotation
+    with pytest.raises(ReferenceFormatError, match="differs from the key rotation"):
+        validate_reference(reference_v2(version=3, q_rotation=other), "k.pt")
+    same = validate_reference(reference_v2(version=3, q_rotation=lambda i, r: r.clone()), "k.pt")
+    assert "q_rotation" not in same["layers"][0]  # redundant with the rotation: nothing else to keep
+    transposed = validate_reference(reference_v2(version=3, o_rotation=lambda i, r: r.transpose(-1, -2)), "v.pt")
+    assert transposed["heads"] == 2
+    with pytest.raises(ReferenceFormatError, match="o_rotation"):
+        validate_reference(reference_v2(version=3, o_rotation=lambda i, r: orthogonal(2, 98)), "v.pt")
+    with pytest.raises(ReferenceFormatError, match="layers.0"):  # v2 has no q_rotation
+        validate_reference(reference_v2(version=2, q_rotation=lambda i, r: r.clone()), "k.pt")
+
+
+def test_v3_pickle_payload_in_k_mean_executes_nothing(tmp_path):
+    import os
+
+    marker = "/tmp/oscar_reference_pwned_v3"
+    if os.path.exists(marker):
+        os.unlink(marker)
+
+    class EvilMean:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    data = reference_v2(version=3)
+    data["layers"][0]["k_mean"] = EvilMean()
+    torch.save(data, tmp_path / "evil.pt")
+    with pytest.raises(ReferenceFormatError, match="weights_only"):
+        load_reference(tmp_path / "evil.pt")
+    assert not os.path.exists(marker)
+
+
+def test_v2_export_round_trips_per_head_and_centred_keys(tmp_path):
+    art = identity_artifact(2, 2, 4, D, model_id="tiny/m")
+    art.k_rotation = orthogonal(4, 5).view(2, 2, D, D).contiguous()  # heads differ: v2 needs no reduction
+    art.v_rotation = orthogonal(4, 6).view(2, 2, D, D).contiguous()
+    paths = export_reference(art, tmp_path / "ref")
+    raw = torch.load(paths["keys"], weights_only=True)
+    assert raw["format_version"] == 2 and raw["source_grouping"] == "kv_head"
+    assert list(raw["layers"][0]["rotation"].shape) == [2, D, D]
+    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m")
+    assert torch.equal(back.k_rotation, art.k_rotation) and torch.equal(back.v_rotation, art.v_rotation)
+
+    art.k_mean = torch.randn(2, 2, D, generator=torch.Generator().manual_seed(3))
+    paths = export_reference(art, tmp_path / "centred")
+    raw = torch.load(paths["keys"], weights_only=True)
+    assert raw["format_version"] == 3 and torch.equal(raw["layers"][1]["k_mean"], art.k_mean[1])
+    assert torch.load(paths["values"], weights_only=True)["format_version"] == 2
+    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m")
+    assert torch.equal(back.key_mean("original"), art.k_mean)
+    with pytest.raises(InputError, match="k_mean"):
+        artifact_to_reference(art, version=1)
+
+    rotated = identity_artifact(2, 2, 4, D, model_id="tiny/m")  # a mean stored in the rotated basis exports
+    rotated.k_rotation = art.k_rotation                          # in the reference's (original) basis
+    rotated.metadata["mean_basis"] = "rotated"
+    rotated.k_mean = torch.einsum("ahd,ahde->ahe", art.k_mean.double(), art.k_rotation.double()).float()
+    keys, _ = artifact_to_reference(rotated)
+    torch.testing.assert_close(keys["layers"][0]["k_mean"], art.k_mean[0], atol=1e-5, rtol=0)
+
+    art.v_mean = torch.ones(2, 2, D)
+    with pytest.raises(InputError, match="v_mean"):
+        export_reference(art, tmp_path / "vmean")
+    assert not (tmp_path / "vmean").exists()

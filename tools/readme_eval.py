@@ -23,14 +23,18 @@ def markdown_table(result: dict) -> str:
     lines = [f"Context {result['context']} tokens (BF16 sink {result['sink']} + recent {result['recent']}), "
              f"{result['windows']['long']} single-document + {result['windows']['packed']} packed windows, "
              f"{result['tokens_scored']:,} tokens scored; {result.get('device_name', '')}.", "",
-             "| method | bits/elem @ctx | bits/elem @128K | ppl | vs BF16 | ppl 2nd half | ppl long docs | "
+             "| method | bits/elem @32K | @128K | ppl | vs BF16 | 95 % CI | ppl long docs | "
              "ppl packed | attn KL | attn out err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["methods"]:
-        d = r["ppl_delta_pct"]
-        lines.append(f"| {r['name']} | {r['effective_bits']:.2f} | {r['effective_bits_128k']:.2f} | {r['ppl']:.3f} | "
-                     f"{'' if d is None else f'{d:+.2f}%'} | {r['ppl_second_half']:.3f} | {r['ppl_long']:.3f} | "
-                     f"{r['ppl_packed']:.3f} | {r['mean_attn_kl']:.4f} | {r['mean_out_rel_err']:.4f} |")
+        d, ci = r["ppl_delta_pct"], r.get("ppl_delta_ci95")
+        lines.append(f"| {r['name']} | {r['effective_bits_32k']:.3f} | {r['effective_bits_128k']:.3f} | {r['ppl']:.3f} | "
+                     f"{'' if d is None else f'{d:+.2f}%'} | {'' if not ci else f'[{ci[0]:+.2f}, {ci[1]:+.2f}]'} | "
+                     f"{r['ppl_long']:.3f} | {r['ppl_packed']:.3f} | {r['mean_attn_kl']:.4f} | {r['mean_out_rel_err']:.4f} |")
+    for sweep in result.get("window_sweep", []):
+        lines.append(f"| {sweep['name']} @ sink {sweep['sink']} / recent {sweep['recent']} | {sweep['bits_32k']:.3f} | "
+                     f"{sweep['bits_128k']:.3f} | {sweep['ppl']:.3f} | {sweep['ppl_delta_pct']:+.2f}% | "
+                     f"[{sweep['ci95'][0]:+.2f}, {sweep['ci95'][1]:+.2f}] | | | | |")
     agree = result.get("generation_agreement") or {}
     if agree.get("status") == "ok":
         lines.append("")
@@ -54,15 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generation-steps", type=int, default=128)
     p.add_argument("--generation-windows", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--variants", default="default",
+                   help="OSCAR rows: 'default' (the shipped SolverSettings only) or 'all' (the candidates the "
+                        "defaults were chosen from)")
+    p.add_argument("--window-sweep", action="store_true",
+                   help="also evaluate hadamard-clip and the default at sink/recent 64/512, 128/1024, 128/2048")
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.methods import standard_methods
-    from runtime_kernels.artifact import write_artifact
 
     def log(msg: str) -> None:
         print(f"[readme_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -73,16 +81,52 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
     ids = torch.cat([cal.long, cal.packed])[:args.calib_samples].to(device)
-    arts = {}
-    for gran in ("head", "layer"):
+    variants = {"oscar (default)": {}}
+    if args.variants == "all":
+        variants.update({
+            "oscar attn_kl (v0.1 default)": {"key_clip_objective": "attn_kl", "center_keys": False,
+                                             "center_values": False},
+            "oscar out_err": {"key_clip_objective": "out_err", "center_keys": False, "center_values": False},
+            "oscar out_err +ck": {"key_clip_objective": "out_err", "center_keys": True, "center_values": False},
+            "oscar out_err +ck+cv": {"key_clip_objective": "out_err", "center_keys": True, "center_values": True},
+            "oscar block_out +ck+cv": {"key_clip_objective": "block_out", "center_keys": True, "center_values": True},
+            "oscar-layer out_err +ck+cv": {"granularity": "layer", "key_clip_objective": "out_err",
+                                           "center_keys": True, "center_values": True},
+        })
+    arts, fits = {}, {}
+    for name, overrides in variants.items():
         t0 = time.perf_counter()
-        arts[f"oscar-{gran}"] = calibrate_model(model, ids, SolverSettings(granularity=gran), compare_alternatives=False)
-        write_artifact(arts[f"oscar-{gran}"], args.out / f"oscar-{gran}-{args.context}")
-        log(f"calibrated oscar-{gran} on {ids.shape[0]} x {args.context} tokens in {time.perf_counter() - t0:.1f}s")
+        arts[name], report = calibrate_model_with_report(model, ids, SolverSettings(**overrides),
+                                                         compare_alternatives=False)
+        fits[name] = report.summary()
+        log(f"calibrated {name} on {ids.shape[0]} x {args.context} tokens in {time.perf_counter() - t0:.1f}s: "
+            f"K clips {fits[name]['k_clip_ratio_mean']:.3f} (min {fits[name]['k_clip_ratio_min']:.2f}), "
+            f"V {fits[name]['v_clip_ratio_mean']:.3f}; {fits[name]['clip_at_grid_edge']} at a grid edge")
     windows = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
     t0 = time.perf_counter()
     result = evaluate_methods(model, standard_methods(model.config.head_dim, arts), windows, args.batch_size)
     log(f"evaluated in {time.perf_counter() - t0:.1f}s")
+    result["fits"] = fits
+    if args.window_sweep:
+        from oscar_calib.evaluate import bootstrap_delta_ci, method_nll
+
+        head_dim = model.config.head_dim
+        base = {r["name"]: r for r in result["methods"]}
+        bf16 = torch.tensor(base["bf16"]["window_nll"], dtype=torch.float64)
+        all_w = torch.cat([windows.long, windows.packed])
+        chosen = [m for m in standard_methods(head_dim, arts) if m.name in ("hadamard-clip", "oscar (default)")]
+        result["window_sweep"] = []
+        for sink, recent in ((64, 512), (128, 1024), (128, 2048)):
+            for m in chosen:
+                nll, _ = method_nll(model, m, all_w, args.batch_size, sink, recent, collect_stats=False)
+                win = nll.double().mean(dim=1)
+                result["window_sweep"].append({
+                    "name": m.name, "sink": sink, "recent": recent, "ppl": float(torch.exp(nll.double().mean())),
+                    "ppl_delta_pct": 100 * float(torch.expm1(win.mean() - bf16.mean())),
+                    "ci95": list(bootstrap_delta_ci(win, bf16)),
+                    "bits_32k": m.effective_bits(32768, head_dim, sink, recent),
+                    "bits_128k": m.effective_bits(131072, head_dim, sink, recent)})
+                log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
     if args.generation_steps:
         try:
             gw = torch.cat([windows.long, windows.packed])[:args.generation_windows]

@@ -61,12 +61,35 @@ def _pool(rel: str) -> str:
     return "heldout" if h < 25 else "calib" if h < 50 else "train"
 
 
-def collect_corpus(corpus_bytes: int) -> dict[str, list[tuple[str, str]]]:
-    """Read the offline text. Returns pool name -> list of `(relative path, text)` in a fixed order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def _files(root: Path, patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """Sorted `(relative path, path)` of the files under `root` matching any of `patterns`."""
+    if not root.is_dir():
+        return []
+    out = {(p.relative_to(root).as_posix(), p) for pat in patterns for p in root.rglob(pat) if p.is_file()}
+    return sorted(out, key=lambda item: item[0])
+
+
+def corpus_sources(kind: str) -> list[tuple[str, tuple[str, Path]]]:
+    """`(prefix, (relative path, path))` of the corpus files, in a fixed order.
+
+    - `python`: the standard library's `*.py`, then site-packages' `*.py` (the tiny-qwen3 fixture);
+    - `c-docs`: C headers under /usr/include, then the prose of site-packages (`*.md`, `*.rst`, `*.txt`), so a
+      second fixture is trained on text of another kind (the tiny-llama fixture).
+    """
     purelib = Path(sysconfig.get_paths()["purelib"])
-    sources = [("stdlib", f) for f in _py_files(stdlib, exclude=("site-packages", "dist-packages"))]
-    sources += [("site", f) for f in _py_files(purelib)]
+    if kind == "python":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        sources = [("stdlib", f) for f in _py_files(stdlib, exclude=("site-packages", "dist-packages"))]
+        return sources + [("site", f) for f in _py_files(purelib)]
+    if kind == "c-docs":
+        sources = [("include", f) for f in _files(Path("/usr/include"), ("*.h",))]
+        return sources + [("sitedocs", f) for f in _files(purelib, ("*.md", "*.rst", "*.txt"))]
+    raise SystemExit(f"--corpus {kind}: expected 'python' or 'c-docs'")
+
+
+def collect_corpus(corpus_bytes: int, kind: str = "python") -> dict[str, list[tuple[str, str]]]:
+    """Read the offline text. Returns pool name -> list of `(relative path, text)` in a fixed order."""
+    sources = corpus_sources(kind)
     pools: dict[str, list[tuple[str, str]]] = {"train": [], "heldout": [], "calib": []}
     seen: set[str] = set()
     total = 0
@@ -147,8 +170,15 @@ def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
 # model and training
 # ----------------------------------------------------------------------------------------------
 def make_config(args, vocab_size: int, eos_id: int):
-    from transformers import Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
 
+    if args.arch == "llama":  # no q/k norm; the GQA ratio comes from --heads / --kv-heads
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim, max_position_embeddings=args.max_positions, rope_theta=args.rope_theta,
+            rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id,
+            pad_token_id=eos_id)
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=args.hidden,
@@ -197,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: small corpus, few steps, short sequences")
     p.add_argument("--corpus-mb", type=float, default=100.0)
+    p.add_argument("--corpus", choices=("python", "c-docs"), default="python", help="which offline text")
+    p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--tokenizer-mb", type=float, default=40.0, help="text used to train the tokenizer")
     p.add_argument("--hidden", type=int, default=256)
@@ -233,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     log(f"device={device} ({'bf16 autocast' if autocast_dtype else 'fp32: no GPU'}), torch {torch.__version__}")
 
-    pools = collect_corpus(int(args.corpus_mb * 1e6))
+    pools = collect_corpus(int(args.corpus_mb * 1e6), args.corpus)
     train_docs = pools["train"]
     heldout = pick_eval_text(pools["heldout"], args.heldout_kb * 600, args.heldout_kb * 400)
     calib = pick_eval_text(pools["calib"], args.calib_kb * 500, args.calib_kb * 500)

@@ -87,14 +87,15 @@ def audit_cmd(
     if model is not None:
         from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.evaluate import make_windows, read_documents
-        from oscar_calib.job import Choices, _load_model, _load_tokenizer, resolve_device, resolve_dtype
+        from oscar_calib.job import Choices, resolve_device, resolve_dtype
+        from oscar_calib.loading import load_model, load_tokenizer
         from runtime_kernels.artifact import check_against_model, read_artifact
 
         choices = Choices()
         dev = resolve_device(device, choices)
         torch_dtype = resolve_dtype(dtype, dev, choices)
-        tok = _load_tokenizer(model, revision, False)
-        lm = _load_model(model, revision, torch_dtype, dev, False)
+        tok = load_tokenizer(model, revision, False)
+        lm = load_model(model, revision, torch_dtype, dev, False)
         if raw.contract_error is None:
             check_against_model(read_artifact(artifact), lm.config)
         data = data or FIXTURE_DIR / "heldout.txt"

@@ -117,20 +117,15 @@ def eval_cmd(
     json_out: Annotated[Path | None, typer.Option("--json-out", help="Write the full results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot here.")] = None,
     as_json: JsonOpt = False,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="Use an --artifact calibrated for another model id (shapes must still match).")] = False,
 ) -> None:
     """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
     import torch
 
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.job import (
-        Choices,
-        _load_model,
-        _load_tokenizer,
-        max_positions,
-        resolve_device,
-        resolve_dtype,
-    )
+    from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
+    from oscar_calib.loading import load_model, load_tokenizer
     from oscar_calib.methods import standard_methods
     from runtime_kernels.artifact import check_against_model, model_geometry, read_artifact
 
@@ -151,8 +146,8 @@ def eval_cmd(
         _log(f"{key}={choices.values[key]} ({reason})")
     bs = batch_size or (4 if dev.startswith("cuda") else 1)
 
-    tokenizer = _load_tokenizer(model, revision, False)
-    lm = _load_model(model, revision, torch_dtype, dev, False)
+    tokenizer = load_tokenizer(model, revision, False)
+    lm = load_model(model, revision, torch_dtype, dev, False)
     limit = max_positions(lm.config)
     if limit is not None and context > limit:
         raise InputError(f"--context {context}: the model's max_position_embeddings is {limit}")
@@ -160,7 +155,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_against_model(art, lm.config)
+        check_against_model(art, lm.config, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"

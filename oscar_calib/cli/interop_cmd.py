@@ -34,24 +34,32 @@ def import_cmd(
     model_revision: Annotated[str, typer.Option("--model-revision", help="Model commit sha.")] = "unknown",
     k_clip: Annotated[float, typer.Option("--k-clip", help="Key clip ratio for every head (reference: 0.96).")] = 0.96,
     v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
+    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens the reference served with (default: the layout's).")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens the reference served with (default: the layout's).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
 ) -> None:
-    """Convert a reference key file + value file into a validated OSCAR artifact (layer granularity)."""
+    """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
     from oscar_calib import __version__
     from oscar_calib.reference_format import load_reference, reference_to_artifact
     from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
+    from runtime_kernels.contract import MAX_WINDOW_TOKENS
+    from runtime_kernels.layout import DEFAULT_LAYOUT
     from runtime_kernels.loader import check_model_id
 
     with translate_errors():
         check_model_id(model_id, "--model-id")
     preflight(out, overwrite, "--out")  # before reading anything
+    for name, value in (("--sink", sink), ("--recent", recent)):
+        if value is not None and not 0 <= value <= MAX_WINDOW_TOKENS:
+            raise InputError(f"{name} {value}: expected an integer in [0, {MAX_WINDOW_TOKENS}]")
     config = _load_config(model_config)
     k_ref = load_reference(keys)
     v_ref = load_reference(values)
     artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
-                                     tool_version=f"oscar-calib {__version__}")
-    with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:
+                                     tool_version=f"oscar-calib {__version__}",
+                                     layout=DEFAULT_LAYOUT.with_(sink_tokens=sink, recent_tokens=recent))
+    with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         write_artifact(artifact, tmp)
     print(out / ARTIFACT_FILENAME)
     print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
@@ -60,8 +68,8 @@ def import_cmd(
 _EXPORT_EXAMPLES = """
 Examples:
 
-  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b          # needs layer granularity
-  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b --head-reduce first
+  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b          # format v2, per KV head
+  oscar-calib export zoo/qwen3-8b --format reference --out ref/qwen3-8b --reference-version 1 --head-reduce first
 """
 
 
@@ -74,8 +82,12 @@ def export_cmd(
                                                                    "first: use KV head 0's rotation per layer.")] = "none",
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
+    reference_version: Annotated[int, typer.Option("--reference-version", help="2: per KV head (v3 when keys are centred); "
+                                                                               "1: one rotation per layer.")] = 2,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model-config: check shapes only, "
+                                                                                "not that the artifact names this model.")] = False,
 ) -> None:
-    """Write an artifact in the reference format (keys.pt, values.pt: one rotation per layer)."""
+    """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
     from oscar_calib.reference_format import export_reference
     from runtime_kernels.artifact import check_against_model, read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
@@ -87,11 +99,11 @@ def export_cmd(
         artifact = read_artifact(directory)
     if model_config is not None:
         try:
-            check_against_model(artifact, _load_config(model_config))
+            check_against_model(artifact, _load_config(model_config), allow_other_model=allow_other_model)
         except ValueError as exc:
             raise InputError(str(exc)) from None
     with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
-        export_reference(artifact, tmp, head_reduce=head_reduce, overwrite=True)
+        export_reference(artifact, tmp, head_reduce=head_reduce, overwrite=True, version=reference_version)
     print(out)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):

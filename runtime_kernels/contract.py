@@ -1,0 +1,343 @@
+"""The artifact contract in one place: names, bounds, the metadata builder and every validation rule.
+
+Contract version 2 (the writer's version) adds to version 1:
+
+    k_mean, v_mean     float32 [A, H_kv, d]   per-(layer, KV head) centering means (zeros = no centering)
+    k_codebook         float32 [A, H_kv, 4]   optional, only with quantizer = lloyd_max
+    v_codebook         float32 [A, H_kv, 4]   optional, only with quantizer = lloyd_max
+
+and the metadata `mean_basis` (original | rotated), `quantizer` (uniform_minmax | lloyd_max) and
+`scale_dtype` (float16 | bfloat16 | float32). Version 1 artifacts still load: their means are zero,
+their quantizer uniform_minmax and their scale dtype float16. Any other schema version is refused.
+
+Codebook levels are in units of the group's scale above its zero (`x = zero + level * scale`), so the
+uniform quantizer's levels are (0, 1, 2, 3); Lloyd-Max centroids lie inside the clipped range, i.e. in
+[0, 3], strictly increasing. A side (K or V) without a codebook uses uniform levels.
+
+Every check names the field, the value and what was expected (ArtifactError). This module imports only
+torch and the standard library, so the slim runtime can read an artifact without Triton.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS, CacheLayout
+
+FORMAT_NAME = "oscar-kv"
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+ORTHOGONALITY_TOL = 1e-5
+
+V1_TENSOR_NAMES = ("layer_ids", "k_rotation", "v_rotation", "k_clip_ratio", "v_clip_ratio",
+                   "k_eigenvalues", "v_eigenvalues")
+MEAN_TENSOR_NAMES = ("k_mean", "v_mean")
+CODEBOOK_TENSOR_NAMES = ("k_codebook", "v_codebook")
+V2_TENSOR_NAMES = V1_TENSOR_NAMES + MEAN_TENSOR_NAMES
+ALL_TENSOR_NAMES = V2_TENSOR_NAMES + CODEBOOK_TENSOR_NAMES
+
+V1_METADATA = ("format", "schema_version", "model_id", "model_revision", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "bits", "group_size", "sink_tokens", "recent_tokens",
+               "granularity", "key_target", "value_target", "calibration", "tool_version", "created_at")
+V2_METADATA = V1_METADATA + ("mean_basis", "quantizer", "scale_dtype")
+INT_METADATA = ("schema_version", "num_attention_heads", "num_key_value_heads", "head_dim", "bits", "group_size",
+                "sink_tokens", "recent_tokens")
+
+GRANULARITIES = ("head", "layer")
+MEAN_BASES = ("original", "rotated")
+QUANTIZERS = ("uniform_minmax", "lloyd_max")
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CODEBOOK_LEVELS = 4
+V1_DEFAULTS = {"mean_basis": "original", "quantizer": "uniform_minmax", "scale_dtype": "float16"}
+
+# Bounds, checked before anything is allocated from them.
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 1024
+MAX_METADATA_VALUE_CHARS = 1 << 18  # the calibration recipe JSON is a few KB
+MIN_CLIP_RATIO = 0.5  # below half the order statistic a 2-bit code spends its levels on nothing useful
+MAX_CLIP_RATIO = 1.0
+MAX_MEAN_ABS = 1e6  # a post-norm, post-RoPE activation mean is O(10); 1e6 means a broken file
+
+
+class ArtifactError(ValueError):
+    """An artifact that breaks the contract. The message names the file, the field and what was expected."""
+
+
+def fail(source: str, field_name: str, message: str) -> None:
+    raise ArtifactError(f"{source}: field '{field_name}': {message}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = ascii(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+# --- strict JSON ----------------------------------------------------------------------------------
+class DuplicateKeyError(ValueError):
+    """A JSON object names the same key twice (json's default keeps the last one silently)."""
+
+
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for json.loads: a dict, or DuplicateKeyError naming the repeated key."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"duplicate key {_short(key)}")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def strict_json_loads(text: str | bytes, source: str, field_name: str) -> Any:
+    """json.loads that refuses duplicate keys, NaN/Infinity and deep nesting. Raises ArtifactError naming the field."""
+    try:
+        return json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_refuse_constant)
+    except (DuplicateKeyError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        fail(source, field_name, f"expected strict JSON (no duplicate keys): {type(exc).__name__}: {exc}")
+
+
+# --- the one clock and the one metadata builder ----------------------------------------------------
+def created_at() -> str:
+    """UTC timestamp `YYYY-MM-DDTHH:MM:SSZ`; honours SOURCE_DATE_EPOCH so two identical runs give identical bytes."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch:
+        try:
+            now = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"SOURCE_DATE_EPOCH: expected an integer number of seconds, got {_short(epoch)}") from None
+    else:
+        now = _dt.datetime.now(_dt.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: int, num_key_value_heads: int,
+                   head_dim: int, granularity: str, key_target: str, value_target: str,
+                   calibration: dict[str, Any], tool_version: str, layout: CacheLayout = DEFAULT_LAYOUT,
+                   mean_basis: str = "original", quantizer: str = "uniform_minmax",
+                   scale_dtype: str = "float16") -> dict[str, str]:
+    """The `__metadata__` of a contract-v2 artifact (strings only), with `created_at` from the one clock.
+
+    `layout` supplies sink_tokens, recent_tokens and group_size (None = head_dim). Every artifact writer
+    (calibration, the reference importer, identity_artifact) builds its metadata here.
+    """
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": str(SCHEMA_VERSION),
+        "model_id": str(model_id),
+        "model_revision": str(model_revision),
+        "num_attention_heads": str(int(num_attention_heads)),
+        "num_key_value_heads": str(int(num_key_value_heads)),
+        "head_dim": str(int(head_dim)),
+        "bits": "2",
+        "group_size": str(int(layout.group_size or head_dim)),
+        "sink_tokens": str(int(layout.sink_tokens)),
+        "recent_tokens": str(int(layout.recent_tokens)),
+        "granularity": granularity,
+        "key_target": key_target,
+        "value_target": value_target,
+        "calibration": json.dumps(calibration, sort_keys=True),
+        "tool_version": tool_version,
+        "created_at": created_at(),
+        "mean_basis": mean_basis,
+        "quantizer": quantizer,
+        "scale_dtype": scale_dtype,
+    }
+
+
+# --- metadata -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContractMetadata:
+    """The typed, validated view of an artifact's `__metadata__` (v1 values filled with v1's defaults)."""
+
+    schema_version: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    group_size: int
+    sink_tokens: int
+    recent_tokens: int
+    granularity: str
+    mean_basis: str
+    quantizer: str
+    scale_dtype: str
+
+    @property
+    def layout(self) -> CacheLayout:
+        return DEFAULT_LAYOUT.with_(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+                                    group_size=self.group_size)
+
+
+def _bounded_int(metadata: dict[str, str], key: str, source: str, low: int, high: int) -> int:
+    raw = metadata[key]
+    # int() accepts '+1', ' 1', '1_000' and thousands of digits; the contract writes plain decimal digits.
+    if not (isinstance(raw, str) and 0 < len(raw) <= 12 and (raw.isdigit() or (raw[0] == "-" and raw[1:].isdigit()))
+            and raw.isascii()):
+        fail(source, key, f"expected a decimal integer string, got {_short(raw)}")
+    value = int(raw)
+    if not low <= value <= high:
+        fail(source, key, f"expected an integer in [{low}, {high}], got {value}")
+    return value
+
+
+def _choice(metadata: dict[str, str], key: str, source: str, choices) -> str:
+    value = metadata[key]
+    if value not in choices:
+        fail(source, key, f"expected one of {list(choices)}, got {_short(value)}")
+    return value
+
+
+def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
+    """Validate `__metadata__` against contract v1 or v2 and return its typed view. Raises ArtifactError."""
+    if not isinstance(metadata, dict):
+        fail(source, "__metadata__", f"expected a string->string map, got {type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            fail(source, str(key), f"expected a string of at most {MAX_METADATA_VALUE_CHARS} characters")
+    for key in ("format", "schema_version"):
+        if key not in metadata:
+            fail(source, key, "missing from __metadata__")
+    if metadata["format"] != FORMAT_NAME:
+        fail(source, "format", f"expected '{FORMAT_NAME}', got {_short(metadata['format'])}")
+    raw_version = metadata["schema_version"]
+    if raw_version not in tuple(str(v) for v in SUPPORTED_SCHEMA_VERSIONS):
+        fail(source, "schema_version", f"expected one of {list(SUPPORTED_SCHEMA_VERSIONS)} (this reader knows "
+                                       f"contract v1 and v2), got {_short(raw_version)}")
+    version = int(raw_version)
+    required = V1_METADATA if version == 1 else V2_METADATA
+    for key in required:
+        if key not in metadata:
+            fail(source, key, f"missing from __metadata__ (required by contract v{version})")
+    if version == 1:
+        extra_v2 = [k for k in V1_DEFAULTS if k in metadata]
+        if extra_v2:
+            fail(source, extra_v2[0], "is a contract v2 field but schema_version is 1")
+        metadata = {**metadata, **V1_DEFAULTS}
+    if metadata["bits"] != "2":
+        fail(source, "bits", f"expected '2', got {_short(metadata['bits'])}")
+    h_q = _bounded_int(metadata, "num_attention_heads", source, 1, MAX_HEADS)
+    h_kv = _bounded_int(metadata, "num_key_value_heads", source, 1, MAX_HEADS)
+    if h_q % h_kv:
+        fail(source, "num_key_value_heads", f"expected a divisor of num_attention_heads={h_q}, got {h_kv}")
+    d = _bounded_int(metadata, "head_dim", source, 4, MAX_HEAD_DIM)
+    if d & (d - 1):
+        fail(source, "head_dim", f"expected a power of two, got {d}")
+    g = _bounded_int(metadata, "group_size", source, 4, MAX_HEAD_DIM)
+    if d % g or g % 4:
+        fail(source, "group_size", f"expected a multiple of 4 dividing head_dim={d}, got {g}")
+    sink = _bounded_int(metadata, "sink_tokens", source, 0, MAX_WINDOW_TOKENS)
+    recent = _bounded_int(metadata, "recent_tokens", source, 0, MAX_WINDOW_TOKENS)
+    granularity = _choice(metadata, "granularity", source, GRANULARITIES)
+    mean_basis = _choice(metadata, "mean_basis", source, MEAN_BASES)
+    quantizer = _choice(metadata, "quantizer", source, QUANTIZERS)
+    scale_dtype = _choice(metadata, "scale_dtype", source, SCALE_DTYPES)
+    strict_json_loads(metadata["calibration"], source, "calibration")
+    return ContractMetadata(version, h_q, h_kv, d, g, sink, recent, granularity, mean_basis, quantizer, scale_dtype)
+
+
+# --- tensors --------------------------------------------------------------------------------------
+def tensor_specs(meta: ContractMetadata, num_layers: int, names: set[str] | frozenset[str],
+                 source: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The exact (dtype, shape) of every tensor the file must hold, given its metadata and `[A]` layer count.
+
+    `names` are the tensors present; a missing required one, an unknown one, or a codebook that the
+    quantizer does not allow raises ArtifactError.
+    """
+    if not 1 <= num_layers <= MAX_LAYERS:
+        fail(source, "layer_ids", f"expected between 1 and {MAX_LAYERS} calibrated layers, got {num_layers}")
+    required = V1_TENSOR_NAMES if meta.schema_version == 1 else V2_TENSOR_NAMES
+    allowed = set(required) | (set(CODEBOOK_TENSOR_NAMES) if meta.schema_version == 2 else set())
+    for name in required:
+        if name not in names:
+            fail(source, name, f"missing tensor (required by contract v{meta.schema_version})")
+    extra = sorted(set(names) - allowed)
+    if extra:
+        fail(source, extra[0], f"unexpected tensor (contract v{meta.schema_version} has {sorted(allowed)})")
+    codebooks = [n for n in CODEBOOK_TENSOR_NAMES if n in names]
+    if codebooks and meta.quantizer != "lloyd_max":
+        fail(source, codebooks[0], f"a codebook needs quantizer 'lloyd_max', metadata says '{meta.quantizer}'")
+    if meta.quantizer == "lloyd_max" and not codebooks:
+        fail(source, "quantizer", f"'lloyd_max' needs at least one of {list(CODEBOOK_TENSOR_NAMES)}")
+    a, h, d = num_layers, meta.num_key_value_heads, meta.head_dim
+    shapes = {"layer_ids": (torch.int64, (a,)), "k_rotation": (torch.float32, (a, h, d, d)),
+              "v_rotation": (torch.float32, (a, h, d, d)), "k_clip_ratio": (torch.float32, (a, h)),
+              "v_clip_ratio": (torch.float32, (a, h)), "k_eigenvalues": (torch.float32, (a, h, d)),
+              "v_eigenvalues": (torch.float32, (a, h, d)), "k_mean": (torch.float32, (a, h, d)),
+              "v_mean": (torch.float32, (a, h, d)), "k_codebook": (torch.float32, (a, h, CODEBOOK_LEVELS)),
+              "v_codebook": (torch.float32, (a, h, CODEBOOK_LEVELS))}
+    return {name: shapes[name] for name in sorted(names)}
+
+
+def orthogonality_error(rotations: torch.Tensor) -> float:
+    """max |R R^T - I| over a stack of square matrices `[..., d, d]`, computed in fp32."""
+    r = rotations.float()
+    eye = torch.eye(r.shape[-1], dtype=torch.float32)
+    return float((r @ r.transpose(-1, -2) - eye).abs().amax()) if r.numel() else 0.0
+
+
+def _check_values(tensors: dict[str, torch.Tensor], source: str) -> None:
+    layer_ids = tensors["layer_ids"]
+    if (layer_ids < 0).any() or (layer_ids[1:] <= layer_ids[:-1]).any():
+        fail(source, "layer_ids", f"expected strictly increasing non-negative layer indices, got "
+                                  f"{_short(layer_ids.tolist())}")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            fail(source, name, "contains NaN or Inf")
+    for name in ("k_clip_ratio", "v_clip_ratio"):
+        t = tensors[name]
+        bad = (t < MIN_CLIP_RATIO) | (t > MAX_CLIP_RATIO)
+        if bad.any():
+            fail(source, name, f"expected every ratio in [{MIN_CLIP_RATIO}, {MAX_CLIP_RATIO}], got {float(t[bad][0])!r}")
+    for name in ("k_rotation", "v_rotation"):
+        err = orthogonality_error(tensors[name])
+        if err > ORTHOGONALITY_TOL:
+            fail(source, name, f"not orthogonal: max |R R^T - I| = {err:.2e} > {ORTHOGONALITY_TOL:.0e}")
+    for name in ("k_eigenvalues", "v_eigenvalues"):
+        t = tensors[name]
+        if (t[..., 1:] > t[..., :-1] + 1e-6 * t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)).any():
+            fail(source, name, "expected descending eigenvalues")
+    for name in MEAN_TENSOR_NAMES:
+        if name in tensors and (tensors[name].abs() > MAX_MEAN_ABS).any():
+            fail(source, name, f"expected |mean| <= {MAX_MEAN_ABS:g}, got {float(tensors[name].abs().max())!r}")
+    for name in CODEBOOK_TENSOR_NAMES:
+        if name not in tensors:
+            continue
+        t = tensors[name]
+        if (t[..., 1:] <= t[..., :-1]).any():
+            fail(source, name, "expected 4 strictly increasing levels per (layer, KV head)")
+        if (t < 0).any() or (t > CODEBOOK_LEVELS - 1).any():
+            fail(source, name, f"expected levels in [0, {CODEBOOK_LEVELS - 1}] (units of the group scale above "
+                               f"its zero), got min {float(t.min())!r}, max {float(t.max())!r}")
+
+
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
+    """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field."""
+    meta = parse_metadata(metadata, source)
+    layer_ids = tensors.get("layer_ids")
+    if not isinstance(layer_ids, torch.Tensor) or layer_ids.dim() != 1:
+        fail(source, "layer_ids", "expected an int64 [A] tensor" if layer_ids is not None else "missing tensor")
+    specs = tensor_specs(meta, int(layer_ids.numel()), set(tensors), source)
+    for name, (dtype, shape) in specs.items():
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            fail(source, name, f"expected {str(dtype).replace('torch.', '')}, got "
+                               f"{getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shape:
+            fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
+    _check_values(tensors, source)
+    return meta
+
+
+def clip_ratio_is_sane(value: float) -> bool:
+    """True for a finite clip ratio inside the contract's range."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and MIN_CLIP_RATIO <= value <= MAX_CLIP_RATIO
