@@ -138,6 +138,7 @@ def test_audit_of_a_well_shaped_artifact_still_runs(tmp_path, monkeypatch, capsy
 
 
 # --- class 5: a real run, interrupted ------------------------------------------------------------------------
+@pytest.mark.slow  # about 35 s each on 2 shared CPU cores: a subprocess that imports torch, then a full re-run
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_interrupted_run_stops_fast_and_leaves_the_old_output(sig, model_dir, text_file, tmp_path, monkeypatch,  # noqa: F811
                                                               capsys):
@@ -145,8 +146,9 @@ def test_interrupted_run_stops_fast_and_leaves_the_old_output(sig, model_dir, te
     out.mkdir()
     (out / "old.txt").write_text("previous run")
     env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "oscar_calib", *_args(model_dir, text_file, out, "--overwrite",
-                                                                          "--samples", "64")],
+    # seq-len 384: the held-out sequence must be longer than the BF16 windows (calibrate.py's rule).
+    long_args = [*_args(model_dir, text_file, out, "--overwrite"), "--seq-len", "384"]
+    proc = subprocess.Popen([sys.executable, "-m", "oscar_calib", *long_args, "--samples", "30"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:  # wait until the capture (the expensive part) is under way
@@ -166,7 +168,7 @@ def test_interrupted_run_stops_fast_and_leaves_the_old_output(sig, model_dir, te
     assert "Traceback" not in rest
     assert sorted(p.name for p in out.iterdir()) == ["old.txt"] and temporaries(out) == []
     # A re-run after the interrupt works and replaces the old output.
-    code, stdout, err = run_cli(_args(model_dir, text_file, out, "--overwrite"), monkeypatch, capsys)
+    code, stdout, err = run_cli(long_args, monkeypatch, capsys)
     assert code == 0, err
     assert (out / ARTIFACT_FILENAME).is_file() and not (out / "old.txt").exists() and temporaries(out) == []
 
