@@ -54,12 +54,39 @@ def load_raw(path: str | Path) -> RawArtifact:
     missing = [n for n in TENSOR_NAMES if n not in tensors]
     if missing:
         raise InputError(f"artifact {file}: field '{missing[0]}': missing tensor; nothing to audit")
+    _check_auditable(tensors, str(file))
+    group = metadata.get("group_size") or None
+    d = tensors["k_rotation"].shape[-1]
+    if group is not None and not (group.isdigit() and len(group) < 6 and int(group) > 0 and d % int(group) == 0):
+        raise InputError(f"artifact {file}: field 'group_size': {group[:40]!r} cannot be audited (expected a positive "
+                         f"integer dividing head_dim {d})")
     error = None
     try:
         validate_tensors(tensors, metadata, str(file))
     except ArtifactError as exc:
         error = str(exc)
     return RawArtifact(tensors, metadata, str(file), error)
+
+
+def _check_auditable(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """The shapes the audit indexes by: a broken contract is reported, but these must hold to read per head.
+
+    layer_ids `[A]`; rotations `[A, H, d, d]`; clip ratios `[A, H]`; eigenvalues `[A, H, d]` (A, H, d >= 1).
+    """
+    def shape(name: str) -> tuple[int, ...]:
+        return tuple(tensors[name].shape)
+
+    rot = shape("k_rotation")
+    if len(rot) != 4 or rot[2] != rot[3] or min(rot, default=0) < 1:
+        raise InputError(f"artifact {source}: field 'k_rotation': shape {list(rot)} cannot be audited "
+                         "(expected [A, H, d, d] with A, H, d >= 1); run `oscar-calib audit` on a complete artifact")
+    a, h, d, _ = rot
+    want = {"layer_ids": (a,), "v_rotation": rot, "k_clip_ratio": (a, h), "v_clip_ratio": (a, h),
+            "k_eigenvalues": (a, h, d), "v_eigenvalues": (a, h, d)}
+    for name, expected in want.items():
+        if shape(name) != expected:
+            raise InputError(f"artifact {source}: field '{name}': shape {list(shape(name))} cannot be audited next to "
+                             f"k_rotation {list(rot)} (expected {list(expected)})")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -31,7 +31,18 @@ class PackedData:
     source: str
 
 
+def _refuse_binary(path: Path) -> None:
+    """A text dataset holds no NUL bytes; one that does is a binary file given by mistake (checked on the first 64 KiB)."""
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16)
+    if b"\0" in head:
+        raise InputError(f"dataset '{path}': looks like a binary file (NUL byte at offset {head.index(0)}); expected "
+                         f"UTF-8 text ({'one JSON object per line' if path.suffix != '.txt' else 'plain text'})")
+
+
 def _local_texts(path: Path, cfg: DataConfig) -> Iterator[str | list]:
+    if path.suffix in (".txt", ".jsonl", ".json"):
+        _refuse_binary(path)
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8", errors="replace")
         for doc in text.split("\n\n"):
@@ -39,14 +50,22 @@ def _local_texts(path: Path, cfg: DataConfig) -> Iterator[str | list]:
                 yield doc
         return
     if path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as handle:
-            for lineno, line in enumerate(handle, 1):
+        with path.open("rb") as handle:
+            for lineno, raw in enumerate(handle, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"dataset '{path}': line {lineno} is not UTF-8 text (byte {exc.start}); expected "
+                                     "one JSON object per line") from None
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"dataset '{path}': line {lineno} is not valid JSON ({exc.msg})") from exc
+                except (json.JSONDecodeError, RecursionError) as exc:
+                    raise InputError(f"dataset '{path}': line {lineno} is not valid JSON "
+                                     f"({getattr(exc, 'msg', type(exc).__name__)})") from None
+                except ValueError as exc:  # e.g. an integer of more digits than int() converts
+                    raise InputError(f"dataset '{path}': line {lineno} is not usable JSON ({exc})") from None
                 yield _text_of(row, cfg, f"dataset '{path}' line {lineno}")
         return
     raise InputError(f"dataset '{path}': expected a .jsonl or .txt file, or a Hub dataset id")

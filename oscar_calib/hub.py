@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,20 +30,22 @@ from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_arti
 from runtime_kernels.loader import (
     COMMIT_RE,
     RELEASE_FILENAME,
+    VERSION_RE,
     UnsafeNameError,
     check_component,
     check_model_id,
     check_repo_id,
+    is_connection_error,
     is_offline,
     parse_release_record,
     release_dir,
     release_record,
+    unreachable,
 )
 
 logger = logging.getLogger(__name__)
 
 CARD_FILENAME = "README.md"
-VERSION_RE = re.compile(r"v[1-9][0-9]{0,5}")
 GENERATED = {CARD_FILENAME, RELEASE_FILENAME}
 MAX_FILES = 64
 
@@ -349,6 +350,10 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             return PushResult(repo, version, commit, base, True, True, f"released {version} at {commit}", hashes)
         except HfHubHTTPError as exc:
             raise _hub_error(exc, doing) from None
+        except Exception as exc:
+            if is_connection_error(exc):
+                raise HubError(str(unreachable(endpoint, f"push to {repo}", exc))) from None
+            raise
     finally:
         remote.close()
 
@@ -363,12 +368,19 @@ def translate_errors() -> Iterator[None]:
     from huggingface_hub.utils import HfHubHTTPError
 
     from runtime_kernels.artifact import ArtifactError
-    from runtime_kernels.loader import ModelMismatchError, ReleaseNotFoundError, UnsafeNameError
+    from runtime_kernels.loader import (
+        HubUnreachableError,
+        ModelMismatchError,
+        ReleaseNotFoundError,
+        UnsafeNameError,
+    )
 
     try:
         yield
     except OscarError:
         raise
+    except HubUnreachableError as exc:
+        raise HubError(str(exc)) from None
     except UnsafeNameError as exc:
         raise InputError(str(exc)) from None
     except ModelMismatchError as exc:
@@ -380,6 +392,10 @@ def translate_errors() -> Iterator[None]:
     except HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         raise HubError(f"the Hub answered HTTP {status}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:
+        if is_connection_error(exc):
+            raise HubError(str(unreachable(None, "reach it", exc))) from None
+        raise
 
 
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",

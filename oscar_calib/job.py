@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,11 +36,11 @@ from oscar_calib.sharded_capture import CapturePlan, checkpoint_identity, make_a
 from oscar_calib.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
-    current_umask,
     model_geometry,
     text_config,
     write_artifact,
 )
+from runtime_kernels.atomic import OutputDirError, atomic_output_dir, preflight
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -135,41 +133,18 @@ def resolve_batch_size(requested: int | None, device: str, seq_len: int, choices
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse a file, or an existing non-empty directory without --overwrite. Nothing is written here."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out {out_dir}: is a file (expected a directory to create)")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise InputError(f"--out {out_dir}: already exists and is not empty; pass --overwrite to replace it")
-    parent = out_dir.resolve().parent
-    if parent.exists() and not parent.is_dir():
-        raise InputError(f"--out {out_dir}: parent {parent} is not a directory")
+    """Refuse a file, an existing non-empty directory without --overwrite, or an unwritable location, before
+    any work starts. Nothing is left on disk here."""
+    try:
+        preflight(out_dir, overwrite, "--out")
+    except OutputDirError as exc:
+        raise InputError(str(exc)) from None
 
 
 def max_positions(config) -> int | None:
     return getattr(text_config(config), "max_position_embeddings", None)
 
 
-@contextmanager
-def atomic_output_dir(out_dir: Path, overwrite: bool):
-    """Yield a temporary sibling directory; on success it replaces `out_dir` by rename, on error it vanishes."""
-    out_dir = out_dir.resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp creates 0700
-    try:
-        yield tmp
-        if out_dir.exists():
-            if not overwrite and any(out_dir.iterdir()):
-                raise InputError(f"--out {out_dir}: appeared while the job ran; pass --overwrite to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / "dir")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def environment() -> dict[str, str]:

@@ -30,7 +30,7 @@ The window of a sequence is therefore always chronological and its valid rows ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,19 @@ def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     arrived in a prompt or in a decode step.
     """
     return torch.einsum("thd,hde->the", x.double(), rotation.double()).float()
+
+
+# Largest magnitude a stored (rotated) element may have: the INT2 pages keep scale and zero in fp16, whose range
+# this is; a larger element would give an infinite scale and poison the page like a NaN does.
+MAX_KV_MAGNITUDE = float(torch.finfo(torch.float16).max)
+
+
+class NonFiniteKVError(ValueError):
+    """A key or value to be cached is NaN, infinite or beyond the fp16 range of the INT2 page scales.
+
+    Refused at the write (nothing of that layer is written), naming the layer, KV head, sequence and position,
+    because one such element would make every later attention output of that KV head's query group NaN.
+    """
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -166,6 +179,7 @@ class AppendPlan:
     win_src: torch.Tensor
     win_slots: torch.Tensor
     win_rows: torch.Tensor
+    first_positions: list[int] = field(default_factory=list)  # position of each sequence's first new token
 
 
 @dataclass
@@ -200,13 +214,18 @@ class PagedKVCache:
         k_mean, v_mean: float `[A, H, d]` per-(layer, KV head) means in the rotated basis (a centered artifact,
             contract v2 `k_mean`/`v_mean`), or None (uncentered). The pages then hold quant(x_rot - mu) and decode
             adds the means back exactly (`attention.decode_attention(k_mean=, v_mean=)`); windows stay uncentered.
+        check_finite: refuse NaN/Inf (and elements beyond the fp16 scale range) at every write with
+            `NonFiniteKVError` (docs/errors.md, "Non-finite keys and values"). Costs one reduction and one
+            device-to-host sync per layer write; skipped while a CUDA graph is being captured. False trusts the
+            caller (a poisoned element then makes its KV head's outputs NaN for as long as it is cached).
     """
 
     def __init__(self, k_rotation: torch.Tensor, v_rotation: torch.Tensor, k_clip_ratio: torch.Tensor,
                  v_clip_ratio: torch.Tensor, *, group_size: int | None = None, max_pages: int, max_seqs: int,
                  page_size: int = 64, sink_tokens: int = 64, recent_tokens: int = 256,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
-                 backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None):
+                 backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+                 check_finite: bool = True):
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
                 raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
@@ -247,6 +266,8 @@ class PagedKVCache:
         self.page_size, self.sink, self.recent = int(page_size), int(sink_tokens), int(recent_tokens)
         self.window = self.sink + self.recent + self.page_size - 1
         self.backend = backend
+        self.check_finite = bool(check_finite)
+        self._broken: dict[int, str] = {}  # sequences whose last write was refused half-way -> why
         self.allocator = PageAllocator(int(max_pages))
         self.max_seqs = int(max_seqs)
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
@@ -295,7 +316,7 @@ class PagedKVCache:
     def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = 64,
                       sink_tokens: int | None = None, recent_tokens: int | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                      clip: bool = True, backend: str = "auto") -> PagedKVCache:
+                      clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
         """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata).
 
         Refused, naming the field: a quantizer this runtime does not serve (`lloyd_max` codebooks), and windows
@@ -319,7 +340,7 @@ class PagedKVCache:
                    group_size=artifact.group_size, max_pages=max_pages, max_seqs=max_seqs, page_size=page_size,
                    sink_tokens=artifact.sink_tokens if sink_tokens is None else sink_tokens,
                    recent_tokens=artifact.recent_tokens if recent_tokens is None else recent_tokens,
-                   device=device, dtype=dtype, clip=clip, backend=backend,
+                   device=device, dtype=dtype, clip=clip, backend=backend, check_finite=check_finite,
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
                    v_mean=artifact.value_mean("rotated") if artifact.is_centered else None)
@@ -395,6 +416,7 @@ class PagedKVCache:
         self.allocator.release(st.pages)
         self._free_slots.append(st.slot)
         del self._seqs[seq_id]
+        self._broken.pop(seq_id, None)
         self._version += 1
 
     def fork_sequence(self, seq_id: int) -> int:
@@ -402,6 +424,7 @@ class PagedKVCache:
         rows are copied in every layer. The pages are immutable once written, so no copy-on-write is needed.
         """
         src = self._state(seq_id)
+        self._refuse_broken([seq_id])
         new_id = self.add_sequence()
         dst = self._seqs[new_id]
         self.allocator.retain(src.pages)
@@ -444,6 +467,7 @@ class PagedKVCache:
         if any(t < 0 for t in num_tokens):
             raise ValueError(f"num_tokens: expected non-negative counts, got {num_tokens}")
         states = [self._state(s) for s in seq_ids]
+        self._refuse_broken(seq_ids)
         p = self.page_size
         pages_needed = [(self.history_tokens(st.length + t) - len(st.pages) * p) // p
                         for st, t in zip(states, num_tokens)]
@@ -503,7 +527,8 @@ class PagedKVCache:
         lists = (gather_slots, gather_rows, demote_src, demote_pages, demote_rows, win_src, win_slots, win_rows)
         flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64).to(self.device)
         parts = torch.split(flat, [len(values) for values in lists])
-        return AppendPlan(seq_ids, num_tokens, offset, *parts)
+        first = [st.length - t for st, t in zip(states, num_tokens)]
+        return AppendPlan(seq_ids, num_tokens, offset, *parts, first_positions=first)
 
     def _check_tokens(self, name: str, x: torch.Tensor, n: int) -> None:
         if not isinstance(x, torch.Tensor):
@@ -528,11 +553,22 @@ class PagedKVCache:
         pool = self._pool(layer)
         self._check_tokens("keys", keys, plan.num_new)
         self._check_tokens("values", values, plan.num_new)
-        for x, win, rot, clip, codes, scale, zero, mean in (
-            (keys, pool.k_win, pool.k_rotation, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_mean),
-            (values, pool.v_win, pool.v_rotation, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_mean),
+        k_rot = rotate_rows(keys, pool.k_rotation)  # fp32 `[N, H, d]`: checked before the cast to the window dtype
+        v_rot = rotate_rows(values, pool.v_rotation)
+        if self.check_finite and not self._capturing():
+            problem = self._find_bad_element(layer, plan, k_rot, v_rot)
+            if problem is not None:
+                # The plan is booked for every layer, and earlier layers may hold the step: those sequences can
+                # no longer be served consistently, so they refuse further use until freed.
+                for seq_id in plan.seq_ids:
+                    self._broken[seq_id] = problem
+                raise NonFiniteKVError(f"{problem}; nothing of layer {layer} was written and sequences "
+                                       f"{plan.seq_ids} of this step must be freed (free_sequence) and recomputed")
+        for x, win, clip, codes, scale, zero, mean in (
+            (k_rot, pool.k_win, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_mean),
+            (v_rot, pool.v_win, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_mean),
         ):
-            x = rotate_rows(x, rot).to(win.dtype)
+            x = x.to(win.dtype)
             # Read the rows that move before anything is written (sources and targets may overlap).
             src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
             if plan.demote_src.numel():  # rows are already rotated: (center,) clip, quantize, pack
@@ -541,6 +577,47 @@ class PagedKVCache:
                                       mean=mean)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
+
+    # -- non-finite policy ----------------------------------------------------------------------------------
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
+    def _all_in_range(*rows: torch.Tensor) -> bool:
+        """One host sync: every element finite and within MAX_KV_MAGNITUDE (`torch.maximum` keeps a NaN; NaN fails `<=`)."""
+        peak = None
+        for x in rows:
+            if x.numel():
+                p = x.abs().amax()
+                peak = p if peak is None else torch.maximum(peak, p.to(peak.dtype))
+        return peak is None or bool(peak.float() <= MAX_KV_MAGNITUDE)
+
+    def _find_bad_element(self, layer: int, plan: AppendPlan, k_rot: torch.Tensor, v_rot: torch.Tensor) -> str | None:
+        """None when the rotated rows `[N, H, d]` may be stored, else where the first bad element is."""
+        if self._all_in_range(k_rot, v_rot):
+            return None
+        for name, x in (("keys", k_rot), ("values", v_rot)):
+            bad = ~(x.abs() <= MAX_KV_MAGNITUDE)  # [N, H, d]; NaN compares False
+            if bool(bad.any()):
+                token, head, channel = (int(i) for i in bad.nonzero()[0])
+                value = float(x[token, head, channel])
+                what = "NaN" if value != value else ("infinite" if abs(value) == float("inf") else
+                                                     f"{value:.3g}, beyond the fp16 range of the INT2 page scales")
+                b, seq_start = 0, 0
+                while seq_start + plan.num_tokens[b] <= token:  # which sequence of the plan holds that token
+                    seq_start += plan.num_tokens[b]
+                    b += 1
+                position = (plan.first_positions[b] if plan.first_positions else 0) + token - seq_start
+                return (f"{name}: non-finite or out-of-range value ({what}) at layer {layer}, KV head {head}, "
+                        f"sequence {plan.seq_ids[b]}, position {position} (rotated channel {channel}); refused so that "
+                        "this KV head's cache is not poisoned")
+        return None
+
+    def _refuse_broken(self, seq_ids: Sequence[int]) -> None:
+        broken = [s for s in seq_ids if s in self._broken]
+        if broken:
+            raise NonFiniteKVError(f"seq_ids: sequence {broken[0]} had a write refused ({self._broken[broken[0]]}); "
+                                   "free it and recompute it")
 
     def append(self, seq_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Append tokens to sequences in every layer at once.
@@ -567,6 +644,18 @@ class PagedKVCache:
         for i in range(self.num_layers):  # validate everything before booking anything
             self._check_tokens(f"keys[{i}]", k_layers[i], sum(counts))
             self._check_tokens(f"values[{i}]", v_layers[i], sum(counts))
+        if self.check_finite and not self._capturing() and not self._all_in_range(*k_layers, *v_layers):
+            # Refuse before booking: find the layer with the bad element, rotate it as write_layer would, name it.
+            self._refuse_broken(seq_ids)
+            states = [self._state(s) for s in seq_ids]
+            probe = AppendPlan(seq_ids, counts, sum(counts), *([torch.empty(0, dtype=torch.int64)] * 8),
+                               first_positions=[st.length for st in states])
+            for i in range(self.num_layers):
+                pool = self.pools[i]
+                problem = self._find_bad_element(i, probe, rotate_rows(k_layers[i], pool.k_rotation),
+                                                 rotate_rows(v_layers[i], pool.v_rotation))
+                if problem is not None:
+                    raise NonFiniteKVError(f"{problem}; nothing was written (the cache is unchanged)")
         plan = self.plan_append(seq_ids, counts)
         for i in range(self.num_layers):
             self.write_layer(i, plan, k_layers[i], v_layers[i])
@@ -621,6 +710,7 @@ class PagedKVCache:
                              f"d={self.head_dim}], got {list(q.shape)}")
         if q.device != self.device:
             raise ValueError(f"q: expected device {self.device} (the cache's), got {q.device}")
+        self._refuse_broken(seq_ids)
         empty = [s for s in seq_ids if self._state(s).length == 0]
         if empty:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
@@ -681,4 +771,5 @@ class PagedKVCache:
         return total
 
 
-__all__ = ["AppendPlan", "BatchMetadata", "LayerPool", "PageAllocator", "PagedKVCache", "SequenceState", "rotate_rows"]
+__all__ = ["MAX_KV_MAGNITUDE", "AppendPlan", "BatchMetadata", "LayerPool", "NonFiniteKVError", "PageAllocator",
+           "PagedKVCache", "SequenceState", "rotate_rows"]

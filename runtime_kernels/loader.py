@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -42,7 +41,7 @@ from runtime_kernels.artifact import (
     check_against_model,
     read_artifact,
 )
-from runtime_kernels.contract import reject_duplicate_keys
+from runtime_kernels.contract import DuplicateKeyError, reject_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,13 @@ RELEASE_FILENAME = "release.json"
 RELEASE_FORMAT = "oscar-kv-release"
 RELEASE_SCHEMA_VERSION = 1
 MAX_RELEASE_RECORD_BYTES = 1 << 20
+MAX_RELEASE_FILES = 256
+MAX_RELEASE_FILE_BYTES = 1 << 40  # 1 TiB: far above any artifact, far below what int() of a long digit run gives
+MAX_JSON_INT_DIGITS = 20  # bounds int() before it runs (CPython's own limit, 4300 digits, raises a bare ValueError)
+MAX_RECORD_STRING = 256
 
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+VERSION_RE = re.compile(r"v[1-9][0-9]{0,5}")  # a release tag: v1, v2, ...
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # One path component: starts with a letter or digit, then letters, digits, '.', '_' or '-'.
 _COMPONENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -65,6 +69,29 @@ class UnsafeNameError(ValueError):
 
 class ReleaseNotFoundError(LookupError):
     """The repo, revision, release directory or one of its files does not exist (or is not cached offline)."""
+
+
+class HubUnreachableError(ConnectionError):
+    """The Hub could not be reached (connection refused, DNS, timeout) while online."""
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """A network failure from the Hub client (httpx, httpx2 or requests transport errors, OS socket errors)."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"TransportError", "ConnectError", "NetworkError", "TimeoutException", "ConnectTimeout",
+                         "ProxyError"}) or (
+        "ConnectionError" in names and type(exc).__module__.split(".")[0] in {"requests", "urllib3"})
+
+
+def unreachable(endpoint: str | None, doing: str, exc: BaseException) -> HubUnreachableError:
+    """One clear error for a Hub that cannot be reached (the cause's class and first line, never headers)."""
+    where = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return HubUnreachableError(
+        f"cannot reach the Hub at {where} while trying to {doing} ({type(exc).__name__}: {first}); check the network "
+        "and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is already in the local cache")
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -145,42 +172,84 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
     return {"sha256": sha256_file(path), "size": os.path.getsize(path)}
 
 
+class _RecordSyntaxError(ValueError):
+    """Raised by the JSON hooks below; becomes an ArtifactError naming the record."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > MAX_JSON_INT_DIGITS:
+        raise _RecordSyntaxError(f"an integer of {len(digits)} digits (at most {MAX_JSON_INT_DIGITS} are allowed)")
+    return int(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise _RecordSyntaxError(f"{text} is not JSON (NaN and Infinity are refused)")
+
+
+def strict_json(raw: bytes) -> Any:
+    """json.loads that refuses duplicate keys, NaN/Infinity and integers of more than 20 digits.
+
+    Raises `_RecordSyntaxError` for those, `UnicodeDecodeError` / `json.JSONDecodeError` / `RecursionError`
+    for the rest (the caller names the file).
+    """
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys, parse_int=_bounded_int,
+                      parse_constant=_no_constant)
+
+
 def parse_release_record(raw: bytes, source: str) -> dict[str, Any]:
-    """Parse and validate a `release.json`. Raises ArtifactError naming the field."""
+    """Parse and validate a `release.json`. Raises ArtifactError naming the field.
+
+    Bounded before anything is converted: the record's size, integer lengths, the number of files, each size
+    (at most 1 TiB) and string lengths; duplicate keys, NaN/Infinity and unknown keys are refused.
+    """
     def fail(field_name: str, message: str) -> None:
         raise ArtifactError(f"{source}: field '{field_name}': {message}")
 
+    if not isinstance(raw, (bytes, bytearray)):
+        fail("<file>", f"expected bytes, got {type(raw).__name__}")
     if len(raw) > MAX_RELEASE_RECORD_BYTES:
         fail("<file>", f"release record larger than {MAX_RELEASE_RECORD_BYTES} bytes")
-    try:  # duplicate keys are refused (json keeps the last one silently); ValueError covers JSONDecodeError
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ArtifactError(f"{source}: not a JSON release record: {exc}") from None
+    try:
+        data = strict_json(bytes(raw))
+    except (_RecordSyntaxError, DuplicateKeyError) as exc:
+        raise ArtifactError(f"{source}: not a valid release record: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise ArtifactError(f"{source}: not a JSON release record: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
     if not isinstance(data, dict):
         fail("<root>", "expected a JSON object")
     allowed = {"format", "schema_version", "model_id", "model_revision", "calibration", "version", "files"}
     extra = sorted(set(data) - allowed)
     if extra:
-        fail(str(extra[0]), f"unknown key (allowed: {sorted(allowed)})")
+        fail(str(extra[0])[:64], f"unknown key (allowed: {sorted(allowed)})")
     for key in sorted(allowed):
         if key not in data:
             fail(key, "missing")
     if data["format"] != RELEASE_FORMAT:
-        fail("format", f"expected '{RELEASE_FORMAT}', got {_describe(data['format'])}")
-    if data["schema_version"] != RELEASE_SCHEMA_VERSION:
-        fail("schema_version", f"expected {RELEASE_SCHEMA_VERSION}, got {_describe(data['schema_version'])}")
+        fail("format", f"expected '{RELEASE_FORMAT}', got {_describe(data['format'])[:80]}")
+    if type(data["schema_version"]) is not int or data["schema_version"] != RELEASE_SCHEMA_VERSION:
+        fail("schema_version", f"expected {RELEASE_SCHEMA_VERSION}, got {_describe(data['schema_version'])[:80]}")
     for key in ("model_id", "model_revision", "calibration", "version"):
         if not isinstance(data[key], str):
-            fail(key, f"expected a string, got {_describe(data[key])}")
+            fail(key, f"expected a string, got {_describe(data[key])[:80]}")
+        if len(data[key]) > MAX_RECORD_STRING:
+            fail(key, f"longer than {MAX_RECORD_STRING} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in data["model_revision"]) or not data["model_revision"]:
+        fail("model_revision", f"expected a non-empty string without control characters, got "
+                               f"{_describe(data['model_revision'])}")
     try:
         check_model_id(data["model_id"])
         check_component(data["calibration"], "calibration")
-        check_component(data["version"], "version")
     except UnsafeNameError as exc:
         raise ArtifactError(f"{source}: {exc}") from None
+    if not VERSION_RE.fullmatch(data["version"]):
+        fail("version", f"expected 'vN' (v1, v2, ...), got {_describe(data['version'])}")
     files = data["files"]
     if not isinstance(files, dict) or ARTIFACT_FILENAME not in files:
         fail("files", f"expected an object naming at least '{ARTIFACT_FILENAME}'")
+    if len(files) > MAX_RELEASE_FILES:
+        fail("files", f"{len(files)} entries, at most {MAX_RELEASE_FILES} are allowed")
     for name, entry in files.items():
         try:
             check_relative_file(name, "files")
@@ -191,9 +260,10 @@ def parse_release_record(raw: bytes, source: str) -> dict[str, Any]:
         if not isinstance(entry, dict) or set(entry) != {"sha256", "size"}:
             fail(f"files.{name}", "expected exactly {'sha256': hex, 'size': int}")
         if not isinstance(entry["sha256"], str) or not SHA256_RE.fullmatch(entry["sha256"]):
-            fail(f"files.{name}.sha256", f"expected 64 lowercase hex digits, got {_describe(entry['sha256'])}")
-        if type(entry["size"]) is not int or entry["size"] < 0:
-            fail(f"files.{name}.size", f"expected a non-negative integer, got {_describe(entry['size'])}")
+            fail(f"files.{name}.sha256", f"expected 64 lowercase hex digits, got {_describe(entry['sha256'])[:80]}")
+        if type(entry["size"]) is not int or not 0 <= entry["size"] <= MAX_RELEASE_FILE_BYTES:
+            fail(f"files.{name}.size", f"expected an integer in [0, {MAX_RELEASE_FILE_BYTES}], "
+                                       f"got {_describe(entry['size'])[:80]}")
     return data
 
 
@@ -282,8 +352,13 @@ def _download(repo: str, filename: str, revision: str, *, token, cache_dir, endp
 
     entry_nf, local_nf, repo_nf, rev_nf = _hub_errors()
     try:
-        return hf_hub_download(repo, filename, revision=revision, token=token, cache_dir=cache_dir,
-                               endpoint=endpoint, local_files_only=offline, force_download=force)
+        try:
+            return hf_hub_download(repo, filename, revision=revision, token=token, cache_dir=cache_dir,
+                                   endpoint=endpoint, local_files_only=offline, force_download=force)
+        except Exception as exc:
+            if is_connection_error(exc):
+                raise unreachable(endpoint, f"download '{filename}' of '{repo}'", exc) from None
+            raise
     except local_nf:  # before entry_nf: newer clients derive it from EntryNotFoundError
         raise ReleaseNotFoundError(
             f"field 'revision': '{filename}' at '{revision}' of '{repo}' is not in the local cache and the Hub "
@@ -307,10 +382,32 @@ def resolve_commit(repo: str, revision: str, *, token=None, endpoint=None) -> st
         raise ReleaseNotFoundError(f"field 'repo': repository '{repo}' not found (or not visible with this token)") from None
     except rev_nf:
         raise ReleaseNotFoundError(f"field 'revision': revision '{revision}' not found in '{repo}'") from None
+    except Exception as exc:
+        if is_connection_error(exc):
+            raise unreachable(endpoint, f"resolve revision '{revision}' of '{repo}'", exc) from None
+        raise
     sha = getattr(info, "sha", None) or ""
     if not COMMIT_RE.fullmatch(sha):
         raise ArtifactError(f"{repo}@{revision}: the Hub did not return a commit sha (got {_describe(sha)})")
     return sha
+
+
+def cached_ref(repo: str, revision: str, cache_dir: str | os.PathLike | None) -> str | None:
+    """The commit the local Hub cache recorded for `revision` of `repo` (its `refs/<revision>` file), or None."""
+    from huggingface_hub import constants
+
+    try:
+        from huggingface_hub.file_download import repo_folder_name
+
+        folder = repo_folder_name(repo_id=repo, repo_type="model")
+    except ImportError:  # pragma: no cover - the layout name is stable across client versions
+        folder = "models--" + repo.replace("/", "--")
+    ref = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE) / folder / "refs" / revision
+    try:
+        text = ref.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return text if COMMIT_RE.fullmatch(text) else None
 
 
 def pull_release(model_id: str, repo: str, revision: str | None = None, *, calibration: str = "default",
@@ -343,15 +440,32 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     kw = dict(token=token, cache_dir=None if cache_dir is None else str(cache_dir), endpoint=endpoint,
               offline=offline)
 
+    is_tag = bool(VERSION_RE.fullmatch(revision))
     commit = None if offline else resolve_commit(repo, revision, token=token, endpoint=endpoint)
+    if commit is not None and is_tag:
+        earlier = cached_ref(repo, revision, cache_dir)
+        if earlier is not None and earlier != commit:
+            raise ArtifactError(
+                f"{source}: field 'revision': release tag '{revision}' now names commit {commit}, but this cache "
+                f"pulled it at commit {earlier}; release tags never move, so the Hub copy was changed; nothing was "
+                "used. Pull by commit sha if you trust the new commit, or use another --cache-dir")
     # Download the record by the *revision* so the client caches revision -> commit for offline use.
     record_path = _download(repo, f"{base}/{RELEASE_FILENAME}", revision, **kw)
     cached_commit = _commit_of_cached_path(record_path, f"{base}/{RELEASE_FILENAME}")
     if commit is not None and cached_commit != commit:
         raise ArtifactError(f"{source}: field 'revision': moved from {commit} to {cached_commit} during the pull; retry")
     commit = cached_commit
+    if offline and not COMMIT_RE.fullmatch(revision):
+        kind = "tag" if is_tag else "branch or tag"
+        logger.warning("offline (HF_HUB_OFFLINE): serving commit %s, which the local cache recorded for %s '%s' of "
+                       "%s; a %s can move on the Hub, so this may not be what it names now; pin a commit sha for a "
+                       "fixed result", commit, kind, revision, repo, kind)
     source = f"{repo}@{commit[:12]}:{base}"
     record = parse_release_record(Path(record_path).read_bytes(), f"{source}/{RELEASE_FILENAME}")
+    if is_tag and record["version"] != revision:
+        raise ArtifactError(
+            f"{source}/{RELEASE_FILENAME}: field 'version': asked for release '{revision}', but the record at commit "
+            f"{commit} is release '{record['version']}' (the tag was moved or the record edited); nothing was used")
     if record["model_id"] != model_id:
         raise ArtifactError(f"{source}/{RELEASE_FILENAME}: field 'model_id': record has '{record['model_id']}', expected '{model_id}'")
     if record["calibration"] != calibration:
@@ -374,39 +488,34 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
             raise
         # A corrupt blob may sit in the cache from an earlier broken transfer: fetch once more, then give up.
         logger.warning("%s: verification failed; downloading the release files again", source)
-        for name in list(files):
-            rev = revision if name == RELEASE_FILENAME else commit
-            files[name] = Path(_download(repo, f"{base}/{name}", rev, force=True, **kw))
-        record = parse_release_record(files[RELEASE_FILENAME].read_bytes(), f"{source}/{RELEASE_FILENAME}")
+        for name in list(files):  # at the resolved commit: a tag moved meanwhile cannot swap the record
+            files[name] = Path(_download(repo, f"{base}/{name}", commit, force=True, **kw))
+        if parse_release_record(files[RELEASE_FILENAME].read_bytes(), f"{source}/{RELEASE_FILENAME}") != record:
+            raise ArtifactError(f"{source}/{RELEASE_FILENAME}: changed between two downloads of one commit; nothing was used") from None
         verify_files(files, expected, source)
         verify_files(files, pinned, source)
     pulled = PulledRelease(repo=repo, revision=revision, commit=commit, path_in_repo=base, record=record, files=files)
+    logger.info("%s: release %s (asked for '%s') verified at commit %s", base, record["version"], revision, commit)
     if local_dir is not None:
         pulled.files = copy_release_files(files, Path(local_dir))
     return pulled
 
 
-def copy_release_files(files: dict[str, Path], local_dir: Path) -> dict[str, Path]:
-    """Copy verified files into `local_dir` via a temporary sibling directory (no half-written directory)."""
-    local_dir = local_dir.resolve()
-    if local_dir.exists() and any(local_dir.iterdir()):
-        raise UnsafeNameError(f"field 'local_dir': '{local_dir}' exists and is not empty; choose an empty or new directory")
-    local_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}.", dir=local_dir.parent))
+def copy_release_files(files: dict[str, Path], local_dir: Path, overwrite: bool = False) -> dict[str, Path]:
+    """Copy verified files into `local_dir` atomically (runtime_kernels.atomic: a temporary sibling directory
+    renamed into place; an interrupt leaves nothing half-written). A non-empty `local_dir` needs `overwrite`."""
+    from runtime_kernels.atomic import OutputDirError, atomic_output_dir
+
+    local_dir = Path(local_dir)
     try:
-        out = {}
-        for name, src in files.items():
-            dst = tmp / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
-            out[name] = local_dir / name
-        if local_dir.exists():
-            local_dir.rmdir()
-        os.replace(tmp, local_dir)
-        return out
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_output_dir(local_dir, overwrite=overwrite, field="local_dir") as tmp:
+            for name, src in files.items():
+                dst = tmp / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+    except OutputDirError as exc:
+        raise UnsafeNameError(str(exc)) from None
+    return {name: Path(os.path.abspath(local_dir)) / name for name in files}
 
 
 def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None,
@@ -469,11 +578,14 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
 
 __all__ = [
     "COMMIT_RE",
+    "HubUnreachableError",
+    "VERSION_RE",
     "ModelMismatchError",
     "UnsafeNameError",
     "PulledRelease",
     "RELEASE_FILENAME",
     "ReleaseNotFoundError",
+    "cached_ref",
     "check_component",
     "copy_release_files",
     "check_model_id",
@@ -481,6 +593,7 @@ __all__ = [
     "check_repo_id",
     "check_revision",
     "file_record",
+    "is_connection_error",
     "load_artifact",
     "parse_release_record",
     "pull_release",
@@ -488,5 +601,6 @@ __all__ = [
     "release_record",
     "resolve_commit",
     "sha256_file",
+    "strict_json",
     "verify_files",
 ]

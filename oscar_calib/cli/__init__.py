@@ -24,14 +24,17 @@ from oscar_calib.cli.exit_codes import INTERRUPTED, exit_code_for
 
 
 def main() -> None:
-    try:
-        app()  # standalone: click prints usage errors itself and exits 2
-    except KeyboardInterrupt:
-        print("Interrupted; nothing was written.", file=sys.stderr)
-        sys.exit(INTERRUPTED)
-    except Exception as exc:
-        code = exit_code_for(exc)
-        if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
-            raise
-        print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(code)
+    from oscar_calib.interrupts import TERMINATE_EXIT, Terminated, handle_interrupts
+
+    with handle_interrupts():  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
+        try:
+            app()  # standalone: click prints usage errors itself and exits 2
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+            print("Interrupted; nothing was written.", file=sys.stderr)
+            sys.exit(TERMINATE_EXIT if isinstance(exc, Terminated) else INTERRUPTED)
+        except Exception as exc:
+            code = exit_code_for(exc)
+            if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
+                raise
+            print(f"Error: {exc}", file=sys.stderr)
+            sys.exit(code)

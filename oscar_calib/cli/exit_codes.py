@@ -59,6 +59,9 @@ EXCEPTION_CODES: dict[str, int] = {
     "runtime_kernels.artifact.ModelMismatchError": BAD_INPUT,
     "runtime_kernels.loader.UnsafeNameError": BAD_INPUT,
     "runtime_kernels.loader.ReleaseNotFoundError": HUB_REFUSED,
+    "runtime_kernels.loader.HubUnreachableError": HUB_REFUSED,
+    "runtime_kernels.atomic.OutputDirError": BAD_INPUT,
+    "runtime_kernels.cache.NonFiniteKVError": BAD_INPUT,
 }
 
 

@@ -44,15 +44,15 @@ def import_cmd(
     """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
     from oscar_calib import __version__
     from oscar_calib.reference_format import load_reference, reference_to_artifact
-    from runtime_kernels.artifact import write_artifact
+    from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
+    from runtime_kernels.atomic import atomic_output_dir, preflight
     from runtime_kernels.contract import MAX_WINDOW_TOKENS
     from runtime_kernels.layout import DEFAULT_LAYOUT
     from runtime_kernels.loader import check_model_id
 
     with translate_errors():
         check_model_id(model_id, "--model-id")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        raise InputError(f"--out {out}: exists and is not an empty directory; pass --overwrite")
+    preflight(out, overwrite, "--out")  # before reading anything
     for name, value in (("--sink", sink), ("--recent", recent)):
         if value is not None and not 0 <= value <= MAX_WINDOW_TOKENS:
             raise InputError(f"{name} {value}: expected an integer in [0, {MAX_WINDOW_TOKENS}]")
@@ -62,8 +62,9 @@ def import_cmd(
     artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
                                      tool_version=f"oscar-calib {__version__}",
                                      layout=DEFAULT_LAYOUT.with_(sink_tokens=sink, recent_tokens=recent))
-    with translate_errors():
-        path = write_artifact(artifact, out)
+    with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
+        write_artifact(artifact, tmp)
+    path = out / ARTIFACT_FILENAME
     if as_json:
         print(json.dumps({"artifact": str(path), "layers": artifact.num_layers, "model_id": model_id,
                           "key_objective": k_ref["objective"], "value_objective": v_ref["objective"]}, indent=2))
@@ -101,17 +102,23 @@ def export_cmd(
     from oscar_calib.cli.checks import check_model
     from oscar_calib.reference_format import export_reference
     from runtime_kernels.artifact import read_artifact
+    from runtime_kernels.atomic import atomic_output_dir, preflight
 
+    if fmt != "reference":
+        raise InputError(f"--format {fmt!r}: expected 'reference'")
+    preflight(out, overwrite, "--out")
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
         check_model(artifact, _load_config(model_config), allow_other_model=allow_other_model)
-    written = export_reference(artifact, out, head_reduce=getattr(head_reduce, "value", head_reduce),
-                               overwrite=overwrite, version=reference_version)
+    with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
+        written = export_reference(artifact, tmp, head_reduce=getattr(head_reduce, "value", head_reduce),
+                                   overwrite=True, version=reference_version)
+    written = {name: out / Path(path).name for name, path in written.items()}
     if as_json:
         print(json.dumps({name: str(path) for name, path in written.items()}, indent=2, sort_keys=True))
     else:
-        print(written["keys"].parent)
+        print(out)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
         print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",
