@@ -237,4 +237,5 @@ def test_triton_path_matches_torch_path():
         assert torch.equal(a, b)  # quantizers agree bit for bit (runtime_kernels.quant's contract)
     for a, b in zip(out_t, out_g):
         err = (a.float() - b.float()).norm() / a.float().norm()
-        assert err < 2e-2, err  # bf16 query/window rounding inside the kernels vs the fp32 reference
+        print(f"triton vs torch engine output: relative error {err:.2e}")
+        assert err < 6e-3, err  # bf16 rounding inside the kernels vs the fp32 reference (measured 2.6e-3)
