@@ -32,6 +32,7 @@ from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
 from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
 from runtime_kernels.vllm.layout import PackedLayout
+from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ class _PluginState:
         if vllm_config is None or vllm_config is self.vllm_config:
             return
         cfg = parse_oscar_config(getattr(vllm_config, "additional_config", None))
+        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        if cfg is None and cache_dtype == KV_CACHE_DTYPE:
+            raise ValueError(f"kv_cache_dtype '{KV_CACHE_DTYPE}' needs an artifact: pass --additional-config "
+                             f"'{{\"oscar\": {{\"repo\": ..., \"revision\": ...}}}}' (or {{\"path\": ...}})")
+        if cfg is not None and cache_dtype not in ("auto", KV_CACHE_DTYPE):
+            raise ValueError(f"kv_cache_dtype: additional_config.oscar stores the cache in INT2; expected 'auto' or "
+                             f"'{KV_CACHE_DTYPE}', got '{cache_dtype}'")
         self.vllm_config, self.cfg, self.artifact, self.engine = vllm_config, cfg, None, None
         if cfg is None:
             return

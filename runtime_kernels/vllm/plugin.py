@@ -35,10 +35,31 @@ def register() -> dict[str, object]:
     except ImportError:
         register_kv_cache_dtype = None
     if register_kv_cache_dtype is not None:
-        register_kv_cache_dtype(KV_CACHE_DTYPE)
+        register_kv_cache_dtype(KV_CACHE_DTYPE)(_dtype_handler())
         done["kv_cache_dtype"] = KV_CACHE_DTYPE
     _registered = done
     return done
+
+
+def _dtype_handler() -> type:
+    """vLLM 0.33's `KVCacheDTypeHandler` for `oscar_int2`: bytes (uint8) storage, kernels owned by the backend.
+
+    `KVQuantMode.CUSTOM` is an alias of `OCTAVE_K3V4` (same IntEnum value, so `is_octave` is True for it too);
+    the plugin never dispatches on the mode, only on its own dtype name and `additional_config` (pinned in
+    tests/vllm/test_registration.py)."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    class OscarInt2Dtype:
+        name = KV_CACHE_DTYPE
+
+        def torch_dtype(self) -> torch.dtype:
+            return torch.uint8
+
+        def quant_mode(self) -> KVQuantMode:
+            return KVQuantMode.CUSTOM
+
+    return OscarInt2Dtype
 
 
 __all__ = ["BACKEND_PATH", "KV_CACHE_DTYPE", "register"]

