@@ -146,6 +146,7 @@ class StepPlan:
     - writes: new token t goes to INT2 `(write_pages[t], write_rows[t])` and BF16 `(write_slots[t], write_rows[t])`;
     - decode requests: token ids `decode_tokens [Bd]`, INT2 `block_table [Bd, max_pages]`, `hist_len [Bd]`, window
       rows gathered by `win_slots/win_rows` into `[Bd, H, win_width, d]` at `(win_batch, win_pos)`, `win_len [Bd]`;
+      `whole_pages`: every hist_len is whole pages (False only when an evicted, partly filled block is read as INT2);
     - prefill requests: `(request, SegmentIndex of its cached positions)`.
     """
 
@@ -162,6 +163,7 @@ class StepPlan:
     win_pos: torch.Tensor
     win_len: torch.Tensor
     win_width: int
+    whole_pages: bool = True
     prefills: list[tuple[RequestStep, SegmentIndex]] = field(default_factory=list)
 
 
@@ -264,18 +266,18 @@ class OscarEngine:
             n = r.n_new
             h = history_tokens(n, self.layout)
             table = list(r.blocks[s_blocks:s_blocks + h // p])
-            count = 0
+            count, partial = 0, None
             positions = self._window_positions(n)
             for j in sorted({pos // p for pos in positions}):  # blocks of the window, in order
                 block = r.blocks[j]
                 mine = [pos for pos in positions if pos // p == j]
                 slot = store.readable(block, mine[-1] % p)
-                if slot is None:  # evicted: read the whole block from its INT2 bytes (never stale data)
-                    if (j + 1) * p > n:
-                        raise RuntimeError(f"window block {block} of the newest tokens is missing (written out "
-                                           f"of order?)")
+                if slot is None:  # evicted: read the block from its INT2 bytes (never stale data)
                     store.fallback_rows += len(mine)
-                    table.append(block)
+                    if (j + 1) * p > n:  # the newest, partly filled block: last in the table, partial page
+                        partial = (block, n - j * p)
+                    else:
+                        table.append(block)
                     continue
                 for pos in mine:
                     win_s.append(slot)
@@ -283,8 +285,10 @@ class OscarEngine:
                     win_b.append(i)
                     win_p.append(count)
                     count += 1
+            hist.append(len(table) * p + (partial[1] if partial else 0))
+            if partial:
+                table.append(partial[0])
             tables.append(table)
-            hist.append(len(table) * p)
             win_len.append(count)
         width = max([1] + [len(t) for t in tables])
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
@@ -300,7 +304,7 @@ class OscarEngine:
             block_table=block_table, hist_len=torch.tensor(hist, dtype=torch.int32, device=dev),
             win_slots=_long(win_s, dev), win_rows=_long(win_r, dev), win_batch=_long(win_b, dev),
             win_pos=_long(win_p, dev), win_len=torch.tensor(win_len, dtype=torch.int32, device=dev),
-            win_width=max([1] + win_len), prefills=prefill_plans)
+            win_width=max([1] + win_len), whole_pages=all(h % p == 0 for h in hist), prefills=prefill_plans)
 
     # -- per layer -------------------------------------------------------------------------------------------
     def local_index(self, layer_idx: int) -> int:
@@ -355,7 +359,7 @@ class OscarEngine:
         o, _ = attn_api.decode_attention(q_rot, pools.k_codes, pools.k_scale, pools.k_zero, pools.v_codes,
                                          pools.v_scale, pools.v_zero, plan.block_table, plan.hist_len, kw, vw,
                                          slots, plan.win_len, sm_scale=sm_scale, backend=self.backend,
-                                         whole_pages=True)
+                                         whole_pages=plan.whole_pages)
         return attn_api.unrotate_output(o.float(), self.v_rotation[li])
 
     def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:

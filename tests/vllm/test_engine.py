@@ -179,16 +179,18 @@ def test_prefix_hit_equals_chunked_miss_and_reuses_blocks():
         assert torch.equal(a, b)
 
 
-def test_evicted_window_reads_int2_not_stale_rows():
-    """With a window store too small to keep an old request's window blocks, a later step reads those tokens
-    from their INT2 bytes (counted in fallback_rows) and the result stays close to the full-window one."""
+@pytest.mark.parametrize("small", [5, 4])
+def test_evicted_window_reads_int2_not_stale_rows(small):
+    """With a window store too small to keep an old request's window blocks (4: its partly filled newest block
+    too), a later step reads those tokens from their INT2 bytes (counted in fallback_rows) and the result stays
+    close to the full-window one."""
     art = random_artifact(seed=5)
     gen = torch.Generator().manual_seed(6)
     x = [(rand(gen, 30, HQ, D), rand(gen, 30, H, D), rand(gen, 30, H, D)) for _ in range(art.num_layers)]
     y = [(rand(gen, 30, HQ, D), rand(gen, 30, H, D), rand(gen, 30, H, D)) for _ in range(art.num_layers)]
     q1 = [(rand(gen, 1, HQ, D), rand(gen, 1, H, D), rand(gen, 1, H, D)) for _ in range(art.num_layers)]
     results = []
-    for capacity in (64, 5):
+    for capacity in (64, small):
         engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, layout=LAYOUT, window_capacity=capacity,
                              backend="torch")
         fake = FakeVllm(engine, art.num_layers)
@@ -196,7 +198,7 @@ def test_evicted_window_reads_int2_not_stale_rows():
         step(engine, fake, x, [RequestStep(0, 30, 0, a)])
         step(engine, fake, y, [RequestStep(0, 30, 0, fake.blocks_for([], 30))])  # evicts a's windows
         results.append(step(engine, fake, q1, [RequestStep(0, 1, 30, a)]))
-        if capacity == 5:
+        if capacity == small:
             assert engine.windows.fallback_rows > 0
     for full, small in zip(*results):
         err = (full.float() - small.float()).norm() / full.float().norm()
