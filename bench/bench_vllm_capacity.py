@@ -51,10 +51,13 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, required=True, help="artifact directory for the model")
     ap.add_argument("--model", type=Path, default=FIXTURE, help="model directory (default: the trained fixture)")
     ap.add_argument("--budget-mib", type=int, default=64, help="KV cache memory budget for both runs")
-    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None, help="default: DEFAULT_LAYOUT.page_size")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
+    from runtime_kernels.layout import DEFAULT_LAYOUT
+
+    args.block_size = args.block_size or DEFAULT_LAYOUT.page_size
 
     import torch
     import vllm

@@ -27,8 +27,10 @@ pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
+from runtime_kernels.layout import DEFAULT_LAYOUT  # noqa: E402
+
 FIXTURE = Path(__file__).resolve().parents[2] / "oscar_calib" / "fixtures" / "tiny-qwen3"
-BLOCK = 64  # = DEFAULT_LAYOUT.page_size, so vLLM blocks are the artifact's pages
+BLOCK = DEFAULT_LAYOUT.page_size  # vLLM blocks are the artifact's pages
 MAX_NEW = 24
 LOGPROB_TOL = 1e-4  # float32 vs float32 across engines (measured 1.2e-5 on the fixture)
 
@@ -165,8 +167,8 @@ import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True, max_num_seqs=4, block_size=64,
-          kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False, seed=0)
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True, max_num_seqs=4,
+          block_size=int(sys.argv[4]), kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False, seed=0)
 assert AttentionBackendEnum.CPU_ATTN.get_path().startswith("vllm."), AttentionBackendEnum.CPU_ATTN.get_path()
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
                     SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, logprobs=0, ignore_eos=True), use_tqdm=False)
@@ -187,7 +189,8 @@ def test_unselected_plugin_changes_nothing(prompts):
     assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
     (with_plugin,), blocks = serve(None, "bfloat16", [prompts])
     env = {**os.environ, "VLLM_PLUGINS": ""}
-    proc = subprocess.run([sys.executable, "-c", NO_PLUGIN_RUN, str(FIXTURE), json.dumps(prompts), str(MAX_NEW)], env=env,
+    proc = subprocess.run([sys.executable, "-c", NO_PLUGIN_RUN, str(FIXTURE), json.dumps(prompts), str(MAX_NEW),
+                           str(BLOCK)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = json.loads(proc.stdout.split("RESULT", 1)[1])
