@@ -200,13 +200,13 @@ class OscarEngine:
         self.v_rotation = [r.to(self.device, torch.float32).contiguous() for r in artifact.v_rotation]
         self.k_clip = [c.to(self.device, torch.float32).contiguous() for c in artifact.k_clip_ratio]
         self.v_clip = [c.to(self.device, torch.float32).contiguous() for c in artifact.v_clip_ratio]
-        # Contract v2 (being built in parallel) may add per-channel means; v1 has none (zero). Centering is not
-        # applied here yet, so a non-zero mean is refused rather than served wrongly.
-        for name in ("k_mean", "v_mean"):
-            mean = getattr(artifact, name, None)
-            if mean is not None and bool(torch.as_tensor(mean).abs().max() > 0):
-                raise NotImplementedError(f"artifact: field '{name}' is non-zero; the vLLM engine does not center "
-                                          f"keys/values yet (docs/vllm.md, Status)")
+        # Centered caches (contract v2): the INT2 pages hold quant(x_rot - mu); decode adds mu back exactly
+        # (q . mu_k on the history logits, the history's probability mass times mu_v), as PagedKVCache does.
+        centered = artifact.is_centered
+        self.k_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.key_mean("rotated")] \
+            if centered else [None] * len(self.k_rotation)
+        self.v_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.value_mean("rotated")] \
+            if centered else [None] * len(self.v_rotation)
         capacity = window_capacity or 2 * int(max_seqs) * window_blocks_per_request(self.layout)
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
@@ -332,10 +332,10 @@ class OscarEngine:
             win_v[plan.write_slots, :, plan.write_rows] = v_rot
             quant_api.write_pages(k_rot, None, self.k_clip[li], pools.k_codes, pools.k_scale, pools.k_zero,
                                   plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend)
+                                  backend=self.backend, mean=self.k_mean[li])
             quant_api.write_pages(v_rot, None, self.v_clip[li], pools.v_codes, pools.v_scale, pools.v_zero,
                                   plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend)
+                                  backend=self.backend, mean=self.v_mean[li])
         if plan.decode_tokens.numel():
             out[plan.decode_tokens] = self._decode(li, plan, pools, win_k, win_v, q[plan.decode_tokens],
                                                    sm_scale).to(out.dtype)
@@ -359,7 +359,8 @@ class OscarEngine:
         o, _ = attn_api.decode_attention(q_rot, pools.k_codes, pools.k_scale, pools.k_zero, pools.v_codes,
                                          pools.v_scale, pools.v_zero, plan.block_table, plan.hist_len, kw, vw,
                                          slots, plan.win_len, sm_scale=sm_scale, backend=self.backend,
-                                         whole_pages=plan.whole_pages)
+                                         whole_pages=plan.whole_pages, k_mean=self.k_mean[li],
+                                         v_mean=self.v_mean[li])
         return attn_api.unrotate_output(o.float(), self.v_rotation[li])
 
     def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,13 +369,14 @@ class OscarEngine:
         from runtime_kernels.quant import naive as quant_naive
 
         out = []
-        for win, codes, scale, zero, rot in ((win_k, pools.k_codes, pools.k_scale, pools.k_zero, self.k_rotation[li]),
-                                             (win_v, pools.v_codes, pools.v_scale, pools.v_zero, self.v_rotation[li])):
+        for win, codes, scale, zero, rot, mean in (
+                (win_k, pools.k_codes, pools.k_scale, pools.k_zero, self.k_rotation[li], self.k_mean[li]),
+                (win_v, pools.v_codes, pools.v_scale, pools.v_zero, self.v_rotation[li], self.v_mean[li])):
             rows = win[seg.win_slots, :, seg.win_rows].float()  # [n_bf16, H, d]
             if seg.pages.numel():
                 hist = quant_naive.unpack_dequantize(codes[seg.pages, :, seg.rows], scale[seg.pages, :, seg.rows],
-                                                     zero[seg.pages, :, seg.rows])  # [n_int2, H, d]
-                rows = torch.cat([rows, hist.float()])
+                                                     zero[seg.pages, :, seg.rows]).float()  # [n_int2, H, d]
+                rows = torch.cat([rows, hist if mean is None else hist + mean])
             rows = rows[seg.order] if seg.order.numel() else rows
             out.append(torch.einsum("the,hde->thd", rows, rot).to(dtype))
         return out[0], out[1]

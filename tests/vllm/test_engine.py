@@ -21,8 +21,8 @@ LAYOUT = CacheLayout(sink_tokens=S, recent_tokens=R, page_size=P)
 SCALE = D ** -0.5
 
 
-def random_artifact(num_layers=2, seed=0):
-    """Random orthogonal rotations per (layer, KV head) and clip ratios below 1."""
+def random_artifact(num_layers=2, seed=0, centered=False):
+    """Random orthogonal rotations per (layer, KV head) and clip ratios below 1; with `centered`, random means."""
     art = identity_artifact(num_layers, H, HQ, D, group_size=G)
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
@@ -30,6 +30,9 @@ def random_artifact(num_layers=2, seed=0):
         setattr(art, name, q.float().contiguous())
     art.k_clip_ratio = torch.full((num_layers, H), 0.9)
     art.v_clip_ratio = torch.full((num_layers, H), 0.95)
+    if centered:  # contract v2 means in the model basis: the engine must add them back exactly, as PagedKVCache does
+        art.k_mean = (torch.randn(num_layers, H, D, generator=gen) * 2).contiguous()
+        art.v_mean = torch.randn(num_layers, H, D, generator=gen).contiguous()
     return art.validate()
 
 
@@ -80,12 +83,14 @@ def test_packed_layout_bytes_and_views():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ragged_steps_match_paged_cache(dtype):
+@pytest.mark.parametrize("centered", [False, True], ids=["uncentered", "centered"])
+def test_ragged_steps_match_paged_cache(dtype, centered):
     """Two requests of different lengths: prefill, then about 28 decode steps each (request a crosses four page
     demotions while decoding), plus a third request that arrives later in two prefill chunks. Decode outputs equal
     `PagedKVCache.decode_attention`, prefill outputs equal full-precision attention over the cached state
-    (`OscarCache`'s prefill), and the INT2 bytes of every demoted page equal `PagedKVCache`'s."""
-    art = random_artifact()
+    (`OscarCache`'s prefill), and the INT2 bytes of every demoted page equal `PagedKVCache`'s (centered too)."""
+    art = random_artifact(centered=centered)
+    assert art.is_centered == centered
     engine = OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend="torch")
     fake = FakeVllm(engine, art.num_layers)
     ref = PagedKVCache.from_artifact(art, max_pages=64, max_seqs=4, page_size=P, sink_tokens=S, recent_tokens=R,
