@@ -9,7 +9,9 @@ keys by the relative logit error `E[(q . (k_hat - k))^2] / E[(q . k)^2]` over th
 values by the relative error `|v_hat - v|^2 / |v|^2`.
 
 Flags: `non-orthogonal`, `nan`, `degenerate-spectrum` (non-positive top eigenvalue, negative
-eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge`,
+eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge` (the fitted
+ratio is the lowest the fit could search: the grid's floor for artifacts whose fit extends its grid until the error
+turns up, else the grid's lowest ratio),
 `oscar-worse-than-hadamard` (keys or values), `contract: ...` (the artifact breaks contract v1).
 """
 
@@ -207,6 +209,31 @@ def _clip_grid(metadata: dict[str, str], kind: str) -> list[float] | None:
     return sorted(float(x) for x in grid) if grid else None
 
 
+ADVICE = {
+    "clip-at-grid-edge": "the held-out error still fell at the lowest ratio searched, so the best clip is below "
+                         "it: recalibrate with a lower --k-clip-grid / --v-clip-grid start (older artifacts: "
+                         "recalibrate with this version, whose fit extends the grid until the error turns up); "
+                         "a fit that reaches the floor means extreme outliers: inspect the head with --plots",
+    "oscar-worse-than-hadamard": "the fitted rotation quantizes this head worse than a plain Hadamard: check the "
+                                 "calibration data is like the serving data, or use --granularity layer",
+    "degenerate-spectrum": "the target's spectrum is flat or non-positive, so the eigenbasis is arbitrary: the "
+                           "head saw too few tokens; calibrate on more data",
+    "non-orthogonal": "the rotation is not orthogonal: the artifact is corrupt; recalibrate",
+    "nan": "the artifact holds NaN/Inf: recalibrate (and check the model's activations)",
+}
+
+
+def _search_floor(metadata: dict[str, str], grid: list[float] | None) -> float | None:
+    """The lowest ratio the fit could choose: the extension floor when the fit extends its grid, else the grid's."""
+    try:
+        fit = json.loads(metadata.get("calibration", "{}")).get("clip_fit") or {}
+    except (json.JSONDecodeError, AttributeError):
+        fit = {}
+    if fit.get("grid_extends"):
+        return float(fit.get("min_ratio", 0.5))
+    return grid[0] if grid and len(grid) > 1 else None
+
+
 def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_queries: int = 256) -> dict:
     """Per-(layer, KV head) report, worst first. Returns a JSON-ready dict."""
     t = raw.tensors
@@ -214,6 +241,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     h_kv, d = t["k_rotation"].shape[1], t["k_rotation"].shape[-1]
     group = int(raw.metadata.get("group_size", d) or d)
     grids = {"k": _clip_grid(raw.metadata, "k"), "v": _clip_grid(raw.metadata, "v")}
+    floors = {kind: _search_floor(raw.metadata, grid) for kind, grid in grids.items()}
     had = None
     if acts is not None:
         from oscar_calib.methods import hadamard
@@ -241,8 +269,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
                 if degenerate(e):
                     row["flags"].append(f"degenerate-spectrum-{name}")
             for name, c in (("k", ck), ("v", cv)):
-                grid = grids[name]
-                if grid and len(grid) > 1 and c <= grid[0] + 1e-6:
+                if floors[name] is not None and c <= floors[name] + 1e-6:
                     row["flags"].append(f"clip-at-grid-edge-{name}")
             if acts is not None and layer in acts.k and finite:
                 _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries)
@@ -250,7 +277,9 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     heads.sort(key=_badness, reverse=True)
     return {"artifact": raw.source, "model_id": raw.metadata.get("model_id"),
             "granularity": raw.metadata.get("granularity"), "contract_error": raw.contract_error,
-            "clip_grid": grids, "with_activations": acts is not None, "heads": heads,
+            "clip_grid": grids, "clip_search_floor": floors, "with_activations": acts is not None, "heads": heads,
+            "advice": {kind: text for kind, text in ADVICE.items()
+                       if any(f.startswith(kind) for r in heads for f in r["flags"])},
             "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
 
 
