@@ -3,29 +3,38 @@
 Imports only torch, triton, safetensors, huggingface_hub and numpy. Nothing here imports `oscar_calib`.
 `runtime_kernels.hf` (the transformers integration) is the one module that also needs transformers, and is
 imported explicitly: `from runtime_kernels.hf import OscarCache, enable_oscar_attention`.
+
+The names below load on first use, so that a torch-free module of the package (`runtime_kernels.layout`, which
+the CLI's option defaults read) does not pull torch in with the package.
 """
 
-from runtime_kernels.artifact import (
-    ArtifactError,
-    OscarArtifact,
-    check_against_model,
-    effective_bits,
-    identity_artifact,
-    read_artifact,
-    write_artifact,
-)
-from runtime_kernels.cache import PagedKVCache
-from runtime_kernels.loader import load_artifact
+from __future__ import annotations
 
-__all__ = [
-    "ArtifactError",
-    "OscarArtifact",
-    "PagedKVCache",
-    "check_against_model",
-    "effective_bits",
-    "identity_artifact",
-    "load_artifact",
-    "read_artifact",
-    "write_artifact",
-]
+import importlib
+
+_EXPORTS = {
+    "ArtifactError": "runtime_kernels.artifact",
+    "OscarArtifact": "runtime_kernels.artifact",
+    "check_against_model": "runtime_kernels.artifact",
+    "effective_bits": "runtime_kernels.artifact",
+    "identity_artifact": "runtime_kernels.artifact",
+    "read_artifact": "runtime_kernels.artifact",
+    "write_artifact": "runtime_kernels.artifact",
+    "PagedKVCache": "runtime_kernels.cache",
+    "load_artifact": "runtime_kernels.loader",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'runtime_kernels' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
