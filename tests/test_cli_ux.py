@@ -208,12 +208,14 @@ def test_clip_fit_reports_progress_over_every_layer_fit():
     import torch
 
     from oscar_calib.calibrate import calibrate_model_with_report
+    from oscar_calib.config import SolverSettings
 
     m = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, vocab_size=64)
     ids = torch.randint(0, 64, (3, 32), generator=torch.Generator().manual_seed(0))
     for compare, passes in ((False, 1), (True, 6)):
         calls, tokens = [], []
-        calibrate_model_with_report(m, ids, compare_alternatives=compare, holdout_queries=8,
+        calibrate_model_with_report(m, ids, SolverSettings(sink_tokens=4, recent_tokens=8),
+                                    compare_alternatives=compare, holdout_queries=8,
                                     progress=lambda n, total: tokens.append((n, total)),
                                     fit_progress=lambda what, done, total: calls.append((what, done, total)))
         total = 2 * passes  # 2 layers x (chosen fit + alternatives)
