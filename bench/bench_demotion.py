@@ -24,10 +24,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_graph import DEV, H_KV, PAGE, D, time_graph  # noqa: E402
+from bench_decode_graph import graph_times  # noqa: E402
+from common import H_KV, PAGE, D  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
-from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools  # noqa: E402
+from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools  # noqa: E402
+
+DEV = "cuda"
 
 
 def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True):
@@ -59,7 +62,7 @@ def main() -> None:
 
     with open(args.attention) as fh:
         att = json.load(fh)
-    impl_key = f"impl{att['meta']['default_impl']}"
+    impl_key = "oscar_two_launch"
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
     # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.
@@ -69,24 +72,23 @@ def main() -> None:
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
              *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV))
     per_batch = {}
-    for batch in sorted({r["batch"] for r in att["rows"]}):
+    for batch in sorted({r["shape"]["batch"] for r in att["rows"]}):
         res = {}
         for name, tokens, steps, rotate in (("page_batched_cache", batch * PAGE, PAGE, False),
                                             ("page_batched", batch * PAGE, PAGE, True), ("one_token", batch, 1, True)):
             calls = demote_calls(tokens, 16, pools, gen, rotate)
-            res[f"{name}_graph_ms_per_step"] = time_graph(calls) / steps
+            res[f"{name}_graph_ms_per_step"] = graph_times(calls)[0] / steps
             res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
         per_batch[batch] = res
         print(batch, res, flush=True)
     rows = []
     for r in att["rows"]:
-        a = r.get("int2", {}).get(impl_key, {})
-        if "graph_ms" not in a:
+        if r["variant"] != impl_key or "p50_ms" not in r:
             continue
-        d = per_batch[r["batch"]]
-        rows.append({"context": r["context"], "batch": r["batch"], "attention_graph_ms": a["graph_ms"], **d,
-                     **{f"{k.replace('_ms_per_step', '')}_pct_of_attention": 100 * v / a["graph_ms"]
-                        for k, v in d.items()}})
+        d = per_batch[r["shape"]["batch"]]
+        rows.append({"context": r["shape"]["context"], "batch": r["shape"]["batch"], "attention_graph_ms": r["p50_ms"],
+                     **d, **{f"{k.replace('_ms_per_step', '')}_pct_of_attention": 100 * v / r["p50_ms"]
+                             for k, v in d.items()}})
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
             "attention_file": os.path.basename(args.attention), "attention_impl": impl_key}
     stem = os.path.join(args.out, "decode_demotion_" + meta["gpu"].replace(" ", "_"))

@@ -9,15 +9,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 
 echo "== decode attention under CUDA graphs (the headline table) and demotion cost"
-timeout "${GRAPH_S:-240}" python3 bench/bench_decode_graph.py --out "$OUT" --impls 6,6:fused=1,5 > /tmp/graph.log 2>&1
+timeout "${GRAPH_S:-240}" python3 bench/bench_decode_graph.py --out "$OUT" > /tmp/graph.log 2>&1
 echo "rc=$?"; tail -14 /tmp/graph.log
 timeout 150 python3 bench/bench_demotion.py --out "$OUT" \
     --attention "$OUT/decode_graph_$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_"))').json" \
     > /tmp/demotion.log 2>&1; echo "rc=$?"; tail -12 /tmp/demotion.log
 
-echo "== decode attention benchmark (eager, per-config compare)"
-timeout "${DECODE_S:-210}" python3 bench/bench_decode.py --out "$OUT" --quick --budget-s "${DECODE_BUDGET_S:-110}" \
-    > /tmp/bench_cmp.log 2>&1; echo "rc=$?" >> /tmp/bench_cmp.log; tail -40 /tmp/bench_cmp.log; cp /tmp/bench_cmp.log "$OUT/"
+echo "== decode outputs bit for bit against the pre-refactor kernel (90430f9)"
+timeout "${BITWISE_S:-300}" python3 bench/compare_decode_bitwise.py --out "$OUT" > /tmp/bitwise.log 2>&1
+echo "rc=$?"; tail -22 /tmp/bitwise.log
 
 echo "== calibration benchmark"
 timeout "${CALIB_S:-110}" python3 bench/bench_calibrate.py --out "$OUT" > /tmp/calib.log 2>&1; echo "rc=$?"; tail -4 /tmp/calib.log

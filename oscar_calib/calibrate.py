@@ -1,5 +1,7 @@
 """Calibration core: capture statistics, solve rotations, fit clip ratios, build the artifact.
 
+Two halves: `capture_statistics` (model + token ids -> `CalibrationStatistics`, which can be saved and merged)
+and `artifact_from_statistics` (statistics -> artifact, no model: what `oscar-calib refit` runs).
 `calibrate_model` works on a loaded model and token ids (used by tests, eval and the job);
 `oscar_calib.job.run_calibration` is the whole job behind `oscar-calib run` (it imports this module, never
 the other way round).
@@ -7,9 +9,10 @@ the other way round).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,12 +28,16 @@ from oscar_calib.capture import (
 from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
+from oscar_calib.placement import input_device
 from oscar_calib.solve import solve_rotations
+from oscar_calib.stats import LayerStats
+from oscar_calib.stats_file import CalibrationStatistics, make_provenance
 from runtime_kernels.artifact import OscarArtifact, model_geometry
-from runtime_kernels.contract import build_metadata
+from runtime_kernels.contract import build_metadata, created_at
 from runtime_kernels.layout import DEFAULT_LAYOUT
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
+AccumulateFn = Callable[..., "dict[int, LayerStats] | None"]  # (model, session, input_ids, progress)
 
 
 @dataclass
@@ -93,7 +100,7 @@ def check_supported(config) -> None:
 
 def _run_capture(model, session: CaptureSession, ids: torch.Tensor, batch_size: int,
                  progress: ProgressFn | None) -> None:
-    device = next(model.parameters()).device
+    device = input_device(model)
     with capturing(model, session):
         for start in range(0, ids.shape[0], batch_size):
             batch = ids[start:start + batch_size].to(device)
@@ -161,7 +168,7 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
                                 progress: ProgressFn | None = None, model_id: str | None = None,
                                 model_revision: str | None = None,
                                 calibration_meta: dict | None = None) -> tuple[OscarArtifact, CalibrationReport]:
-    """Calibrate `model` on token ids.
+    """Calibrate `model` on token ids: `capture_statistics`, then `artifact_from_statistics`.
 
     Args:
         input_ids: `[N, T]` int64 sequences for the statistics.
@@ -171,18 +178,49 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
         (artifact, report). The artifact validates against contract v2.
     """
     settings = settings or SolverSettings()
-    config = model.config
-    check_supported(config)
-    n_layers, h_q, h_kv, d = model_geometry(config)
-    if settings.group_size and d % settings.group_size:
-        raise InputError(f"group_size={settings.group_size} must divide head_dim={d}")
+    _check_group_size(settings, model_geometry(model.config)[3])
+    check_holdout_length(settings, (holdout_ids if holdout_ids is not None else input_ids).shape[1])
+    statistics = capture_statistics(model, input_ids, holdout_ids, batch_size=batch_size,
+                                    holdout_queries=holdout_queries, seed=seed, progress=progress, model_id=model_id,
+                                    model_revision=model_revision, calibration_meta=calibration_meta)
+    return artifact_from_statistics(statistics, settings, compare_alternatives=compare_alternatives)
+
+
+def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
+    """Refuse a held-out sequence no longer than the BF16 windows: no held-out query would read an INT2 key."""
     windows = settings.sink_tokens + settings.recent_tokens
-    held_len = (holdout_ids if holdout_ids is not None else input_ids).shape[1]
     if held_len <= windows:
         raise InputError(
             f"--seq-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
             f"{settings.sink_tokens} + recent {settings.recent_tokens} = {windows} tokens), or no held-out query "
             f"reads an INT2 key and the clip fit has nothing to score; use --seq-len {windows + 64} or more")
+
+
+def _check_group_size(settings: SolverSettings, d: int) -> None:
+    if settings.group_size and d % settings.group_size:
+        raise InputError(f"group_size={settings.group_size} must divide head_dim={d}")
+
+
+def capture_statistics(model, input_ids: torch.Tensor, holdout_ids: torch.Tensor | None = None, *,
+                       batch_size: int = 1, holdout_queries: int = 256, seed: int = 0,
+                       progress: ProgressFn | None = None, model_id: str | None = None,
+                       model_revision: str | None = None, calibration_meta: dict | None = None,
+                       accumulate: AccumulateFn | None = None,
+                       sample_ranges: list[list[int]] | None = None) -> CalibrationStatistics | None:
+    """Run the model over the calibration and held-out sequences and return their statistics.
+
+    Args:
+        input_ids: `[N, T]` int64 sequences for the sums; holdout_ids `[S, T']` (default as in
+            `calibrate_model_with_report`).
+        accumulate: runs the statistics pass, `(model, session, input_ids, progress) -> {layer: LayerStats}`, or
+            None on a data-parallel rank other than 0 (default: every batch in order in this process).
+        sample_ranges: which samples of the data set `input_ids` are (recorded in the provenance; default all).
+    Returns:
+        the statistics (held-out capture included), or None where `accumulate` returned None.
+    """
+    config = model.config
+    check_supported(config)
+    n_layers, h_q, h_kv, d = model_geometry(config)
     if holdout_ids is None:
         if input_ids.shape[0] > 1:
             input_ids, holdout_ids = input_ids[:-1], input_ids[-1:]
@@ -190,19 +228,23 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
             holdout_ids = input_ids
     skip = sliding_window_layers(config)
     session = CaptureSession(skip_layers=skip)
-    timings: dict[str, float] = {}
-
     t0 = time.perf_counter()
-    _run_capture(model, session, input_ids, batch_size, progress)
+    if accumulate is None:
+        _run_capture(model, session, input_ids, batch_size, progress)
+        totals = session.stats
+    else:
+        totals = accumulate(model, session, input_ids, progress)
+        if totals is None:
+            return None
+    session.stats = totals
     session.mode = "holdout"
     session.query_positions = _holdout_positions(holdout_ids.shape[1], holdout_queries, seed)
     _run_capture(model, session, holdout_ids, batch_size, progress)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    timings["forward_capture_s"] = time.perf_counter() - t0
+    capture_s = time.perf_counter() - t0
 
-    layer_ids = sorted(session.stats)
-    if not layer_ids:
+    if not session.stats:
         raise CaptureError(
             f"model {type(model).__name__}: no full-attention layer reported to the capture function "
             f"({session.calls} attention calls seen, {len(skip)} sliding-window layers skipped); its attention "
@@ -210,14 +252,60 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     if session.geometry != (h_q, h_kv, d):
         raise CaptureError(f"captured geometry (H_q, H_kv, d) = {session.geometry} differs from the config's "
                            f"{(h_q, h_kv, d)}")
+    provenance = make_provenance(config, model.dtype, model_id=model_id, model_revision=model_revision,
+                                 calibration_meta=calibration_meta, batch_size=batch_size,
+                                 holdout_queries=holdout_queries, seed=seed,
+                                 sample_ranges=sample_ranges or [[0, int(input_ids.shape[0])]],
+                                 skipped_layers=sorted(skip), created=created_at())
+    o_weights = o_proj_weights(model, sorted(session.stats))
+    if o_weights and any(w.device.type == "meta" for w in o_weights.values()):
+        o_weights = None  # offloaded to disk: not in memory here (the block_out fit then says so)
+    return CalibrationStatistics(session.stats, session.holdout, session.scaling, provenance,
+                                 timings={"forward_capture_s": capture_s}, o_weights=o_weights)
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Run CPU ops single-threaded: LAPACK's eigh and fp64 matmuls block their sums by thread count, so the
+    rotations' last bits would otherwise depend on the machine (measured: 1 ulp on the tiny-qwen3 fixture).
+    The solve is `A x H_kv` eigendecompositions of `d x d`, cheap on one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def artifact_from_statistics(statistics: CalibrationStatistics, settings: SolverSettings | None = None, *,
+                             compare_alternatives: bool = True,
+                             device: torch.device | str | None = None) -> tuple[OscarArtifact, CalibrationReport]:
+    """Solve rotations and fit clip ratios from statistics (no model): the one path of `run` and `refit`.
+
+    Args:
+        device: where the held-out clip fit runs (default: where the held-out capture already is). The same
+            statistics and settings on the same kind of device give the same bytes.
+    """
+    settings = settings or SolverSettings()
+    prov = statistics.provenance
+    h_q, h_kv, d = statistics.geometry
+    _check_group_size(settings, d)
+    layer_ids = statistics.layer_ids
+    if not statistics.holdout:
+        raise InputError("statistics have no held-out capture (keys, values, queries of the held-out sequences); "
+                         "the clip fit needs it: use the statistics file written by `oscar-calib run`")
+    session = statistics.holdout_on(device) if device is not None else statistics
+    timings = dict(statistics.timings)
 
     t0 = time.perf_counter()
-    k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target, settings.granularity)
+    with one_cpu_thread():  # the same bits whatever the thread count (torchrun sets OMP_NUM_THREADS=1 per rank)
+        k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target,
+                                                settings.granularity)
     means = session_means(session, layer_ids)
-    o_weights = o_proj_weights(model, layer_ids) if settings.key_clip_objective == "block_out" else None
+    o_weights = statistics.o_weights if settings.key_clip_objective == "block_out" else None
     if settings.key_clip_objective == "block_out" and o_weights is None:
-        raise InputError(f"key clip objective 'block_out': model {type(model).__name__} has no "
-                         "`self_attn.o_proj` in its decoder layers; use --key-objective out_err")
+        raise InputError("--key-objective block_out: the statistics hold no o_proj weights (the model has no "
+                         "`self_attn.o_proj` in its decoder layers); use --key-objective out_err")
     fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights)
     comparison = {}
     if compare_alternatives:
@@ -226,18 +314,24 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
 
     k_ratio = torch.stack([fits[i].k_ratio for i in layer_ids])
     v_ratio = torch.stack([fits[i].v_ratio for i in layer_ids])
-    calib = dict(calibration_meta or {})
-    calib.setdefault("tokens", int(input_ids.numel()))
-    calib.setdefault("holdout_tokens", int(holdout_ids.numel()))
+    holdout_tokens = int(statistics.holdout[layer_ids[0]].stacked()[0][:, 0, :, 0].numel())
+    calib = dict(prov.data)
+    samples = prov.data.get("samples")
+    if samples is not None and prov.sample_ranges != [[0, samples]]:  # a shard or a partial merge says so
+        calib["sample_ranges"] = prov.sample_ranges
+        calib["tokens"] = statistics.tokens
+    calib.setdefault("tokens", statistics.tokens)
+    calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     meta = build_metadata(
-        model_id=model_id or str(getattr(config, "_name_or_path", "") or "unknown"),
-        model_revision=model_revision or str(getattr(config, "_commit_hash", None) or "unknown"),
+        model_id=prov.model_id, model_revision=prov.model_revision,
         num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,
         key_target=settings.key_target, value_target=settings.value_target, calibration=calib,
         tool_version=f"oscar-calib {__version__}",
         layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
                                     group_size=settings.group_size or d))
+    if prov.created_at:  # a refit keeps the capture's timestamp, so it reproduces the run's bytes
+        meta["created_at"] = prov.created_at
     # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     artifact = OscarArtifact(
         layer_ids=torch.tensor(layer_ids, dtype=torch.int64),
@@ -246,8 +340,8 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
         k_mean=(means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous(),
         v_mean=(means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous(),
     ).validate()
-    report = CalibrationReport(layer_ids=layer_ids, skipped_layers=sorted(skip), tokens=int(input_ids.numel()),
-                               holdout_tokens=int(holdout_ids.numel()), timings=timings, fits=fits,
+    report = CalibrationReport(layer_ids=layer_ids, skipped_layers=list(prov.skipped_layers), tokens=statistics.tokens,
+                               holdout_tokens=holdout_tokens, timings=timings, fits=fits,
                                k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,
                                means=means,
                                key_objective=settings.key_clip_objective)

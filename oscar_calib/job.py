@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,19 +13,26 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from oscar_calib import __version__
+from oscar_calib import __version__, distributed
 from oscar_calib.calibrate import (
     CalibrationReport,
-    calibrate_model_with_report,
+    artifact_from_statistics,
+    capture_statistics,
+    check_holdout_length,
     check_supported,
 )
+from oscar_calib.capture import sliding_window_layers
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
 from oscar_calib.loading import load_config as _load_config
 from oscar_calib.loading import load_model as _load_model
 from oscar_calib.loading import load_tokenizer as _load_tokenizer
+from oscar_calib.memory import peak_memory
 from oscar_calib.model_card import render_model_card
+from oscar_calib.placement import describe_placement, placement_summary
+from oscar_calib.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
+from oscar_calib.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     model_geometry,
@@ -35,6 +43,41 @@ from runtime_kernels.atomic import OutputDirError, atomic_output_dir, preflight
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class RunOptions:
+    """How a run is carried out, not what it computes (so none of it is in the recipe).
+
+    - `checkpoint`: checkpoint file (default `<out>.checkpoint.safetensors` beside the output directory);
+    - `checkpoint_every`: samples between checkpoints (None: no checkpoints, unless resuming);
+    - `resume`: continue from the checkpoint (refused if it was made with other settings);
+    - `shard`: `(index, count)`: sum only that contiguous part of the samples (merge the statistics later);
+    - `offload_folder`: where accelerate puts disk-offloaded weights (default: a temporary directory).
+    """
+
+    checkpoint: Path | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    shard: tuple[int, int] | None = None
+    offload_folder: Path | None = None
+
+    def checkpoint_path(self, out_dir: Path) -> Path:
+        return self.checkpoint or out_dir.resolve().parent / f"{out_dir.resolve().name}.checkpoint.safetensors"
+
+
+def shard_range(samples: int, shard: tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
+    """`[start, end)` of shard `index` of `count`: contiguous, whole batches, as even as batches allow."""
+    if shard is None:
+        return 0, samples
+    index, count = shard
+    if count < 1 or not 0 <= index < count:
+        raise InputError(f"--shard {index}/{count}: expected INDEX/COUNT with 0 <= INDEX < COUNT")
+    batches = -(-samples // batch_size)
+    if count > batches:
+        raise InputError(f"--shard {index}/{count}: only {batches} batches of {batch_size} samples to share")
+    lo, hi = index * batches // count, (index + 1) * batches // count
+    return lo * batch_size, min(hi * batch_size, samples)
 
 
 @dataclass
@@ -138,22 +181,49 @@ def environment() -> dict[str, str]:
 
 
 def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overwrite: bool = False,
-                    console: Console | None = None) -> Path:
-    """Calibrate `config.model` and write the artifact directory `out_dir` (artifact, model card, log).
+                    console: Console | None = None, options: RunOptions | None = None) -> Path | None:
+    """Calibrate `config.model` and write the artifact directory `out_dir` (artifact, statistics, card, log).
 
-    Every auto-chosen default is printed with its reason. Nothing is written if any step fails.
+    Every auto-chosen default is printed with its reason. Nothing is written to `out_dir` if any step fails
+    (a checkpoint beside it survives, for `--resume`). Under `torchrun` / `accelerate launch` the samples are
+    shared among the ranks and rank 0 writes; the other ranks return None.
     Returns the output directory.
     """
+    options = options or RunOptions()
+    ctx = distributed.from_environment()
+    try:
+        return _run(config, Path(out_dir), overwrite, console, options, ctx)
+    finally:
+        if ctx is not None:
+            distributed.shutdown()
+
+
+def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Console | None, options: RunOptions,
+         ctx: distributed.DistContext | None) -> Path | None:
     from oscar_calib import demo
 
-    console = console or Console(stderr=True)
-    out_dir = Path(out_dir)
+    main_rank = ctx is None or ctx.is_main
+    console = console or Console(stderr=True, quiet=not main_rank)
     check_output_dir(out_dir, overwrite)
+    if options.resume and not options.checkpoint_path(out_dir).exists():
+        raise InputError(f"--resume: no checkpoint at {options.checkpoint_path(out_dir)} (pass --checkpoint PATH)")
+    if config.max_memory is not None and config.device_map is None:
+        raise InputError("--max-memory needs --device-map (auto, balanced, balanced_low_0 or sequential)")
     choices = Choices()
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
 
     device = resolve_device(config.device, choices)
+    if ctx is not None:
+        if config.device_map is not None:
+            raise InputError("--device-map with several ranks (torchrun): each rank would spread its own copy "
+                             "over every GPU; use one process with --device-map, or ranks without it")
+        if device.startswith("cuda"):
+            device = f"cuda:{ctx.local_rank}"
+            torch.cuda.set_device(device)
+        backend = distributed.initialise(ctx, device)
+        choices.set("data_parallel", f"{ctx.world_size} ranks ({backend})",
+                    "WORLD_SIZE set by the launcher: the samples are shared among the ranks, rank 0 writes")
     dtype = resolve_dtype(config.dtype, device, choices)
     data_cfg = config.data
     default_text = None
@@ -190,7 +260,9 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     limit = max_positions(model_config)
     if limit is not None and data_cfg.seq_len > limit:
         raise InputError(f"--seq-len {data_cfg.seq_len}: above the model's max_position_embeddings={limit}")
+    check_holdout_length(config.solver, data_cfg.seq_len)
     batch_size = resolve_batch_size(config.batch_size, device, data_cfg.seq_len, choices)
+    sample_range = shard_range(data_cfg.samples, options.shard, batch_size)
     if config.device_map is not None:
         if model_ref is None:
             raise InputError("--device-map needs --model (the demo model is built in memory)")
@@ -202,13 +274,59 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     console.print(f"data: {data.input_ids.shape[0]} x {data_cfg.seq_len} tokens for statistics, "
                   f"{data.holdout_ids.shape[0]} x {data_cfg.seq_len} held out, from {data.documents} documents of "
                   f"'{data.source}'")
-    if model is None:
-        model = _load_model(model_ref, config.model_revision, dtype, device, config.trust_remote_code,
-                            config.device_map)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    timings["load_s"] = time.perf_counter() - t0
+    if options.shard is not None:
+        console.print(f"shard {options.shard[0]}/{options.shard[1]}: samples [{sample_range[0]}, {sample_range[1]})")
+    with tempfile.TemporaryDirectory(prefix="oscar-offload-") as scratch:
+        if model is None:
+            offload = options.offload_folder or Path(scratch)
+            model = _load_model(model_ref, config.model_revision, dtype, device, config.trust_remote_code,
+                                config.device_map, config.max_memory, offload)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings["load_s"] = time.perf_counter() - t0
+        placement = placement_summary(model)
+        if placement is not None:
+            console.print("placement (accelerate):\n" + describe_placement(placement))
+        result = _calibrate(model, model_id, revision, config, data_cfg, data, batch_size, sample_range, options,
+                            out_dir, ctx, console, dtype)
+    if result is None:
+        return None
+    artifact, report, statistics, plan = result
+    timings.update(report.timings)
 
+    t0 = time.perf_counter()
+    with atomic_output_dir(out_dir, overwrite, "--out") as tmp:
+        write_artifact(artifact, tmp)
+        save_statistics(statistics, tmp / STATS_FILENAME)
+        log = build_log(config, choices, report, timings, artifact.metadata)
+        log["placement"] = placement
+        log["run"] = {"world_size": ctx.world_size if ctx else 1, "sample_range": list(sample_range),
+                      "shard": list(options.shard) if options.shard else None, "resumed_from_sample": plan.resumed_from,
+                      "checkpoint_every": options.checkpoint_every, "statistics_file": STATS_FILENAME}
+        log["memory"] = {**peak_memory(), "accumulator_bytes": statistics.accumulator_bytes()}
+        (tmp / "README.md").write_text(render_model_card(artifact, report, log), encoding="utf-8")
+        timings["write_s"] = time.perf_counter() - t0
+        timings["total_s"] = time.perf_counter() - t_start
+        log["timings"] = timings
+        (tmp / LOG_FILENAME).write_text(json.dumps(log, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if plan.checkpoint_path is not None and plan.checkpoint_path.exists():
+        plan.checkpoint_path.unlink()  # the run is complete: its statistics file supersedes the checkpoint
+    summary = report.summary()
+    mem = log["memory"]
+    console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
+                  f"skipped {report.skipped_layers or 'none'}) in {timings['total_s']:.1f}s; peak host memory "
+                  f"{mem['host_peak_bytes'] / 2**30:.2f} GiB" + "".join(
+                      f", {dev} {b / 2**30:.2f} GiB" for dev, b in mem["device_peak_bytes"].items()))
+    k, v = summary["key_error"], summary["value_rel_out_err"]
+    console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
+                  f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")
+    return out_dir
+
+
+def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, data, batch_size: int,
+               sample_range: tuple[int, int], options: RunOptions, out_dir: Path,
+               ctx: distributed.DistContext | None, console: Console, dtype: torch.dtype):
+    """Statistics pass (sharded, checkpointed), held-out capture and solve. None on ranks other than 0."""
     n_layers, h_q, h_kv, d = model_geometry(model.config)
     console.print(f"model: {model_id} ({n_layers} layers, {h_q} query / {h_kv} KV heads, head_dim {d}, {dtype})")
     calibration_meta = {
@@ -226,29 +344,29 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
         "tokens": int(data.input_ids.numel()),
         "documents": data.documents,
     }
-    with _Progress(console, int(data.input_ids.numel() + data.holdout_ids.numel()), "capture") as progress:
-        artifact, report = calibrate_model_with_report(
-            model, data.input_ids, config.solver, holdout_ids=data.holdout_ids, batch_size=batch_size,
-            holdout_queries=data_cfg.holdout_queries, seed=data_cfg.seed, progress=progress,
-            model_id=model_id, model_revision=revision, calibration_meta=calibration_meta)
-    timings.update(report.timings)
-
-    t0 = time.perf_counter()
-    with atomic_output_dir(out_dir, overwrite, "--out") as tmp:
-        write_artifact(artifact, tmp)
-        log = build_log(config, choices, report, timings, artifact.metadata)
-        (tmp / "README.md").write_text(render_model_card(artifact, report, log), encoding="utf-8")
-        timings["write_s"] = time.perf_counter() - t0
-        timings["total_s"] = time.perf_counter() - t_start
-        log["timings"] = timings
-        (tmp / LOG_FILENAME).write_text(json.dumps(log, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    summary = report.summary()
-    console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
-                  f"skipped {report.skipped_layers or 'none'}) in {timings['total_s']:.1f}s")
-    k, v = summary["key_error"], summary["value_rel_out_err"]
-    console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
-                  f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")
-    return out_dir
+    skip = sliding_window_layers(model.config)
+    provenance = make_provenance(model.config, model.dtype, model_id=model_id, model_revision=revision,
+                                 calibration_meta=calibration_meta, batch_size=batch_size,
+                                 holdout_queries=data_cfg.holdout_queries, seed=data_cfg.seed)
+    checkpointing = options.checkpoint_every is not None or options.resume
+    plan = CapturePlan(batch_size=batch_size, sample_range=sample_range, dist=ctx,
+                       checkpoint_path=options.checkpoint_path(out_dir) if checkpointing else None,
+                       checkpoint_every=options.checkpoint_every, resume=options.resume,
+                       identity=checkpoint_identity(provenance.identity(), sample_range),
+                       layers=[i for i in range(n_layers) if i not in skip], geometry=(h_kv, d))
+    ids = data.input_ids[sample_range[0]:sample_range[1]]
+    tokens = int(ids.numel() + data.holdout_ids.numel())
+    with _Progress(console, tokens, "capture") as progress:
+        statistics = capture_statistics(
+            model, ids, data.holdout_ids, batch_size=batch_size, holdout_queries=data_cfg.holdout_queries,
+            seed=data_cfg.seed, progress=progress, model_id=model_id, model_revision=revision,
+            calibration_meta=calibration_meta, accumulate=make_accumulator(plan), sample_ranges=[list(sample_range)])
+    if statistics is None:
+        return None
+    if plan.resumed_from is not None:
+        console.print(f"resumed from the checkpoint at sample {plan.resumed_from}")
+    artifact, report = artifact_from_statistics(statistics, config.solver)
+    return artifact, report, statistics, plan
 
 
 def build_log(config: CalibrationConfig, choices: Choices, report: CalibrationReport, timings: dict,

@@ -36,9 +36,12 @@ def load_tokenizer(model_ref: str, revision: str | None, trust_remote_code: bool
 
 
 def load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device: str, trust_remote_code: bool,
-               device_map: str | None = None):
-    """The causal LM in eval mode, in `dtype`, on `device` (or spread by accelerate with `device_map`)."""
+               device_map: str | None = None, max_memory: dict | None = None, offload_folder=None):
+    """The causal LM in eval mode, in `dtype`, on `device` (or spread by accelerate with `device_map`, within
+    `max_memory` per device and offloading beyond it to CPU or `offload_folder`)."""
     from transformers import AutoModelForCausalLM
+
+    from oscar_calib.placement import accelerate_max_memory
 
     # accelerate places the weights straight onto the device (no full CPU copy first), or spreads the layers
     # over every visible device with an accelerate strategy ("auto", "balanced", ...). Statistics then live on
@@ -46,8 +49,11 @@ def load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device:
     if device_map is None:
         device_map = {"": device} if device != "cpu" else None
     try:
+        placement = {}
+        if isinstance(device_map, str):  # accelerate strategy: honour the memory limits, offload beyond them
+            placement = {"max_memory": accelerate_max_memory(max_memory), "offload_folder": str(offload_folder)}
         model = AutoModelForCausalLM.from_pretrained(model_ref, revision=revision, dtype=dtype, device_map=device_map,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code, **placement)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"--model {model_ref}: cannot load the weights: {type(exc).__name__}: {exc}") from exc
     return model.eval()

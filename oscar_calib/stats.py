@@ -82,6 +82,13 @@ class LayerStats:
         self.query_count += b * t * g
         self.token_count += b * t
 
+    def to(self, device: torch.device | str) -> LayerStats:
+        """A copy on `device` (the same object when it is already there)."""
+        if self.key_sum.device == torch.device(device):
+            return self
+        return LayerStats(self.key_sum.to(device), self.attn_out_sum.to(device), self.logit_v_sum.to(device),
+                          self.logit_w_sum.to(device), self.query_count, self.token_count)
+
     def merge_(self, other: LayerStats) -> LayerStats:
         """In-place sum with another shard's statistics (e.g. another rank or data shard)."""
         self.key_sum += other.key_sum.to(self.key_sum.device)

@@ -38,7 +38,7 @@ from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.attention.triton_int2 import alloc_paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -147,6 +147,8 @@ class LayerPool:
     v_rotation: torch.Tensor
     k_clip: torch.Tensor | None
     v_clip: torch.Tensor | None
+    k_mean: torch.Tensor | None = None  # centered cache: fp32 [H, d] means in the rotated basis (None: uncentered)
+    v_mean: torch.Tensor | None = None
 
 
 @dataclass
@@ -202,6 +204,9 @@ class PagedKVCache:
         device, dtype: where the pools live and the dtype of the full-precision windows.
         clip: False disables clipping (the clip ratios are ignored).
         backend: kernel backend, "auto" | "torch" | "triton".
+        k_mean, v_mean: float `[A, H, d]` per-(layer, KV head) means in the rotated basis (a centered artifact,
+            contract v2 `k_mean`/`v_mean`), or None (uncentered). The pages then hold quant(x_rot - mu) and decode
+            adds the means back exactly (`attention.decode_attention(k_mean=, v_mean=)`); windows stay uncentered.
         check_finite: refuse NaN/Inf (and elements beyond the fp16 scale range) at every write with
             `NonFiniteKVError` (docs/errors.md, "Non-finite keys and values"). Costs one reduction and one
             device-to-host sync per layer write; skipped while a CUDA graph is being captured. False trusts the
@@ -212,7 +217,8 @@ class PagedKVCache:
                  v_clip_ratio: torch.Tensor, *, group_size: int | None = None, max_pages: int, max_seqs: int,
                  page_size: int = 64, sink_tokens: int = 64, recent_tokens: int = 256,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
-                 backend: str = "auto", check_finite: bool = True):
+                 backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+                 check_finite: bool = True):
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
                 raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
@@ -227,6 +233,14 @@ class PagedKVCache:
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if d % 4:
             raise ValueError(f"head_dim: must be a multiple of 4 for 2-bit packing, got {d}")
+        if (k_mean is None) != (v_mean is None):
+            raise ValueError(f"{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
+                             f"v_mean (or neither)")
+        for name, t in (("k_mean", k_mean), ("v_mean", v_mean)):
+            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (a, h, d)
+                                  or not t.is_floating_point()):
+                raise ValueError(f"{name}: expected a float tensor of shape {[a, h, d]}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         g = group_size or d
         if d % g or g % 4:
             raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
@@ -262,8 +276,8 @@ class PagedKVCache:
 
         def v_scale_zero():
             # One group per row: each row's V scale and zero side by side (one `[pages, H, P, 2]` buffer, same bytes),
-            # so the whole-page decode loop reads both with one asynchronous load (`triton_int2.V_PAIRED_POOLS`: 1-6 %
-            # faster calls at all nine points of the H200 table, bench/NOTES_decode.md v13).
+            # so the whole-page decode loop reads both with one asynchronous load (1-6 % faster calls at all nine
+            # points of the H200 table, docs/kernels.md).
             if d // g == 1:
                 return alloc_paired_v_pools(n_pages, h, p, self.device)
             return zeros((n_pages, h, p, d // g), torch.float16), zeros((n_pages, h, p, d // g), torch.float16)
@@ -284,6 +298,8 @@ class PagedKVCache:
                 v_rotation=v_rotation[i].to(self.device, torch.float32).contiguous(),
                 k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
                 v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
+                k_mean=None if k_mean is None else k_mean[i].to(self.device, torch.float32).contiguous(),
+                v_mean=None if v_mean is None else v_mean[i].to(self.device, torch.float32).contiguous(),
             ))
         # Arrival counts of the fused decode launch (one per sequence and KV head; every call leaves them zero). The
         # layers of a step run one after another on one stream, so they share it.
@@ -294,15 +310,33 @@ class PagedKVCache:
                       sink_tokens: int | None = None, recent_tokens: int | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                       clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
-        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata)."""
+        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata).
+
+        Refused, naming the field: a quantizer this runtime does not serve (`lloyd_max` codebooks), and windows
+        that disagree with the ones a calibrated artifact's clips were fitted for (an identity artifact, which
+        fitted nothing, takes any windows).
+        """
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
         artifact.validate()
+        if artifact.quantizer != "uniform_minmax":
+            raise ValueError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; this runtime serves "
+                             "uniform_minmax INT2 only (the int8 key scores rely on uniform levels)")
+        if artifact.metadata.get("key_target") != "identity":
+            for name, asked, fitted in (("sink_tokens", sink_tokens, artifact.sink_tokens),
+                                        ("recent_tokens", recent_tokens, artifact.recent_tokens)):
+                if asked is not None and int(asked) != fitted:
+                    raise ValueError(f"{artifact.source}: {name}={asked} disagrees with the artifact's {name}="
+                                     f"{fitted} (its clips were fitted for those windows); recalibrate with "
+                                     f"--{name.split('_')[0]} {asked}, or leave {name} unset")
         return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio,
                    group_size=artifact.group_size, max_pages=max_pages, max_seqs=max_seqs, page_size=page_size,
                    sink_tokens=artifact.sink_tokens if sink_tokens is None else sink_tokens,
                    recent_tokens=artifact.recent_tokens if recent_tokens is None else recent_tokens,
-                   device=device, dtype=dtype, clip=clip, backend=backend, check_finite=check_finite)
+                   device=device, dtype=dtype, clip=clip, backend=backend, check_finite=check_finite,
+                   # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
+                   k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
+                   v_mean=artifact.value_mean("rotated") if artifact.is_centered else None)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:
@@ -485,16 +519,17 @@ class PagedKVCache:
                     self._broken[seq_id] = problem
                 raise NonFiniteKVError(f"{problem}; nothing of layer {layer} was written and sequences "
                                        f"{plan.seq_ids} of this step must be freed (free_sequence) and recomputed")
-        for x, win, clip, codes, scale, zero in (
-            (k_rot, pool.k_win, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero),
-            (v_rot, pool.v_win, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero),
+        for x, win, clip, codes, scale, zero, mean in (
+            (k_rot, pool.k_win, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_mean),
+            (v_rot, pool.v_win, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_mean),
         ):
             x = x.to(win.dtype)
             # Read the rows that move before anything is written (sources and targets may overlap).
             src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
-            if plan.demote_src.numel():  # rows are already rotated: clip, quantize, pack
+            if plan.demote_src.numel():  # rows are already rotated: (center,) clip, quantize, pack
                 quant_api.write_pages(src[plan.demote_src], None, clip, codes, scale, zero, plan.demote_pages,
-                                      plan.demote_rows, group_size=self.group_size, backend=self.backend)
+                                      plan.demote_rows, group_size=self.group_size, backend=self.backend,
+                                      mean=mean)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
 
@@ -612,9 +647,8 @@ class PagedKVCache:
                 head's KV head (GQA groups share it).
             seq_ids: the B sequences (each must hold at least one token).
             sm_scale: softmax scale (default `1 / sqrt(d)`).
-            fused: one kernel launch instead of three on the Triton path (None: the library default,
-                `attention.DECODE_FUSED`); fewer host microseconds for eager callers, slower under CUDA graphs at
-                small batch (bench/NOTES_decode.md, "v7").
+            fused: one kernel launch instead of two on the Triton path (None: `DecodeOptions.fused`, False);
+                fewer host microseconds for eager callers, slower under CUDA graphs at small batch (docs/kernels.md).
         Returns:
             o fp32 `[B, H_q, d]` in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
@@ -641,7 +675,8 @@ class PagedKVCache:
                                            pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len,
                                            pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
                                            sm_scale=sm_scale, backend=self.backend, validate=False,
-                                           whole_pages=True, counters=self._attn_counters, fused=fused)
+                                           whole_pages=True, counters=self._attn_counters, fused=fused,
+                                           k_mean=pool.k_mean, v_mean=pool.v_mean)
         o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 
@@ -660,7 +695,7 @@ class PagedKVCache:
         Returns: k, v fp32 `[n, H, d]`. Materialises the history: meant for multi-token appends on a
         non-empty sequence and for inspection, not for the decode path.
         """
-        from runtime_kernels.attention.paged_ref import gather_history
+        from runtime_kernels.attention.int2_decode.naive import gather_history
 
         pool = self._pool(layer)
         st = self._state(seq_id)
@@ -669,11 +704,14 @@ class PagedKVCache:
         n_sink = min(n, self.sink)
         pages = torch.tensor(page_list, dtype=torch.int64, device=self.device)
         out = []
-        for win, codes, scale, zero, rot in ((pool.k_win, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_rotation),
-                                             (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation)):
+        for win, codes, scale, zero, rot, mean in (
+                (pool.k_win, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_rotation, pool.k_mean),
+                (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation, pool.v_mean)):
             rows = win[st.slot, :, :n - hist].float().transpose(0, 1)  # [n - hist, H, d], rotated
             if hist:
                 h = gather_history(codes, scale, zero, pages, hist).transpose(0, 1)  # [hist, H, d], rotated
+                if mean is not None:
+                    h = h + mean
                 rows = torch.cat([rows[:n_sink], h, rows[n_sink:]])
             out.append(torch.einsum("the,hde->thd", rows, rot))  # back to the model's basis
         return out[0], out[1]

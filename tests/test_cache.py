@@ -12,7 +12,7 @@ import torch
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.attention import triton_int2
+from runtime_kernels.attention.int2_decode.pools import paired_v_pools
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.quant import naive as quant_naive
 
@@ -312,12 +312,12 @@ def test_pool_layout_matches_the_contract():
 
 def test_one_group_per_row_interleaves_v_scale_and_zero():
     """With one group per row the V scale and zero pools are the two halves of one `[pages, H, P, 2]` buffer (what
-    the whole-page decode loop reads with one load, `triton_int2.paired_v_pools`); same shapes and bytes."""
+    the whole-page decode loop reads with one load, `int2_decode.pools.paired_v_pools`); same shapes and bytes."""
     art = random_artifact(num_layers=2, group=D)
     cache = make_cache(art, max_pages=10, max_seqs=3)
     for pool in cache.pools:
         assert pool.v_scale.shape == pool.v_zero.shape == (10, H, P, 1)
-        assert triton_int2.paired_v_pools(pool.v_scale, pool.v_zero)
+        assert paired_v_pools(pool.v_scale, pool.v_zero)
         assert pool.v_scale.untyped_storage().nbytes() == 10 * H * P * 2 * 2  # one buffer, nothing else
         pool.v_scale[3, 1, 2, 0] = 5.0
         pool.v_zero[3, 1, 2, 0] = -7.0

@@ -47,7 +47,7 @@ def _nothing_written(parent, name):
 
 def _args(model_dir, data, out, *extra):
     return ["run", "--model", str(model_dir), "--dataset", str(data), "--out", str(out), "--samples", "2",
-            "--seq-len", "64", *extra]
+            "--seq-len", "64", "--sink", "4", "--recent", "8", *extra]
 
 
 def test_run_local_model_and_txt(model_dir, text_file, tmp_path, monkeypatch, capsys):

@@ -159,3 +159,22 @@ def test_stats_means_are_the_token_means_and_merge_by_addition():
     a.merge_(b)
     assert torch.allclose(a.key_mean(), k.double().mean(dim=(0, 2)), atol=1e-6)  # fp32 batch sums
     assert torch.allclose(a.value_mean(), v.double().mean(dim=(0, 2)), atol=1e-6)
+
+
+def test_cache_refuses_windows_or_a_quantizer_the_artifact_does_not_have():
+    """A calibrated artifact's clips hold for its windows; the runtime serves uniform INT2 only."""
+    from runtime_kernels.artifact import identity_artifact
+    from runtime_kernels.cache import PagedKVCache
+
+    art = identity_artifact(1, 2, 4, 64)
+    art.metadata["key_target"] = "query_moment"  # as calibration writes it
+    with pytest.raises(ValueError, match="sink_tokens=4 disagrees with the artifact's sink_tokens=64"):
+        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, sink_tokens=4)
+    with pytest.raises(ValueError, match="recent_tokens=8 disagrees"):
+        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, recent_tokens=8)
+    PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, sink_tokens=64, recent_tokens=256)  # the same: fine
+    PagedKVCache.from_artifact(identity_artifact(1, 2, 4, 64), max_pages=2, max_seqs=1, sink_tokens=4)  # fits nothing
+    art.metadata["quantizer"] = "lloyd_max"  # a valid v2 artifact with codebooks: the contract allows it
+    art.k_codebook = torch.tensor([0.0, 0.9, 2.1, 3.0]).expand(1, 2, 4).contiguous()
+    with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
+        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime_kernels import attention as A
-from runtime_kernels.attention import paged_ref, triton_int2
+from runtime_kernels.attention.int2_decode import naive as paged_ref
 
 
 def bench_like_pool(lens, h_kv, d, page, device, seed=0):
@@ -60,44 +60,32 @@ def rel(got, want) -> float:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("tile_acc", [True, False])
-def test_split_count_does_not_change_the_answer_cpu(tile_acc):
+@pytest.mark.parametrize("whole", [True, False])
+def test_split_count_does_not_change_the_answer_cpu(whole):
     """Scaled-down 131072 x 32 structure: a 4160-token history over 65 scattered pages, split 5 / 9 / 17 ways
-    (chunks of 832 / 512 / 256 tokens, uneven last chunk), impl 5 with either V accumulation, vs float64."""
-    pool = bench_like_pool([4160, 3001], h_kv=1, d=32, page=64, device="cpu", seed=3)
+    (chunks of 832 / 512 / 256 tokens, uneven last chunk), production kernel vs float64."""
+    pool = bench_like_pool([4160, 3008 if whole else 3001], h_kv=1, d=32, page=64, device="cpu", seed=3)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     o_ex, lse_ex = exact_reference(q, *pool)
-    triton_int2.IMPL5_TILE_ACC = tile_acc
-    try:
-        for splits in (5, 9, 17):
-            o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, impl=5)
-            assert rel(o, o_ex) < 2e-3, splits  # fp16 rounding of p * scale only
-            assert (lse.double() - lse_ex).abs().max().item() < 2e-4, splits
-    finally:
-        triton_int2.IMPL5_TILE_ACC = True
+    for splits in (5, 9, 17):
+        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, whole_pages=whole)
+        assert rel(o, o_ex) < 2e-3, splits  # fp16 rounding of p * scale only
+        assert (lse.double() - lse_ex).abs().max().item() < 2e-4, splits
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,vfold", [(5, False), (5, True), (6, False)])
-def test_long_chunks_stay_accurate_on_gpu(impl, vfold):
+@pytest.mark.parametrize("whole", [True, False])
+def test_long_chunks_stay_accurate_on_gpu(whole):
     """The failing bench geometry per sequence: 130752 tokens (2043 pages of 64, scattered), 8 KV heads, 32 query
-    heads, d 128, bf16 q, split 5 / 9 / 17 ways as at 131072 x 32 (v3 / impl5_w1 / impl5_w1_p32). The default
-    (impl 5, exact V, per-tile accumulation) must be within 2e-3 of float64 at every split count, so configs agree
-    with each other; VFOLD (offset 1024 inside the tile dot) is looser by design: 3e-2. impl 6 (subnormal codes, no
-    offset) must meet the default's bound."""
-    triton_int2.strict_impl(True)
-    triton_int2.IMPL5_VFOLD = vfold
-    try:
-        pool = bench_like_pool([130752, 130752], h_kv=8, d=128, page=64, device="cuda", seed=7)
-        q = torch.randn(2, 32, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
-        q = q.to(torch.bfloat16)
-        o_ex, lse_ex = exact_reference(q, *pool)
-        errs = {}
-        for splits in (5, 9, 17):
-            o, lse = A.int2_decode_attention(q, *pool, num_splits=splits, impl=impl)
-            errs[splits] = rel(o, o_ex)
-            assert (lse.double() - lse_ex).abs().max().item() < 1e-3
-        assert max(errs.values()) < (3e-2 if vfold else 2e-3), errs
-    finally:
-        triton_int2.IMPL5_VFOLD = False
-        triton_int2.strict_impl(False)
+    heads, d 128, bf16 q, split 5 / 9 / 17 ways as at 131072 x 32. The production kernel (per-tile V dots added by
+    an FFMA, not chained in the truncating MMA accumulator) must be within 2e-3 of float64 at every split count."""
+    pool = bench_like_pool([130752, 130752], h_kv=8, d=128, page=64, device="cuda", seed=7)
+    q = torch.randn(2, 32, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+    q = q.to(torch.bfloat16)
+    o_ex, lse_ex = exact_reference(q, *pool)
+    errs = {}
+    for splits in (5, 9, 17):
+        o, lse = A.int2_decode_attention(q, *pool, num_splits=splits, whole_pages=whole)
+        errs[splits] = rel(o, o_ex)
+        assert (lse.double() - lse_ex).abs().max().item() < 1e-3
+    assert max(errs.values()) < 2e-3, errs

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime_kernels import quant
-from runtime_kernels.attention import paged_ref
+from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.quant import naive
 
 pytestmark = pytest.mark.interpreter  # Triton kernels on CPU tensors (see conftest)

@@ -15,6 +15,7 @@ from oscar_calib.cli import (
     hub_cmd,  # noqa: F401  (registers `push`, `pull`)
     interop_cmd,  # noqa: F401  (registers `import`, `export`)
     run_cmd,  # noqa: F401  (registers `run`)
+    stats_cmd,  # noqa: F401  (registers `refit`, `stats merge`)
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app
@@ -26,7 +27,10 @@ def main() -> None:
     from runtime_kernels.artifact import ArtifactError
     from runtime_kernels.atomic import OutputDirError
 
-    with handle_interrupts():  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
+    # Leave with os._exit after a signal only when this is the program's entry point (the console script or
+    # `python -m oscar_calib` calls it from `__main__`); called in-process, raise SystemExit instead.
+    entry = sys._getframe(1).f_globals.get("__name__") == "__main__"
+    with handle_interrupts(fast_exit=entry):  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
         try:
             app()  # standalone: click prints usage errors itself and exits 2
         except (OscarError, ArtifactError, OutputDirError) as exc:

@@ -26,6 +26,9 @@ Examples:
   oscar-calib run --model Qwen/Qwen3-8B --dataset data.jsonl --out zoo/qwen3-8b
   oscar-calib run --model Qwen/Qwen3-8B --dataset HuggingFaceFW/fineweb-edu --dataset-revision <sha> \\
       --split train --samples 128 --seq-len 2048 --out zoo/qwen3-8b
+  torchrun --nproc-per-node 8 -m oscar_calib run --model Qwen/Qwen3-8B --dataset data.jsonl --out zoo/q8
+  oscar-calib run --model M --dataset d.jsonl --out zoo/m --checkpoint-every 16     # then --resume after a crash
+  oscar-calib run --model big --dataset d.jsonl --out zoo/big --device-map auto --max-memory 0=70GiB --max-memory cpu=200GiB
 """
 
 
@@ -38,7 +41,25 @@ def _grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[f
         raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
 
 
+def _shard(text: Optional[str]) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    index, _, count = text.partition("/")
+    if not (index.strip().isdigit() and count.strip().isdigit()):
+        raise InputError(f"--shard '{text}': expected INDEX/COUNT, e.g. 0/2")
+    return int(index), int(count)
+
+
 @app.command("run", epilog=_EXAMPLES)
+def _default_samples(demo: bool) -> int:
+    """32 sequences; the demo 8 on the fixture's calibration text, 3 on the small demo text of the random fallback."""
+    if not demo:
+        return 32
+    from oscar_calib.demo import fixture_available
+
+    return 8 if fixture_available() else 3
+
+
 def run(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: demo).")] = None,
     revision: RevisionOpt = None,
@@ -55,18 +76,29 @@ def run(
     value_target: Annotated[str, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = "attn_output",
     k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated; 1.0 is always added.")] = None,
     v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated; 1.0 is always added.")] = None,
-    key_objective: Annotated[str, typer.Option("--key-objective", help="attn_kl or logit_mse: held-out error for key clips.")] = "attn_kl",
+    key_objective: Annotated[str, typer.Option("--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")] = "block_out",
+    center_keys: Annotated[bool, typer.Option("--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")] = True,
+    center_values: Annotated[bool, typer.Option("--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")] = True,
+    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 64).")] = None,
+    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 256).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size")] = None,
     device_map: Annotated[Optional[str], typer.Option("--device-map", help="auto, balanced, balanced_low_0 or sequential: spread a large model over all visible devices with accelerate.")] = None,
+    max_memory: Annotated[Optional[list[str]], typer.Option("--max-memory", help="Per-device limit for --device-map, repeatable: 0=70GiB, cpu=200GiB, disk=1TiB (or one JSON object); layers beyond it are offloaded.")] = None,
+    offload_folder: Annotated[Optional[Path], typer.Option("--offload-folder", help="Where disk-offloaded weights go (default: a temporary directory).")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option("--checkpoint-every", min=1, help="Checkpoint the statistics every K samples (atomic write).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Checkpoint file (default: <out>.checkpoint.safetensors beside --out).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint; refused if it was made with other settings.")] = False,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="INDEX/COUNT: sum only that contiguous part of the samples (merge with `oscar-calib stats merge`).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
-    from oscar_calib.job import run_calibration
+    from oscar_calib.job import RunOptions, run_calibration
+    from oscar_calib.placement import parse_max_memory
 
     demo = model is None
     try:
@@ -74,14 +106,17 @@ def run(
             model=model,
             model_revision=revision,
             data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
-                            split=split, text_column=text_column, samples=(8 if demo else 32) if samples is None else samples,
+                            split=split, text_column=text_column,
+                            samples=_default_samples(demo) if samples is None else samples,
                             seq_len=1024 if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
             solver=SolverSettings(granularity=granularity, value_target=value_target,
                                   k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                                   v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                                  key_clip_objective=key_objective, group_size=group_size),
+                                  key_clip_objective=key_objective, group_size=group_size,
+                                  center_keys=center_keys, center_values=center_values,
+                                  **{k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
-            trust_remote_code=trust_remote_code,
+            max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -91,5 +126,14 @@ def run(
         if not demo:
             raise InputError("--out is required with --model (the artifact directory to create)")
         out = Path("zoo/demo")
-    run_calibration(config, out, overwrite=overwrite)  # Ctrl-C / SIGTERM: oscar_calib.interrupts, exit 130 / 143
-    typer.echo(str(out))
+    options = RunOptions(checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
+                         shard=_shard(shard), offload_folder=offload_folder)
+    try:
+        written = run_calibration(config, out, overwrite=overwrite, options=options)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
+        kept = options.checkpoint_path(out)
+        if (checkpoint_every or resume) and kept.exists():
+            typer.echo(f"the checkpoint {kept} is kept for --resume", err=True)
+        raise
+    if written is not None:  # ranks other than 0 of a data-parallel run write nothing
+        typer.echo(str(out))

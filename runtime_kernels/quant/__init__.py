@@ -49,6 +49,17 @@ def _rotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _check_mean(mean, x) -> torch.Tensor | None:
+    """A centered cache's mean `[H, d]` (rotated basis) as the kernel reads it: fp32, contiguous; None passes."""
+    if mean is None:
+        return None
+    t, h, d = x.shape
+    check_tensor("mean", mean, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
+    if tuple(mean.shape) != (h, d):
+        raise ValueError(f"mean: expected shape {(h, d)} (KV heads, head_dim), got {tuple(mean.shape)}")
+    return mean if mean.dtype == torch.float32 and mean.is_contiguous() else mean.float().contiguous()
+
+
 def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
     """The clip ratio per head as the kernel reads it: fp32, contiguous (no copy when it already is)."""
     if clip_ratio is None:
@@ -58,20 +69,22 @@ def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                  group_size: int | None = None, backend: str = "auto"
+                  group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotate, clip, quantize to 2 bits and pack.
+    """Rotate, (center,) clip, quantize to 2 bits and pack.
 
     Args:
         x: `[T, H, d]` keys (post-RoPE) or values, fp16/bf16/fp32; d a multiple of 4.
         rotation: `[H, d, d]` or None (identity); clip_ratio: `[H]` or None (no clipping).
         group_size: channels per scale/zero group (default d).
+        mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
     Returns:
         packed uint8 `[T, H, d // 4]`, scale fp16 `[T, H, d // G]`, zero fp16 `[T, H, d // G]`.
     """
     g = _check_common(x, rotation, clip_ratio, group_size)
+    mean = _check_mean(mean, x)
     if resolve_backend(backend, x.device) == "torch":
-        return naive.quantize_pack(x, rotation, clip_ratio, g)
+        return naive.quantize_pack(x, rotation, clip_ratio, g, mean=mean)
     t, h, d = x.shape
     xr = _rotated(x, rotation)
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=x.device)
@@ -80,21 +93,23 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     idx = torch.arange(t, dtype=torch.int32, device=x.device)
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(xr, _ratio(clip_ratio), codes, scale, zero, idx, torch.zeros_like(idx), g)
+    quantize_pack_into(xr, _ratio(clip_ratio), codes, scale, zero, idx, torch.zeros_like(idx), g, mean=mean)
     return codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]
 
 
 def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                 codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
                 page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                backend: str = "auto") -> None:
+                backend: str = "auto", mean: torch.Tensor | None = None) -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]`, in place.
 
     Args:
         codes_pool: uint8 `[num_pages, H, P, d // 4]`; scale_pool, zero_pool: fp16 `[num_pages, H, P, d // G]`.
         page_ids, rows: int32/int64 `[T]` (values are not range-checked here: that would sync the GPU).
+        mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
     """
     g = _check_common(x, rotation, clip_ratio, group_size)
+    mean = _check_mean(mean, x)
     t, h, d = x.shape
     check_tensor("codes_pool", codes_pool, dtypes=(torch.uint8,), ndim=4, device=x.device)
     check_tensor("scale_pool", scale_pool, dtypes=(torch.float16,), ndim=4, device=x.device)
@@ -113,11 +128,11 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
         check_tensor(name, ix, dtypes=INT_DTYPES, ndim=1, device=x.device)
         check_dim(name, ix, 0, t, "one entry per token of x")
     if resolve_backend(backend, x.device) == "torch":
-        from runtime_kernels.attention.paged_ref import write_pages_ref
+        from runtime_kernels.attention.int2_decode.naive import write_pages_ref
 
-        write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g)
+        write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g, mean)
         return
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
     quantize_pack_into(_rotated(x, rotation), _ratio(clip_ratio), codes_pool, scale_pool, zero_pool,
-                       page_ids.contiguous(), rows.contiguous(), g)
+                       page_ids.contiguous(), rows.contiguous(), g, mean=mean)

@@ -104,17 +104,22 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
-                  group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full write path for one layer: rotate, clip, quantize, pack.
+                  group_size: int | None = None, mean: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full write path for one layer: rotate, (center,) clip, quantize, pack.
 
     Args:
         x: `[T, H_kv, d]` keys (post-RoPE) or values.
         rotation: `[H_kv, d, d]` (None = identity).
         clip_ratio: `[H_kv]` or scalar (None or 1 = no clipping).
+        mean: `[H_kv, d]` per-head mean in the rotated basis, subtracted before clipping (a centered cache);
+            None = uncentered.
     Returns:
         packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // group_size]` fp16.
     """
     xr = rotate(x, rotation) if rotation is not None else x.float()
+    if mean is not None:
+        xr = xr - mean.float()
     if clip_ratio is not None:
         xr = clip_rows(xr, clip_ratio)
     codes, scale, zero = quantize(xr, group_size)
@@ -128,10 +133,13 @@ def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 
 def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, group_size: int | None = None,
-                  unrotate: bool = True) -> torch.Tensor:
-    """Quantize then dequantize `x [T, H_kv, d]`; with `unrotate`, map back to the original basis."""
-    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size)
+                  unrotate: bool = True, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize `x [T, H_kv, d]` (centered by `mean [H_kv, d]` if given: dequant + mean); with
+    `unrotate`, map back to the original basis."""
+    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean)
     xr = unpack_dequantize(packed, scale, zero)
+    if mean is not None:
+        xr = xr + mean.float()
     if unrotate and rotation is not None:
         r = rotation.float()
         xr = xr @ r.transpose(-1, -2) if r.dim() == 2 else torch.einsum("the,hde->thd", xr, r)

@@ -61,13 +61,15 @@ def _range_over_3(r, RECIP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _quantize_pack_kernel(
-    x_ptr, clip_ptr, tau_ptr, codes_ptr, scale_ptr, zero_ptr, page_ptr, row_ptr,
+    x_ptr, clip_ptr, tau_ptr, codes_ptr, scale_ptr, zero_ptr, page_ptr, row_ptr, mean_ptr,
     T, stride_xt, stride_xh,
     stride_cp, stride_ch, stride_cr,
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
+    MEAN: tl.constexpr = False,
 ):
+    # MEAN: centered cache, mean_ptr fp32 `[H, D]`: the head's mean is subtracted from every row before clipping.
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
     # clip_ptr: the fp32 clip ratio per head; CLIP 1 derives the order-statistic index from it exactly as
     # `naive.clip_index` does (float64 product, floor, at most D - 1).
@@ -85,13 +87,22 @@ def _quantize_pack_kernel(
     x1 = tl.load(x_row[:, None] + (offs_j + Q)[None, :], mask=m2, other=0.0).to(tl.float32)
     x2 = tl.load(x_row[:, None] + (offs_j + 2 * Q)[None, :], mask=m2, other=0.0).to(tl.float32)
     x3 = tl.load(x_row[:, None] + (offs_j + 3 * Q)[None, :], mask=m2, other=0.0).to(tl.float32)
+    if MEAN:
+        mu = mean_ptr + h * D + offs_j
+        x0 = x0 - tl.load(mu, mask=j_ok, other=0.0)[None, :]
+        x1 = x1 - tl.load(mu + Q, mask=j_ok, other=0.0)[None, :]
+        x2 = x2 - tl.load(mu + 2 * Q, mask=j_ok, other=0.0)[None, :]
+        x3 = x3 - tl.load(mu + 3 * Q, mask=j_ok, other=0.0)[None, :]
 
     if CLIP == 1:
         # tau = c-th smallest |x| of the row (ascending order statistic); padding sorts last as +inf.
         c = tl.minimum(tl.floor(tl.load(clip_ptr + h).to(tl.float64) * D), D - 1).to(tl.int32)
         offs_d = tl.arange(0, D_PAD)
-        xa = tl.abs(tl.load(x_row[:, None] + offs_d[None, :], mask=t_ok[:, None] & (offs_d < D)[None, :],
-                            other=float("inf")).to(tl.float32))
+        xd = tl.load(x_row[:, None] + offs_d[None, :], mask=t_ok[:, None] & (offs_d < D)[None, :],
+                     other=float("inf")).to(tl.float32)
+        if MEAN:
+            xd = xd - tl.load(mean_ptr + h * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
+        xa = tl.abs(xd)
         srt = tl.sort(xa, dim=1)
         tau = tl.sum(tl.where(offs_d[None, :] == c, srt, 0.0), axis=1)[:, None]
     if CLIP == 2:
@@ -177,7 +188,8 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
 
 def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, codes: torch.Tensor,
                        scale: torch.Tensor, zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
-                       group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None) -> None:
+                       group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None,
+                       mean: torch.Tensor | None = None) -> None:
     """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
 
     Args:
@@ -191,6 +203,7 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         clip_mode: "kernel" (order statistic by `tl.sort` inside the kernel; default on CUDA) or "torch"
             (a torch sort before the kernel; default off-GPU, where the interpreter's `tl.sort` is very slow).
             Both give the same threshold.
+        mean: fp32 `[H, d]` contiguous per-head mean subtracted before clipping (centered caches), or None.
     """
     t, h, d = x_rot.shape
     if t == 0:
@@ -206,16 +219,17 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
     if clip_ratio is not None:
         mode = 1 if clip_mode == "kernel" else 2
         if mode == 2:
-            tau = _clip_threshold(x_rot.float(), naive.clip_index(clip_ratio.detach(), d))
+            xc = x_rot.float() if mean is None else x_rot.float() - mean
+            tau = _clip_threshold(xc, naive.clip_index(clip_ratio.detach(), d))
     clip_arg = clip_ratio if clip_ratio is not None else page_ids  # an unused pointer when not clipping
     grid = (triton.cdiv(t, rows_pp), h)
     _quantize_pack_kernel[grid](
-        x_rot, clip_arg, tau, codes, scale, zero, page_ids, rows,
+        x_rot, clip_arg, tau, codes, scale, zero, page_ids, rows, x_rot if mean is None else mean,
         t, x_rot.stride(0), x_rot.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda,
+        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None,
         num_warps=4,
     )

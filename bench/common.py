@@ -1,0 +1,112 @@
+"""Shared pieces of the product benchmarks (torch only: `compare_decode_bitwise.py` also runs it against an older
+runtime_kernels): the serving geometry, pool builders, timing, and the one results schema.
+
+Results schema (`write_rows`): a JSON file `{"meta": {...}, "rows": [...]}`; meta holds gpu, torch, triton, python,
+commit, date; every row holds op, variant, shape (a dict), p50_ms, p20_ms, p80_ms (CUDA-event quantiles of
+`triton.testing.do_bench`), plus free-form extra fields.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from runtime_kernels.layout import DEFAULT_LAYOUT
+
+H_KV, H_Q, D = 8, 32, 128  # Qwen3-8B attention geometry
+PAGE = DEFAULT_LAYOUT.page_size
+WIN = DEFAULT_LAYOUT.window_tokens  # BF16 sink + recent rows of a long sequence
+QUANTILES = [0.5, 0.2, 0.8]
+# The README's decode table: context x batch.
+DECODE_POINTS = [(c, b) for c in (131072, 32768, 8192) for b in (1, 8, 32)]
+
+
+def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda") -> tuple:
+    """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - WIN` history
+    tokens rounded down to whole pages (random code bytes, fp16 scales in [0.1, 0.6), zeros in [0, 3), paired V
+    scale/zero pools, pages scattered over the pool), full BF16 windows, bf16 queries. Deterministic in `seed` for
+    a given torch build and device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hist = (context - WIN) // PAGE * PAGE
+    pages_per_seq = max(1, hist // PAGE)
+    n_pages = batch * pages_per_seq
+    kc, vc = (torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=device, generator=gen)
+              for _ in range(2))
+    ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=device) for _ in range(2))
+    pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=torch.float16, device=device)  # paired V pools, as the cache
+    vs, vz = pair[..., 0:1], pair[..., 1:2]
+    ks.copy_(torch.rand(ks.shape, device=device, generator=gen) * 0.5 + 0.1)
+    vs.copy_(torch.rand(vs.shape, device=device, generator=gen) * 0.5 + 0.1)
+    kz.copy_(torch.rand(kz.shape, device=device, generator=gen) * 3)
+    vz.copy_(torch.rand(vz.shape, device=device, generator=gen) * 3)
+    table = torch.randperm(n_pages, device=device, generator=gen).reshape(batch, pages_per_seq).to(torch.int32)
+    hist_len = torch.full((batch,), hist, dtype=torch.int32, device=device)
+    k_win, v_win = (torch.randn(batch, H_KV, WIN, D, device=device, generator=gen).to(torch.bfloat16)
+                    for _ in range(2))
+    slot_ids = torch.randperm(batch, device=device, generator=gen).to(torch.int32)
+    win_len = torch.full((batch,), WIN, dtype=torch.int32, device=device)
+    q = torch.randn(batch, H_Q, D, device=device, generator=gen).to(torch.bfloat16)
+    return q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len
+
+
+def time_ms(fn, rep: int = 200) -> tuple[float, float, float]:
+    """(p50, p20, p80) milliseconds of `fn()` by `triton.testing.do_bench` (L2 flushed between calls)."""
+    import triton
+
+    return tuple(float(x) for x in triton.testing.do_bench(fn, rep=rep, quantiles=QUANTILES))
+
+
+def time_graph_ms(fn, rep: int = 200) -> tuple[float, float, float]:
+    """(p50, p20, p80) milliseconds of one replay of `fn` captured in a CUDA graph (host launch time removed)."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, rep)
+
+
+def commit() -> str:
+    """The git commit of the tree the benchmark runs from ('unknown' outside a checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def meta() -> dict:
+    """Where and with what a result was measured."""
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def row(op: str, variant: str, shape: dict, times: tuple[float, float, float], **extra) -> dict:
+    """One result row of the schema."""
+    return {"op": op, "variant": variant, "shape": shape, "p50_ms": times[0], "p20_ms": times[1],
+            "p80_ms": times[2], **extra}
+
+
+def gpu_tag() -> str:
+    return (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu").replace(" ", "_")
+
+
+def write_rows(out_dir: str, name: str, rows: list[dict]) -> Path:
+    """Write `{meta, rows}` to `out_dir/<name>_<GPU>.json` atomically (a temp file renamed into place)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{gpu_tag()}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta(), "rows": rows}, indent=1))
+    os.replace(tmp, path)
+    return path

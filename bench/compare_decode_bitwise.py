@@ -1,0 +1,124 @@
+"""Bit-for-bit comparison of this tree's decode kernels with a reference tree's (default: main at 90430f9, the
+kernel before the int2_decode/ folder) at the README's nine decode points, on a GPU.
+
+    python bench/compare_decode_bitwise.py --out OUT [--old-commit 90430f9 | --old-tree DIR]
+
+The reference tree (a `git archive` of the commit into a temp dir, or a given directory) runs in a subprocess with
+only that tree on its import path; it records its split counts and outputs for the same seeded inputs (built by
+this file's `bench/common.py`, passed by path), then this process runs its own kernels with the same split counts
+and compares with `torch.equal`. Both processes check which `runtime_kernels` they imported, so a tree cannot be
+compared with itself. Writes OUT/decode_bitwise_<GPU>.json (one row per point and launch form) and exits 1 on any
+difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FORMS = {"two_launch": False, "one_launch": True}  # decode_attention(fused=...)
+
+
+def child(old_tree: str, out_dir: str) -> None:
+    """Runs in the reference tree's interpreter: record (splits, o, lse) of every point and launch form."""
+    import torch
+
+    import runtime_kernels
+    from runtime_kernels import attention as A
+
+    where = Path(runtime_kernels.__file__).resolve()
+    if Path(old_tree).resolve() not in where.parents:
+        raise SystemExit(f"reference run imported runtime_kernels from {where}, not from {old_tree}")
+    sys.path.insert(0, str(HERE))
+    import common
+
+    for context, batch in common.DECODE_POINTS:
+        args = common.decode_inputs(batch, context, seed=context + batch)
+        for form, fused in FORMS.items():
+            s_h, s_w = A.decode_num_splits(*args, whole_pages=True, fused=fused)
+            o, lse = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
+            torch.save({"splits": (s_h, s_w), "o": o.cpu(), "lse": lse.cpu()},
+                       os.path.join(out_dir, f"{context}_{batch}_{form}.pt"))
+        del args
+        torch.cuda.empty_cache()
+
+
+def reference_tree(args, tmp: str) -> str:
+    if args.old_tree:
+        return args.old_tree
+    dest = os.path.join(tmp, "old")
+    os.makedirs(dest)
+    repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=HERE,
+                          check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", args.old_commit, "runtime_kernels"], capture_output=True,
+                             cwd=repo, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the results file")
+    p.add_argument("--old-commit", default="90430f9", help="reference commit (git archive of runtime_kernels/)")
+    p.add_argument("--old-tree", help="reference tree (a directory holding runtime_kernels/), instead of a commit")
+    p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._child:
+        child(*args._child)
+        return 0
+
+    import torch
+
+    import runtime_kernels
+    from runtime_kernels import attention as A
+
+    sys.path.insert(0, str(HERE))
+    import common
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = reference_tree(args, tmp)
+        if Path(old).resolve() in Path(runtime_kernels.__file__).resolve().parents:
+            raise SystemExit(f"this process imported runtime_kernels from the reference tree {old}")
+        if not (Path(old) / "runtime_kernels").is_dir():
+            raise SystemExit(f"--old-tree: {old} holds no runtime_kernels/ directory")
+        rec = os.path.join(tmp, "rec")
+        os.makedirs(rec)
+        env = {**os.environ, "PYTHONPATH": old}
+        subprocess.run([sys.executable, __file__, "--out", args.out, "--_child", old, rec], env=env, check=True,
+                       cwd=tmp)
+        rows, same = [], True
+        for context, batch in common.DECODE_POINTS:
+            inputs = common.decode_inputs(batch, context, seed=context + batch)
+            for form, fused in FORMS.items():
+                want = torch.load(os.path.join(rec, f"{context}_{batch}_{form}.pt"))
+                splits = A.decode_num_splits(*inputs, whole_pages=True, fused=fused)
+                o, lse = A.decode_attention(*inputs, whole_pages=True, fused=fused, num_splits=want["splits"][0])
+                equal = torch.equal(o.cpu(), want["o"]) and torch.equal(lse.cpu(), want["lse"])
+                same &= equal
+                rows.append({"op": "decode_attention", "variant": form,
+                             "shape": {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV,
+                                       "d": common.D},
+                             "bit_identical": equal, "splits_reference": list(want["splits"]),
+                             "splits_new_default": list(splits),
+                             "max_abs_diff": float((o.cpu() - want["o"]).abs().max())})
+                print(f"{context:>7} x {batch:<3} {form:<10} bit-identical={equal} splits ref={want['splits']} "
+                      f"new default={splits}", flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_bitwise_{common.gpu_tag()}.json"
+    path.write_text(json.dumps({"meta": {**common.meta(), "reference": args.old_tree or args.old_commit},
+                                "rows": rows}, indent=1))
+    print(f"wrote {path}; all bit-identical: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Decode attention over the three-segment INT2 KV cache: the kernels, their reference and their launcher.
+
+- `naive.py`: readable torch references of the paged layout (the definitions the kernels are tested against).
+- `kernel.py`: the production INT2 history kernel; `fallback.py`: the plain one for inputs it does not take.
+- `window.py`: attention over the BF16 windows; `fused.py`: history and window programs in one grid (with the
+  split reduce in the same launch when asked); `merge.py`: the split reduce.
+- `launch.py`: `DecodeOptions` and the host side (kernel choice, split counts, launches).
+- `pools.py`: torch-only helpers for the paired V scale/zero layout (no Triton import).
+The bit tricks are explained in README.md. Importing this package does not import Triton; `launch` does.
+"""
+
+from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
+
+__all__ = ["alloc_paired_v_pools", "paired_v_pools"]

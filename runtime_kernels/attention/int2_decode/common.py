@@ -1,0 +1,50 @@
+"""Triton helpers shared by every decode kernel of this folder: chunk bounds, the softmax epilogue, a portable dot."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1, read once: Triton itself reads it at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr, INTERP: tl.constexpr):
+    """`a [M, K] @ b [K, N]` with fp32 accumulation; exact fp32 products when the inputs are fp32.
+
+    INTERP: the Triton CPU interpreter multiplies bfloat16 tiles as their raw uint16 bits, so there the (exactly
+    representable) operands are widened to fp32 first; same products, same accumulation type.
+    """
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_finish(m_i, l_i):
+    """End of an online softmax over a chunk, log2-scaled running max m_i and sum l_i -> (1 / l, natural-log lse).
+    An empty chunk (l = 0) gives 1 / l = 0 (so o = 0) and lse = -inf (the reduce gives it zero weight)."""
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return inv, lse
+
+
+@triton.jit
+def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
+    """Tokens `[start, end)` of split sp of n_split of sequence b (length at `len_ptr + b`): tile-aligned chunks, so
+    tiles never straddle pages when BLOCK_N divides the page size."""
+    L = tl.load(len_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    return start, tl.minimum(start + chunk, L)

@@ -1,0 +1,388 @@
+"""Host side of the INT2 decode kernels: the options object, which kernel takes a call, split counts, launches.
+
+Paths (`decode`):
+- production grid (`fused.py`): fp16/bf16 queries and windows, one scale group per row, int16-viewable code rows,
+  page size a multiple of the tile. Two launches (history + window programs, then `merge.reduce_splits_triton`),
+  or one with `DecodeOptions.fused` (the split reduce by the last program of each KV head).
+- otherwise three launches: the history kernel (`kernel.py`, or `fallback.py` for the inputs it does not take), the
+  window kernel (`window.py`), the reduce.
+Nothing here reads a module-level switch: every choice is an input or a field of `DecodeOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime_kernels.attention.int2_decode import fallback, fused, kernel, merge, window
+from runtime_kernels.attention.int2_decode.common import interpreting
+from runtime_kernels.attention.int2_decode.pools import paired_v_pools
+from runtime_kernels.launch_util import next_pow2
+
+TILE_TOKENS = 64  # the production kernel's whole-page tile: four 16-token MMA pieces
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Launch choices of the decode kernels (frozen, hashable: part of the compiled-kernel cache key).
+
+    - block_n: history tokens per tile (divides the page size in the production kernel).
+    - num_warps, num_stages: launch shape of the history programs (1 warp was fastest wherever decode is not
+      launch-bound on an H200; `docs/kernels.md`).
+    - fused: one launch with the split reduce inside (eager callers) instead of two (CUDA graphs).
+    - waves: whole waves of resident programs per SM that the history splits fill (production kernel on a GPU).
+    - programs_per_sm: the fixed split rule where the kernel's occupancy is not known (fallback, interpreter).
+    - min_split_tokens: never a history chunk shorter than this.
+    - window_block, window_split_tokens: window tile and tokens per window program in the production grid.
+    """
+
+    block_n: int = TILE_TOKENS
+    num_warps: int = 1
+    num_stages: int = 3
+    fused: bool = False
+    waves: int = 1
+    programs_per_sm: int = 32
+    min_split_tokens: int = 4 * TILE_TOKENS
+    window_block: int = 16
+    window_split_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps", "num_stages", "waves", "programs_per_sm", "min_split_tokens",
+                     "window_block", "window_split_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"DecodeOptions.{name}: expected a positive integer, got {v!r}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeOptions.block_n: expected a power of two >= 16, got {self.block_n}")
+
+
+DEFAULT_OPTIONS = DecodeOptions()
+
+_SM_COUNT: dict[int, int] = {}  # device index -> SM count (a cache, not a switch)
+_SLOTS: dict[tuple, int] = {}  # compiled-kernel key -> programs resident per SM
+
+
+# ----------------------------------------------------------------------------------------------- split counts
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 under the interpreter (a few splits, enough to exercise the reduce)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def max_chunks(max_tokens: int, block_n: int, min_tokens: int) -> int:
+    """The most splits a sequence of `max_tokens` takes: no chunk shorter than max(min_tokens, block_n)."""
+    return max(1, -(-max_tokens // max(min_tokens, block_n)))
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, programs_per_sm: int,
+                       block_n: int, min_tokens: int) -> int:
+    """Splits per (sequence, KV head) so that about `programs_per_sm` programs run per SM, never a chunk shorter
+    than `max(min_tokens, block_n)` tokens. From shapes only (capacity of the block table): never syncs the GPU."""
+    want = -(-programs_per_sm * sm_count(device) // max(1, batch * kv_heads))
+    return max(1, min(max_chunks(max_tokens, block_n, min_tokens), want))
+
+
+def splits_for_slots(q, k_codes, block_table, slots: int | None, opts: DecodeOptions) -> int:
+    """History splits: `opts.waves` whole waves of `slots` programs per SM, or the fixed rule where slots is None."""
+    b, h_kv, max_tokens = q.shape[0], k_codes.shape[1], block_table.shape[1] * k_codes.shape[2]
+    if slots is None:
+        return default_num_splits(b, h_kv, max_tokens, q.device, opts.programs_per_sm, opts.block_n,
+                                  opts.min_split_tokens)
+    waves = int(opts.waves * slots * sm_count(q.device)) // max(1, b * h_kv)
+    return max(1, min(max_chunks(max_tokens, opts.block_n, opts.min_split_tokens), waves))
+
+
+def window_num_splits(q, k_win, opts: DecodeOptions) -> int:
+    """Window splits of the three-launch path (tiles of block_n rows)."""
+    return default_num_splits(q.shape[0], k_win.shape[1], k_win.shape[2], q.device, 8, opts.block_n, opts.block_n)
+
+
+def grid_window_splits(win_capacity: int, opts: DecodeOptions) -> int:
+    """Window programs per (sequence, KV head) in the production grid: `window_split_tokens` rows each."""
+    return max(1, -(-win_capacity // opts.window_split_tokens))
+
+
+def programs_per_sm_limit(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
+                          smem_per_sm: int = 233472, threads_per_sm: int = 2048, max_blocks: int = 32) -> int:
+    """Programs of a compiled kernel that one SM holds at once: the tightest of registers, shared memory (1 KiB
+    reserved per block), threads and the block limit. Defaults: Hopper. Registers follow CUDA's occupancy rules:
+    allocated per warp in units of 256, and a warp's registers come from one of the SM's 4 sub-partitions, so
+    warps per SM = 4 * floor(regs_per_sm / 4 / regs_per_warp) (136 registers: 12 warps, not 15)."""
+    regs_per_warp = -(-max(1, n_regs) * 32 // 256) * 256
+    by_regs = 4 * (regs_per_sm // 4 // regs_per_warp) // num_warps
+    by_smem = smem_per_sm // (shared_bytes + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(max_blocks, by_regs, by_smem, by_threads))
+
+
+def _slots_of(compiled, num_warps: int, device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    if getattr(compiled, "n_regs", None) is None:  # a kernel compiled by `warmup` loads (and counts) lazily
+        compiled._init_handles()
+    return programs_per_sm_limit(int(compiled.n_regs), int(compiled.metadata.shared), num_warps,
+                                 int(getattr(props, "regs_per_multiprocessor", 65536)),
+                                 int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+                                 int(getattr(props, "max_threads_per_multi_processor", 2048)))
+
+
+def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
+    """Programs per SM of the kernel that `compile_only()` compiles (without launching), once per `key`."""
+    if key not in _SLOTS:
+        _SLOTS[key] = _slots_of(compile_only(), num_warps, device)
+    return _SLOTS[key]
+
+
+# ----------------------------------------------------------------------------------------------- kernel choice
+def production_ok(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> bool:
+    """The production kernel takes half queries, one scale/zero group per row, int16-viewable code rows (even byte
+    counts and strides) and pages made of whole tiles."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and k_scale.shape[3] == 1 and k_codes.shape[3] % 2 == 0
+            and k_codes.shape[2] % opts.block_n == 0
+            and all(t.stride(3) == 1 and all(st % 2 == 0 for st in t.stride()[:3]) and t.storage_offset() % 2 == 0
+                    for t in (k_codes, v_codes)))
+
+
+def grid_ok(q, k_codes, k_scale, v_codes, k_win, opts: DecodeOptions) -> bool:
+    """The production grid (history + window programs) also needs half-precision windows."""
+    return k_win.dtype in (torch.float16, torch.bfloat16) and production_ok(q, k_codes, k_scale, v_codes, opts)
+
+
+def int16_views(k_codes, v_codes) -> tuple:
+    """The code pools as the production kernel reads them: int16 words (8 codes each), strides in int16 units."""
+    return k_codes.view(torch.int16), v_codes.view(torch.int16)
+
+
+def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
+                     centered: bool = False) -> dict:
+    """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid)."""
+    u = k_codes.shape[3] // 2  # int16 words per row
+    u_pad = max(16, next_pow2(u))
+    group = q.shape[1] // k_codes.shape[1]
+    full = bool(whole_pages)
+    pieces = full and opts.block_n == TILE_TOKENS
+    return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=u_pad, P=k_codes.shape[2],
+                BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
+                VPAIR=pieces and paired_v_pools(v_scale, v_zero),
+                # int8 score MMAs need 32 or 64 code bytes per row (head_dim 128 or 256)
+                KI8=pieces and u == u_pad and (2 * u) % 32 == 0 and 2 * u <= 64, CENTER=bool(centered))
+
+
+def pool_strides(q, kc, k_scale, vc, v_scale, block_table) -> tuple:
+    """Strides of q, the code pools (in units of the view passed: uint8 or int16), the scale pools (zeros share them)
+    and the block table, in the order of the INT2 kernels' arguments."""
+    return (q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+            block_table.stride(0))
+
+
+def partial_strides(o_part, lse_part) -> tuple:
+    """Strides of the split buffers `o_part [B, H_q, S, d]`, `lse_part [B, H_q, S]` (the last dims contiguous)."""
+    return (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+
+
+def _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                  sm_scale: float, split_offset: int, k_mean, v_mean) -> tuple:
+    k_mean, v_mean = _mean_ptrs(q, k_mean, v_mean)
+    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part, k_mean, v_mean,
+            sm_scale * 1.4426950408889634, split_offset,
+            *pool_strides(q, kc, k_scale, vc, v_scale, block_table), *partial_strides(o_part, lse_part))
+
+
+def _mean_ptrs(q, k_mean, v_mean) -> tuple:
+    """The centered cache's means as kernel arguments (q stands in as an unused pointer when uncentered)."""
+    return (q, q) if k_mean is None else (k_mean, v_mean)
+
+
+def chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_len, whole_pages: bool,
+              opts: DecodeOptions, centered: bool = False) -> tuple:
+    """Everything that selects a different compiled history chunk: constexprs, pool strides (the code pools' in
+    bytes), options, dtypes and Triton's specialisation of the block-table stride."""
+    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, centered)
+    return (q.device.index, q.dtype, opts, block_table.dtype, hist_len.dtype, block_table.stride(0) % 16 == 0,
+            pool_strides(q, k_codes, k_scale, v_codes, v_scale, block_table)[2:14], tuple(constexprs.values()))
+
+
+# ----------------------------------------------------------------------------------------------- launches
+def launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                   sm_scale: float, num_splits: int, split_offset: int, whole_pages: bool, opts: DecodeOptions,
+                   warmup: bool = False, k_mean=None, v_mean=None):
+    """Write the history partials into splits `[split_offset, split_offset + num_splits)` of `o_part [B, H_q, S, d]`
+    and `lse_part [B, H_q, S]` (fp32): the production kernel where it applies, else the fallback. Inputs are
+    validated by the functional API. `whole_pages` promises hist_len % page_size == 0 (a partial last page would be
+    ignored by the production kernel). k_mean, v_mean: fp32 `[H_kv, d]` contiguous means of a centered cache, or
+    None. Returns Triton's compiled-kernel handle (`warmup`: compile only)."""
+    b, h_q, d = q.shape
+    grid = (b, k_codes.shape[1], num_splits)
+    if production_ok(q, k_codes, k_scale, v_codes, opts):
+        kc, vc = int16_views(k_codes, v_codes)
+        args = _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                             sm_scale, split_offset, k_mean, v_mean)
+        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
+                  num_warps=opts.num_warps,
+                  num_stages=opts.num_stages)
+        if warmup:
+            return kernel._int2_decode_kernel.warmup(*args, grid=grid, **kw)
+        return kernel._int2_decode_kernel[grid](*args, **kw)
+    if warmup:
+        raise ValueError("launch_history: warmup applies to the production kernel only")
+    group = h_q // k_codes.shape[1]
+    ng = k_scale.shape[3]
+    args = _history_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
+                         lse_part, sm_scale, split_offset, k_mean, v_mean)
+    return fallback._int2_decode_fallback_kernel[grid](
+        *args, GROUP=group, G_PAD=max(16, next_pow2(group)), Q=d // 4, Q_PAD=max(16, next_pow2(d // 4)),
+        GS=d // ng, NG=ng, P=k_codes.shape[2], BLOCK_N=opts.block_n, FP32=q.dtype.itemsize == 4,
+        INTERP=interpreting(), KFOLD=ng == 1 and q.dtype == torch.bfloat16, CENTER=k_mean is not None,
+        num_warps=opts.num_warps, num_stages=opts.num_stages)
+
+
+def history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                       whole_pages: bool, opts: DecodeOptions) -> int:
+    """History splits of the three-launch path: whole waves of the production kernel's compiled occupancy on a GPU,
+    the fixed rule elsewhere. From shapes and the compiled kernel only (no GPU sync)."""
+    slots = None
+    if q.device.type == "cuda" and not interpreting() and production_ok(q, k_codes, k_scale, v_codes, opts):
+        def compile_only():
+            o_part, lse_part = _partials(q, 3)
+            return launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                  o_part, lse_part, 1.0, 3, 0, whole_pages, opts, warmup=True)
+
+        slots = cached_slots(("int2",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table,
+                                                   hist_len, whole_pages, opts),
+                             compile_only, opts.num_warps, q.device)
+    return splits_for_slots(q, k_codes, block_table, slots, opts)
+
+
+def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h_q, d = q.shape
+    return (torch.empty(b, h_q, splits, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, h_q, splits, dtype=torch.float32, device=q.device))
+
+
+def _reduce_block(group: int, d: int, total: int) -> int:
+    """Splits per round of the in-kernel reduce: `[GP, S_BLOCK, D_PAD]` fp32 at 64 registers per lane, so the reduce
+    does not raise the kernel's register count."""
+    gp = max(4, next_pow2(group))
+    return max(1, min(next_pow2(total), 2048 // (gp * max(16, next_pow2(d)))))
+
+
+def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
+                slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int, whole_pages: bool,
+                opts: DecodeOptions, warmup: bool = False, k_mean=None, v_mean=None):
+    """Run the production grid (`fused._decode_grid_kernel`; `grid_ok` must hold). opts.fused: one launch ->
+    (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`), counters int32 `[>= B * H_kv]`, all zero (left zero). Else
+    -> the partials (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`, S = s_hist + s_win) for
+    `merge.reduce_splits_triton`; counters unused (may be None). `warmup`: compile only, return the kernel."""
+    b, h_q, d = q.shape
+    h_kv = k_codes.shape[1]
+    group = h_q // h_kv
+    total = s_hist + s_win
+    o_part, lse_part = _partials(q, total)
+    o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if opts.fused else o_part
+    lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device) if opts.fused else lse_part
+    kc, vc = int16_views(k_codes, v_codes)
+    if counters is None:  # the two-launch form never touches them
+        counters = hist_len
+    km, vm = _mean_ptrs(q, k_mean, v_mean)
+    args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
+            o_part, lse_part, o, lse, counters, km, vm,
+            sm_scale * 1.4426950408889634, s_hist,
+            *pool_strides(q, kc, k_scale, vc, v_scale, block_table),
+            k_win.stride(0), k_win.stride(1), k_win.stride(2),
+            v_win.stride(0), v_win.stride(1), v_win.stride(2),
+            *partial_strides(o_part, lse_part))
+    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
+              NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
+              BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
+              S_MAX=next_pow2(total), MERGE=bool(opts.fused),
+              num_warps=opts.num_warps, num_stages=opts.num_stages)
+    grid = (b, h_kv, total)
+    if warmup:
+        return fused._decode_grid_kernel.warmup(*args, grid=grid, **kw)
+    fused._decode_grid_kernel[grid](*args, **kw)
+    return (o, lse) if opts.fused else (o_part, lse_part)
+
+
+def grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
+                    slot_ids, win_len, whole_pages: bool, opts: DecodeOptions) -> tuple[int, int]:
+    """(history, window) splits of the production grid: whole waves of its own compiled kernel on a GPU."""
+    slots = None
+    if q.device.type == "cuda" and not interpreting():
+        def compile_only():
+            counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
+            return launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
+                               v_win, slot_ids, win_len, counters, 1.0, 3, 1, whole_pages, opts, warmup=True)
+
+        key = (("grid",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_len,
+                                     whole_pages, opts) + (k_win.dtype, slot_ids.dtype, win_len.dtype))
+        slots = cached_slots(key, compile_only, opts.num_warps, q.device)
+    return (splits_for_slots(q, k_codes, block_table, slots, opts), grid_window_splits(k_win.shape[2], opts))
+
+
+def history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, sm_scale: float,
+            num_splits: int | None, whole_pages: bool, opts: DecodeOptions, k_mean=None, v_mean=None):
+    """History-only decode attention -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
+    splits = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                              hist_len, whole_pages, opts)
+    o_part, lse_part = _partials(q, splits)
+    launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                   sm_scale, splits, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
+    return merge.reduce_splits_triton(o_part, lse_part)
+
+
+def windows(q, k_win, v_win, slot_ids, win_len, sm_scale: float, num_splits: int | None, opts: DecodeOptions):
+    """Window-only decode attention -> (o, lse)."""
+    splits = num_splits or window_num_splits(q, k_win, opts)
+    o_part, lse_part = _partials(q, splits)
+    window.launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale, splits, 0,
+                                opts.block_n)
+    return merge.reduce_splits_triton(o_part, lse_part)
+
+
+def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
+           win_len, sm_scale: float, num_splits: int | None, window_splits: int | None, whole_pages: bool,
+           counters: torch.Tensor | None, opts: DecodeOptions, k_mean=None, v_mean=None):
+    """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
+    b = q.shape[0]
+    h_kv = k_codes.shape[1]
+    if (opts.fused or not window_splits) and grid_ok(q, k_codes, k_scale, v_codes, k_win, opts):
+        if not opts.fused:
+            counters = None
+        elif counters is None:
+            counters = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device)
+        if num_splits:
+            s_h, s_w = num_splits, grid_window_splits(k_win.shape[2], opts)
+        else:
+            s_h, s_w = grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                                       k_win, v_win, slot_ids, win_len, whole_pages, opts)
+        out = launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
+                          v_win, slot_ids, win_len, counters, sm_scale, s_h, s_w, whole_pages, opts,
+                          k_mean=k_mean, v_mean=v_mean)
+        return out if opts.fused else merge.reduce_splits_triton(*out)
+    s_h = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                           hist_len, whole_pages, opts)
+    s_w = window_splits or window_num_splits(q, k_win, opts)
+    o_part, lse_part = _partials(q, s_h + s_w)
+    launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
+                   sm_scale, s_h, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
+    window.launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale, s_w, s_h,
+                                opts.block_n)
+    return merge.reduce_splits_triton(o_part, lse_part)
+
+
+def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
+                      slot_ids, win_len, whole_pages: bool, opts: DecodeOptions) -> tuple[int, int]:
+    """(history splits, window splits) that `decode` launches by default."""
+    if grid_ok(q, k_codes, k_scale, v_codes, k_win, opts):
+        return grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
+                               v_win, slot_ids, win_len, whole_pages, opts)
+    return (history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
+                               whole_pages, opts), window_num_splits(q, k_win, opts))

@@ -1,0 +1,78 @@
+"""Shared builders and error measures of the kernel tests (decode attention, cache, GPU tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime_kernels.attention import naive as attn_naive
+from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.quant import naive as qnaive
+
+
+def rel_rmse(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-3) -> float:
+    """RMSE of the difference over max(RMS of the reference, floor)."""
+    err = (got.float() - want.float()).pow(2).mean().sqrt()
+    return (err / want.float().pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+def assert_lse_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    """Same empty rows (-inf) and finite lse within atol."""
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], rtol=0, atol=atol), (got[fin] - want[fin]).abs().max()
+
+
+def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, device="cpu"):
+    """Random INT2 pools + a shuffled block table for sequences of the given history lengths.
+
+    Returns codes/scale/zero for K and V (`[num_pages, H, P, *]`), block_table int32 `[B, max_pages]`,
+    hist_len int32 `[B]`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    g = group_size or d
+    max_pages = max(1, max(-(-n // page) for n in lens))
+    n_pages = len(lens) * max_pages + extra_pages
+
+    def pool():
+        x = torch.randn(n_pages * page, h_kv, d, generator=gen) * torch.exp(
+            0.5 * torch.randn(n_pages * page, h_kv, 1, generator=gen))
+        c, s, z = qnaive.quantize_pack(x, None, None, g)
+        return [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous().to(device) for t in (c, s, z)]
+
+    kc, ks, kz = pool()
+    vc, vs, vz = pool()
+    table = torch.randperm(n_pages, generator=gen)[: len(lens) * max_pages].reshape(len(lens), max_pages)
+    return (kc, ks, kz, vc, vs, vz, table.to(torch.int32).to(device),
+            torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def make_q(b, h_q, d, dtype, seed=1, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h_q, d, generator=gen) * 1.5).to(dtype).to(device)
+
+
+def make_window(n_slots, h_kv, w, d, dtype, seed=4, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_slots, h_kv, w, d, generator=gen).to(dtype).to(device),
+            torch.randn(n_slots, h_kv, w, d, generator=gen).to(dtype).to(device))
+
+
+def dense_reference(q, pool, lens, k_win=None, v_win=None, slot_ids=None, win_len=None):
+    """Per sequence, in fp32: one softmax over [dequantized history ++ valid window rows] -> (o `[B, H_q, d]`,
+    lse `[B, H_q]`); (0, -inf) for a sequence with nothing to attend to. lens: the history tokens to take."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], int(lens[b]))
+        v = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], int(lens[b]))
+        if k_win is not None:
+            n_w = int(win_len[b])
+            k = torch.cat([k, k_win[int(slot_ids[b]), :, :n_w].float()], dim=1)
+            v = torch.cat([v, v_win[int(slot_ids[b]), :, :n_w].float()], dim=1)
+        if k.shape[1] == 0:
+            outs.append(torch.zeros(1, q.shape[1], q.shape[2], device=q.device))
+            lses.append(torch.full((1, q.shape[1]), float("-inf"), device=q.device))
+            continue
+        o, lse = attn_naive.segment_attention(q[b:b + 1].float(), k[None], v[None])
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,61 @@
+"""The decode kernels reproduce, bit for bit, the outputs that the pre-refactor default kernel gave.
+
+`tests/data/decode_reference.safetensors` holds inputs and outputs recorded under TRITON_INTERPRET=1 by
+`tests/data/make_decode_reference.py` (commit b5e2c6b, running the kernels of main at 90430f9, i.e. before the
+kernel folder was rebuilt). The cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8 and fp16 scores,
+paired and separate V pools) and a masked tail, one and several splits, the one- and two-launch grid, history-only
+calls, empty histories and the fallback kernel (fp32 queries, 32-channel scale groups). On the GPU the same claim
+is checked by `bench/compare_decode_bitwise.py` at the README's decode points.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from runtime_kernels import attention as A
+from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
+
+pytestmark = pytest.mark.interpreter
+
+DATA = Path(__file__).parent / "data" / "decode_reference.safetensors"
+POOL = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "block_table", "hist_len")
+
+
+def _cases() -> dict:
+    with safe_open(DATA, "pt") as f:
+        return json.loads(f.metadata()["cases"])
+
+
+CASES = _cases()
+TENSORS = load_file(DATA)
+
+
+def run_case(name: str, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    t = {k.split(".", 1)[1]: v for k, v in TENSORS.items() if k.startswith(name + ".")}
+    if meta["paired_v"]:
+        vs, vz = alloc_paired_v_pools(*t["v_scale"].shape[:3], t["v_scale"].device)
+        vs.copy_(t["v_scale"])
+        vz.copy_(t["v_zero"])
+        assert paired_v_pools(vs, vz)
+        t["v_scale"], t["v_zero"] = vs, vz
+    pool = [t[k] for k in POOL]
+    if meta["mode"] == "history":
+        return A.int2_decode_attention(t["q"], *pool, backend="triton", num_splits=meta["splits"],
+                                       whole_pages=meta["whole_pages"])
+    return A.decode_attention(t["q"], *pool, t["k_win"], t["v_win"], t["slot_ids"], t["win_len"], backend="triton",
+                              num_splits=meta["splits"], whole_pages=meta["whole_pages"],
+                              fused=meta["mode"] == "fused")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_decode_outputs_are_bit_identical_to_the_recorded_kernel(name):
+    o, lse = run_case(name, CASES[name])
+    assert torch.equal(o, TENSORS[f"{name}.o"]), f"{name}: o differs, max |diff| " \
+        f"{(o - TENSORS[f'{name}.o']).abs().max().item():.3e}"
+    assert torch.equal(lse, TENSORS[f"{name}.lse"])
