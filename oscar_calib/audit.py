@@ -285,55 +285,10 @@ def _badness(row: dict) -> tuple:
 
 
 def write_heatmaps(report: dict, directory: str | Path) -> list[Path]:
-    """One PNG per metric family, each a layer x head heatmap per panel. Returns the files written."""
-    import matplotlib
+    """The audit figures (`oscar_calib.audit_plots.write_audit_plots`): summary plus one PNG per family."""
+    from oscar_calib.audit_plots import write_audit_plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    rows = report["heads"]
-    layers = sorted({r["layer"] for r in rows})
-    heads = sorted({r["head"] for r in rows})
-    families = {
-        "clip_ratios": ["k_clip", "v_clip"],
-        "spectrum": ["k_top1_share", "v_top1_share", "k_effective_rank", "v_effective_rank"],
-        "kurtosis": ["k_kurtosis_before", "k_kurtosis_after", "v_kurtosis_before", "v_kurtosis_after"],
-        "channel_ratio": ["k_channel_ratio_before", "k_channel_ratio_after", "v_channel_ratio_before",
-                          "v_channel_ratio_after"],
-        "quant_error": ["k_err_naive", "k_err_hadamard", "k_err_oscar", "v_err_naive", "v_err_hadamard",
-                        "v_err_oscar"],
-    }
-    written = []
-    for fam, keys in families.items():
-        keys = [k for k in keys if any(k in r for r in rows)]
-        if not keys:
-            continue
-        cols = min(3, len(keys)) if len(keys) != 4 else 2
-        nrows = -(-len(keys) // cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 0.35 * len(layers) * nrows + 1.5),
-                                 squeeze=False)
-        for ax, key in zip(axes.flat, keys, strict=False):  # more panels than metrics
-            grid = torch.full((len(layers), len(heads)), float("nan"))
-            for r in rows:
-                if key in r:
-                    grid[layers.index(r["layer"]), heads.index(r["head"])] = r[key]
-            im = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis")
-            ax.set_title(key, fontsize=9)
-            ax.set_xlabel("KV head")
-            ax.set_ylabel("layer")
-            ax.set_yticks(range(len(layers)), layers, fontsize=7)
-            ax.set_xticks(range(len(heads)), heads, fontsize=7)
-            fig.colorbar(im, ax=ax)
-        for ax in list(axes.flat)[len(keys):]:
-            ax.axis("off")
-        fig.tight_layout()
-        path = directory / f"{fam}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+    return write_audit_plots(report, directory)
 
 
 __all__ = [

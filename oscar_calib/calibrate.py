@@ -29,6 +29,7 @@ from oscar_calib.clipfit import ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.placement import input_device
+from oscar_calib.progress import StepFn
 from oscar_calib.solve import solve_rotations
 from oscar_calib.stats import LayerStats
 from oscar_calib.stats_file import CalibrationStatistics, make_provenance
@@ -138,10 +139,15 @@ def o_proj_weights(model, layer_ids: list[int]) -> dict[int, torch.Tensor] | Non
 
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
              no_clip: bool = False, means: tuple[torch.Tensor, torch.Tensor] | None = None,
-             o_weights: dict[int, torch.Tensor] | None = None) -> dict[int, ClipFit]:
-    """Clip fit of every layer; `means` `([A, H_kv, d], [A, H_kv, d])` for a centered cache (None = uncentered)."""
+             o_weights: dict[int, torch.Tensor] | None = None,
+             tick: Callable[[], None] | None = None) -> dict[int, ClipFit]:
+    """Clip fit of every layer; `means` `([A, H_kv, d], [A, H_kv, d])` for a centered cache (None = uncentered).
+
+    `tick` is called once per layer (progress)."""
     fits = {}
     for a, layer in enumerate(layer_ids):
+        if tick is not None:
+            tick()
         keys, values, queries, positions = session.holdout[layer].stacked()
         dev = keys.device
         k_mean = means[0][a].to(dev) if means is not None and settings.center_keys else None
@@ -166,8 +172,8 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
                                 holdout_ids: torch.Tensor | None = None, batch_size: int = 1,
                                 holdout_queries: int = 256, seed: int = 0, compare_alternatives: bool = True,
                                 progress: ProgressFn | None = None, model_id: str | None = None,
-                                model_revision: str | None = None,
-                                calibration_meta: dict | None = None) -> tuple[OscarArtifact, CalibrationReport]:
+                                model_revision: str | None = None, calibration_meta: dict | None = None,
+                                fit_progress: StepFn | None = None) -> tuple[OscarArtifact, CalibrationReport]:
     """Calibrate `model` on token ids: `capture_statistics`, then `artifact_from_statistics`.
 
     Args:
@@ -183,7 +189,8 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
     statistics = capture_statistics(model, input_ids, holdout_ids, batch_size=batch_size,
                                     holdout_queries=holdout_queries, seed=seed, progress=progress, model_id=model_id,
                                     model_revision=model_revision, calibration_meta=calibration_meta)
-    return artifact_from_statistics(statistics, settings, compare_alternatives=compare_alternatives)
+    return artifact_from_statistics(statistics, settings, compare_alternatives=compare_alternatives,
+                                    fit_progress=fit_progress)
 
 
 def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
@@ -278,13 +285,15 @@ def one_cpu_thread() -> Iterator[None]:
 
 
 def artifact_from_statistics(statistics: CalibrationStatistics, settings: SolverSettings | None = None, *,
-                             compare_alternatives: bool = True,
-                             device: torch.device | str | None = None) -> tuple[OscarArtifact, CalibrationReport]:
+                             compare_alternatives: bool = True, device: torch.device | str | None = None,
+                             fit_progress: StepFn | None = None) -> tuple[OscarArtifact, CalibrationReport]:
     """Solve rotations and fit clip ratios from statistics (no model): the one path of `run` and `refit`.
 
     Args:
         device: where the held-out clip fit runs (default: where the held-out capture already is). The same
             statistics and settings on the same kind of device give the same bytes.
+        fit_progress: called `(what, layers done, layers in total)` as the clip fits (and the comparison of
+            alternatives) go.
     """
     settings = settings or SolverSettings()
     prov = statistics.provenance
@@ -298,6 +307,16 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     timings = dict(statistics.timings)
 
     t0 = time.perf_counter()
+    # One clip fit pass per layer, plus five per layer for the alternatives compared (3 variants, Hadamard, none).
+    total, done = len(layer_ids) * (6 if compare_alternatives else 1), [0]
+
+    def tick(what: str) -> Callable[[], None]:
+        def step() -> None:
+            if fit_progress is not None:
+                fit_progress(what, done[0], total)
+            done[0] += 1
+        return step
+
     with one_cpu_thread():  # the same bits whatever the thread count (torchrun sets OMP_NUM_THREADS=1 per rank)
         k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target,
                                                 settings.granularity)
@@ -306,10 +325,14 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     if settings.key_clip_objective == "block_out" and o_weights is None:
         raise InputError("--key-objective block_out: the statistics hold no o_proj weights (the model has no "
                          "`self_attn.o_proj` in its decoder layers); use --key-objective out_err")
-    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights)
+    fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights,
+                    tick=tick("clip fit"))
     comparison = {}
     if compare_alternatives:
-        comparison = _compare_alternatives(session, layer_ids, settings, fits, means, o_weights)
+        comparison = _compare_alternatives(session, layer_ids, settings, fits, means, o_weights,
+                                           tick("alternatives"))
+    if fit_progress is not None:
+        fit_progress("done", total, total)
     timings["solve_s"] = time.perf_counter() - t0
 
     k_ratio = torch.stack([fits[i].k_ratio for i in layer_ids])
@@ -349,7 +372,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
 
 
 def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit],
-                          means=None, o_weights=None) -> dict:
+                          means=None, o_weights=None, tick: Callable[[], None] | None = None) -> dict:
     """Held-out errors (best clip per head) of the other value target and granularity, for the record.
 
     This is how the defaults were decided: the alternative with the lower attention-aware error wins.
@@ -365,18 +388,18 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
             if name in out:
                 continue
             k_rot, _, v_rot, _ = _solve_all(session, layer_ids, settings, vt, gran)
-            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights)
+            fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights, tick=tick)
             out[name] = {"key": best(fits, "k"), "value": best(fits, "v")}
     # Baseline without the eigen-basis (Hadamard only) for context.
     from oscar_calib.solve import hadamard
 
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
     had = hadamard(d).float().expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, had, had, settings, means=means, o_weights=o_weights)
+    fits = _fit_all(session, layer_ids, had, had, settings, means=means, o_weights=o_weights, tick=tick)
     out["hadamard_only"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     eye = torch.eye(d).expand(len(layer_ids), h_kv, d, d)
     fits = _fit_all(session, layer_ids, eye, eye, settings.model_copy(update={"center_keys": False,
-                    "center_values": False}), no_clip=True, o_weights=o_weights)
+                    "center_values": False}), no_clip=True, o_weights=o_weights, tick=tick)
     out["no_rotation_no_clip"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     return out
 

@@ -1,4 +1,8 @@
-"""Known errors: each becomes one clear message on stderr and a documented exit code (no traceback)."""
+"""Known errors: each becomes one clear message on stderr (no traceback).
+
+These types say what went wrong; the exit code of each kind of failure is decided in one place, the
+CLI's table (`oscar_calib.cli.exit_codes`), not here.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +10,18 @@ from __future__ import annotations
 class OscarError(Exception):
     """A user-facing error. The message names the input, the field and what was expected."""
 
-    exit_code = 1
-
 
 class InputError(OscarError):
-    """Bad command-line input, model, dataset or output path (exit 2)."""
-
-    exit_code = 2
+    """Bad command-line input, model, dataset or output path."""
 
 
 class CaptureError(OscarError):
-    """Something went wrong while capturing activations (NaN/Inf, unsupported attention) (exit 3)."""
-
-    exit_code = 3
+    """Something went wrong while capturing activations (NaN/Inf, unsupported attention)."""
 
 
 class IntegrityError(OscarError):
-    """A downloaded or stored file does not match its recorded hash or the contract (exit 4)."""
-
-    exit_code = 4
+    """A downloaded or stored file does not match its recorded hash or the contract."""
 
 
 class HubError(OscarError):
-    """A Hub operation was refused (moving a tag, racing publisher, missing release) (exit 5)."""
-
-    exit_code = 5
-
-
-EXIT_CODES = {
-    0: "success",
-    1: "other known error",
-    2: "bad input (model, dataset, option, output path, manifest, artifact for another model, "
-       "unsafe repo id / file name / revision, unreadable or malformed reference RotationZoo file)",
-    3: "capture failed (unsupported attention, NaN/Inf in activations)",
-    4: "integrity check failed (sha256 mismatch, artifact breaks the contract)",
-    5: "hub refused the operation (tag exists with other content, concurrent publisher, unknown release, "
-       "bad credentials, release not in the cache while offline)",
-}
+    """A Hub operation was refused (moving a tag, racing publisher, missing release)."""

@@ -135,15 +135,6 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
     except json.JSONDecodeError:
         calib = metadata.get("calibration")
     lines = [
-        "---",
-        f"base_model: {json.dumps(model_id)}",
-        "library_name: oscar-calib",
-        "tags:",
-        "- oscar-kv",
-        "- kv-cache-quantization",
-        "- int2",
-        "---",
-        "",
         f"# OSCAR 2-bit KV-cache rotations for {model_id} ({calibration}, {version})",
         "",
         "## Base model",
@@ -191,7 +182,10 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
         lines += ["", "## Calibration run report", ""]
         lines += [("#" + line) if line.startswith("#") else line for line in body.splitlines()]
     lines.append("")
-    return "\n".join(lines)
+    from oscar_calib.model_card import card_metadata, with_metadata
+
+    dataset = calib.get("dataset") if isinstance(calib, dict) else None
+    return with_metadata(card_metadata(model_id, dataset), "\n".join(lines))
 
 
 def _hub_error(exc: Exception, doing: str) -> HubError:
@@ -268,8 +262,9 @@ class _Remote:
 
 def push(directory: str | Path, repo: str, *, version: str | None = None, calibration: str = "default",
          private: bool = False, token: str | None = None, endpoint: str | None = None,
-         recipe: dict[str, Any] | None = None) -> PushResult:
-    """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN)."""
+         recipe: dict[str, Any] | None = None, commit_message: str | None = None) -> PushResult:
+    """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN).
+    `commit_message` replaces the default '<model_id>/<calibration>: release vN'."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.utils import HfHubHTTPError
 
@@ -339,7 +334,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             keep = {f"{base}/{n}" for n in [*files, CARD_FILENAME, RELEASE_FILENAME]}
             ops += [CommitOperationDelete(p) for p in remote.files_under(base, head) if p not in keep]
             logger.info("committing %d file(s) to %s on top of %s", len(ops), repo, head[:12])
-            info = remote.api.create_commit(repo, ops, commit_message=f"{base}: release {version}",
+            info = remote.api.create_commit(repo, ops, commit_message=commit_message or f"{base}: release {version}",
                                             commit_description=f"OSCAR KV rotations for {meta['model_id']}",
                                             parent_commit=head, revision="main")
             commit = info.oid

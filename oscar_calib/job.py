@@ -31,6 +31,7 @@ from oscar_calib.loading import load_tokenizer as _load_tokenizer
 from oscar_calib.memory import peak_memory
 from oscar_calib.model_card import render_model_card
 from oscar_calib.placement import describe_placement, placement_summary
+from oscar_calib.progress import Stages
 from oscar_calib.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
 from oscar_calib.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from runtime_kernels.artifact import (
@@ -144,30 +145,6 @@ def max_positions(config) -> int | None:
     return getattr(text_config(config), "max_position_embeddings", None)
 
 
-class _Progress:
-    """A rich progress bar on stderr with tokens per second."""
-
-    def __init__(self, console: Console, total: int, label: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("tokens"), TextColumn("{task.fields[tps]}"), TimeElapsedColumn(),
-                                 console=console, transient=False)
-        self.task = self.progress.add_task(label, total=total, tps="")
-        self.start = time.perf_counter()
-        self.done = 0
-
-    def __call__(self, tokens: int, _total: int) -> None:
-        self.done += tokens
-        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        self.progress.update(self.task, advance=tokens, tps=f"{rate:,.0f} tok/s")
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.__exit__(*exc)
 
 
 def environment() -> dict[str, str]:
@@ -356,16 +333,18 @@ def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, d
                        layers=[i for i in range(n_layers) if i not in skip], geometry=(h_kv, d))
     ids = data.input_ids[sample_range[0]:sample_range[1]]
     tokens = int(ids.numel() + data.holdout_ids.numel())
-    with _Progress(console, tokens, "capture") as progress:
+    with Stages(console) as stages:  # capture (tokens, tok/s) then solve + clip fit (layers), each with an ETA
         statistics = capture_statistics(
             model, ids, data.holdout_ids, batch_size=batch_size, holdout_queries=data_cfg.holdout_queries,
-            seed=data_cfg.seed, progress=progress, model_id=model_id, model_revision=revision,
-            calibration_meta=calibration_meta, accumulate=make_accumulator(plan), sample_ranges=[list(sample_range)])
-    if statistics is None:
-        return None
-    if plan.resumed_from is not None:
-        console.print(f"resumed from the checkpoint at sample {plan.resumed_from}")
-    artifact, report = artifact_from_statistics(statistics, config.solver)
+            seed=data_cfg.seed, progress=stages.tokens("capture", tokens), model_id=model_id,
+            model_revision=revision, calibration_meta=calibration_meta, accumulate=make_accumulator(plan),
+            sample_ranges=[list(sample_range)])
+        if statistics is None:
+            return None
+        if plan.resumed_from is not None:
+            console.print(f"resumed from the checkpoint at sample {plan.resumed_from}")
+        artifact, report = artifact_from_statistics(
+            statistics, config.solver, fit_progress=stages.steps("solve + clip fit", unit="layer fits"))
     return artifact, report, statistics, plan
 
 

@@ -1,20 +1,28 @@
 """`zoo_manifest.yaml`: what the zoo calibrates (recipes) and what it published (releases).
 
 The file is parsed with a strict YAML loader (no tags, no anchors/aliases, no duplicate keys, no
-implicit dates) and validated by pydantic models with `extra="forbid"`, so a typo is an error, not
-a silently ignored key. Model revisions must be pinned to a 40-hex commit sha; a recipe's settings
+implicit dates, and none of YAML 1.1's surprising implicit conversions: `0755` (octal), `1:30`
+(base 60), `0x1f`, `1_000`, `.inf`, `yes`/`on`/`off` are refused unless quoted; a boolean is accepted
+only for a boolean field, so `schema_version: true` is an error) and validated by pydantic models
+with `extra="forbid"`, so a typo is an error, not a silently ignored key. A recipe's local dataset
+path is relative to the manifest's folder; absolute paths and `..` are refused, so a manifest means
+the same on every machine and cannot point outside its checkout. Model revisions must be pinned to a 40-hex commit sha; a recipe's settings
 are the `data` and `solver` sections of `oscar_calib.config.CalibrationConfig`. The JSON Schema
 beside the file (`zoo_manifest.schema.json`) is generated from these models
 (`oscar-calib zoo schema --write`).
 
-Every problem raises ManifestError (exit code 2) naming the file, the field and what was expected.
+`zoo publish` records a release by editing the file round-trip (`append_release`, ruamel.yaml): comments,
+order and the user's spelling of everything else stay as written.
+
+Every problem raises ManifestError (a bad input) naming the file, the field and what was expected.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import yaml
@@ -41,7 +49,7 @@ VERSION_RE = r"^v[1-9][0-9]{0,5}$"
 
 
 class ManifestError(InputError):
-    """A manifest that cannot be read or breaks the schema (exit code 2)."""
+    """A manifest that cannot be read or breaks the schema."""
 
 
 # --- strict YAML ---------------------------------------------------------------------------------
@@ -77,6 +85,34 @@ class _StrictLoader(yaml.SafeLoader):
                                     f"(first at line {seen[key]})")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# Plain (unquoted) scalars that YAML 1.1 would convert: only these spellings are taken as numbers, booleans
+# or null; anything else that a resolver turned into one (octal, base 60, hex, '_' separators, .inf/.nan,
+# yes/no/on/off) is refused so that the value is never silently something else than what was meant.
+_PLAIN_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_PLAIN_FLOAT = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+_PLAIN_BOOL = ("true", "false")
+_PLAIN_NULL = ("", "~", "null")
+
+
+def _strict_scalar(kind: str, pattern):
+    base = {"int": yaml.SafeLoader.construct_yaml_int, "float": yaml.SafeLoader.construct_yaml_float,
+            "bool": yaml.SafeLoader.construct_yaml_bool, "null": yaml.SafeLoader.construct_yaml_null}[kind]
+
+    def construct(loader, node):  # noqa: ANN001 - PyYAML's signature
+        ok = pattern.fullmatch(node.value) if hasattr(pattern, "fullmatch") else node.value in pattern
+        if node.style is None and not ok:
+            raise ManifestError(f"{loader._source}: line {node.start_mark.line + 1}: {node.value!r} is ambiguous "
+                                f"YAML (YAML 1.1 reads it as the {kind} {base(loader, node)!r}); quote it to keep "
+                                "the text, or write a plain decimal number / true / false / null")
+        return base(loader, node)
+
+    return construct
+
+
+for _kind, _pattern in (("int", _PLAIN_INT), ("float", _PLAIN_FLOAT), ("bool", _PLAIN_BOOL), ("null", _PLAIN_NULL)):
+    _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _strict_scalar(_kind, _pattern))
 
 
 def safe_load_yaml(text: str, source: str = "<string>") -> Any:
@@ -126,6 +162,16 @@ class _ModelKeyed(_Strict):
         return _name_check(check_component, value, "calibration")
 
 
+def _check_dataset_path(dataset: str) -> None:
+    """A recipe's dataset (a Hub id or a path relative to the manifest) may not be absolute or contain '..'."""
+    posix = PurePosixPath(dataset.replace("\\", "/"))
+    if posix.is_absolute() or PureWindowsPath(dataset).drive or dataset.startswith("~"):
+        raise ValueError(f"data.dataset: {dataset!r} is an absolute path; expected a Hub dataset id or a path "
+                         "relative to the manifest's folder")
+    if ".." in posix.parts:
+        raise ValueError(f"data.dataset: {dataset!r} contains '..'; expected a path inside the manifest's folder")
+
+
 class Recipe(_ModelKeyed):
     """What to calibrate: a pinned model and the calibration settings (sections of CalibrationConfig)."""
 
@@ -141,6 +187,8 @@ class Recipe(_ModelKeyed):
     def _data_pinned(self) -> Recipe:
         dataset = self.data.dataset
         local = dataset is not None and dataset.endswith((".txt", ".jsonl"))
+        if dataset is not None:
+            _check_dataset_path(dataset)
         if dataset is not None and not local:
             if not (self.data.dataset_revision and re.fullmatch(SHA1_RE[1:-1], self.data.dataset_revision)):
                 raise ValueError(f"data.dataset_revision: Hub dataset '{dataset}' must be pinned to a 40-hex commit "
@@ -151,11 +199,16 @@ class Recipe(_ModelKeyed):
     def key(self) -> tuple[str, str]:
         return self.model_id, self.calibration
 
-    def to_config(self, model: str | None = None, device: str | None = None) -> CalibrationConfig:
+    def to_config(self, model: str | None = None, device: str | None = None,
+                  base_dir: str | Path | None = None) -> CalibrationConfig:
         """The CalibrationConfig of this recipe. `model` overrides where the weights are read from (a local
-        mirror of `model_id` at `model_revision`); the revision is then not passed on."""
+        mirror of `model_id` at `model_revision`); the revision is then not passed on. `base_dir` is the
+        manifest's folder: a local dataset path is read relative to it."""
+        data = self.data
+        if base_dir is not None and data.dataset is not None and (Path(base_dir) / data.dataset).exists():
+            data = data.model_copy(update={"dataset": str(Path(base_dir) / data.dataset)})
         return CalibrationConfig(model=model or self.model_id, model_revision=None if model else self.model_revision,
-                                 data=self.data, solver=self.solver, device=device, dtype=self.dtype)
+                                 data=data, solver=self.solver, device=device, dtype=self.dtype)
 
 
 class ReleaseFile(_Strict):
@@ -263,6 +316,35 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
+def _boolean_fields(model: type[BaseModel], seen: set | None = None) -> set[str]:
+    """Names of the boolean fields of `model` and the models nested in it."""
+    seen = set() if seen is None else seen
+    names: set[str] = set()
+    if model in seen:
+        return names
+    seen.add(model)
+    for name, info in model.model_fields.items():
+        if info.annotation is bool:
+            names.add(name)
+        for sub in getattr(info.annotation, "__args__", ()) + (info.annotation,):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                names |= _boolean_fields(sub, seen)
+    return names
+
+
+def _refuse_misplaced_booleans(data: Any, source: str, path: str = "") -> None:
+    """pydantic would read `true` as 1 for an integer field (`schema_version: true`); only boolean fields
+    may hold booleans."""
+    allowed = _boolean_fields(ZooManifest)
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, bool) and key not in allowed:
+            raise ManifestError(f"{source}: field '{where}': expected a number or text, got the YAML boolean "
+                                f"{str(value).lower()}")
+        _refuse_misplaced_booleans(value, source, where)
+
+
 def parse_manifest(text: str, source: str = MANIFEST_FILENAME) -> ZooManifest:
     """Parse and validate manifest text. Raises ManifestError only."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_MANIFEST_BYTES:
@@ -270,6 +352,7 @@ def parse_manifest(text: str, source: str = MANIFEST_FILENAME) -> ZooManifest:
     data = safe_load_yaml(text, source)
     if not isinstance(data, dict):
         raise ManifestError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    _refuse_misplaced_booleans(data, source)
     try:
         return ZooManifest.model_validate(data)
     except ValidationError as exc:
@@ -306,6 +389,46 @@ def write_manifest(manifest: ZooManifest, path: str | Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+def append_release(path: str | Path, release: Release) -> ZooManifest:
+    """Record `release` in the manifest at `path` by editing the file round-trip (ruamel.yaml): comments,
+    key order, quoting and unexpanded defaults of everything else stay as the user wrote them. What is
+    written must parse strictly and equal the old manifest plus `release`; the swap is atomic."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedSeq
+    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+
+    path = Path(path)
+    before = load_manifest(path)
+    rt = YAML(typ="rt")
+    rt.preserve_quotes = True
+    rt.width = 110
+    rt.indent(mapping=2, sequence=4, offset=2)
+    doc = rt.load(path.read_text(encoding="utf-8"))
+    entry = json.loads(release.model_dump_json())
+    for key in ("model_revision", "commit"):  # hex that YAML could read as a number: always quoted
+        entry[key] = DoubleQuotedScalarString(entry[key])
+    for file in entry["files"]:
+        file["sha256"] = DoubleQuotedScalarString(file["sha256"])
+    releases = doc.get("releases")
+    if releases is None or (not releases and getattr(releases, "fa", None) is not None and releases.fa.flow_style()):
+        releases = CommentedSeq()  # `releases: []` becomes a block list
+        doc["releases"] = releases
+    releases.append(entry)
+    buffer = io.StringIO()
+    rt.dump(doc, buffer)
+    text = buffer.getvalue()
+    after = parse_manifest(text, str(path))
+    expected = ZooManifest(schema_version=before.schema_version, repo=before.repo, recipes=before.recipes,
+                           releases=[*before.releases, release])
+    if after != expected:
+        raise ManifestError(f"{path}: editing the manifest in place changed more than the new release; "
+                            "nothing was written")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return after
 
 
 def json_schema() -> str:

@@ -1,10 +1,32 @@
-"""Model card (`README.md`) of a calibration artifact: what was calibrated, how, and the headline numbers."""
+"""Model card (`README.md`) of a calibration artifact: what was calibrated, how, and the headline numbers.
+
+The metadata block is built with `huggingface_hub.ModelCardData`, so a Hub page understands it
+(`base_model`, `library_name`, `tags`, `datasets`) and `huggingface_hub.ModelCard.load` reads it back.
+"""
 
 from __future__ import annotations
 
 import json
 
 from runtime_kernels.artifact import ARTIFACT_FILENAME, OscarArtifact, effective_bits
+
+CARD_TAGS = ("oscar-kv", "kv-cache-quantization", "int2")
+
+
+def card_metadata(model_id: str, dataset: str | None = None):
+    """`ModelCardData` of an OSCAR artifact: its base model, our library and tags, the Hub dataset if any."""
+    from huggingface_hub import ModelCardData
+
+    local = dataset is None or dataset.endswith((".txt", ".jsonl")) or dataset.count("/") > 1
+    return ModelCardData(base_model=model_id, library_name="oscar-calib", tags=list(CARD_TAGS),
+                         datasets=None if local else [dataset])
+
+
+def with_metadata(data, body: str) -> str:
+    """`body` (Markdown) under the YAML front matter of `data`, through `huggingface_hub.ModelCard`."""
+    from huggingface_hub import ModelCard
+
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.lstrip()}"))
 
 
 def _fmt(x) -> str:
@@ -19,12 +41,6 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     k, v = summary["key_error"], summary["value_rel_out_err"]
     g = int(meta["group_size"])
     lines = [
-        "---",
-        f"base_model: {meta['model_id']}",
-        "library_name: oscar-calib",
-        "tags: [kv-cache, quantization, int2, oscar]",
-        "---",
-        "",
         f"# OSCAR 2-bit KV rotations for `{meta['model_id']}`",
         "",
         f"Attention-aware rotations `R = U H P` and fitted clip ratios for INT2 keys and values "
@@ -76,4 +92,4 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         f"Timings: {', '.join(f'{k} {v:.1f}s' for k, v in log.get('timings', {}).items())}.",
         "",
     ]
-    return "\n".join(lines)
+    return with_metadata(card_metadata(meta["model_id"], calib.get("dataset")), "\n".join(lines))

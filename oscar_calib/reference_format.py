@@ -35,6 +35,11 @@ Mapping into contract v2:
   (K 0.96 / V 0.92, or the ones given) for every head, the default windows and float32 scales (what the
   reference serves with); export drops our per-head ratios.
 
+Safety: the importer executes nothing. `torch.load(weights_only=True)` restricts unpickling to
+tensors and plain containers, and the result is then checked to be exactly the structure above made
+of plain dense CPU tensors, str, int, float and dicts; anything else is refused (ReferenceFormatError,
+the CLI exits 2).
+
 Export writes format v2 (per KV head, no reduction needed), or v3 when the artifact centres keys; values
 can't be centred in the reference format, so an artifact with a non-zero `v_mean` is refused. Format v1
 (one rotation per layer) is written on request: it refuses a per-head artifact whose heads differ unless

@@ -75,8 +75,6 @@ UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)  # the uniform quantizer's codes, in units
 class ModelMismatchError(ArtifactError):
     """The artifact was made for another model (shapes or model identity disagree with the model)."""
 
-    exit_code = 2
-
 
 @dataclass
 class OscarArtifact:

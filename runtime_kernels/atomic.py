@@ -38,8 +38,6 @@ _AT_FDCWD = -100
 class OutputDirError(ValueError):
     """The output directory cannot be written (exists without overwrite, not a directory, not writable)."""
 
-    exit_code = 2
-
 
 def _checkpoint(stage: str) -> None:
     """No-op; tests replace it to stop or kill a process at a named stage of the commit."""

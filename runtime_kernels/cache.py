@@ -85,6 +85,13 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def grow(self, num_pages: int) -> None:
+        """Add free page ids `[self.num_pages, num_pages)`; low ids are still handed out first."""
+        old = self.num_pages
+        self.refcount += [0] * (num_pages - old)
+        self._free = list(range(num_pages - 1, old - 1, -1)) + self._free
+        self.num_pages = num_pages
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` free pages (refcount 1). Raises without taking any when fewer than `n` are free."""
         if n > len(self._free):
@@ -364,6 +371,44 @@ class PagedKVCache:
         self._seqs[seq_id] = SequenceState(seq_id, self._free_slots.pop())
         self._version += 1
         return seq_id
+
+    def grow_pages(self, num_pages: int) -> None:
+        """Enlarge the INT2 page pool to `num_pages` pages (every layer), keeping every page and page id.
+
+        New storage is allocated before anything is swapped, so an out-of-memory error leaves the cache as it
+        was. Used by `runtime_kernels.hf.OscarCache` to size itself from the generation instead of by hand.
+        """
+        old = self.allocator.num_pages
+        if int(num_pages) <= old:
+            return
+        n = int(num_pages)
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((n, *t.shape[1:]))
+            out[:old] = t
+            return out
+
+        new_pools = []
+        for pool in self.pools:
+            paired = pool.v_zero.data_ptr() == pool.v_scale.data_ptr() + pool.v_scale.element_size()
+            if paired:  # keep V scale and zero side by side in one buffer (the layout the kernel reads at once)
+                v_scale, v_zero = alloc_paired_v_pools(n, self.num_kv_heads, self.page_size, self.device)
+                v_scale[:old], v_zero[:old] = pool.v_scale, pool.v_zero
+            else:
+                v_scale, v_zero = grown(pool.v_scale), grown(pool.v_zero)
+            new_pools.append((grown(pool.k_codes), grown(pool.v_codes), grown(pool.k_scale), grown(pool.k_zero),
+                              v_scale, v_zero))
+        for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):
+            pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero = kc, vc, ks, kz, vs, vz
+        self.allocator.grow(n)
+        self._meta_cache = None
+        self._version += 1
+
+    def pages_needed(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> int:
+        """INT2 pages `plan_append(seq_ids, num_tokens)` would allocate."""
+        p = self.page_size
+        return sum((self.history_tokens(self._state(s).length + int(t)) - len(self._state(s).pages) * p) // p
+                   for s, t in zip(seq_ids, num_tokens))
 
     def free_sequence(self, seq_id: int) -> None:
         """Drop a finished sequence: release its pages (shared ones stay with their other holders) and slot."""

@@ -3,11 +3,19 @@
 Usage::
 
     model = enable_oscar_attention(model)          # registers "oscar" and switches the model to it
-    cache = OscarCache.from_artifact(artifact, model.config, batch_size=2, max_tokens=4096)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # `cache=` on transformers >= 5.2x
+    cache = OscarCache.from_pretrained("Qwen/Qwen3-8B", model.config, repo="my-org/oscar-zoo", revision="v1")
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # transformers 5.17: past_key_values=cache
 
-The cache sizes its page pool from `max_tokens` per row; a prompt or generation beyond it raises
-"out of INT2 pages" and leaves that cache unusable (build a new one).
+Sizing: nothing is sized by hand. The sequence slots are taken from the first prompt's batch (so
+`num_return_sequences` and beams, which `generate` expands before the prompt runs, just work) and the INT2
+page pool grows (doubling) when a step needs more pages than it has; `max_tokens` is only an initial size.
+A step whose pages cannot be allocated raises before anything of that step is written, so the cache
+stays consistent.
+
+Not supported, by design: `crop` (assisted / speculative decoding, rollback). Demoted tokens are quantized
+and cannot be un-demoted; every layer reports `is_croppable = False`, which transformers >= 5.2x checks
+right after the prompt's forward pass (ValueError "Assisted decoding requires a cache that can be
+cropped"); on 5.17 the first `crop` raises NotImplementedError naming the reason.
 
 How a step runs (per calibrated layer):
 - prefill (`q_len > 1`, or the first token of an empty cache): the layer returns the prompt's keys/values
@@ -43,6 +51,9 @@ from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"
+_NO_CROP = ("OscarCache cannot crop, so assisted / speculative decoding and rollback are not supported: tokens "
+            "demoted to the INT2 history are quantized and cannot be un-demoted; generate without assistant_model "
+            "or prompt_lookup_num_tokens")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,7 +105,7 @@ class OscarLayer(CacheLayerMixin):
         pass
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("OscarCache cannot crop: demoted tokens are quantized and cannot be un-demoted")
+        raise NotImplementedError(_NO_CROP)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # handled once by OscarCache
         pass
@@ -113,7 +124,8 @@ class OscarCache(Cache):
     a batch of `batch_size` rows; batch row b is paged sequence `seq_ids[b]`.
     """
 
-    def __init__(self, artifact: OscarArtifact, model_config, *, batch_size: int = 1, max_tokens: int = 4096,
+    def __init__(self, artifact: OscarArtifact, model_config, *, batch_size: int | None = None,
+                 max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  backend: str = "auto", page_size: int = 64, sink_tokens: int | None = None,
                  recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None,
@@ -123,22 +135,22 @@ class OscarCache(Cache):
         artifact.validate()
         check_against_model(artifact, model_config, allow_other_model=allow_other_model)
         cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        if int(max_tokens) < 1:
-            raise ValueError(f"max_tokens: expected a positive integer, got {max_tokens}")
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size: expected a positive integer or None (= the first prompt's), got {batch_size}")
+        if max_tokens is not None and int(max_tokens) < 1:
+            raise ValueError(f"max_tokens: expected a positive integer or None (= grow as needed), got {max_tokens}")
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.artifact = artifact
-        self.batch_rows = int(batch_size)
-        self.max_tokens = int(max_tokens)
+        self.batch_rows = int(batch_size or 1)
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
         self.device = normalize_device(device) if device is not None else None
         self.dtype = dtype
         self._paged_kwargs = dict(
             page_size=int(page_size), backend=backend, clip=clip,
             sink_tokens=artifact.sink_tokens if sink_tokens is None else int(sink_tokens),
             recent_tokens=artifact.recent_tokens if recent_tokens is None else int(recent_tokens),
-            max_seqs=int(max_seqs) if max_seqs is not None else int(batch_size))
+            max_seqs=int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None))
         self.paged: PagedKVCache | None = None  # allocated at the first update (device/dtype of the model)
         self.seq_ids: list[int] | None = None
         self._plan = None
@@ -161,21 +173,45 @@ class OscarCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def from_artifact(cls, artifact: OscarArtifact | str | os.PathLike, model_config, *, batch_size: int = 1,
-                      max_tokens: int = 4096, device: torch.device | str | None = None,
+    def from_pretrained(cls, model_id_or_path: str | os.PathLike, model_config, *, repo: str | None = None,
+                        revision: str | None = None, calibration: str = "default",
+                        expected_sha256: dict[str, str] | None = None, token: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                        **cache_kwargs) -> OscarCache:
+        """One call from the Hub (or a local artifact) to a cache, through `runtime_kernels.load_artifact`.
+
+        With `repo`, `model_id_or_path` is the model id and `revision` the release (a version tag or commit
+        sha): the release is downloaded through the Hub cache, every sha256 verified, and the artifact checked
+        against `model_config` (heads, head_dim, layers, model id). Without `repo` it is a local artifact
+        directory or file. `cache_kwargs` go to the constructor (device, dtype, backend, ...).
+        """
+        from runtime_kernels.loader import load_artifact
+
+        if repo is not None and revision is None:
+            raise ValueError("revision: required with repo= (a version tag such as 'v1', or a commit sha) so the "
+                             "release is pinned")
+        artifact = load_artifact(model_id_or_path, repo=repo, revision=revision, model_config=model_config,
+                                 expected_sha256=expected_sha256, token=token, cache_dir=cache_dir,
+                                 calibration=calibration, endpoint=endpoint)
+        return cls(artifact, model_config, **cache_kwargs)
+
+    @classmethod
+    def from_artifact(cls, artifact: OscarArtifact | str | os.PathLike, model_config, *,
+                      batch_size: int | None = None, max_tokens: int | None = None,
+                      device: torch.device | str | None = None,
                       dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = 64,
                       sink_tokens: int | None = None, recent_tokens: int | None = None, clip: bool = True,
                       max_seqs: int | None = None, allow_other_model: bool = False) -> OscarCache:
         """Build a cache for `model_config` from an artifact (object or path); refuses a mismatched artifact.
 
         Args:
-            batch_size: rows of the batch the cache serves.
-            max_tokens: longest sequence (prompt + generated) per row; sizes the INT2 page pool.
+            batch_size: rows of the batch the cache serves (default: the first prompt's batch).
+            max_tokens: initial INT2 page pool per row (prompt + generated); the pool grows past it when needed.
             device, dtype: where the pools live and the window dtype (default: those of the first keys seen).
             backend: kernel backend ("auto" = Triton on CUDA, torch on CPU).
             page_size, sink_tokens, recent_tokens: P, S, R (S and R default to the artifact's metadata).
             clip: False turns clipping off (for exactness checks).
-            max_seqs: window slots (default batch_size; raise it for num_return_sequences > 1 or beams).
+            max_seqs: window slots (default: batch_size, or the first prompt's batch).
             allow_other_model: use an artifact whose model_id names another model (shapes must still match).
         """
         if isinstance(artifact, (str, os.PathLike, Path)):
@@ -186,12 +222,15 @@ class OscarCache(Cache):
 
     # -- internals ------------------------------------------------------------------------------------------
     def _ensure_paged(self, key_states: torch.Tensor) -> PagedKVCache:
+        """Allocate the pools at the first update: slots for this batch, pages for `max_tokens` (or the prompt)."""
         if self.paged is None:
             kw = self._paged_kwargs
             sink, recent, p = kw["sink_tokens"], kw["recent_tokens"], kw["page_size"]
-            pages_per_seq = -(-max(0, self.max_tokens - sink - recent) // p)
+            slots = kw["max_seqs"] or key_states.shape[0]  # an explicit size is kept (and enforced)
+            tokens = self.max_tokens or key_states.shape[2]
+            pages_per_seq = -(-max(0, tokens - sink - recent) // p)
             self.paged = PagedKVCache.from_artifact(
-                self.artifact, max_pages=max(1, pages_per_seq * kw["max_seqs"]), max_seqs=kw["max_seqs"],
+                self.artifact, max_pages=max(1, pages_per_seq * slots), max_seqs=slots,
                 page_size=p, sink_tokens=sink, recent_tokens=recent,
                 device=self.device or key_states.device, dtype=self.dtype or key_states.dtype,
                 clip=kw["clip"], backend=kw["backend"])
@@ -207,9 +246,10 @@ class OscarCache(Cache):
         if x.dim() != 4 or x.shape[1] != art.num_kv_heads or x.shape[3] != art.head_dim:
             raise ValueError(f"{name} (layer {layer.layer_idx}): expected shape [batch, kv_heads={art.num_kv_heads}, "
                              f"tokens, head_dim={art.head_dim}], got {list(x.shape)}")
-        if self.seq_ids is None and x.shape[0] > self._paged_kwargs["max_seqs"]:
+        slots = self.paged.max_seqs if self.paged is not None else self._paged_kwargs["max_seqs"]
+        if self.seq_ids is None and slots is not None and x.shape[0] > slots:
             raise ValueError(f"{name} (layer {layer.layer_idx}): batch size {x.shape[0]} exceeds the cache's "
-                             f"{self._paged_kwargs['max_seqs']} sequence slots (raise batch_size or max_seqs)")
+                             f"{slots} sequence slots (raise batch_size or max_seqs, or leave both unset to size from the prompt)")
         if self.seq_ids is not None and x.shape[0] != self.batch_rows:
             raise ValueError(f"{name} (layer {layer.layer_idx}): batch size {x.shape[0]} does not match the "
                              f"{self.batch_rows} rows already in the cache")
@@ -233,7 +273,7 @@ class OscarCache(Cache):
         if t == 1 and self.seq_ids is not None:
             # Decode: book the step once (first calibrated layer), then write this layer's new token.
             if layer.local_idx == 0:
-                self._plan = paged.plan_append(self.seq_ids, [1] * len(self.seq_ids))
+                self._plan = self._plan_append(self.seq_ids, [1] * len(self.seq_ids))
             elif self._plan is None or self._plan.num_new != key_states.shape[0]:
                 raise RuntimeError(f"layer {layer.layer_idx}: decode step started without layer "
                                    f"{self._first_oscar} (layers must run in order)")
@@ -253,6 +293,21 @@ class OscarCache(Cache):
         layer.columns += t
         setattr(keys, _TAG, layer)
         return keys, values
+
+    def _plan_append(self, seq_ids: list[int], counts: list[int]):
+        """`PagedKVCache.plan_append`, growing the page pool first (doubling) when the step needs more pages."""
+        paged = self.paged
+        need, free = paged.pages_needed(seq_ids, counts), paged.allocator.num_free
+        if need > free:
+            total = paged.allocator.num_pages
+            try:
+                paged.grow_pages(max(2 * total, total + need - free))
+            except torch.OutOfMemoryError:
+                raise torch.OutOfMemoryError(
+                    f"OscarCache: cannot grow the INT2 page pool from {total} pages ({need} needed, {free} free) "
+                    f"on {paged.device}; nothing of this step was written (free finished sequences, or use a "
+                    "shorter max_new_tokens / smaller batch)") from None
+        return paged.plan_append(seq_ids, counts)
 
     def _dense_past(self, layer: OscarLayer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached tokens of every row as `[B, H, columns, d]`, left-padded with zeros (rows are left-aligned
@@ -279,7 +334,7 @@ class OscarCache(Cache):
                 self.seq_ids = [self.paged.add_sequence() for _ in range(b)]
                 self.batch_rows = b
             self._valid = valid
-            self._plan = self.paged.plan_append(self.seq_ids, valid.sum(dim=1).tolist())
+            self._plan = self._plan_append(self.seq_ids, valid.sum(dim=1).tolist())
         valid = self._valid.to(k.device)
         self.paged.write_layer(layer.local_idx, self._plan, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
 
@@ -296,7 +351,7 @@ class OscarCache(Cache):
         self.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("OscarCache cannot crop (assisted decoding / rollback are not supported)")
+        raise NotImplementedError(_NO_CROP)
 
     def _remap_rows(self, sources: list[int]) -> None:
         """New batch row i continues old row sources[i]; duplicated rows fork (their INT2 pages are shared)."""

@@ -15,10 +15,10 @@ the release record (and against `expected_sha256` when the caller pins hashes, e
 served from a warm cache (the tag -> commit mapping is cached by the client when the record is
 downloaded by tag).
 
-Errors: `ArtifactError` (a ValueError) for integrity and contract failures (exit code 4),
-`ReleaseNotFoundError` for a repo, revision or file that does not exist (exit code 5),
-`ModelMismatchError` for an artifact made for another model (exit code 2), and `ValueError` for a
-malformed name (exit code 2). This module imports only torch, safetensors, huggingface_hub and stdlib.
+Errors: `ArtifactError` (a ValueError) for integrity and contract failures, `ReleaseNotFoundError` for
+a repo, revision or file that does not exist, `ModelMismatchError` for an artifact made for another
+model, and `UnsafeNameError` (a ValueError) for a malformed name; the CLI maps each to its exit code.
+This module imports only torch, safetensors, huggingface_hub and stdlib.
 """
 
 from __future__ import annotations
@@ -66,19 +66,13 @@ _REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 class UnsafeNameError(ValueError):
     """A repo id, model id, calibration name, revision or file name that is not safe to use."""
 
-    exit_code = 2
-
 
 class ReleaseNotFoundError(LookupError):
     """The repo, revision, release directory or one of its files does not exist (or is not cached offline)."""
 
-    exit_code = 5
-
 
 class HubUnreachableError(ConnectionError):
-    """The Hub could not be reached (connection refused, DNS, timeout) while online (exit code 5)."""
-
-    exit_code = 5
+    """The Hub could not be reached (connection refused, DNS, timeout) while online."""
 
 
 def is_connection_error(exc: BaseException) -> bool:

@@ -370,7 +370,7 @@ class _Server(ThreadingHTTPServer):
 class HubServer:
     """Run the fake Hub in a background thread: `with HubServer(tmp_path) as hub: HfApi(endpoint=hub.endpoint)`."""
 
-    def __init__(self, root: Path, token: str | None = None):
+    def __init__(self, root: Path, token: str | None = None, port: int = 0):
         self.store = HubStore(root)
         self.token = token
         self.faults: dict[str, Any] = {}
@@ -378,7 +378,7 @@ class HubServer:
         self.auth_headers_seen: list[str] = []
         self.downloads: list[str] = []
         self.commits_applied = 0
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
+        self._httpd = _Server(("127.0.0.1", port), _Handler)
         self._httpd.store = self.store
         self._httpd.hub = self
         self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
@@ -405,3 +405,18 @@ class HubServer:
     def set_before_commit(self, hook: Callable[[], None]) -> None:
         with self.fault_lock:
             self.faults["before_commit"] = hook
+
+
+if __name__ == "__main__":  # try push / pull / zoo list locally: python tests/hub_server.py ROOT --port 8765
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Serve a local stand-in for the Hub's zoo API until Ctrl-C.")
+    parser.add_argument("root", type=Path, help="Folder where repos are stored (created if missing).")
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    server = HubServer(args.root, port=args.port).start()
+    print(f"serving {args.root} at {server.endpoint}; export HF_ENDPOINT={server.endpoint}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()

@@ -228,5 +228,5 @@ def test_device_map_places_the_model_with_accelerate(model_dir, text_file, tmp_p
     assert log["config"]["device_map"] == "auto"
     code, _, stderr = run_cli(_args(model_dir, text_file, tmp_path / "dm2", "--device-map", "everywhere"),
                               monkeypatch, capsys)
-    assert code == 2 and "device_map" in stderr
+    assert code == 2 and "--device-map" in stderr
     _nothing_written(tmp_path, "dm2")

@@ -301,11 +301,100 @@ def test_beam_search_and_sampling_match_the_fake_quant_reference():
 
 
 @torch.no_grad()
-def test_prompt_longer_than_max_tokens_is_refused():
+def test_pool_grows_past_max_tokens_and_matches_the_reference():
+    art = random_artifact()
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    prompt = torch.randint(1, 256, (2, S + R + 3 * P), generator=torch.Generator().manual_seed(9))
+    cache = make_cache(art, m, batch_size=None, max_tokens=S + R + P)  # room for one page per row
+    got = m.generate(input_ids=prompt, max_new_tokens=3 * P + 1, do_sample=False, pad_token_id=0,
+                     **cache_kw(m, cache=cache))
+    want = ref.generate(input_ids=prompt, max_new_tokens=3 * P + 1, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    n = got.shape[1]
+    assert cache.paged.allocator.num_pages >= 2 * _history(n - 1) // P > 2  # grew past the initial 2 pages
+
+
+@torch.no_grad()
+def test_unsized_cache_serves_num_return_sequences_like_the_reference():
+    """No batch_size, max_tokens or max_seqs: slots come from the expanded prompt batch, pages grow."""
+    art = random_artifact()
+    m, ref = enable_oscar_attention(model()), reference_model(art)
+    prompt = torch.randint(1, 256, (1, 2 * (S + R)), generator=torch.Generator().manual_seed(10))
+    cache = OscarCache.from_artifact(art, m.config, page_size=P, sink_tokens=S, recent_tokens=R, backend="torch")
+    opts = dict(do_sample=True, top_k=4, num_return_sequences=3, max_new_tokens=2 * P, pad_token_id=0)
+    torch.manual_seed(1)
+    got = m.generate(input_ids=prompt, **opts, **cache_kw(m, cache=cache))
+    torch.manual_seed(1)
+    want = ref.generate(input_ids=prompt, **opts)
+    assert got.shape[0] == 3 and torch.equal(got, want)
+    assert cache.paged.max_seqs == 3
+
+
+@torch.no_grad()
+def test_assisted_decoding_is_refused_with_the_reason():
+    art = random_artifact()
+    m, assistant = enable_oscar_attention(model()), model(seed=1)
+    prompt = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(11))
+    cache = make_cache(art, m)
+    assert not cache.is_croppable
+    with pytest.raises((ValueError, NotImplementedError), match="crop"):
+        m.generate(input_ids=prompt, assistant_model=assistant, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                   **cache_kw(m, cache=cache))
+    with pytest.raises(NotImplementedError, match="assisted"):
+        cache.crop(1)
+
+
+@torch.no_grad()
+def test_grow_pages_keeps_every_page_and_the_decode_output():
+    art = random_artifact()
+    paged = PagedKVCache.from_artifact(art, max_pages=3, max_seqs=2, page_size=P, sink_tokens=S, recent_tokens=R,
+                                       backend="torch")
+    gen = torch.Generator().manual_seed(12)
+    sids = [paged.add_sequence(), paged.add_sequence()]
+    n = S + R + P + 2  # one demoted page per sequence
+    plan = paged.plan_append(sids, [n, n])
+    for layer in range(paged.num_layers):
+        paged.write_layer(layer, plan, torch.randn(2 * n, H, D, generator=gen), torch.randn(2 * n, H, D, generator=gen))
+    q = torch.randn(2, HQ, D, generator=gen)
+    before = paged.decode_attention(0, q, sids)
+    pools = [t.clone() for t in (paged.pools[0].k_codes, paged.pools[0].v_scale, paged.pools[0].v_zero)]
+    paged.grow_pages(7)
+    assert paged.allocator.num_pages == 7 and paged.allocator.num_free == 5
+    for old, new in zip(pools, (paged.pools[0].k_codes, paged.pools[0].v_scale, paged.pools[0].v_zero)):
+        assert new.shape[0] == 7 and torch.equal(new[:3], old)
+    assert torch.equal(paged.decode_attention(0, q, sids), before)
+    assert paged.pages_needed(sids, [P, 0]) == 1 and paged.allocator.allocate(5)  # the new ids are usable
+
+
+@torch.no_grad()
+def test_from_pretrained_pulls_a_pinned_release_and_generates(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+    from hub_server import HubServer
+    from test_hub import MODEL, REPO, TOKEN, do_push, make_artifact
+
+    from runtime_kernels.artifact import read_artifact
+    from runtime_kernels.loader import ModelMismatchError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     m = enable_oscar_attention(model())
-    cache = make_cache(random_artifact(), m, max_tokens=S + R + P)  # room for one page
-    with pytest.raises(RuntimeError, match="out of INT2 pages"):
-        m(input_ids=torch.randint(0, 256, (1, S + R + 3 * P)), use_cache=True, **cache_kw(m, cache=cache))
+    local = make_artifact(tmp_path / "a", d=D, h_kv=H)
+    layout = dict(page_size=P, sink_tokens=S, recent_tokens=R, backend="torch")
+    prompt = torch.randint(1, 256, (1, S + R + 2 * P), generator=torch.Generator().manual_seed(13))
+    with HubServer(tmp_path / "hub", token=TOKEN) as hub:
+        do_push(hub, local)
+        pull = dict(repo=REPO, revision="v1", token=TOKEN, cache_dir=tmp_path / "c", endpoint=hub.endpoint)
+        cache = OscarCache.from_pretrained(MODEL, m.config, **pull, **layout)
+        with pytest.raises(ValueError, match="revision"):
+            OscarCache.from_pretrained(MODEL, m.config, repo=REPO)
+        wrong = tiny_model("qwen3", num_heads=HQ, num_kv_heads=H, head_dim=2 * D, num_layers=2).config
+        with pytest.raises(ModelMismatchError, match="head_dim"):
+            OscarCache.from_pretrained(MODEL, wrong, **pull)
+    assert torch.equal(cache.artifact.k_rotation, read_artifact(local).k_rotation)
+    got = m.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **cache_kw(m, cache=cache))
+    again = OscarCache.from_pretrained(local, m.config, **layout)  # a local artifact: same one-call path
+    want = m.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **cache_kw(m, cache=again))
+    assert torch.equal(got, want) and cache.paged.hist_len(cache.seq_ids[0]) > 0
 
 
 @pytest.mark.gpu

@@ -129,7 +129,10 @@ def test_push_creates_one_tagged_commit_and_load_verifies(hub, tmp_path):
                                                  "size": (local / ARTIFACT_FILENAME).stat().st_size}
     card = hub.store.blob(REPO, files[f"{base}/README.md"]).decode()
     assert record["files"]["README.md"]["sha256"] == hashlib.sha256(card.encode()).hexdigest()
-    assert "base_model: \"tiny/qwen3\"" in card and REV in card and "ppl_delta" in card and "load_artifact(" in card
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(card).data.base_model == "tiny/qwen3" and "oscar-kv" in ModelCard(card).data.tags
+    assert REV in card and "ppl_delta" in card and "load_artifact(" in card
     assert "## Run report" in card and "held-out MSE 0.5" in card and "x: 1" not in card
     cfg = tiny_config("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)
     loaded = do_load(hub, tmp_path, model_config=cfg)
@@ -453,7 +456,7 @@ def test_zoo_build_publish_validate(hub, tmp_path, monkeypatch, capsys):
     text = tmp_path / "calib.txt"
     text.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7}." for i in range(200)))
     manifest = tmp_path / "zoo_manifest.yaml"
-    manifest.write_text(_manifest_text(REPO, REV, text))
+    manifest.write_text(_manifest_text(REPO, REV, text.name))  # relative to the manifest's folder
     out_root = tmp_path / "build"
     code, out, err = run_cli(["zoo", "build", "--manifest", str(manifest), "--out-root", str(out_root),
                               "--local-model", f"{MODEL}={model_dir}", "--device", "cpu"], monkeypatch, capsys)

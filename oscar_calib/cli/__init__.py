@@ -1,7 +1,8 @@
 """`oscar-calib` command line. Results go to stdout, progress and chatter to stderr.
 
-Known errors (`OscarError`, `ArtifactError`) print one line and exit with their code; set
-`OSCAR_CALIB_DEBUG=1` to see the traceback.
+Known errors print one line and exit with the code of their kind (`oscar_calib.cli.exit_codes`, the one
+table); set `OSCAR_CALIB_DEBUG=1` to see the traceback. Command modules import torch, transformers and
+Triton inside their command functions only, so `oscar-calib --help` starts fast.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from oscar_calib.cli import (
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app
-from oscar_calib.errors import OscarError
+from oscar_calib.cli.exit_codes import INTERRUPTED, exit_code_for
 
 
 def main() -> None:
-    from oscar_calib.interrupts import handle_interrupts
-    from runtime_kernels.artifact import ArtifactError
-    from runtime_kernels.atomic import OutputDirError
+    from oscar_calib.interrupts import TERMINATE_EXIT, Terminated, handle_interrupts
 
     # Leave with os._exit after a signal only when this is the program's entry point (the console script or
     # `python -m oscar_calib` calls it from `__main__`); called in-process, raise SystemExit instead.
@@ -33,9 +32,12 @@ def main() -> None:
     with handle_interrupts(fast_exit=entry):  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
         try:
             app()  # standalone: click prints usage errors itself and exits 2
-        except (OscarError, ArtifactError, OutputDirError) as exc:
-            if os.environ.get("OSCAR_CALIB_DEBUG"):
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+            print("Interrupted; nothing was written.", file=sys.stderr)
+            sys.exit(TERMINATE_EXIT if isinstance(exc, Terminated) else INTERRUPTED)
+        except Exception as exc:
+            code = exit_code_for(exc)
+            if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
                 raise
-            code = getattr(exc, "exit_code", 4 if isinstance(exc, ArtifactError) else 1)
             print(f"Error: {exc}", file=sys.stderr)
             sys.exit(code)

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib.cli.app import app
+from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
 
 _EXAMPLES = """
@@ -74,22 +75,29 @@ def audit_cmd(
     dtype: DtypeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Per-(layer, KV head) spectra, clip ratios, outliers before/after rotation, INT2 errors and flags."""
+    """Per-(layer, KV head) spectra, clip ratios, outliers before/after rotation, INT2 errors and flags.
+
+    Exits 4 after the report when the artifact breaks the contract (the report still shows what is wrong).
+    """
+    if plots is not None:
+        require("matplotlib", "plot", "--plots")
     import torch
 
-    from oscar_calib.audit import audit_artifact, capture_activations, load_raw, write_heatmaps
-    from oscar_calib.errors import InputError
+    from oscar_calib.audit import audit_artifact, capture_activations, load_raw
+    from oscar_calib.audit_plots import write_audit_plots
+    from oscar_calib.errors import InputError, IntegrityError
 
     raw = load_raw(artifact)
     if raw.contract_error:
         _log(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
+        from oscar_calib.cli.checks import check_model
         from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.evaluate import make_windows, read_documents
         from oscar_calib.job import Choices, resolve_device, resolve_dtype
         from oscar_calib.loading import load_model, load_tokenizer
-        from runtime_kernels.artifact import check_against_model, read_artifact
+        from runtime_kernels.artifact import read_artifact
 
         choices = Choices()
         dev = resolve_device(device, choices)
@@ -97,7 +105,7 @@ def audit_cmd(
         tok = load_tokenizer(model, revision, False)
         lm = load_model(model, revision, torch_dtype, dev, False)
         if raw.contract_error is None:
-            check_against_model(read_artifact(artifact), lm.config)
+            check_model(read_artifact(artifact), lm.config)
         data = data or FIXTURE_DIR / "heldout.txt"
         w = make_windows(tok, read_documents(data), seq_len)
         ids = torch.cat([w.long, w.packed])[:samples]
@@ -107,7 +115,7 @@ def audit_cmd(
         acts = capture_activations(lm, ids)
     report = audit_artifact(raw, acts)
     if plots is not None:
-        for p in write_heatmaps(report, plots):
+        for p in write_audit_plots(report, plots):
             _log(f"wrote {p}")
     if as_json:
         print(json.dumps(report, indent=1))
@@ -116,5 +124,5 @@ def audit_cmd(
 
         console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(_table(report, top))
-        if raw.contract_error:
-            console.print(f"[red]contract:[/red] {raw.contract_error}")
+    if raw.contract_error:
+        raise IntegrityError(f"{raw.source}: breaks the artifact contract: {raw.contract_error}")

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib.cli.app import app
+from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
 from oscar_calib.errors import InputError
 
@@ -27,6 +28,15 @@ def _log(msg: str) -> None:
     print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
 
+def _sized(value, flag: str, on_gpu: bool, gpu, cpu):
+    """`value`, or the default sized for the device, logged with its reason (a CPU run should take minutes)."""
+    if value is not None:
+        return value
+    chosen = gpu if on_gpu else cpu
+    _log(f"{flag} {chosen} ({'GPU' if on_gpu else f'CPU-sized default; {gpu} on a GPU'}; pass {flag} to choose)")
+    return chosen
+
+
 def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, sink: int, recent: int) -> dict:
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path`."""
     import torch
@@ -34,6 +44,7 @@ def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, s
     from oscar_calib.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings
     from oscar_calib.evaluate import make_windows, read_documents
+    from oscar_calib.progress import Stages
 
     w = make_windows(tokenizer, read_documents(calib_path), context)
     ids = torch.cat([w.long, w.packed])[:samples]
@@ -45,7 +56,10 @@ def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, s
     for gran in ("head", "layer"):
         t0 = time.perf_counter()
         settings = SolverSettings(granularity=gran, sink_tokens=sink, recent_tokens=recent)
-        out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False)
+        with Stages() as stages:
+            out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False,
+                                                   progress=stages.tokens(f"capture oscar-{gran}", ids.numel()),
+                                                   fit_progress=stages.steps(f"clip fit oscar-{gran}", "layers"))
         _log(f"calibrated oscar-{gran} on {ids.shape[0]} x {context} tokens of {calib_path.name} "
              f"({time.perf_counter() - t0:.1f}s)")
     return out
@@ -102,14 +116,14 @@ def eval_cmd(
     artifact: Annotated[list[Path] | None, typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
     calib_data: Annotated[Path | None, typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit).")] = 16,
+    calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit; default 16 on a GPU, 6 on a CPU).")] = None,
     context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window.")] = 1024,
-    max_windows: Annotated[int, typer.Option("--max-windows", help="At most this many windows (long and packed share it).")] = 16,
+    max_windows: Annotated[int | None, typer.Option("--max-windows", help="At most this many windows (long and packed share it; default 16 on a GPU, 4 on a CPU).")] = None,
     sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
     page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
-    generation_steps: Annotated[int, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip).")] = 64,
+    generation_steps: Annotated[int | None, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip; default 64 on a GPU, 16 on a CPU).")] = None,
     generation_windows: Annotated[int, typer.Option("--generation-windows", help="Windows used for the runtime agreement.")] = 2,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -120,14 +134,18 @@ def eval_cmd(
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="Use an --artifact calibrated for another model id (shapes must still match).")] = False,
 ) -> None:
     """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
+    if plot is not None:
+        require("matplotlib", "plot", "--plot")
     import torch
 
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.loading import load_model, load_tokenizer
     from oscar_calib.methods import standard_methods
-    from runtime_kernels.artifact import check_against_model, model_geometry, read_artifact
+    from oscar_calib.progress import Stages
+    from runtime_kernels.artifact import model_geometry, read_artifact
 
     if model is None:
         if not fixture_available():
@@ -144,7 +162,11 @@ def eval_cmd(
     torch_dtype = resolve_dtype(dtype, dev, choices)
     for key, reason in choices.reasons.items():
         _log(f"{key}={choices.values[key]} ({reason})")
-    bs = batch_size or (4 if dev.startswith("cuda") else 1)
+    on_gpu = dev.startswith("cuda")
+    calib_samples = _sized(calib_samples, "--calib-samples", on_gpu, gpu=16, cpu=6)
+    max_windows = _sized(max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
+    generation_steps = _sized(generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
+    bs = _sized(batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
 
     tokenizer = load_tokenizer(model, revision, False)
     lm = load_model(model, revision, torch_dtype, dev, False)
@@ -155,7 +177,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_against_model(art, lm.config, allow_other_model=allow_other_model)
+        check_model(art, lm.config, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"
@@ -180,17 +202,24 @@ def eval_cmd(
         if unknown:
             raise InputError(f"--methods: unknown method(s) {unknown}; expected names from {known}")
         all_methods = [m for m in all_methods if m.name in wanted]
+    if generation_steps > 0 and generation_steps >= context - sink - recent:  # checked before the evaluation
+        raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
+                         f"({sink + recent}) inside the {context}-token window (pass --generation-steps 0 to skip)")
     _log(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
          f"methods: {', '.join(m.name for m in all_methods)}")
     t0 = time.perf_counter()
-    result = evaluate_methods(lm, all_methods, windows, bs, sink, recent, page_size,
-                              progress=lambda name, kind: _log(f"  {name}: {kind} windows done "
-                                                               f"({time.perf_counter() - t0:.1f}s)"))
+    kinds = len(list(windows.all()))
+    with Stages() as stages:
+        step, done = stages.steps("eval", unit="method x window set"), [0]
+
+        def advance(name: str, kind: str) -> None:
+            done[0] += 1
+            step(f"{name} ({kind})", done[0], len(all_methods) * kinds)
+
+        step("", 0, len(all_methods) * kinds)
+        result = evaluate_methods(lm, all_methods, windows, bs, sink, recent, page_size, progress=advance)
     if generation_steps > 0:
         gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
-        if generation_steps >= context - sink - recent:
-            raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
-                             f"({sink + recent}) inside the {context}-token window")
         result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps,
                                                               sink=sink, recent=recent)
         _log(f"generation agreement: {result['generation_agreement']}")

@@ -1,13 +1,14 @@
 """`oscar-calib push` and `oscar-calib pull`: publish to and fetch from a zoo repo on the Hub.
 
-Exit codes (oscar_calib.errors.EXIT_CODES): 0 ok (also when the content was already released),
-2 bad input (names with '..', control characters or absolute paths; artifact for another model),
-4 integrity (sha256 mismatch, broken artifact), 5 Hub refused (tag exists with other content,
-concurrent publisher, unknown repo/revision/release).
+Exit codes (oscar_calib.cli.exit_codes): 0 ok (also when the content was already released, unless
+`--version` asked for a new version: then 6), 2 bad input (names with '..', control characters or
+absolute paths; artifact for another model), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
+refused (tag exists with other content, concurrent publisher, unknown repo/revision/release).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,11 +20,19 @@ import typer
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
 from oscar_calib.errors import InputError
-from oscar_calib.hub import translate_errors
 
 CalibrationOpt = Annotated[
     str, typer.Option("--calibration", help="Calibration name: the release lives in '<model_id>/<calibration>/'.")]
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
+
+
+@contextlib.contextmanager
+def translate_errors():
+    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch)."""
+    from oscar_calib.hub import translate_errors as translate
+
+    with translate():
+        yield
 
 
 def endpoint() -> str | None:
@@ -58,15 +67,43 @@ def push_cmd(
     version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
     calibration: CalibrationOpt = "default",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
+    commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit message (default: "
+                                                       "'<model_id>/<calibration>: release vN').")] = None,
+    allow_unchanged: Annotated[bool, typer.Option("--allow-unchanged", help="With --version: accept that the "
+                                                  "content is already released as another version (exit 0).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the directory and list what would be "
+                                                            "uploaded; contact no Hub.")] = False,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Publish an artifact directory as one atomic, tagged release of a zoo repo."""
-    from oscar_calib.hub import push
+    """Publish an artifact directory as one atomic, tagged release of a zoo repo.
 
+    Content that is already released creates nothing and names that version. With `--version vN`, that is
+    an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
+    """
+    from oscar_calib.cli.exit_codes import UnchangedRelease
+    from oscar_calib.hub import check_version, push
+
+    if dry_run:
+        from oscar_calib.cli.zoo_cmd import _push_plan
+
+        if version is not None:
+            check_version(version)
+        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN"}
+        if as_json:
+            print(json.dumps(plan, indent=2, sort_keys=True))
+        else:
+            print(f"would publish {directory} -> {repo} {plan['path_in_repo']} as {plan['version']}:")
+            for name, rec in plan["files"].items():
+                print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
+        return
     with translate_errors():
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint())
+                      endpoint=endpoint(), commit_message=commit_message)
+    if version is not None and result.version != version and not result.created and not allow_unchanged:
+        raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
+                               f"{result.version} (commit {result.commit}); nothing was pushed. Pass "
+                               "--allow-unchanged to accept that, or change the artifact")
     if as_json:
         print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
     else:

@@ -6,6 +6,7 @@ Exit codes: 2 bad or unsafe input file / option / output path, 4 the result brea
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,6 +15,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.hub_cmd import _load_config, translate_errors
+from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt
 from oscar_calib.errors import InputError
 
 _IMPORT_EXAMPLES = """
@@ -37,6 +39,7 @@ def import_cmd(
     sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens the reference served with (default: the layout's).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens the reference served with (default: the layout's).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
     from oscar_calib import __version__
@@ -61,7 +64,12 @@ def import_cmd(
                                      layout=DEFAULT_LAYOUT.with_(sink_tokens=sink, recent_tokens=recent))
     with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         write_artifact(artifact, tmp)
-    print(out / ARTIFACT_FILENAME)
+    path = out / ARTIFACT_FILENAME
+    if as_json:
+        print(json.dumps({"artifact": str(path), "layers": artifact.num_layers, "model_id": model_id,
+                          "key_objective": k_ref["objective"], "value_objective": v_ref["objective"]}, indent=2))
+    else:
+        print(path)
     print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
 
 
@@ -77,19 +85,23 @@ Examples:
 def export_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory or .safetensors file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for keys.pt and values.pt.")],
-    fmt: Annotated[str, typer.Option("--format", help="Output format: reference (the authors' RotationZoo).")] = "reference",
-    head_reduce: Annotated[str, typer.Option("--head-reduce", help="none: refuse differing per-head rotations; "
-                                                                   "first: use KV head 0's rotation per layer.")] = "none",
+    fmt: Annotated[ExportFormat, typer.Option("--format", help="Output format: reference (the authors' "
+                                                               "RotationZoo).")] = ExportFormat.reference,
+    head_reduce: Annotated[HeadReduce, typer.Option("--head-reduce", help="none: refuse differing per-head "
+                                                    "rotations; first: use KV head 0's rotation per layer.")
+                           ] = HeadReduce.none,
     overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
     reference_version: Annotated[int, typer.Option("--reference-version", help="2: per KV head (v3 when keys are centred); "
                                                                                "1: one rotation per layer.")] = 2,
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model-config: check shapes only, "
                                                                                 "not that the artifact names this model.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.reference_format import export_reference
-    from runtime_kernels.artifact import check_against_model, read_artifact
+    from runtime_kernels.artifact import read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
 
     if fmt != "reference":
@@ -98,13 +110,15 @@ def export_cmd(
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
-        try:
-            check_against_model(artifact, _load_config(model_config), allow_other_model=allow_other_model)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        check_model(artifact, _load_config(model_config), allow_other_model=allow_other_model)
     with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
-        export_reference(artifact, tmp, head_reduce=head_reduce, overwrite=True, version=reference_version)
-    print(out)
+        written = export_reference(artifact, tmp, head_reduce=getattr(head_reduce, "value", head_reduce),
+                                   overwrite=True, version=reference_version)
+    written = {name: out / Path(path).name for name, path in written.items()}
+    if as_json:
+        print(json.dumps({name: str(path) for name, path in written.items()}, indent=2, sort_keys=True))
+    else:
+        print(out)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
         print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",

@@ -9,7 +9,7 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt, validation_message
 from oscar_calib.config import (
     DEFAULT_K_CLIP_GRID,
     DEFAULT_V_CLIP_GRID,
@@ -50,7 +50,6 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
     return int(index), int(count)
 
 
-@app.command("run", epilog=_EXAMPLES)
 def _default_samples(demo: bool) -> int:
     """32 sequences; the demo 8 on the fixture's calibration text, 3 on the small demo text of the random fallback."""
     if not demo:
@@ -60,6 +59,7 @@ def _default_samples(demo: bool) -> int:
     return 8 if fixture_available() else 3
 
 
+@app.command("run", epilog=_EXAMPLES)
 def run(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: demo).")] = None,
     revision: RevisionOpt = None,
@@ -119,9 +119,7 @@ def run(
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise InputError(f"option '{field}': {first['msg']} (got {first.get('input')!r})") from exc
+        raise InputError(validation_message(exc)) from exc
     if out is None:
         if not demo:
             raise InputError("--out is required with --model (the artifact directory to create)")

@@ -20,13 +20,13 @@ from typing import Annotated, Any
 
 import typer
 
-from oscar_calib.cli.app import app
+from oscar_calib.cli.app import CONTEXT, app
 from oscar_calib.cli.hub_cmd import endpoint, translate_errors
-from oscar_calib.cli.options import DeviceOpt, TokenOpt
+from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, RepoTypeOpt, TokenOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
-zoo_app = typer.Typer(help="Validate, build and publish the rotation zoo described by zoo_manifest.yaml.",
-                      no_args_is_help=True)
+zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
+                      no_args_is_help=True, context_settings=CONTEXT)
 app.add_typer(zoo_app, name="zoo")
 
 ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
@@ -87,6 +87,7 @@ def validate_cmd(
     manifest: ManifestOpt = Path("zoo_manifest.yaml"),
     offline: Annotated[bool, typer.Option("--offline", help="Only check the file, not the Hub.")] = False,
     token: TokenOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check the manifest against its schema and (online) that every release exists as recorded."""
     from oscar_calib.manifest import load_manifest
@@ -94,7 +95,8 @@ def validate_cmd(
 
     zoo = load_manifest(manifest)
     print(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok", file=sys.stderr)
-    if offline or is_offline():
+    hub_checked = not (offline or is_offline())
+    if not hub_checked:
         if zoo.releases:
             print("offline: releases were not checked against the Hub", file=sys.stderr)
     else:
@@ -102,7 +104,12 @@ def validate_cmd(
             for release in zoo.releases:
                 check_release_online(release, token)
                 print(f"ok {release.repo} {release.version} {release.path_in_repo} {release.commit}", file=sys.stderr)
-    print("valid")
+    if as_json:
+        print(json.dumps({"valid": True, "recipes": len(zoo.recipes), "releases": len(zoo.releases),
+                          "pending": [f"{r.model_id}/{r.calibration}" for r in zoo.pending()],
+                          "hub_checked": hub_checked}, indent=2))
+    else:
+        print("valid")
 
 
 # --- build ---------------------------------------------------------------------------------------
@@ -140,7 +147,7 @@ def build_cmd(
             print(out)
             continue
         mirror = mirrors.get(recipe.model_id)
-        config = recipe.to_config(model=str(mirror) if mirror else None, device=device)
+        config = recipe.to_config(model=str(mirror) if mirror else None, device=device, base_dir=manifest.parent)
         run_calibration(config, out, overwrite=overwrite)
         if mirror is not None:
             relabel_artifact(out, recipe.model_id, recipe.model_revision)
@@ -176,17 +183,26 @@ def publish_cmd(
     out_root: OutRootOpt = Path("zoo/build"),
     repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
     private: Annotated[bool, typer.Option("--private")] = False,
+    commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit message of each release "
+                                                       "(default: '<model_id>/<calibration>: release vN').")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and list what would be published; push "
+                                                            "nothing and leave the manifest as it is.")] = False,
     token: TokenOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Push every built recipe without a release, and record each release in the manifest."""
+    """Push every built recipe without a release, and record each release in the manifest.
+
+    The manifest is edited in place (comments, order and spelling of everything else kept); each release is
+    recorded right after its push, so a later failure never loses an earlier release.
+    """
     from oscar_calib.hub import push
-    from oscar_calib.manifest import Release, ReleaseFile, ZooManifest, load_manifest, write_manifest
+    from oscar_calib.manifest import Release, ReleaseFile, append_release, load_manifest
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.loader import file_record, pull_release
 
     zoo = load_manifest(manifest)
     target = repo or zoo.repo
-    releases = list(zoo.releases)
+    published = []
     for recipe in zoo.pending():
         directory = build_dir(out_root, recipe.model_id, recipe.calibration)
         if not (directory / "oscar_kv.safetensors").is_file():
@@ -198,9 +214,17 @@ def publish_cmd(
             if meta[key] != getattr(recipe, key):
                 raise InputError(f"{directory}: field '{key}': artifact has '{meta[key]}', the recipe pins "
                                  f"'{getattr(recipe, key)}'; nothing was published")
+        if dry_run:
+            plan = _push_plan(directory, target, recipe.calibration)
+            published.append(plan)
+            if not as_json:
+                print(f"would publish {directory} -> {target} {plan['path_in_repo']} (next free version): "
+                      f"{len(plan['files'])} file(s), {sum(f['size'] for f in plan['files'].values())} bytes")
+            continue
         with translate_errors():
             result = push(directory, target, calibration=recipe.calibration, private=private, token=token,
-                          endpoint=endpoint(), recipe=json.loads(recipe.model_dump_json()))
+                          endpoint=endpoint(), recipe=json.loads(recipe.model_dump_json()),
+                          commit_message=commit_message)
             with tempfile.TemporaryDirectory(prefix="oscar-zoo-publish-") as cache:
                 # Read back what the Hub now serves (verified), to record exactly those bytes.
                 pulled = pull_release(recipe.model_id, target, result.commit, calibration=recipe.calibration,
@@ -208,14 +232,91 @@ def publish_cmd(
                 files = [ReleaseFile(name=n, sha256=e["sha256"], size=e["size"]) for n, e in pulled.record["files"].items()]
                 rec = file_record(pulled.files["release.json"])
                 files.append(ReleaseFile(name="release.json", **rec))
-        releases.append(Release(model_id=recipe.model_id, calibration=recipe.calibration,
-                                model_revision=recipe.model_revision, repo=target, version=result.version,
-                                commit=result.commit, files=files, metrics=_metrics(directory)))
-        # Record after every push: a later failure never loses an earlier release.
-        zoo = ZooManifest(schema_version=zoo.schema_version, repo=zoo.repo, recipes=zoo.recipes, releases=releases)
-        write_manifest(zoo, manifest)
-        print(f"{target} {result.version} {result.commit} {result.path_in_repo}")
+        release = Release(model_id=recipe.model_id, calibration=recipe.calibration,
+                          model_revision=recipe.model_revision, repo=target, version=result.version,
+                          commit=result.commit, files=files, metrics=_metrics(directory))
+        append_release(manifest, release)  # after every push: a later failure never loses an earlier release
+        published.append(result.as_dict())
+        if not as_json:
+            print(f"{target} {result.version} {result.commit} {result.path_in_repo}")
         print(result.message, file=sys.stderr)
+    if not published:
+        print("every recipe has a release; nothing to publish", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True))
+
+
+def _push_plan(directory: Path, repo: str, calibration: str) -> dict:
+    """What `push` would upload from `directory` (checked locally: names, contract), without the Hub."""
+    from oscar_calib.hub import collect_files
+    from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
+    from runtime_kernels.loader import file_record, release_dir
+
+    with translate_errors():
+        files = collect_files(directory)
+        meta = read_artifact(files[ARTIFACT_FILENAME]).metadata
+        base = release_dir(meta["model_id"], calibration)
+    return {"repo": repo, "path_in_repo": base, "model_id": meta["model_id"],
+            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()}}
+
+
+# --- list ----------------------------------------------------------------------------------------
+@zoo_app.command("list")
+def list_cmd(
+    repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo id ORG/NAME (default: the manifest's).")] = None,
+    manifest: ManifestOpt = Path("zoo_manifest.yaml"),
+    repo_type: RepoTypeOpt = RepoType.model,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the releases a zoo repo holds: one row per version tag (model, calibration, commit, files)."""
+    from oscar_calib.manifest import load_manifest
+    from runtime_kernels.loader import check_repo_id
+
+    if repo is None:
+        if not manifest.is_file():
+            raise InputError(f"--repo: required (no manifest at {manifest} to take the default repo from)")
+        repo = load_manifest(manifest).repo
+    with translate_errors():
+        check_repo_id(repo, "--repo")
+        rows = list_releases(repo, repo_type.value, token)
+    if as_json:
+        print(json.dumps({"repo": repo, "releases": rows}, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{repo}: {len(rows)} release(s)")
+    for col in ("version", "model", "calibration", "model revision", "commit", "files", "bytes"):
+        table.add_column(col, justify="right" if col in ("files", "bytes") else "left")
+    for r in rows:
+        table.add_row(r["version"], r["model_id"], r["calibration"], r["model_revision"][:12], r["commit"][:12],
+                      str(len(r["files"])), str(sum(f["size"] for f in r["files"].values())))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def list_releases(repo: str, repo_type: str, token: str | None) -> list[dict]:
+    """Every version tag of `repo` with the release it made: the `release.json` at that tag whose `version`
+    is the tag (a tag's commit also holds the earlier releases of other models). Oldest first."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    from runtime_kernels.loader import parse_release_record
+
+    api = HfApi(endpoint=endpoint(), token=token)
+    refs = api.list_repo_refs(repo, repo_type=repo_type)
+    tags = {t.name: t.target_commit for t in refs.tags}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="oscar-zoo-list-") as cache:
+        for tag in sorted(tags, key=lambda t: (len(t), t)):
+            info = api.repo_info(repo, revision=tags[tag], repo_type=repo_type, files_metadata=False)
+            for name in sorted(s.rfilename for s in info.siblings or [] if s.rfilename.endswith("/release.json")):
+                path = hf_hub_download(repo, name, revision=tags[tag], repo_type=repo_type, token=token,
+                                       endpoint=endpoint(), cache_dir=cache)
+                record = parse_release_record(Path(path).read_bytes(), f"{repo}@{tag}:{name}")
+                if record["version"] == tag:
+                    rows.append({"version": tag, "commit": tags[tag], "path_in_repo": name.rsplit("/", 1)[0],
+                                 **{k: record[k] for k in ("model_id", "calibration", "model_revision", "files")}})
+    return rows
 
 
 # --- schema --------------------------------------------------------------------------------------

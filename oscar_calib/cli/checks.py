@@ -1,0 +1,22 @@
+"""Checks the commands share, so that one kind of failure is reported the same way everywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_model(artifact: Any, config: Any, model_id: str | None = None, allow_other_model: bool = False) -> None:
+    """Refuse an artifact made for another model as `ModelMismatchError` (exit 2 in every command).
+
+    `runtime_kernels.artifact.check_against_model` raises the contract's generic `ArtifactError` (exit 4);
+    a shape or id that disagrees with the *model* is a wrong input, not a corrupt file.
+    """
+    from runtime_kernels.artifact import ArtifactError, check_against_model
+    from runtime_kernels.loader import ModelMismatchError
+
+    try:
+        check_against_model(artifact, config, model_id=model_id, allow_other_model=allow_other_model)
+    except ModelMismatchError:
+        raise
+    except ArtifactError as exc:
+        raise ModelMismatchError(str(exc)) from None

@@ -1,0 +1,97 @@
+"""The one table from exception types to exit codes. Only the CLI knows exit codes.
+
+Runtime exceptions (`runtime_kernels`, `oscar_calib`) say what went wrong; this table says which kind of
+failure that is, so that the same failure has the same code in every command (an artifact for another
+model is 2 in `audit`, `eval`, `export` and `pull` alike).
+
+Types are named by "module.QualName" and matched along the exception's MRO (most specific first), so
+looking a code up imports nothing: `oscar-calib --help` stays free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUCCESS = 0
+OTHER = 1
+BAD_INPUT = 2
+CAPTURE = 3
+INTEGRITY = 4
+HUB_REFUSED = 5
+UNCHANGED = 6
+MISSING_DEPENDENCY = 7
+INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class ExitKind:
+    code: int
+    meaning: str
+
+
+KINDS: tuple[ExitKind, ...] = (
+    ExitKind(SUCCESS, "success"),
+    ExitKind(OTHER, "other known error"),
+    ExitKind(BAD_INPUT, "bad input: option, model, dataset, output path, manifest, unsafe repo id / file name / "
+                        "revision, malformed reference file, artifact made for another model"),
+    ExitKind(CAPTURE, "capture failed: unsupported attention, NaN/Inf in activations"),
+    ExitKind(INTEGRITY, "integrity: sha256 mismatch, an artifact that breaks the contract"),
+    ExitKind(HUB_REFUSED, "the Hub refused: tag exists with other content, concurrent publisher, unknown "
+                          "repo / revision / release, bad credentials, not cached while offline"),
+    ExitKind(UNCHANGED, "nothing new: `push --version` of content that an earlier version already holds "
+                        "(pass --allow-unchanged to accept)"),
+    ExitKind(MISSING_DEPENDENCY, "an optional dependency of the requested feature is not installed "
+                                 "(the message gives the pip command); nothing was run"),
+    ExitKind(INTERRUPTED, "interrupted (Ctrl-C / SIGINT)"),
+)
+
+# Exception type -> exit code. Subclasses not listed take the code of their nearest listed base.
+EXCEPTION_CODES: dict[str, int] = {
+    "oscar_calib.errors.OscarError": OTHER,
+    "oscar_calib.errors.InputError": BAD_INPUT,
+    "oscar_calib.errors.CaptureError": CAPTURE,
+    "oscar_calib.errors.IntegrityError": INTEGRITY,
+    "oscar_calib.errors.HubError": HUB_REFUSED,
+    "oscar_calib.cli.exit_codes.UnchangedRelease": UNCHANGED,
+    "oscar_calib.cli.exit_codes.MissingDependency": MISSING_DEPENDENCY,
+    "runtime_kernels.contract.ArtifactError": INTEGRITY,
+    "runtime_kernels.contract.DuplicateKeyError": INTEGRITY,
+    "runtime_kernels.artifact.ModelMismatchError": BAD_INPUT,
+    "runtime_kernels.loader.UnsafeNameError": BAD_INPUT,
+    "runtime_kernels.loader.ReleaseNotFoundError": HUB_REFUSED,
+    "runtime_kernels.loader.HubUnreachableError": HUB_REFUSED,
+    "runtime_kernels.atomic.OutputDirError": BAD_INPUT,
+    "runtime_kernels.cache.NonFiniteKVError": BAD_INPUT,
+}
+
+
+class UnchangedRelease(Exception):
+    """`push --version vN` found the content already released as another version: nothing was created."""
+
+
+class MissingDependency(Exception):
+    """An optional package needed by a requested option is not installed."""
+
+
+def exit_code_for(exc: BaseException) -> int | None:
+    """The exit code of a known failure, or None for an unexpected exception (which keeps its traceback)."""
+    for cls in type(exc).__mro__:
+        code = EXCEPTION_CODES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if code is not None:
+            return code
+    return None
+
+
+def require(module: str, extra: str, flag: str) -> None:
+    """Fail before any work when `flag` needs `module` and it is not importable (checked without importing)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependency(f"{flag} needs {module}, which is not installed; install it with "
+                                f"`pip install 'oscar-calib[{extra}]'` (or `pip install {module}`)")
+
+
+def table_markdown() -> str:
+    """The exit-code table as Markdown (README and docs/cli.md show it; a test keeps them in step)."""
+    rows = ["| code | meaning |", "|---|---|"] + [f"| {k.code} | {k.meaning} |" for k in KINDS]
+    return "\n".join(rows)

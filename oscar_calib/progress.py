@@ -1,0 +1,62 @@
+"""Progress bars with an ETA (rich, on stderr) for the long steps: capture, solve + clip fit, evaluation.
+
+One `Stages` display holds one bar per step; each step gets a callback that the computation calls as it
+advances. The callbacks take plain numbers, so the computing modules import nothing from rich.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+StepFn = Callable[[str, int, int], None]  # (what is running now, steps done, steps in total)
+
+
+class Stages:
+    """A rich `Progress` on `console` (stderr); use as a context manager."""
+
+    def __init__(self, console=None):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[unit]}"), TextColumn("{task.fields[note]}"),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=self.console, transient=False)
+
+    def __enter__(self) -> Stages:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def tokens(self, label: str, total: int) -> Callable[[int, int], None]:
+        """Callback `(tokens done in this call, total)` for a token-counting step; shows tokens per second."""
+        task = self.progress.add_task(label, total=total, unit="tokens", note="")
+        start, done = time.perf_counter(), [0]
+
+        def advance(tokens: int, _total: int) -> None:
+            done[0] += tokens
+            rate = done[0] / max(time.perf_counter() - start, 1e-9)
+            self.progress.update(task, advance=tokens, note=f"{rate:,.0f} tok/s")
+
+        return advance
+
+    def steps(self, label: str, unit: str = "steps") -> StepFn:
+        """Callback `(note, done, total)` for a step counted in units (layers, windows); the total may be
+        learned at the first call."""
+        task = self.progress.add_task(label, total=None, unit=unit, note="")
+
+        def advance(note: str, done: int, total: int) -> None:
+            self.progress.update(task, completed=done, total=total, note=note)
+
+        return advance

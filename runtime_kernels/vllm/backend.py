@@ -1,0 +1,191 @@
+"""vLLM attention backend for the OSCAR INT2 cache (docs/vllm.md).
+
+`OscarAttentionBackend` extends vLLM's CPU backend and replaces it (`register_backend(CPU_ATTN, ...)`, see
+`plugin.register`). Without an `oscar` entry in vLLM's `additional_config` every method defers to the parent, so
+vLLM behaves as without the plugin. With one:
+- the artifact is loaded and checked against the model when the first attention layer is built (startup, before
+  the KV cache is sized and before any request); a mismatch raises and vLLM does not start;
+- `customize_spec` declares the packed INT2 cell (`PackedLayout.bytes_per_token_head`, 72 B at d = 128) so vLLM's
+  allocator and its reported KV capacity count INT2 pages;
+- the metadata builder books each step once (`OscarEngine.plan`) and every layer's `forward` runs
+  `OscarEngine.forward` (write + attention) on its vLLM layer cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionMetadataBuilder
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from runtime_kernels.artifact import ArtifactError, OscarArtifact, model_geometry
+from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
+from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
+from runtime_kernels.vllm.layout import PackedLayout
+from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
+
+logger = logging.getLogger(__name__)
+
+
+class _PluginState:
+    """What the process serves: the vLLM config seen last, its `oscar` entry, the artifact and the engine."""
+
+    def __init__(self) -> None:
+        self.vllm_config = None
+        self.cfg: OscarServeConfig | None = None
+        self.artifact: OscarArtifact | None = None
+        self.engine: OscarEngine | None = None
+
+    def update(self, vllm_config) -> None:
+        """(Re)load for a new vLLM config (a new `LLM` in this process): parse, load, check; raise on mismatch."""
+        if vllm_config is None or vllm_config is self.vllm_config:
+            return
+        cfg = parse_oscar_config(getattr(vllm_config, "additional_config", None))
+        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        if cfg is None and cache_dtype == KV_CACHE_DTYPE:
+            raise ValueError(f"kv_cache_dtype '{KV_CACHE_DTYPE}' needs an artifact: pass --additional-config "
+                             f"'{{\"oscar\": {{\"repo\": ..., \"revision\": ...}}}}' (or {{\"path\": ...}})")
+        if cfg is not None and cache_dtype not in ("auto", KV_CACHE_DTYPE):
+            raise ValueError(f"kv_cache_dtype: additional_config.oscar stores the cache in INT2; expected 'auto' or "
+                             f"'{KV_CACHE_DTYPE}', got '{cache_dtype}'")
+        self.vllm_config, self.cfg, self.artifact, self.engine = vllm_config, cfg, None, None
+        if cfg is None:
+            return
+        model_config = vllm_config.model_config
+        try:
+            artifact = load_checked_artifact(cfg, model_config.hf_config, served_model=model_config.model)
+            n_layers = model_geometry(model_config.hf_config)[0]
+            missing = sorted(set(range(n_layers)) - {int(i) for i in artifact.layer_ids.tolist()})
+            if missing:
+                raise ArtifactError(
+                    f"{artifact.source}: field 'layer_ids': the vLLM plugin needs every attention layer calibrated "
+                    f"(layers {missing} are not; keeping vLLM's BF16 cache for them is not supported yet)")
+        except Exception:
+            self.vllm_config, self.cfg = None, None  # a retry re-checks instead of serving half-configured
+            raise
+        self.artifact = artifact
+        logger.info("OSCAR INT2 KV cache: artifact %s (model %s, %d layers, sink %d, recent %d, group %d)",
+                    artifact.source, artifact.metadata.get("model_id"), artifact.num_layers, artifact.sink_tokens,
+                    artifact.recent_tokens, artifact.group_size)
+
+    @property
+    def packed(self) -> PackedLayout:
+        return PackedLayout(self.artifact.head_dim, self.artifact.group_size)
+
+    def engine_for(self, vllm_config, block_size: int, device: torch.device) -> OscarEngine:
+        if self.engine is None:
+            art, cfg = self.artifact, self.cfg
+            layout = DEFAULT_LAYOUT.with_(sink_tokens=art.sink_tokens, recent_tokens=art.recent_tokens,
+                                          page_size=block_size)
+            max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+            capacity = math.ceil(cfg.window_reserve * max_seqs * window_blocks_per_request(layout))
+            self.engine = OscarEngine(art, max_seqs=max_seqs, dtype=vllm_config.model_config.dtype, layout=layout,
+                                      window_capacity=capacity, device=device, backend=cfg.kernel_backend)
+            logger.info("OSCAR window store: %d blocks of %d tokens, %.1f MiB (outside vLLM's KV budget)",
+                        capacity, block_size, self.engine.windows.nbytes() / 2**20)
+        return self.engine
+
+
+STATE = _PluginState()
+
+
+def active_state(vllm_config=None) -> _PluginState | None:
+    """The plugin state when the current vLLM config asks for OSCAR, else None (vLLM's own behaviour)."""
+    STATE.update(vllm_config if vllm_config is not None else get_current_vllm_config_or_none())
+    return STATE if STATE.cfg is not None else None
+
+
+@dataclass
+class OscarMetadata:
+    """Per-step metadata of the OSCAR layers: the real token count and the step's plan (shared by layers)."""
+
+    num_actual_tokens: int
+    plan: StepPlan
+
+
+class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU builder when OSCAR is off; otherwise turns vLLM's batch into `RequestStep`s and books the step."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        state = active_state(vllm_config)
+        if state is None:
+            self._engine = None
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            return
+        AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        self._engine = state.engine_for(vllm_config, kv_cache_spec.block_size, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if self._engine is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        p = self._engine.layout.page_size
+        starts = m.query_start_loc_cpu.tolist()
+        seq_lens = m.seq_lens.cpu().tolist()
+        table = m.block_table_tensor.cpu()
+        requests = []
+        for i in range(m.num_reqs):
+            q_len = starts[i + 1] - starts[i]
+            if q_len <= 0:
+                continue
+            n = int(seq_lens[i])
+            requests.append(RequestStep(starts[i], q_len, n - q_len, table[i, :-(-n // p)].tolist()))
+        return OscarMetadata(num_actual_tokens=m.num_actual_tokens, plan=self._engine.plan(requests))
+
+
+class OscarAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention when OSCAR is off; the OSCAR engine (write + attention in `forward`) when on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._oscar = active_state() is not None  # loads and checks the artifact at model build time
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if not isinstance(attn_metadata, OscarMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("OSCAR attention: fused output quantization is not supported")
+        t = attn_metadata.num_actual_tokens
+        STATE.engine.forward(extract_layer_index(layer.layer_name), attn_metadata.plan, kv_cache, query[:t],
+                             key[:t], value[:t], self.scale, output[:t])
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self._oscar:  # written by forward, which needs the tokens before they are quantized
+            return
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+class OscarAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN with an optional OSCAR INT2 cache (selected by `additional_config={"oscar": {...}}`)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return OscarAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return OscarMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        state = active_state()
+        if state is None:
+            return super().customize_spec(spec)
+        return replace(spec, state_content_bytes=state.packed.bytes_per_token_head)
+
+
+__all__ = ["OscarAttentionBackend", "OscarAttentionImpl", "OscarMetadata", "OscarMetadataBuilder", "STATE",
+           "active_state"]

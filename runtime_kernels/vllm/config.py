@@ -1,0 +1,81 @@
+"""The `oscar` entry of vLLM's `--additional-config`, and the artifact it names (docs/vllm.md section 7).
+
+    --additional-config '{"oscar": {"repo": "my-org/oscar-zoo", "revision": "v1"}}'   # zoo release (Hub)
+    --additional-config '{"oscar": {"path": "zoo/demo"}}'                             # local artifact
+
+No vLLM import: `parse_oscar_config` takes vLLM's `additional_config` dict, `load_checked_artifact` the model's
+transformers config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from runtime_kernels.artifact import OscarArtifact, check_against_model
+from runtime_kernels.loader import load_artifact
+
+CONFIG_KEY = "oscar"
+
+
+class OscarServeConfig(BaseModel):
+    """What the server loads. Exactly one of `path` (local directory or .safetensors) and `repo` (zoo repo on the
+    Hub, with `revision`: a tag, branch or commit; `model_id` defaults to the served model's name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    model_id: str | None = None
+    calibration: str = "default"
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    window_reserve: float = 2.0  # window blocks kept per running request's need (>= 1; extra = prefix reuse)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> OscarServeConfig:
+        if (self.path is None) == (self.repo is None):
+            raise ValueError("give exactly one of 'path' (local artifact) and 'repo' (zoo repo on the Hub)")
+        if self.repo is not None and not self.revision:
+            raise ValueError("'revision' is required with 'repo' (a release tag or commit: serving pins it)")
+        if self.window_reserve < 1:
+            raise ValueError(f"'window_reserve' must be >= 1, got {self.window_reserve}")
+        return self
+
+
+def parse_oscar_config(additional_config: Any) -> OscarServeConfig | None:
+    """The `oscar` entry of vLLM's additional_config (None when absent: the plugin then changes nothing).
+
+    Raises ValueError naming `additional_config.oscar` and the offending field for a malformed entry.
+    """
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        return None
+    raw = additional_config[CONFIG_KEY]
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config.{CONFIG_KEY}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return OscarServeConfig(**raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "(entry)"
+        raise ValueError(f"additional_config.{CONFIG_KEY}.{where}: {first['msg']}") from None
+
+
+def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: str | None = None) -> OscarArtifact:
+    """Load the artifact (local path, or a pinned, sha256-verified zoo release; offline from a warm cache with
+    HF_HUB_OFFLINE=1) and check it against the served model's config. Mismatches raise ArtifactError /
+    ModelMismatchError naming the field."""
+    if cfg.path is not None:
+        artifact = load_artifact(cfg.path)
+    else:
+        model_id = cfg.model_id or served_model
+        if not model_id:
+            raise ValueError(f"additional_config.{CONFIG_KEY}.model_id: needed to pull from '{cfg.repo}' "
+                             f"when the served model has no Hub name")
+        artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration)
+    check_against_model(artifact, hf_config)
+    return artifact
+
+
+__all__ = ["CONFIG_KEY", "OscarServeConfig", "load_checked_artifact", "parse_oscar_config"]

@@ -1,0 +1,398 @@
+"""One engine step of the three-segment OSCAR cache on vLLM's own blocks (docs/vllm.md sections 2-6).
+
+No vLLM import: the vLLM backend (`runtime_kernels.vllm.backend`) turns vLLM's metadata into `RequestStep`s and
+calls `OscarEngine.plan` once per step and `OscarEngine.forward` once per calibrated layer.
+
+Storage:
+- vLLM's blocks (`[num_blocks, H, P, C]` bytes per layer, `layout.page_pools`) hold INT2 codes and fp16
+  scale/zero of **every** token, written when the token arrives (a pure function of the token's rotated K/V);
+- the `WindowStore` holds BF16 (model dtype) rotated rows of the blocks that are in a sink or recent window,
+  keyed by physical block id (one host map for all layers).
+
+Per request of `n` tokens (S sink, R recent, P page = vLLM block size, S a multiple of P), as `PagedKVCache`:
+history = positions `[S, S + h)` with `h = P * floor(max(0, n - S - R) / P)` read as INT2; sink `[0, min(n, S))`
+and recent `[S + h, n)` read in BF16. Attention: decode (one new token on a non-empty request) = window + INT2
+history merged exactly (`runtime_kernels.attention.decode_attention`); prefill = full precision over the new
+tokens and the cached tokens as cached (`OscarCache`'s prefill and chunked prefill).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from runtime_kernels import attention as attn_api
+from runtime_kernels import quant as quant_api
+from runtime_kernels.artifact import OscarArtifact
+from runtime_kernels.cache import rotate_rows
+from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.vllm.layout import PackedLayout, page_pools
+
+
+def history_tokens(n: int, layout: CacheLayout) -> int:
+    """INT2 history length of a request of `n` tokens: whole pages, leaving R .. R+P-1 recent tokens."""
+    p = layout.page_size
+    return p * (max(0, n - layout.sink_tokens - layout.recent_tokens) // p)
+
+
+def window_blocks_per_request(layout: CacheLayout) -> int:
+    """Blocks one running request can have in its windows: the sink blocks and those of R + P - 1 recent
+    tokens, which may straddle one more block."""
+    p = layout.page_size
+    return layout.sink_tokens // p + -(-(layout.recent_tokens + p - 1) // p) + 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# BF16 windows
+# ----------------------------------------------------------------------------------------------------------
+class WindowStore:
+    """Full-precision rotated rows of the blocks in a window, keyed by physical block id, for every layer.
+
+    Tensors: `k[layer]`, `v[layer]` `[capacity, H, P, d]` in the model dtype. A window block is valid for the
+    rows `[0, rows[slot])` written in order since the block's last row-0 write (a block rewritten from row 0
+    belongs to new content: vLLM reallocated it). Slots are reclaimed least recently used first, never one
+    pinned by the step being planned. Missing rows are read from the block's INT2 bytes instead.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"capacity: expected at least 1 window block, got {capacity}")
+        shape = (capacity, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # physical block -> slot, least recent first
+        self.rows = [0] * capacity  # valid rows of each slot (-1: written out of order, never readable)
+        self._free = list(range(capacity - 1, -1, -1))
+        self.fallback_rows = 0  # window rows that had to be read from INT2 (evicted), for stats
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def readable(self, block: int, row: int) -> int | None:
+        """Slot holding row `row` of physical `block` in full precision, or None."""
+        slot = self.slot_of.get(block)
+        if slot is None or self.rows[slot] <= row:
+            return None
+        return slot
+
+    def touch(self, blocks) -> None:
+        for b in blocks:
+            if b in self.slot_of:
+                self.slot_of.move_to_end(b)
+
+    def slot_for_write(self, block: int, row: int, pinned: set[int]) -> int:
+        """The slot that receives row `row` of `block` (allocated or reset at row 0)."""
+        slot = self.slot_of.get(block)
+        if slot is None:
+            slot = self._take(pinned)
+            self.slot_of[block] = slot
+            self.rows[slot] = 0
+        elif row == 0:
+            self.rows[slot] = 0
+        self.slot_of.move_to_end(block)
+        self.rows[slot] = row + 1 if self.rows[slot] == row else -1
+        return slot
+
+    def _take(self, pinned: set[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        for block in self.slot_of:  # least recently used first
+            if block not in pinned:
+                return self.slot_of.pop(block)
+        raise RuntimeError(f"window store full: {self.capacity} window blocks are all in use by this step "
+                           f"(raise max_num_seqs' window reserve)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A step
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class RequestStep:
+    """One request of the batch: its new tokens are `q[q_start : q_start + q_len]` at positions
+    `[n_old, n_old + q_len)`; `blocks` are its physical blocks (vLLM block table row, at least
+    ceil((n_old + q_len) / P) entries)."""
+
+    q_start: int
+    q_len: int
+    n_old: int
+    blocks: list[int]
+
+    @property
+    def n_new(self) -> int:
+        return self.n_old + self.q_len
+
+
+@dataclass
+class SegmentIndex:
+    """Where positions of a request are read from: BF16 (`win_slots`, `win_rows`) or INT2 (`pages`, `rows`);
+    `order` puts the concatenation [BF16 rows, INT2 rows] back in chronological order."""
+
+    win_slots: torch.Tensor
+    win_rows: torch.Tensor
+    pages: torch.Tensor
+    rows: torch.Tensor
+    order: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """Host-side bookkeeping of one step, shared by every calibrated layer.
+
+    - writes: new token t goes to INT2 `(write_pages[t], write_rows[t])` and BF16 `(write_slots[t], write_rows[t])`;
+    - decode requests: token ids `decode_tokens [Bd]`, INT2 `block_table [Bd, max_pages]`, `hist_len [Bd]`, window
+      rows gathered by `win_slots/win_rows` into `[Bd, H, win_width, d]` at `(win_batch, win_pos)`, `win_len [Bd]`;
+      `whole_pages`: every hist_len is whole pages (False only when an evicted, partly filled block is read as INT2);
+    - prefill requests: `(request, SegmentIndex of its cached positions)`.
+    """
+
+    num_tokens: int
+    write_pages: torch.Tensor
+    write_rows: torch.Tensor
+    write_slots: torch.Tensor
+    decode_tokens: torch.Tensor
+    block_table: torch.Tensor
+    hist_len: torch.Tensor
+    win_slots: torch.Tensor
+    win_rows: torch.Tensor
+    win_batch: torch.Tensor
+    win_pos: torch.Tensor
+    win_len: torch.Tensor
+    win_width: int
+    whole_pages: bool = True
+    prefills: list[tuple[RequestStep, SegmentIndex]] = field(default_factory=list)
+
+
+def _long(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+class OscarEngine:
+    """The INT2 cache of all calibrated layers of one vLLM model.
+
+    Args:
+        artifact: validated `OscarArtifact` (rotations, clip ratios, group size, windows).
+        layout: `CacheLayout` (sink/recent default to the artifact's; page size = vLLM block size).
+        window_capacity: window blocks in the `WindowStore` (default `2 * max_seqs * window_blocks_per_request`).
+        dtype: model dtype (the windows' dtype); backend: kernel backend ("auto" | "torch" | "triton").
+    """
+
+    def __init__(self, artifact: OscarArtifact, *, max_seqs: int, dtype: torch.dtype,
+                 layout: CacheLayout | None = None, window_capacity: int | None = None,
+                 device: torch.device | str = "cpu", backend: str = "auto"):
+        artifact.validate()
+        self.layout = layout or DEFAULT_LAYOUT.with_(sink_tokens=artifact.sink_tokens,
+                                                     recent_tokens=artifact.recent_tokens)
+        p = self.layout.page_size
+        if self.layout.sink_tokens % p:
+            raise ValueError(f"sink_tokens: must be a multiple of the block size {p} (history pages are vLLM "
+                             f"blocks), got {self.layout.sink_tokens}")
+        self.packed = PackedLayout(artifact.head_dim, artifact.group_size)
+        self.num_kv_heads, self.head_dim = artifact.num_kv_heads, artifact.head_dim
+        self.local_of = {int(g): i for i, g in enumerate(artifact.layer_ids.tolist())}
+        self.device = torch.device(device)
+        self.dtype, self.backend = dtype, backend
+        self.k_rotation = [r.to(self.device, torch.float32).contiguous() for r in artifact.k_rotation]
+        self.v_rotation = [r.to(self.device, torch.float32).contiguous() for r in artifact.v_rotation]
+        self.k_clip = [c.to(self.device, torch.float32).contiguous() for c in artifact.k_clip_ratio]
+        self.v_clip = [c.to(self.device, torch.float32).contiguous() for c in artifact.v_clip_ratio]
+        # Centered caches (contract v2): the INT2 pages hold quant(x_rot - mu); decode adds mu back exactly
+        # (q . mu_k on the history logits, the history's probability mass times mu_v), as PagedKVCache does.
+        centered = artifact.is_centered
+        self.k_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.key_mean("rotated")] \
+            if centered else [None] * len(self.k_rotation)
+        self.v_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.value_mean("rotated")] \
+            if centered else [None] * len(self.v_rotation)
+        capacity = window_capacity or 2 * int(max_seqs) * window_blocks_per_request(self.layout)
+        self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
+                                   self.device)
+
+    # -- host bookkeeping --------------------------------------------------------------------------------
+    def _window_positions(self, n: int) -> list[int]:
+        """Positions read in full precision by a request of `n` tokens: sink, then recent (chronological)."""
+        s = self.layout.sink_tokens
+        return list(range(min(n, s))) + list(range(s + history_tokens(n, self.layout), n))
+
+    def _segments(self, req: RequestStep, n: int, dev) -> tuple[list, list, list, list, list]:
+        """(BF16 slots, BF16 rows, INT2 pages, INT2 rows, chronological order) of positions [0, n) of `req`."""
+        p, store = self.layout.page_size, self.windows
+        in_window = set(self._window_positions(n))
+        ws, wr, ip, ir, kinds = [], [], [], [], []
+        for pos in range(n):
+            block, row = req.blocks[pos // p], pos % p
+            slot = store.readable(block, row) if pos in in_window else None
+            if pos in in_window and slot is None:
+                store.fallback_rows += 1
+            if slot is not None:
+                ws.append(slot)
+                wr.append(row)
+                kinds.append((0, len(ws) - 1))
+            else:
+                ip.append(block)
+                ir.append(row)
+                kinds.append((1, len(ip) - 1))
+        order = [i if k == 0 else len(ws) + i for k, i in kinds]
+        return ws, wr, ip, ir, order
+
+    def plan(self, requests: list[RequestStep]) -> StepPlan:
+        """Book the step: window slots for the new tokens, and where each request reads its cache from."""
+        p, dev, store = self.layout.page_size, self.device, self.windows
+        for r in requests:
+            need = -(-r.n_new // p)
+            if len(r.blocks) < need:
+                raise ValueError(f"blocks: request at q_start={r.q_start} has {len(r.blocks)} blocks for "
+                                 f"{r.n_new} tokens (block size {p})")
+        pinned = {b for r in requests for b in r.blocks[:-(-r.n_new // p)]}
+        store.touch(pinned)
+        # Reads first (they see the cache before this step's writes; writes only touch positions >= n_old).
+        decode, prefills = [], []
+        for r in requests:
+            (decode if r.q_len == 1 and r.n_old > 0 else prefills).append(r)
+        pages, rows, slots = [], [], []
+        for r in requests:
+            for pos in range(r.n_old, r.n_new):
+                block, row = r.blocks[pos // p], pos % p
+                pages.append(block)
+                rows.append(row)
+                slots.append(store.slot_for_write(block, row, pinned))
+        # Decode reads the state after its write: sink and recent BF16 (one token later), history INT2.
+        tables, hist, win_s, win_r, win_b, win_p, win_len = [], [], [], [], [], [], []
+        s_blocks = self.layout.sink_tokens // p
+        for i, r in enumerate(decode):
+            n = r.n_new
+            h = history_tokens(n, self.layout)
+            table = list(r.blocks[s_blocks:s_blocks + h // p])
+            count, partial = 0, None
+            positions = self._window_positions(n)
+            for j in sorted({pos // p for pos in positions}):  # blocks of the window, in order
+                block = r.blocks[j]
+                mine = [pos for pos in positions if pos // p == j]
+                slot = store.readable(block, mine[-1] % p)
+                if slot is None:  # evicted: read the block from its INT2 bytes (never stale data)
+                    store.fallback_rows += len(mine)
+                    if (j + 1) * p > n:  # the newest, partly filled block: last in the table, partial page
+                        partial = (block, n - j * p)
+                    else:
+                        table.append(block)
+                    continue
+                for pos in mine:
+                    win_s.append(slot)
+                    win_r.append(pos % p)
+                    win_b.append(i)
+                    win_p.append(count)
+                    count += 1
+            hist.append(len(table) * p + (partial[1] if partial else 0))
+            if partial:
+                table.append(partial[0])
+            tables.append(table)
+            win_len.append(count)
+        width = max([1] + [len(t) for t in tables])
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
+                                   device=dev)[:len(tables)]
+        prefill_plans = []
+        for r in prefills:
+            ws, wr, ip, ir, order = self._segments(r, r.n_old, dev)
+            prefill_plans.append((r, SegmentIndex(_long(ws, dev), _long(wr, dev), _long(ip, dev), _long(ir, dev),
+                                                  _long(order, dev))))
+        return StepPlan(
+            num_tokens=len(pages), write_pages=_long(pages, dev), write_rows=_long(rows, dev),
+            write_slots=_long(slots, dev), decode_tokens=_long([r.q_start for r in decode], dev),
+            block_table=block_table, hist_len=torch.tensor(hist, dtype=torch.int32, device=dev),
+            win_slots=_long(win_s, dev), win_rows=_long(win_r, dev), win_batch=_long(win_b, dev),
+            win_pos=_long(win_p, dev), win_len=torch.tensor(win_len, dtype=torch.int32, device=dev),
+            win_width=max([1] + win_len), whole_pages=all(h % p == 0 for h in hist), prefills=prefill_plans)
+
+    # -- per layer -------------------------------------------------------------------------------------------
+    def local_index(self, layer_idx: int) -> int:
+        if layer_idx not in self.local_of:
+            raise KeyError(f"layer {layer_idx}: not calibrated by the artifact (layer_ids {sorted(self.local_of)})")
+        return self.local_of[layer_idx]
+
+    def forward(self, layer_idx: int, plan: StepPlan, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Write this step's tokens of one layer and compute its attention.
+
+        Args:
+            kv_cache: vLLM's layer cache `[num_blocks, H, P, C]` (packed bytes, `layout.page_pools`).
+            q: `[T, H_q, d]`, k/v: `[T, H, d]` post-RoPE, model basis (T = plan.num_tokens, padding excluded).
+            out: `[T, H_q, d]`, written in place and returned.
+        """
+        li = self.local_index(layer_idx)
+        pools = page_pools(kv_cache, self.packed)
+        win_k, win_v = self.windows.k[li], self.windows.v[li]
+        t = plan.num_tokens
+        k_rot = rotate_rows(k[:t], self.k_rotation[li]).to(self.dtype)
+        v_rot = rotate_rows(v[:t], self.v_rotation[li]).to(self.dtype)
+        if t:
+            win_k[plan.write_slots, :, plan.write_rows] = k_rot
+            win_v[plan.write_slots, :, plan.write_rows] = v_rot
+            quant_api.write_pages(k_rot, None, self.k_clip[li], pools.k_codes, pools.k_scale, pools.k_zero,
+                                  plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
+                                  backend=self.backend, mean=self.k_mean[li])
+            quant_api.write_pages(v_rot, None, self.v_clip[li], pools.v_codes, pools.v_scale, pools.v_zero,
+                                  plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
+                                  backend=self.backend, mean=self.v_mean[li])
+        if plan.decode_tokens.numel():
+            out[plan.decode_tokens] = self._decode(li, plan, pools, win_k, win_v, q[plan.decode_tokens],
+                                                   sm_scale).to(out.dtype)
+        for req, seg in plan.prefills:
+            lo, hi = req.q_start, req.q_start + req.q_len
+            past_k, past_v = self._dense_past(li, seg, pools, win_k, win_v, k.dtype)
+            out[lo:hi] = _causal_attention(q[lo:hi], torch.cat([past_k, k[lo:hi]]), torch.cat([past_v, v[lo:hi]]),
+                                           sm_scale).to(out.dtype)
+        return out
+
+    def _decode(self, li, plan: StepPlan, pools, win_k, win_v, q, sm_scale) -> torch.Tensor:
+        """Decode queries `[Bd, H_q, d]` -> `[Bd, H_q, d]` fp32 (model basis), as `PagedKVCache.decode_attention`."""
+        bd = q.shape[0]
+        kw = torch.zeros(bd, self.num_kv_heads, plan.win_width, self.head_dim, dtype=self.dtype, device=q.device)
+        vw = torch.zeros_like(kw)
+        if plan.win_slots.numel():
+            kw[plan.win_batch, :, plan.win_pos] = win_k[plan.win_slots, :, plan.win_rows]
+            vw[plan.win_batch, :, plan.win_pos] = win_v[plan.win_slots, :, plan.win_rows]
+        q_rot = attn_api.rotate_queries(q.float(), self.k_rotation[li]).to(self.dtype)
+        slots = torch.arange(bd, dtype=torch.int32, device=q.device)
+        o, _ = attn_api.decode_attention(q_rot, pools.k_codes, pools.k_scale, pools.k_zero, pools.v_codes,
+                                         pools.v_scale, pools.v_zero, plan.block_table, plan.hist_len, kw, vw,
+                                         slots, plan.win_len, sm_scale=sm_scale, backend=self.backend,
+                                         whole_pages=plan.whole_pages, k_mean=self.k_mean[li],
+                                         v_mean=self.v_mean[li])
+        return attn_api.unrotate_output(o.float(), self.v_rotation[li])
+
+    def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached positions of a request in order, model basis: BF16 window rows and dequantized INT2 rows.
+        Returns k, v `[n_old, H, d]` in `dtype` (as `PagedKVCache.dense_kv`, then cast like `OscarCache`)."""
+        from runtime_kernels.quant import naive as quant_naive
+
+        out = []
+        for win, codes, scale, zero, rot, mean in (
+                (win_k, pools.k_codes, pools.k_scale, pools.k_zero, self.k_rotation[li], self.k_mean[li]),
+                (win_v, pools.v_codes, pools.v_scale, pools.v_zero, self.v_rotation[li], self.v_mean[li])):
+            rows = win[seg.win_slots, :, seg.win_rows].float()  # [n_bf16, H, d]
+            if seg.pages.numel():
+                hist = quant_naive.unpack_dequantize(codes[seg.pages, :, seg.rows], scale[seg.pages, :, seg.rows],
+                                                     zero[seg.pages, :, seg.rows]).float()  # [n_int2, H, d]
+                rows = torch.cat([rows, hist if mean is None else hist + mean])
+            rows = rows[seg.order] if seg.order.numel() else rows
+            out.append(torch.einsum("the,hde->thd", rows, rot).to(dtype))
+        return out[0], out[1]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Full-precision causal attention of the last T of N positions: q `[T, H_q, d]`, k/v `[N, H, d]` -> `[T, H_q, d]`.
+    GQA by repeating KV heads; computed in the inputs' dtype by SDPA (what `OscarCache`'s prefill runs)."""
+    t, h_q, _ = q.shape
+    n, h = k.shape[0], k.shape[1]
+    kk = k.transpose(0, 1).repeat_interleave(h_q // h, dim=0)  # [H_q, N, d]
+    vv = v.transpose(0, 1).repeat_interleave(h_q // h, dim=0)
+    mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=sm_scale)
+    return o.transpose(0, 1)
+
+
+__all__ = ["OscarEngine", "RequestStep", "SegmentIndex", "StepPlan", "WindowStore", "history_tokens",
+           "window_blocks_per_request"]

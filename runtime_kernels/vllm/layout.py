@@ -1,0 +1,91 @@
+"""Bytes of one vLLM KV block for the INT2 cache, and their views as the kernels' page pools.
+
+A vLLM layer cache for this backend is `[num_blocks, H, P, C]` (vLLM's `LBHNC` layout: block, KV head, token,
+content) with `C = PackedLayout.bytes_per_token_head` bytes per (token, KV head):
+
+    [ K codes d/4 | V codes d/4 | K scale | K zero | V scale | V zero ]   (scale/zero fp16, d/G each)
+
+72 bytes at d = 128 and one group per row, against `2 * d * 2 = 512` for BF16 K+V. The views keep the last
+dim contiguous, as `runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Geometry of the packed cell of one (token, KV head): head_dim d, quantization group G (divides d)."""
+
+    head_dim: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        d, g = self.head_dim, self.group_size
+        if d <= 0 or d % 4:
+            raise ValueError(f"head_dim: expected a positive multiple of 4 for 2-bit packing, got {d}")
+        if g <= 0 or g % 4 or d % g:
+            raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
+
+    @property
+    def code_bytes(self) -> int:
+        """Packed bytes of one row of codes (K or V): 4 codes per byte."""
+        return self.head_dim // 4
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim // self.group_size
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        """K and V codes plus four fp16 vectors (K scale/zero, V scale/zero) of d/G entries."""
+        return 2 * self.code_bytes + 4 * 2 * self.groups
+
+    @staticmethod
+    def bf16_bytes_per_token_head(head_dim: int) -> int:
+        """What vLLM's own BF16 cache stores per (token, KV head): K and V, 2 bytes each."""
+        return 2 * head_dim * 2
+
+
+@dataclass
+class PagePools:
+    """The kernels' INT2 pools as views of one vLLM layer cache (no copy).
+
+    codes: uint8 `[num_blocks, H, P, d // 4]`; scale/zero: fp16 `[num_blocks, H, P, d // G]`.
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+
+def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
+    """Views of a vLLM layer cache `[num_blocks, H, P, C]` (any dtype, C * itemsize = bytes_per_token_head).
+
+    Raises ValueError naming `kv_cache` when its shape or strides do not match the layout.
+    """
+    if kv_cache.dim() != 4:
+        raise ValueError(f"kv_cache: expected [num_blocks, kv_heads, block_size, content], got {list(kv_cache.shape)}")
+    raw = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    want = layout.bytes_per_token_head
+    if raw.shape[-1] != want:
+        raise ValueError(f"kv_cache: expected {want} bytes per (token, KV head) for head_dim={layout.head_dim}, "
+                         f"group_size={layout.group_size}, got {raw.shape[-1]}")
+    if raw.stride(-1) != 1 or raw.stride(-2) != want:
+        raise ValueError(f"kv_cache: tokens of a block must be contiguous cells of {want} bytes, "
+                         f"got strides {raw.stride()}")
+    c, g = layout.code_bytes, layout.groups
+    half = raw.view(torch.float16)  # [B, H, P, want // 2]; scales start at byte 2c = fp16 index c
+    return PagePools(
+        k_codes=raw[..., :c], v_codes=raw[..., c:2 * c],
+        k_scale=half[..., c:c + g], k_zero=half[..., c + g:c + 2 * g],
+        v_scale=half[..., c + 2 * g:c + 3 * g], v_zero=half[..., c + 3 * g:c + 4 * g])
+
+
+__all__ = ["PackedLayout", "PagePools", "page_pools"]

@@ -1,0 +1,52 @@
+"""The `oscar` entry of vLLM's additional_config (runtime_kernels.vllm.config): no vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels import identity_artifact, write_artifact
+from runtime_kernels.artifact import ArtifactError
+from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
+
+
+def test_absent_entry_means_plugin_off():
+    assert parse_oscar_config({}) is None
+    assert parse_oscar_config({"other": 1}) is None
+    assert parse_oscar_config(None) is None
+
+
+def test_valid_entries():
+    assert parse_oscar_config({"oscar": {"path": "zoo/demo"}}) == OscarServeConfig(path="zoo/demo")
+    cfg = parse_oscar_config({"oscar": {"repo": "org/zoo", "revision": "v1"}})
+    assert (cfg.repo, cfg.revision, cfg.calibration, cfg.kernel_backend) == ("org/zoo", "v1", "default", "auto")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"path": "a", "repo": "b", "revision": "v1"}, r"additional_config\.oscar\.\(entry\).*exactly one of 'path'"),
+    ({}, r"exactly one of 'path'"),
+    ({"repo": "org/zoo"}, r"'revision' is required"),
+    ({"path": "a", "pth": "b"}, r"additional_config\.oscar\.pth: Extra inputs are not permitted"),
+    ({"path": "a", "kernel_backend": "cuda"}, r"additional_config\.oscar\.kernel_backend"),
+    ({"path": "a", "window_reserve": 0.5}, r"'window_reserve' must be >= 1"),
+])
+def test_malformed_entries_name_the_field(entry, message):
+    with pytest.raises(ValueError, match=message):
+        parse_oscar_config({"oscar": entry})
+    with pytest.raises(ValueError, match=r"additional_config\.oscar: expected a JSON object"):
+        parse_oscar_config({"oscar": "zoo/demo"})
+
+
+def test_artifact_checked_against_the_model(tmp_path):
+    from transformers import Qwen3Config
+
+    model = Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        hidden_size=128)
+    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "good")
+    art = load_checked_artifact(OscarServeConfig(path=str(tmp_path / "good")), model)
+    assert art.num_kv_heads == 2 and torch.equal(art.layer_ids, torch.tensor([0, 1]))
+    write_artifact(identity_artifact(2, 2, 4, 64), tmp_path / "bad")
+    with pytest.raises(ArtifactError, match="field 'head_dim': artifact has 64, the model has 32"):
+        load_checked_artifact(OscarServeConfig(path=str(tmp_path / "bad")), model)
+    with pytest.raises(Exception, match="no local artifact"):
+        load_checked_artifact(OscarServeConfig(path=str(tmp_path / "missing")), model)
