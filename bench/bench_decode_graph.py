@@ -35,6 +35,13 @@ def layers_for(bytes_per_call: int) -> int:
 
 def graph_times(calls: list) -> tuple[float, float, float]:
     """(p50, p20, p80) ms per call of one CUDA graph made of `calls` (repeated to MIN_CALLS)."""
+    graph, n = capture(calls)
+    p50, p20, p80 = common.time_ms(graph.replay, rep=300)
+    return p50 / n, p20 / n, p80 / n
+
+
+def capture(calls: list) -> tuple[torch.cuda.CUDAGraph, int]:
+    """`calls` (repeated to MIN_CALLS), warmed up on a side stream, captured in one CUDA graph -> (graph, calls)."""
     calls = [calls[i % len(calls)] for i in range(max(MIN_CALLS, len(calls)))]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -47,8 +54,7 @@ def graph_times(calls: list) -> tuple[float, float, float]:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
-    p50, p20, p80 = common.time_ms(graph.replay, rep=300)
-    return p50 / len(calls), p20 / len(calls), p80 / len(calls)
+    return graph, len(calls)
 
 
 def exact_rel_rmse(args, o) -> float:
@@ -65,47 +71,63 @@ def exact_rel_rmse(args, o) -> float:
     return ((o[0].double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
 
 
-def point(context: int, batch: int) -> list[dict]:
-    shape = {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV, "d": common.D,
-             "page": common.PAGE, "window": common.WIN}
-    rows = []
-    # BF16 SDPA over the full context (the baseline), best of cuDNN and flash.
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def bf16_calls(context: int, batch: int, backend) -> list:
+    """BF16 SDPA decode calls over distinct per-layer K/V caches `[B, H_kv, context, d]` under `backend`."""
+    from torch.nn.attention import sdpa_kernel
 
     bf16_bytes = 2 * batch * common.H_KV * context * common.D * 2
     kv = [tuple(torch.randn(batch, common.H_KV, context, common.D, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2)) for _ in range(layers_for(bf16_bytes))]
     q4 = torch.randn(batch, common.H_Q, 1, common.D, device="cuda", dtype=torch.bfloat16)
-    warnings.filterwarnings("ignore", message=".*kernel not used.*|.*same num_heads.*|.*runtime disabled.*")
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel([backend]):
-                t = graph_times([lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-                    q4, k, v, enable_gqa=True) for k, v in kv])
-            rows.append(common.row("decode_attention", f"bf16_sdpa_{name}", shape, t, layers=len(kv)))
-        except RuntimeError as e:  # a backend that refuses the shape is recorded, not fatal
-            rows.append({"op": "decode_attention", "variant": f"bf16_sdpa_{name}", "shape": shape,
-                         "error": str(e).splitlines()[0][:160]})
-    del kv
-    torch.cuda.empty_cache()
-    best = min((r["p50_ms"] for r in rows if "p50_ms" in r), default=float("nan"))
-    # OSCAR: distinct per-layer caches, the two launch forms as PagedKVCache calls them (whole pages).
+
+    def call(k, v):
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    return [lambda k=k, v=v: call(k, v) for k, v in kv]
+
+
+def oscar_calls(context: int, batch: int, fused: bool) -> tuple[list, list]:
+    """OSCAR decode calls over distinct per-layer caches (whole pages, as PagedKVCache calls them) -> (calls,
+    per-layer inputs)."""
     one = common.decode_inputs(batch, context, seed=context + batch)
     int2_bytes = sum(t.numel() * t.element_size() for t in one[1:7]) + 2 * one[9].numel() * 2
     del one
     layers = [common.decode_inputs(batch, context, seed=context + batch + i) for i in range(layers_for(int2_bytes))]
+    counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device="cuda") for _ in layers]
+    return [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c)
+            for a, c in zip(layers, counters)], layers
+
+
+def point(context: int, batch: int) -> list[dict]:
+    shape = {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV, "d": common.D,
+             "page": common.PAGE, "window": common.WIN}
+    rows = []
+    # BF16 SDPA over the full context (the baseline), best of cuDNN and flash.
+    from torch.nn.attention import SDPBackend
+
+    warnings.filterwarnings("ignore", message=".*kernel not used.*|.*same num_heads.*|.*runtime disabled.*")
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            calls = bf16_calls(context, batch, backend)
+            rows.append(common.row("decode_attention", f"bf16_sdpa_{name}", shape, graph_times(calls),
+                                   layers=len(calls)))
+        except RuntimeError as e:  # a backend that refuses the shape is recorded, not fatal
+            rows.append({"op": "decode_attention", "variant": f"bf16_sdpa_{name}", "shape": shape,
+                         "error": str(e).splitlines()[0][:160]})
+        calls = None
+        torch.cuda.empty_cache()
+    best = min((r["p50_ms"] for r in rows if "p50_ms" in r), default=float("nan"))
+    # OSCAR: distinct per-layer caches, the two launch forms as PagedKVCache calls them (whole pages).
     for variant, fused in (("oscar_two_launch", False), ("oscar_one_launch", True)):
-        counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device="cuda") for _ in layers]
-        calls = [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c)
-                 for a, c in zip(layers, counters)]
+        calls, layers = oscar_calls(context, batch, fused)
         t = graph_times(calls)
         o, _ = calls[0]()
         rows.append(common.row("decode_attention", variant, shape, t, layers=len(layers),
                                speedup_vs_best_bf16=best / t[0],
                                rel_rmse_vs_float64=exact_rel_rmse(layers[0], o),
                                splits=list(A.decode_num_splits(*layers[0], whole_pages=True, fused=fused))))
-    del layers
-    torch.cuda.empty_cache()
+        del calls, layers
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -9,7 +9,9 @@ keys by the relative logit error `E[(q . (k_hat - k))^2] / E[(q . k)^2]` over th
 values by the relative error `|v_hat - v|^2 / |v|^2`.
 
 Flags: `non-orthogonal`, `nan`, `degenerate-spectrum` (non-positive top eigenvalue, negative
-eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge`,
+eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge` (the fitted
+ratio is the lowest the fit could search: the grid's floor for artifacts whose fit extends its grid until the error
+turns up, else the grid's lowest ratio),
 `oscar-worse-than-hadamard` (keys or values), `contract: ...` (the artifact breaks contract v1).
 """
 
@@ -132,10 +134,14 @@ def channel_ratio(x: torch.Tensor) -> float:
     return float(rms.max()) / med if med > 0 else float("inf")
 
 
-def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int | None) -> torch.Tensor:
-    """Fake-quantize rows `x [T, d]` with the runtime quantizer (rotation `[d, d]` or None)."""
+def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int | None,
+        mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize rows `x [T, d]` with the runtime quantizer (rotation `[d, d]` or None), centered on `mean [d]`
+    (model basis) when given: `fq(x - mean) + mean`, what a centered cache stores and reads back."""
     ratio = None if clip >= 1.0 else clip
-    return naive.fake_quantize(x.float()[:, None], rotation, ratio, group)[:, 0].float()
+    xc = x.float() if mean is None else x.float() - mean.float()
+    out = naive.fake_quantize(xc[:, None], rotation, ratio, group)[:, 0].float()
+    return out if mean is None else out + mean.float()
 
 
 def key_logit_error(k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> float:
@@ -207,6 +213,44 @@ def _clip_grid(metadata: dict[str, str], kind: str) -> list[float] | None:
     return sorted(float(x) for x in grid) if grid else None
 
 
+ADVICE = {
+    "clip-at-grid-edge": "the held-out error still fell at the lowest ratio searched, so the best clip is below "
+                         "it: recalibrate with a lower --k-clip-grid / --v-clip-grid start (older artifacts: "
+                         "recalibrate with this version, whose fit extends the grid until the error turns up); "
+                         "a fit that reaches the floor means extreme outliers: inspect the head with --plots",
+    "oscar-worse-than-hadamard": "the fitted rotation quantizes this head worse than a plain Hadamard: check the "
+                                 "calibration data is like the serving data, or use --granularity layer",
+    "degenerate-spectrum": "the target's spectrum is flat or non-positive, so the eigenbasis is arbitrary: the "
+                           "head saw too few tokens; calibrate on more data",
+    "non-orthogonal": "the rotation is not orthogonal: the artifact is corrupt; recalibrate",
+    "nan": "the artifact holds NaN/Inf: recalibrate (and check the model's activations)",
+}
+
+
+def _search_floor(metadata: dict[str, str], grid: list[float] | None) -> float | None:
+    """The lowest ratio the fit could choose: the extension floor when the fit extends its grid, else the grid's."""
+    try:
+        fit = json.loads(metadata.get("calibration", "{}")).get("clip_fit") or {}
+    except (json.JSONDecodeError, AttributeError):
+        fit = {}
+    if fit.get("grid_extends"):
+        return float(fit.get("min_ratio", 0.5))
+    return grid[0] if grid and len(grid) > 1 else None
+
+
+def _head_means(raw: RawArtifact, a: int, h: int, rk: torch.Tensor, rv: torch.Tensor):
+    """(key mean, value mean) `[d]` of one head in the model basis, or None where the artifact has none (v1/zero)."""
+    out = []
+    for name, r in (("k_mean", rk), ("v_mean", rv)):
+        m = raw.tensors.get(name)
+        if m is None or not bool(m[a, h].any()):
+            out.append(None)
+            continue
+        m = m[a, h].float()
+        out.append(m @ r.T if raw.metadata.get("mean_basis") == "rotated" else m)  # rotated: mu = mu_rot R^T
+    return tuple(out)
+
+
 def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_queries: int = 256) -> dict:
     """Per-(layer, KV head) report, worst first. Returns a JSON-ready dict."""
     t = raw.tensors
@@ -214,6 +258,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     h_kv, d = t["k_rotation"].shape[1], t["k_rotation"].shape[-1]
     group = int(raw.metadata.get("group_size", d) or d)
     grids = {"k": _clip_grid(raw.metadata, "k"), "v": _clip_grid(raw.metadata, "v")}
+    floors = {kind: _search_floor(raw.metadata, grid) for kind, grid in grids.items()}
     had = None
     if acts is not None:
         from oscar_calib.methods import hadamard
@@ -241,20 +286,22 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
                 if degenerate(e):
                     row["flags"].append(f"degenerate-spectrum-{name}")
             for name, c in (("k", ck), ("v", cv)):
-                grid = grids[name]
-                if grid and len(grid) > 1 and c <= grid[0] + 1e-6:
+                if floors[name] is not None and c <= floors[name] + 1e-6:
                     row["flags"].append(f"clip-at-grid-edge-{name}")
             if acts is not None and layer in acts.k and finite:
-                _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries)
+                _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries,
+                                  _head_means(raw, a, h, rk, rv))
             heads.append(row)
     heads.sort(key=_badness, reverse=True)
     return {"artifact": raw.source, "model_id": raw.metadata.get("model_id"),
             "granularity": raw.metadata.get("granularity"), "contract_error": raw.contract_error,
-            "clip_grid": grids, "with_activations": acts is not None, "heads": heads,
+            "clip_grid": grids, "clip_search_floor": floors, "with_activations": acts is not None, "heads": heads,
+            "advice": {kind: text for kind, text in ADVICE.items()
+                       if any(f.startswith(kind) for r in heads for f in r["flags"])},
             "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
 
 
-def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries) -> None:
+def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries, means=(None, None)) -> None:
     k = acts.k[layer][:, h].reshape(-1, rk.shape[0])  # [N*T, d]
     v = acts.v[layer][:, h].reshape(-1, rk.shape[0])
     q_all = acts.q[layer]
@@ -269,8 +316,9 @@ def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max
         row[f"{name}_channel_ratio_after"] = channel_ratio(xr)
     variants = {"naive": (None, None, 1.0, 1.0), "hadamard": (had, had, 1.0, 1.0), "oscar": (rk, rv, ck, cv)}
     for vname, (r_k, r_v, c_k, c_v) in variants.items():
-        row[f"k_err_{vname}"] = key_logit_error(k, _fq(k, r_k, c_k, group), q)
-        row[f"v_err_{vname}"] = rel_error(v, _fq(v, r_v, c_v, group))
+        m_k, m_v = means if vname == "oscar" else (None, None)  # the artifact's centering applies to OSCAR only
+        row[f"k_err_{vname}"] = key_logit_error(k, _fq(k, r_k, c_k, group, m_k), q)
+        row[f"v_err_{vname}"] = rel_error(v, _fq(v, r_v, c_v, group, m_v))
     for name in ("k", "v"):
         if row[f"{name}_err_oscar"] > row[f"{name}_err_hadamard"]:
             row["flags"].append(f"oscar-worse-than-hadamard-{name}")

@@ -25,7 +25,7 @@ from oscar_calib.capture import (
     sliding_window_layers,
     unsupported_attention_reason,
 )
-from oscar_calib.clipfit import ClipFit, fit_layer
+from oscar_calib.clipfit import MIN_RATIO, ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.placement import input_device
@@ -346,6 +346,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("tokens", statistics.tokens)
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
+    calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
     meta = build_metadata(
         model_id=prov.model_id, model_revision=prov.model_revision,
         num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,

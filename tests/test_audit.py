@@ -92,6 +92,21 @@ def test_key_logit_error_direct():
 
 
 # ------------------------------------------------------------------------------------------------ flags
+def test_grid_edge_of_an_extending_fit_is_its_floor(tmp_path):
+    """A fit that extends its grid may go below the configured grid: only the floor is an edge then."""
+    art = _calibrated_like()
+    calib = json.loads(art.metadata["calibration"])
+    calib["clip_fit"] = {"grid_extends": True, "min_ratio": 0.5}
+    art.metadata["calibration"] = json.dumps(calib, sort_keys=True)
+    art.k_clip_ratio[0, 0] = 0.8  # below the configured grid, above the floor: an interior minimum
+    art.v_clip_ratio[1, 1] = 0.5  # the floor: the error still fell there
+    write_artifact(art, tmp_path / "a")
+    report = au.audit_artifact(au.load_raw(tmp_path / "a"))
+    by = {(r["layer"], r["head"]): r["flags"] for r in report["heads"]}
+    assert by[(0, 0)] == [] and by[(1, 1)] == ["clip-at-grid-edge-v"]
+    assert report["clip_search_floor"] == {"k": 0.5, "v": 0.5} and "clip-at-grid-edge" in report["advice"]
+
+
 def test_clean_artifact_has_no_flags(tmp_path):
     write_artifact(_calibrated_like(), tmp_path / "a")
     report = au.audit_artifact(au.load_raw(tmp_path / "a"))
@@ -113,6 +128,7 @@ def test_broken_artifacts_are_flagged_not_refused(tmp_path):
     assert "nan" in by[(0, 1)] and "non-orthogonal-v" in by[(0, 1)]
     assert "degenerate-spectrum-k" in by[(1, 1)]
     assert "clip-at-grid-edge-k" in by[(0, 0)]
+    assert "recalibrate with a lower --k-clip-grid" in report["advice"]["clip-at-grid-edge"]
     # worst first: the severe heads come before the merely clipped one
     order = [(r["layer"], r["head"]) for r in report["heads"]]
     assert order.index((0, 0)) == 3

@@ -60,15 +60,16 @@ def rel(got, want) -> float:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("whole", [True, False])
-def test_split_count_does_not_change_the_answer_cpu(whole):
+def test_split_count_does_not_change_the_answer_cpu():
     """Scaled-down 131072 x 32 structure: a 4160-token history over 65 scattered pages, split 5 / 9 / 17 ways
-    (chunks of 832 / 512 / 256 tokens, uneven last chunk), production kernel vs float64."""
-    pool = bench_like_pool([4160, 3008 if whole else 3001], h_kv=1, d=32, page=64, device="cpu", seed=3)
+    (chunks of 832 / 512 / 256 tokens, uneven last chunk), production kernel (masked tiles: the whole-page pieces
+    take minutes under the interpreter at this length; they are checked bit for bit by test_decode_bitwise.py and
+    at this geometry on the GPU below) vs float64."""
+    pool = bench_like_pool([4160, 3001], h_kv=1, d=32, page=64, device="cpu", seed=3)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     o_ex, lse_ex = exact_reference(q, *pool)
     for splits in (5, 9, 17):
-        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits, whole_pages=whole)
+        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits)
         assert rel(o, o_ex) < 2e-3, splits  # fp16 rounding of p * scale only
         assert (lse.double() - lse_ex).abs().max().item() < 2e-4, splits
 

@@ -124,5 +124,7 @@ def audit_cmd(
 
         console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(_table(report, top))
+        for kind, text in report.get("advice", {}).items():  # the next step for each kind of flag raised
+            console.print(f"[yellow]{kind}[/]: {text}")
     if raw.contract_error:
         raise IntegrityError(f"{raw.source}: breaks the artifact contract: {raw.contract_error}")
