@@ -63,11 +63,11 @@ def exit_now(code: int) -> None:
 
 @contextlib.contextmanager
 def handle_interrupts(message: str = "nothing was written or replaced (temporaries removed); run the command "
-                                     "again") -> Iterator[None]:
+                                     "again", fast_exit: bool = True) -> Iterator[None]:
     """Around a CLI entry point: SIGTERM behaves like Ctrl-C; either ends with `message` and exit 130 / 143.
 
-    After a real signal the process leaves at once (`exit_now`); a KeyboardInterrupt raised without one (a caller
-    running the CLI in-process) becomes a normal `SystemExit` so that the caller keeps running.
+    With `fast_exit` (the process's own entry point) the process leaves at once after a real signal (`exit_now`);
+    otherwise (a caller running the CLI in-process, such as a test) it raises `SystemExit` so the caller goes on.
     """
     main = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -88,7 +88,7 @@ def handle_interrupts(message: str = "nothing was written or replaced (temporari
         code = TERMINATE_EXIT if isinstance(interrupt, Terminated) else INTERRUPT_EXIT
         with contextlib.suppress(Exception):
             print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; {message}", file=sys.stderr)
-        if signalled:
+        if signalled and fast_exit:
             exit_now(code)
         raise SystemExit(code) from None
     finally:

@@ -272,7 +272,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     timings.update(report.timings)
 
     t0 = time.perf_counter()
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, "--out") as tmp:
         write_artifact(artifact, tmp)
         save_statistics(statistics, tmp / STATS_FILENAME)
         log = build_log(config, choices, report, timings, artifact.metadata)

@@ -20,18 +20,18 @@ from oscar_calib.cli import (
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app
-from oscar_calib.cli.exit_codes import INTERRUPTED, exit_code_for
+from oscar_calib.cli.exit_codes import exit_code_for
 
 
 def main() -> None:
-    from oscar_calib.interrupts import TERMINATE_EXIT, Terminated, handle_interrupts
+    from oscar_calib.interrupts import handle_interrupts  # Ctrl-C / SIGTERM: one line, exit 130 / 143
 
-    with handle_interrupts():  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
+    # Leave with os._exit after a signal only when this is the program's entry point (the console script or
+    # `python -m oscar_calib` calls it from `__main__`); called in-process, raise SystemExit instead.
+    entry = sys._getframe(1).f_globals.get("__name__") == "__main__"
+    with handle_interrupts(fast_exit=entry):  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
         try:
             app()  # standalone: click prints usage errors itself and exits 2
-        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
-            print("Interrupted; nothing was written.", file=sys.stderr)
-            sys.exit(TERMINATE_EXIT if isinstance(exc, Terminated) else INTERRUPTED)
         except Exception as exc:
             code = exit_code_for(exc)
             if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):

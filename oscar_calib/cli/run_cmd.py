@@ -128,10 +128,10 @@ def run(
                          shard=_shard(shard), offload_folder=offload_folder)
     try:
         written = run_calibration(config, out, overwrite=overwrite, options=options)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
         kept = options.checkpoint_path(out)
-        note = f" the checkpoint {kept} is kept for --resume" if (checkpoint_every or resume) and kept.exists() else ""
-        typer.echo(f"Interrupted; nothing was written to {out};{note or ' no checkpoint'}.", err=True)
-        raise typer.Exit(130) from None
+        if (checkpoint_every or resume) and kept.exists():
+            typer.echo(f"the checkpoint {kept} is kept for --resume", err=True)
+        raise
     if written is not None:  # ranks other than 0 of a data-parallel run write nothing
         typer.echo(str(out))
