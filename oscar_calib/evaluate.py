@@ -30,6 +30,7 @@ from oscar_calib.capture import routed_attention
 from oscar_calib.errors import InputError
 from oscar_calib.methods import KVMethod
 from runtime_kernels.artifact import model_geometry
+from runtime_kernels.layout import DEFAULT_LAYOUT
 
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
@@ -40,7 +41,7 @@ _ACTIVE: EvalSession | None = None
 # ----------------------------------------------------------------------------------------------------------
 # masks
 # ----------------------------------------------------------------------------------------------------------
-def exact_mask(q_len: int, sink: int = 64, recent: int = 256, page_size: int = 1,
+def exact_mask(q_len: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1,
                device: torch.device | str = "cpu", prefill: int = 0) -> torch.Tensor:
     """bool `[T, T]`: True where query `t` reads key `j` in BF16 (sink or recent window), False where quantized.
 
@@ -79,8 +80,8 @@ class EvalSession:
     """What the attention function applies while active: one method, the window sizes, the statistics."""
 
     method: KVMethod
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_LAYOUT.sink_tokens
+    recent: int = DEFAULT_LAYOUT.recent_tokens
     page_size: int = 1
     collect_stats: bool = True
     prefill: int = 0
@@ -251,8 +252,8 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def method_nll(model, method: KVMethod, windows: torch.Tensor, batch_size: int = 1, sink: int = 64,
-               recent: int = 256, page_size: int = 1, collect_stats: bool = True) -> tuple[torch.Tensor, EvalSession]:
+def method_nll(model, method: KVMethod, windows: torch.Tensor, batch_size: int = 1, sink: int = DEFAULT_LAYOUT.sink_tokens,
+               recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1, collect_stats: bool = True) -> tuple[torch.Tensor, EvalSession]:
     """NLL `[N, T-1]` of every window under `method`, and the session with per-layer statistics."""
     session = EvalSession(method, sink, recent, page_size, collect_stats)
     device = next(model.parameters()).device
@@ -287,8 +288,8 @@ def bootstrap_delta_ci(window_nll: torch.Tensor, ref_window_nll: torch.Tensor, n
 # ----------------------------------------------------------------------------------------------------------
 # the comparison
 # ----------------------------------------------------------------------------------------------------------
-def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_size: int = 1, sink: int = 64,
-                     recent: int = 256, page_size: int = 1, progress=None) -> dict:
+def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_size: int = 1, sink: int = DEFAULT_LAYOUT.sink_tokens,
+                     recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1, progress=None) -> dict:
     """Run every method over every window. Returns a JSON-ready dict (see `oscar-calib eval --json`)."""
     head_dim = model_geometry(model.config)[3]
     context = int(windows.long.shape[1])
@@ -370,7 +371,7 @@ def greedy_continuation(model, prompt: torch.Tensor, steps: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int, page_size: int = 64,
+def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int, page_size: int = DEFAULT_LAYOUT.page_size,
                           sink: int | None = None, recent: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Logits `[1, T - prompt_len, V]` of the real runtime (OscarCache) decoding `tokens [1, T]` one at a time.
 
@@ -390,7 +391,7 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
         return torch.cat(logits, dim=1).float()
 
 
-def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int = 128, page_size: int = 64,
+def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int = 128, page_size: int = DEFAULT_LAYOUT.page_size,
                          sink: int | None = None, recent: int | None = None) -> dict:
     """Greedy next-token agreement with BF16 through the real runtime.
 

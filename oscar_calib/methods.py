@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime_kernels.artifact import OscarArtifact, effective_bits
+from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.quant import naive
 
 BF16_BITS = 16
@@ -43,7 +44,7 @@ def history_bits_rowwise(group_size: int) -> float:
     return 2 + 2 * SCALE_BITS / group_size
 
 
-def mixed_effective_bits(context_len: int, history_bits: float, sink: int = 64, recent: int = 256) -> float:
+def mixed_effective_bits(context_len: int, history_bits: float, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
     """Bits per KV element at `context_len` when the history costs `history_bits` and the windows are BF16."""
     bf16 = min(context_len, sink + recent)
     history = context_len - bf16
@@ -76,12 +77,12 @@ class KVMethod:
         """Bits per K/V element (mean of keys and values) inside the quantized history."""
         return float(BF16_BITS)
 
-    def effective_bits(self, context_len: int, head_dim: int, sink: int = 64, recent: int = 256) -> float:
+    def effective_bits(self, context_len: int, head_dim: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
         """Bits per KV element over a whole context of `context_len` tokens (BF16 windows included)."""
         return mixed_effective_bits(context_len, self.history_bits(head_dim), sink, recent)
 
     def fake_quantize(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
-                      sink: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                      sink: int = DEFAULT_LAYOUT.sink_tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-dequantize every position of `keys, values [B, H_kv, T, d]`; returns fp32 tensors.
 
         Which positions a query actually reads quantized is decided by the caller (the mixed mask).
@@ -108,7 +109,7 @@ class RowwiseInt2(KVMethod):
     def history_bits(self, head_dim: int) -> float:
         return history_bits_rowwise(self.group_size or head_dim)
 
-    def effective_bits(self, context_len: int, head_dim: int, sink: int = 64, recent: int = 256) -> float:
+    def effective_bits(self, context_len: int, head_dim: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
         # Same formula as the runtime's artifact accounting (one definition of the OSCAR bits).
         return effective_bits(context_len, self.group_size or head_dim, sink, recent, SCALE_BITS)
 
@@ -116,7 +117,7 @@ class RowwiseInt2(KVMethod):
         ratio = None if clip >= 1.0 else clip
         return centered_fake_quantize(x, rotation, ratio, None, self.group_size)
 
-    def fake_quantize(self, layer_idx, keys, values, sink=64):
+    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
         return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
 
 
@@ -150,7 +151,7 @@ class TableInt2(RowwiseInt2):
     def quantizes(self, layer_idx: int) -> bool:
         return layer_idx in self.tables
 
-    def fake_quantize(self, layer_idx, keys, values, sink=64):
+    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
         if layer_idx not in self.tables:
             return keys.float(), values.float()
         key = (layer_idx, keys.device)
@@ -189,7 +190,7 @@ class ArtifactInt2(TableInt2):
     def history_bits(self, head_dim: int) -> float:
         return history_bits_rowwise(self.artifact.group_size)
 
-    def effective_bits(self, context_len, head_dim, sink=64, recent=256):
+    def effective_bits(self, context_len, head_dim, sink=DEFAULT_LAYOUT.sink_tokens, recent=DEFAULT_LAYOUT.recent_tokens):
         return effective_bits(context_len, self.artifact.group_size, sink, recent, SCALE_BITS)
 
 
@@ -236,7 +237,7 @@ class Kivi2(KVMethod):
         value_bits = history_bits_rowwise(self.value_group or head_dim)
         return (key_bits + value_bits) / 2
 
-    def fake_quantize(self, layer_idx, keys, values, sink=64):
+    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
         b, h, t, d = values.shape
         v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group), b, t)
         return kivi_keys(keys, self.token_group, sink), v_hat

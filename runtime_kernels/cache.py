@@ -39,6 +39,7 @@ from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
+from runtime_kernels.layout import DEFAULT_LAYOUT
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -222,7 +223,7 @@ class PagedKVCache:
 
     def __init__(self, k_rotation: torch.Tensor, v_rotation: torch.Tensor, k_clip_ratio: torch.Tensor,
                  v_clip_ratio: torch.Tensor, *, group_size: int | None = None, max_pages: int, max_seqs: int,
-                 page_size: int = 64, sink_tokens: int = 64, recent_tokens: int = 256,
+                 page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int = DEFAULT_LAYOUT.sink_tokens, recent_tokens: int = DEFAULT_LAYOUT.recent_tokens,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
                  check_finite: bool = True):
@@ -313,7 +314,7 @@ class PagedKVCache:
         self._attn_counters = zeros((s * h,), torch.int32)
 
     @classmethod
-    def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = 64,
+    def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = DEFAULT_LAYOUT.page_size,
                       sink_tokens: int | None = None, recent_tokens: int | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                       clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:

@@ -48,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
 from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
+from runtime_kernels.layout import DEFAULT_LAYOUT
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"
@@ -127,7 +128,7 @@ class OscarCache(Cache):
     def __init__(self, artifact: OscarArtifact, model_config, *, batch_size: int | None = None,
                  max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 backend: str = "auto", page_size: int = 64, sink_tokens: int | None = None,
+                 backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int | None = None,
                  recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None,
                  allow_other_model: bool = False):
         if not isinstance(artifact, OscarArtifact):
@@ -199,7 +200,7 @@ class OscarCache(Cache):
     def from_artifact(cls, artifact: OscarArtifact | str | os.PathLike, model_config, *,
                       batch_size: int | None = None, max_tokens: int | None = None,
                       device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = 64,
+                      dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size,
                       sink_tokens: int | None = None, recent_tokens: int | None = None, clip: bool = True,
                       max_seqs: int | None = None, allow_other_model: bool = False) -> OscarCache:
         """Build a cache for `model_config` from an artifact (object or path); refuses a mismatched artifact.

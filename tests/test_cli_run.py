@@ -230,3 +230,22 @@ def test_device_map_places_the_model_with_accelerate(model_dir, text_file, tmp_p
                               monkeypatch, capsys)
     assert code == 2 and "--device-map" in stderr
     _nothing_written(tmp_path, "dm2")
+
+
+def test_run_json_reports_the_files_and_the_fit(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    out = tmp_path / "art"
+    code, stdout, stderr = run_cli(_args(model_dir, text_file, out, "--json"), monkeypatch, capsys)
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    artifact = out / "oscar_kv.safetensors"
+    assert result["artifact"] == str(artifact) and result["layer_ids"] == read_artifact(out).layer_ids.tolist()
+    assert result["artifact_sha256"] == hashlib.sha256(artifact.read_bytes()).hexdigest()
+    assert result["summary"]["key_objective"] == "block_out" and result["summary"]["clip_at_grid_edge"] == 0
+
+
+def test_run_lists_and_checks_the_solver_choices(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    code, _, stderr = run_cli(_args(model_dir, text_file, tmp_path / "x", "--key-objective", "kl"), monkeypatch, capsys)
+    assert code == 2 and "'kl' is not one of" in stderr and "block_out" in stderr
+    assert not (tmp_path / "x").exists()

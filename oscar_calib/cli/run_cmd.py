@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,7 +11,7 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, RevisionOpt, validation_message
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt, validation_message
 from oscar_calib.config import (
     DEFAULT_K_CLIP_GRID,
     DEFAULT_V_CLIP_GRID,
@@ -50,6 +52,23 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
     return int(index), int(count)
 
 
+class Granularity(str, Enum):
+    head = "head"
+    layer = "layer"
+
+
+class ValueTarget(str, Enum):
+    attn_output = "attn_output"
+    logit_weighted = "logit_weighted"
+
+
+class ClipObjective(str, Enum):
+    block_out = "block_out"
+    out_err = "out_err"
+    attn_kl = "attn_kl"
+    logit_mse = "logit_mse"
+
+
 def _default_samples(demo: bool) -> int:
     """32 sequences; the demo 8 on the fixture's calibration text, 3 on the small demo text of the random fallback."""
     if not demo:
@@ -72,11 +91,11 @@ def run(
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default 1024; must exceed sink + recent).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
-    granularity: Annotated[str, typer.Option("--granularity", help="head or layer.")] = "head",
-    value_target: Annotated[str, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = "attn_output",
+    granularity: Annotated[Granularity, typer.Option("--granularity", help="One rotation per KV head, or the reference's one per layer.")] = Granularity.head,
+    value_target: Annotated[ValueTarget, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = ValueTarget.attn_output,
     k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated; 1.0 is always added.")] = None,
     v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated; 1.0 is always added.")] = None,
-    key_objective: Annotated[str, typer.Option("--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")] = "block_out",
+    key_objective: Annotated[ClipObjective, typer.Option("--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")] = ClipObjective.block_out,
     center_keys: Annotated[bool, typer.Option("--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")] = True,
     center_values: Annotated[bool, typer.Option("--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")] = True,
     sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 64).")] = None,
@@ -95,6 +114,7 @@ def run(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
     from oscar_calib.job import RunOptions, run_calibration
@@ -109,10 +129,10 @@ def run(
                             split=split, text_column=text_column,
                             samples=_default_samples(demo) if samples is None else samples,
                             seq_len=1024 if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
-            solver=SolverSettings(granularity=granularity, value_target=value_target,
+            solver=SolverSettings(granularity=granularity.value, value_target=value_target.value,
                                   k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                                   v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                                  key_clip_objective=key_objective, group_size=group_size,
+                                  key_clip_objective=key_objective.value, group_size=group_size,
                                   center_keys=center_keys, center_values=center_values,
                                   **{k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
@@ -133,5 +153,24 @@ def run(
         if (checkpoint_every or resume) and kept.exists():
             typer.echo(f"the checkpoint {kept} is kept for --resume", err=True)
         raise
-    if written is not None:  # ranks other than 0 of a data-parallel run write nothing
+    if written is None:  # ranks other than 0 of a data-parallel run write nothing
+        return
+    if as_json:
+        typer.echo(json.dumps(_run_result(Path(out)), indent=2, sort_keys=True))
+    else:
         typer.echo(str(out))
+
+
+def _run_result(out: Path) -> dict:
+    """What `run --json` prints: the files written and the headline numbers of the calibration log."""
+    import hashlib
+
+    from oscar_calib.job import LOG_FILENAME
+    from runtime_kernels.artifact import ARTIFACT_FILENAME
+
+    artifact = out / ARTIFACT_FILENAME
+    log = json.loads((out / LOG_FILENAME).read_text(encoding="utf-8"))
+    return {"out": str(out), "artifact": str(artifact),
+            "artifact_sha256": hashlib.sha256(artifact.read_bytes()).hexdigest(),
+            "model_id": log.get("metadata", {}).get("model_id"), "layer_ids": log.get("layer_ids"),
+            "summary": log.get("summary"), "timings": log.get("timings")}
