@@ -132,9 +132,17 @@ def o_proj_weights(model, layer_ids: list[int]) -> dict[int, torch.Tensor] | Non
 
     try:
         layers = decoder_of(model).layers
-        return {i: layers[i].self_attn.o_proj.weight.detach() for i in layer_ids}
-    except (AttributeError, IndexError, TypeError):
+        return {i: _materialized_weight(layers[i].self_attn.o_proj) for i in layer_ids}
+    except (AttributeError, IndexError, TypeError, KeyError):
         return None
+
+
+def _materialized_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight; for a layer accelerate offloaded (weight on `meta`), the offloaded copy."""
+    w = linear.weight
+    if w.device.type == "meta":  # accelerate keeps offloaded parameters in its hook's weights_map
+        w = linear._hf_hook.weights_map["weight"]
+    return w.detach()
 
 
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,

@@ -68,7 +68,7 @@ def pack_partial(partial: dict[int, LayerStats] | None, layers: list[int], h_kv:
 
     An idle rank (no batch left this round) sends `partial=None`: a zero vector with the flag 0.
     """
-    size = 1 + len(layers) * (3 * h_kv * d * d + h_kv + 2)
+    size = 1 + len(layers) * (3 * h_kv * d * d + h_kv + 2 * h_kv * d + 2)
     if partial is None:
         return torch.zeros(size, dtype=torch.float64, device=device)
     if sorted(partial) != layers:
@@ -76,7 +76,8 @@ def pack_partial(partial: dict[int, LayerStats] | None, layers: list[int], h_kv:
     parts = [torch.ones(1, dtype=torch.float64, device=device)]
     for layer in layers:
         s = partial[layer]
-        parts += [t.reshape(-1).to(device) for t in (s.key_sum, s.attn_out_sum, s.logit_v_sum, s.logit_w_sum)]
+        parts += [t.reshape(-1).to(device) for t in (s.key_sum, s.attn_out_sum, s.logit_v_sum, s.logit_w_sum,
+                                                      s.key_vec_sum, s.value_vec_sum)]
         parts.append(torch.tensor([s.query_count, s.token_count], dtype=torch.float64, device=device))
     return torch.cat(parts)
 
@@ -88,7 +89,7 @@ def unpack_partial(flat: torch.Tensor, layers: list[int], h_kv: int, d: int) -> 
     out, pos = {}, 1
     for layer in layers:
         tensors = []
-        for shape in ((h_kv, d, d), (h_kv, d, d), (h_kv, d, d), (h_kv,)):
+        for shape in ((h_kv, d, d), (h_kv, d, d), (h_kv, d, d), (h_kv,), (h_kv, d), (h_kv, d)):
             n = 1
             for s in shape:
                 n *= s

@@ -87,7 +87,8 @@ class LayerStats:
         if self.key_sum.device == torch.device(device):
             return self
         return LayerStats(self.key_sum.to(device), self.attn_out_sum.to(device), self.logit_v_sum.to(device),
-                          self.logit_w_sum.to(device), self.query_count, self.token_count)
+                          self.logit_w_sum.to(device), self.key_vec_sum.to(device), self.value_vec_sum.to(device),
+                          self.query_count, self.token_count)
 
     def merge_(self, other: LayerStats) -> LayerStats:
         """In-place sum with another shard's statistics (e.g. another rank or data shard)."""

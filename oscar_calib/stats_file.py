@@ -195,7 +195,7 @@ class CalibrationStatistics:
     def accumulator_bytes(self) -> int:
         """Bytes held by the fp64 sums: O(layers x KV heads x d^2)."""
         return sum(t.numel() * t.element_size() for s in self.stats.values()
-                   for t in (s.key_sum, s.attn_out_sum, s.logit_v_sum, s.logit_w_sum))
+                   for t in (getattr(s, n) for n in _SUM_TENSORS))
 
 
 # -- tensors <-> LayerStats --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import DeviceOpt, OutDirOpt
+from oscar_calib.cli.run_cmd import ClipObjective, Granularity, ValueTarget
 from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 from oscar_calib.errors import InputError
 
@@ -37,11 +38,15 @@ def _grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[f
 def refit_cmd(
     stats: Annotated[Path, typer.Argument(help="Statistics file (or a run's output directory).")],
     out: OutDirOpt,
-    granularity: Annotated[str, typer.Option("--granularity", help="head or layer.")] = "head",
-    value_target: Annotated[str, typer.Option("--value-target", help="attn_output or logit_weighted.")] = "attn_output",
+    granularity: Annotated[Granularity, typer.Option("--granularity", help="One rotation per KV head or per layer.")] = Granularity.head,
+    value_target: Annotated[ValueTarget, typer.Option("--value-target", help="attn_output or logit_weighted.")] = ValueTarget.attn_output,
     k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated.")] = None,
     v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated.")] = None,
-    key_objective: Annotated[str, typer.Option("--key-objective", help="attn_kl or logit_mse.")] = "attn_kl",
+    key_objective: Annotated[ClipObjective, typer.Option("--key-objective", help="Held-out error that picks clips (as in `run`).")] = ClipObjective.block_out,
+    center_keys: Annotated[bool, typer.Option("--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing.")] = True,
+    center_values: Annotated[bool, typer.Option("--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")] = True,
+    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens (default 64).")] = None,
+    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens (default 256).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
@@ -50,10 +55,12 @@ def refit_cmd(
     from oscar_calib.refit import refit
 
     try:
-        settings = SolverSettings(granularity=granularity, value_target=value_target,
+        settings = SolverSettings(granularity=granularity.value, value_target=value_target.value,
                                   k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                                   v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                                  key_clip_objective=key_objective, group_size=group_size)
+                                  key_clip_objective=key_objective.value, group_size=group_size,
+                                  center_keys=center_keys, center_values=center_values,
+                                  **{k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
