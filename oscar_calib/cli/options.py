@@ -39,6 +39,72 @@ class RepoType(str, Enum):
     dataset = "dataset"
 
 
+class Granularity(str, Enum):
+    head = "head"
+    layer = "layer"
+
+
+class ValueTarget(str, Enum):
+    attn_output = "attn_output"
+    logit_weighted = "logit_weighted"
+
+
+class ClipObjective(str, Enum):
+    block_out = "block_out"
+    out_err = "out_err"
+    attn_kl = "attn_kl"
+    logit_mse = "logit_mse"
+
+
+# The solver options of `run` and `refit` (one spelling, one default: SolverSettings' own).
+GranularityOpt = Annotated[Granularity, typer.Option(
+    "--granularity", help="One rotation per KV head, or the reference's one per layer.")]
+ValueTargetOpt = Annotated[ValueTarget, typer.Option(
+    "--value-target", help="attn_output (paper) or logit_weighted (reference code).")]
+KGridOpt = Annotated[Optional[str], typer.Option(
+    "--k-clip-grid", help="Starting key clip ratios, comma-separated; 1.0 is always added, the fit extends downward.")]
+VGridOpt = Annotated[Optional[str], typer.Option(
+    "--v-clip-grid", help="Starting value clip ratios, comma-separated; 1.0 is always added.")]
+ClipObjectiveOpt = Annotated[ClipObjective, typer.Option(
+    "--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys "
+                            "and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")]
+CenterKeysOpt = Annotated[bool, typer.Option(
+    "--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")]
+CenterValuesOpt = Annotated[bool, typer.Option(
+    "--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")]
+SinkOpt = Annotated[Optional[int], typer.Option(
+    "--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 64).")]
+RecentOpt = Annotated[Optional[int], typer.Option(
+    "--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 256).")]
+GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
+
+
+def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
+    """A comma-separated clip grid, or `default` when the flag is absent."""
+    if text is None:
+        return default
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        from oscar_calib.errors import InputError
+
+        raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
+
+
+def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
+                    v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
+                    sink: Optional[int], recent: Optional[int], group_size: Optional[int]):
+    """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
+    from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
+
+    windows = {k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}
+    return SolverSettings(granularity=granularity.value, value_target=value_target.value,
+                          k_clip_grid=parse_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
+                          v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
+                          key_clip_objective=key_objective.value, group_size=group_size,
+                          center_keys=center_keys, center_values=center_values, **windows)
+
+
 RepoTypeOpt = Annotated[
     RepoType, typer.Option("--repo-type", help="Kind of Hub repo that holds the zoo.", case_sensitive=False)
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,13 +10,30 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt, validation_message
+from oscar_calib.cli.options import (
+    CenterKeysOpt,
+    CenterValuesOpt,
+    ClipObjective,
+    ClipObjectiveOpt,
+    DeviceOpt,
+    DtypeOpt,
+    Granularity,
+    GranularityOpt,
+    GroupSizeOpt,
+    JsonOpt,
+    KGridOpt,
+    RecentOpt,
+    RevisionOpt,
+    SinkOpt,
+    ValueTarget,
+    ValueTargetOpt,
+    VGridOpt,
+    solver_settings,
+    validation_message,
+)
 from oscar_calib.config import (
-    DEFAULT_K_CLIP_GRID,
-    DEFAULT_V_CLIP_GRID,
     CalibrationConfig,
     DataConfig,
-    SolverSettings,
 )
 from oscar_calib.errors import InputError
 
@@ -34,15 +50,6 @@ Examples:
 """
 
 
-def _grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    if text is None:
-        return default
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
-
-
 def _shard(text: Optional[str]) -> tuple[int, int] | None:
     if text is None:
         return None
@@ -50,23 +57,6 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
     if not (index.strip().isdigit() and count.strip().isdigit()):
         raise InputError(f"--shard '{text}': expected INDEX/COUNT, e.g. 0/2")
     return int(index), int(count)
-
-
-class Granularity(str, Enum):
-    head = "head"
-    layer = "layer"
-
-
-class ValueTarget(str, Enum):
-    attn_output = "attn_output"
-    logit_weighted = "logit_weighted"
-
-
-class ClipObjective(str, Enum):
-    block_out = "block_out"
-    out_err = "out_err"
-    attn_kl = "attn_kl"
-    logit_mse = "logit_mse"
 
 
 def _default_samples(demo: bool) -> int:
@@ -91,16 +81,16 @@ def run(
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default 1024; must exceed sink + recent).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
-    granularity: Annotated[Granularity, typer.Option("--granularity", help="One rotation per KV head, or the reference's one per layer.")] = Granularity.head,
-    value_target: Annotated[ValueTarget, typer.Option("--value-target", help="attn_output (paper) or logit_weighted (reference code).")] = ValueTarget.attn_output,
-    k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated; 1.0 is always added.")] = None,
-    v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated; 1.0 is always added.")] = None,
-    key_objective: Annotated[ClipObjective, typer.Option("--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")] = ClipObjective.block_out,
-    center_keys: Annotated[bool, typer.Option("--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")] = True,
-    center_values: Annotated[bool, typer.Option("--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")] = True,
-    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 64).")] = None,
-    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 256).")] = None,
-    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
+    granularity: GranularityOpt = Granularity.head,
+    value_target: ValueTargetOpt = ValueTarget.attn_output,
+    k_clip_grid: KGridOpt = None,
+    v_clip_grid: VGridOpt = None,
+    key_objective: ClipObjectiveOpt = ClipObjective.block_out,
+    center_keys: CenterKeysOpt = True,
+    center_values: CenterValuesOpt = True,
+    sink: SinkOpt = None,
+    recent: RecentOpt = None,
+    group_size: GroupSizeOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size")] = None,
@@ -129,12 +119,8 @@ def run(
                             split=split, text_column=text_column,
                             samples=_default_samples(demo) if samples is None else samples,
                             seq_len=1024 if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
-            solver=SolverSettings(granularity=granularity.value, value_target=value_target.value,
-                                  k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
-                                  v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                                  key_clip_objective=key_objective.value, group_size=group_size,
-                                  center_keys=center_keys, center_values=center_values,
-                                  **{k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}),
+            solver=solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
+                                   center_values, sink, recent, group_size),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import DeviceOpt, OutDirOpt
-from oscar_calib.cli.run_cmd import ClipObjective, Granularity, ValueTarget
-from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
+from oscar_calib.cli.options import (
+    CenterKeysOpt,
+    CenterValuesOpt,
+    ClipObjective,
+    ClipObjectiveOpt,
+    DeviceOpt,
+    Granularity,
+    GranularityOpt,
+    GroupSizeOpt,
+    KGridOpt,
+    OutDirOpt,
+    RecentOpt,
+    SinkOpt,
+    ValueTarget,
+    ValueTargetOpt,
+    VGridOpt,
+    solver_settings,
+)
 from oscar_calib.errors import InputError
 
 stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True)
@@ -25,29 +40,20 @@ Examples:
 """
 
 
-def _grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    if text is None:
-        return default
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
-
-
 @app.command("refit", epilog=_REFIT_EXAMPLES)
 def refit_cmd(
     stats: Annotated[Path, typer.Argument(help="Statistics file (or a run's output directory).")],
     out: OutDirOpt,
-    granularity: Annotated[Granularity, typer.Option("--granularity", help="One rotation per KV head or per layer.")] = Granularity.head,
-    value_target: Annotated[ValueTarget, typer.Option("--value-target", help="attn_output or logit_weighted.")] = ValueTarget.attn_output,
-    k_clip_grid: Annotated[Optional[str], typer.Option("--k-clip-grid", help="Key clip ratios, comma-separated.")] = None,
-    v_clip_grid: Annotated[Optional[str], typer.Option("--v-clip-grid", help="Value clip ratios, comma-separated.")] = None,
-    key_objective: Annotated[ClipObjective, typer.Option("--key-objective", help="Held-out error that picks clips (as in `run`).")] = ClipObjective.block_out,
-    center_keys: Annotated[bool, typer.Option("--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing.")] = True,
-    center_values: Annotated[bool, typer.Option("--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")] = True,
-    sink: Annotated[Optional[int], typer.Option("--sink", help="BF16 sink tokens (default 64).")] = None,
-    recent: Annotated[Optional[int], typer.Option("--recent", help="BF16 recent tokens (default 256).")] = None,
-    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")] = None,
+    granularity: GranularityOpt = Granularity.head,
+    value_target: ValueTargetOpt = ValueTarget.attn_output,
+    k_clip_grid: KGridOpt = None,
+    v_clip_grid: VGridOpt = None,
+    key_objective: ClipObjectiveOpt = ClipObjective.block_out,
+    center_keys: CenterKeysOpt = True,
+    center_values: CenterValuesOpt = True,
+    sink: SinkOpt = None,
+    recent: RecentOpt = None,
+    group_size: GroupSizeOpt = None,
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
 ) -> None:
@@ -55,12 +61,8 @@ def refit_cmd(
     from oscar_calib.refit import refit
 
     try:
-        settings = SolverSettings(granularity=granularity.value, value_target=value_target.value,
-                                  k_clip_grid=_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
-                                  v_clip_grid=_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                                  key_clip_objective=key_objective.value, group_size=group_size,
-                                  center_keys=center_keys, center_values=center_values,
-                                  **{k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None})
+        settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
+                                   center_values, sink, recent, group_size)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
