@@ -373,3 +373,16 @@ def test_cli_eval_bad_input(args, needle, tmp_path, monkeypatch, capsys, model_d
     code, out, err = run_cli(base + args, monkeypatch, capsys)
     assert code == 2 and needle in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()  # nothing half-written
+
+
+def test_cli_eval_default_fixture_accepts_the_demos_artifact(tmp_path, monkeypatch, capsys):
+    """`oscar-calib run` (demo) names the fixture by its id; `eval --artifact` on the default model must accept it."""
+    from oscar_calib.demo import FIXTURE_MODEL_ID
+    from runtime_kernels.artifact import identity_artifact, write_artifact
+
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID), tmp_path / "demo")
+    code, out, err = run_cli(["eval", "--artifact", str(tmp_path / "demo"), "--context", "256", "--max-windows", "1",
+                              "--sink", "16", "--recent", "64", "--generation-steps", "0",
+                              "--methods", "bf16,oscar-head"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "oscar-head" in out

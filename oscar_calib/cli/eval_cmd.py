@@ -139,7 +139,7 @@ def eval_cmd(
     import torch
 
     from oscar_calib.cli.checks import check_model
-    from oscar_calib.demo import FIXTURE_DIR, fixture_available
+    from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.loading import load_model, load_tokenizer
@@ -147,10 +147,11 @@ def eval_cmd(
     from oscar_calib.progress import Stages
     from runtime_kernels.artifact import model_geometry, read_artifact
 
+    model_id = None  # the model's identity for the artifact check (default: its config's path)
     if model is None:
         if not fixture_available():
             raise InputError("--model is required: the trained fixture is not installed with this package")
-        model = str(FIXTURE_DIR)
+        model, model_id = str(FIXTURE_DIR), FIXTURE_MODEL_ID  # the id the demo's artifacts name
         _log(f"model={model} (the trained fixture: no --model given)")
     if data is None:
         data = FIXTURE_DIR / "heldout.txt"
@@ -177,7 +178,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_model(art, lm.config, allow_other_model=allow_other_model)
+        check_model(art, lm.config, model_id=model_id, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"
