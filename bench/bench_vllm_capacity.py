@@ -22,10 +22,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 FIXTURE = Path(__file__).resolve().parents[1] / "oscar_calib" / "fixtures" / "tiny-qwen3"
 
 
-def run(model: Path, artifact: Path | None, budget: int, block: int, prompts, max_new: int) -> dict:
+def run(model: Path, artifact: Path | None, budget: int, block: int, prompts, max_new: int,
+        model_id: str | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
-    extra = {"oscar": {"path": str(artifact), "kernel_backend": "torch"}} if artifact else {}
+    extra = {"oscar": {"path": str(artifact), "model_id": model_id, "kernel_backend": "torch"}} if artifact else {}
     t0 = time.perf_counter()
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=1024, enforce_eager=True, max_num_seqs=4,
               block_size=block, kv_cache_memory_bytes=budget, enable_prefix_caching=False, additional_config=extra,
@@ -50,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", type=Path, required=True, help="artifact directory for the model")
     ap.add_argument("--model", type=Path, default=FIXTURE, help="model directory (default: the trained fixture)")
+    ap.add_argument("--model-id", default="oscar-calib/tiny-qwen3",
+                    help="Hub id the model directory is a copy of (the identity the artifact must name)")
     ap.add_argument("--budget-mib", type=int, default=64, help="KV cache memory budget for both runs")
     ap.add_argument("--block-size", type=int, default=None, help="default: DEFAULT_LAYOUT.page_size")
     ap.add_argument("--max-new", type=int, default=32)
@@ -72,7 +75,7 @@ def main() -> None:
     prompts = [ids[:9], ids[100:300], ids[1000:1700]]
     budget = args.budget_mib << 20
     bf16 = run(args.model, None, budget, args.block_size, prompts, args.max_new)
-    oscar = run(args.model, args.artifact, budget, args.block_size, prompts, args.max_new)
+    oscar = run(args.model, args.artifact, budget, args.block_size, prompts, args.max_new, args.model_id)
 
     cfg = AutoConfig.from_pretrained(args.model)
     art = read_artifact(args.artifact)

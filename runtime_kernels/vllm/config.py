@@ -21,7 +21,9 @@ CONFIG_KEY = "oscar"
 
 class OscarServeConfig(BaseModel):
     """What the server loads. Exactly one of `path` (local directory or .safetensors) and `repo` (zoo repo on the
-    Hub, with `revision`: a tag, branch or commit; `model_id` defaults to the served model's name)."""
+    Hub, with `revision`: a tag, branch or commit). `model_id` is the served model's Hub id (default: its name as
+    vLLM was given it): the release pulled, and the identity the artifact must name; a model served from a local
+    copy names its Hub id here. `allow_other_model` accepts an artifact of another model with the same shapes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -30,6 +32,7 @@ class OscarServeConfig(BaseModel):
     revision: str | None = None
     model_id: str | None = None
     calibration: str = "default"
+    allow_other_model: bool = False
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     window_reserve: float = 2.0  # window blocks kept per running request's need (>= 1; extra = prefix reuse)
 
@@ -74,7 +77,7 @@ def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: s
             raise ValueError(f"additional_config.{CONFIG_KEY}.model_id: needed to pull from '{cfg.repo}' "
                              f"when the served model has no Hub name")
         artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration)
-    check_against_model(artifact, hf_config)
+    check_against_model(artifact, hf_config, model_id=cfg.model_id, allow_other_model=cfg.allow_other_model)
     return artifact
 
 

