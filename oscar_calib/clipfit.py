@@ -178,7 +178,8 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         key_objective: one of KEY_OBJECTIVES; `block_out` needs `o_weight` (`[hidden, H_q * d]`), and then the
             value error is measured after o_proj too.
     Returns:
-        key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU).
+        key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU); an empty grid
+        skips that side.
     """
     if key_objective not in KEY_OBJECTIVES:
         raise InputError(f"key clip objective '{key_objective}': expected one of {', '.join(KEY_OBJECTIVES)}")
@@ -187,12 +188,14 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     ho = _held_out(keys, values, queries, positions, scaling, sink, recent,
                    o_weight if key_objective == "block_out" else None)
     objective = "out_err" if key_objective == "block_out" else key_objective
-    k_err = torch.stack([_key_error(ho, _fake_quant_rotated(ho.k, k_rotation, r, group_size, k_mean) - ho.k,
-                                    objective) for r in grid]).double().cpu()
     v_grid = grid if v_grid is None else v_grid
-    v_err = torch.stack([_value_error(ho, _fake_quant_rotated(ho.v, v_rotation, r, group_size, v_mean) - ho.v)
-                         for r in v_grid]).double().cpu()
-    return k_err, v_err
+    k_err = [_key_error(ho, _fake_quant_rotated(ho.k, k_rotation, r, group_size, k_mean) - ho.k, objective)
+             for r in grid]
+    v_err = [_value_error(ho, _fake_quant_rotated(ho.v, v_rotation, r, group_size, v_mean) - ho.v) for r in v_grid]
+    empty = torch.zeros(0, keys.shape[1], dtype=torch.float64)  # an empty grid skips that side
+    return (torch.stack(k_err).double().cpu() if k_err else empty,
+            torch.stack(v_err).double().cpu() if v_err else empty)
+
 
 
 def pick_ratios(errors: torch.Tensor, grid: tuple[float, ...]) -> torch.Tensor:
@@ -244,9 +247,10 @@ def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, sc
         k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, v_grid=v_grid, **kw)
         kr, vr = pick_ratios(k_err, grid), pick_ratios(v_err, v_grid)
         return ClipFit(kr, vr, k_err, v_err, tuple(grid), tuple(v_grid), kr == min(grid), vr == min(v_grid))
+    # Each side searched on its own (the key error does not depend on the value clip, nor the other way round).
     k_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, g,
-                                                v_grid=(1.0,), **kw)[0], grid)
-    v_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, (1.0,),
+                                                v_grid=(), **kw)[0], grid)
+    v_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, (),
                                                 v_grid=g, **kw)[1], v_grid)
     floor_k = torch.tensor(min(k_fit[2]) <= MIN_RATIO + 1e-9)
     floor_v = torch.tensor(min(v_fit[2]) <= MIN_RATIO + 1e-9)
