@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors.torch import save_file
 from tiny_models import tiny_model
 
 from oscar_calib import audit as au
-from oscar_calib.cli import main
 from oscar_calib.demo import byte_tokenizer
 from runtime_kernels.artifact import identity_artifact, write_artifact
 
@@ -44,15 +43,6 @@ def _save_raw(art, path):
     return path
 
 
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ------------------------------------------------------------------------------------------------ statistics

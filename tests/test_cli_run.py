@@ -1,23 +1,14 @@
 """`oscar-calib run`: the demo, local datasets, and every bad input (clear message, non-zero exit, nothing written)."""
 
 import json
-import sys
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from tiny_models import tiny_model
 
-from oscar_calib.cli import main
 from oscar_calib.demo import byte_tokenizer
 from runtime_kernels.artifact import read_artifact
-
-
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 from tiny_models import tiny_model
 
-from oscar_calib.cli import exit_codes, main
+from oscar_calib.cli import exit_codes
 from oscar_calib.demo import byte_tokenizer
 from runtime_kernels.artifact import identity_artifact, write_artifact
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ------------------------------------------------------------------------------------------------ start-up

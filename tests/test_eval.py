@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -293,19 +294,6 @@ def test_quality_regression_on_the_trained_fixture():
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def run_cli(args, monkeypatch, capsys):
-    import sys
-
-    from oscar_calib.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

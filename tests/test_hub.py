@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from hub_server import HubServer
 from tiny_models import tiny_config
 
@@ -97,17 +97,6 @@ def tree(hub, revision="main") -> dict[str, str]:
     return hub.store.tree(REPO, revision)[1]
 
 
-def run_cli(args, monkeypatch, capsys):
-    from oscar_calib.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- push -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors import safe_open
 from tiny_models import tiny_model
 
@@ -37,12 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = 5  # odd: the last data-parallel round has an idle rank
 
 
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["oscar-calib", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 def sha(path: Path) -> str:
