@@ -56,6 +56,9 @@ class SolverSettings(_Strict):
                                                  "quantizing (exact for attention: q . mu is added back).")
     center_values: bool = Field(True, description="Subtract the calibrated value mean before quantizing.")
     group_size: Optional[int] = Field(None, description="Quantization group (channels); None = head_dim.")
+    scale_dtype: Literal["float16", "ue5m3"] = Field(
+        "float16", description="How the INT2 history stores each group's scale and zero point: fp16 both "
+                               "(32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero point, 16 bits).")
     sink_tokens: int = Field(DEFAULT_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
     recent_tokens: int = Field(DEFAULT_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
 

@@ -29,7 +29,7 @@ from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.quant import naive
 
 BF16_BITS = 16
-SCALE_BITS = 16  # scale and zero are stored in 16 bits each (OSCAR_METHOD section 5)
+SCALE_BITS = 16  # scale and zero are stored in 16 bits each (OSCAR_METHOD section 5) unless the format says less
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -39,9 +39,9 @@ def hadamard(d: int) -> torch.Tensor:
     return _hadamard(d)
 
 
-def history_bits_rowwise(group_size: int) -> float:
-    """Bits per element of a per-token (row-wise) INT2 history: 2-bit codes + 16-bit scale and zero per group."""
-    return 2 + 2 * SCALE_BITS / group_size
+def history_bits_rowwise(group_size: int, scale_format: str = "float16") -> float:
+    """Bits per element of a per-token (row-wise) INT2 history: 2-bit codes + scale and zero per group."""
+    return 2 + naive.scale_bits(scale_format) / group_size
 
 
 def mixed_effective_bits(context_len: int, history_bits: float, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
@@ -102,20 +102,22 @@ class RowwiseInt2(KVMethod):
     k_clip: float = 1.0
     v_clip: float = 1.0
     group_size: int | None = None
+    scale_format: str = "float16"
 
     def quantizes(self, layer_idx: int) -> bool:
         return True
 
     def history_bits(self, head_dim: int) -> float:
-        return history_bits_rowwise(self.group_size or head_dim)
+        return history_bits_rowwise(self.group_size or head_dim, self.scale_format)
 
     def effective_bits(self, context_len: int, head_dim: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
         # Same formula as the runtime's artifact accounting (one definition of the OSCAR bits).
-        return effective_bits(context_len, self.group_size or head_dim, sink, recent, SCALE_BITS)
+        return effective_bits(context_len, self.group_size or head_dim, sink, recent,
+                              naive.scale_bits(self.scale_format) // 2)
 
     def _one(self, x: torch.Tensor, rotation: torch.Tensor | None, clip: float) -> torch.Tensor:
         ratio = None if clip >= 1.0 else clip
-        return centered_fake_quantize(x, rotation, ratio, None, self.group_size)
+        return centered_fake_quantize(x, rotation, ratio, None, self.group_size, self.scale_format)
 
     def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
         return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
@@ -158,9 +160,9 @@ class TableInt2(RowwiseInt2):
         if key not in self._cache:
             self._cache[key] = self.tables[layer_idx].to(keys.device)
         t = self._cache[key]
-        g = self.group_size
-        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g),
-                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g))
+        g, f = self.group_size, self.scale_format
+        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g, f),
+                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g, f))
 
 
 def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int, LayerTables]:
@@ -183,20 +185,29 @@ class ArtifactInt2(TableInt2):
 
     def __init__(self, name: str = "oscar", description: str = "OSCAR artifact", artifact: OscarArtifact | None = None,
                  centered: bool = True):
+        fmt = _runtime_scale_format(artifact) if artifact is not None else "float16"
         super().__init__(name, description, group_size=artifact.group_size if artifact is not None else None,
-                         tables=artifact_tables(artifact, centered) if artifact is not None else {})
+                         scale_format=fmt, tables=artifact_tables(artifact, centered) if artifact is not None else {})
         self.artifact = artifact
 
     def history_bits(self, head_dim: int) -> float:
-        return history_bits_rowwise(self.artifact.group_size)
+        return history_bits_rowwise(self.artifact.group_size, self.scale_format)
 
     def effective_bits(self, context_len, head_dim, sink=DEFAULT_LAYOUT.sink_tokens, recent=DEFAULT_LAYOUT.recent_tokens):
-        return effective_bits(context_len, self.artifact.group_size, sink, recent, SCALE_BITS)
+        return effective_bits(context_len, self.artifact.group_size, sink, recent,
+                              naive.scale_bits(self.scale_format) // 2)
+
+
+def _runtime_scale_format(artifact: OscarArtifact) -> str:
+    """The scale format the runtime stores for this artifact: ue5m3 when it says so, fp16 otherwise (a reference
+    import's bfloat16/float32 scales are served as fp16, as the runtime's pages hold)."""
+    return "ue5m3" if artifact.scale_format == "ue5m3" else "float16"
 
 
 def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip, mean: torch.Tensor | None,
-                           group_size: int | None) -> torch.Tensor:
-    """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2, de-rotate.
+                           group_size: int | None, scale_format: str = "float16") -> torch.Tensor:
+    """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2 (scales in `scale_format`),
+    de-rotate.
 
     `rotation` `[H_kv, d, d]` / `[d, d]` / None; `clip` `[H_kv]`, a scalar or None; `mean` `[H_kv, d]` or None
     (model basis; the rotated mean is `mean @ R`, the same centering in the rotated basis).
@@ -206,7 +217,7 @@ def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip,
     if mean is not None:
         xf = xf - mean.to(xf.device, torch.float32)[None, :, None, :]
     rot = None if rotation is None else rotation.to(x.device, torch.float32)
-    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size), b, t)
+    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size, scale_format=scale_format), b, t)
     if mean is not None:
         out = out + mean.to(out.device, torch.float32)[None, :, None, :]
     return out

@@ -145,12 +145,19 @@ class OscarArtifact:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        """dtype of the per-group scale and zero (float16 for v1)."""
+        """dtype of the per-group scale and zero (float16 for v1; uint8 for ue5m3)."""
         return SCALE_DTYPES[self._meta("scale_dtype")]
 
     @property
+    def scale_format(self) -> str:
+        """The contract's `scale_dtype` name (`float16`, `ue5m3`, ...)."""
+        return self._meta("scale_dtype")
+
+    @property
     def scale_bits(self) -> int:
-        return torch.finfo(self.scale_dtype).bits
+        """Bits of each of the scale and the zero point (16 for float16, 8 for ue5m3)."""
+        dt = self.scale_dtype
+        return 8 if dt == torch.uint8 else torch.finfo(dt).bits
 
     @property
     def mean_basis(self) -> str:

@@ -4,7 +4,7 @@ One `PagedKVCache` serves a batch of sequences of different lengths for every ca
 
 Storage per layer (`LayerPool`; H = KV heads, d = head_dim, G = group size, P = page size):
 - INT2 pages: `k_codes, v_codes` uint8 `[num_pages, H, P, d // 4]`, `k_scale, k_zero, v_scale, v_zero`
-  fp16 `[num_pages, H, P, d // G]`, holding clipped and quantized rotated keys/values (with G = d, V scale and
+  fp16 (or uint8 for ue5m3 scales) `[num_pages, H, P, d // G]`, holding clipped and quantized rotated keys/values (with G = d, V scale and
   zero are interleaved views of one buffer: `LayerPool`).
 - Full-precision windows: `k_win, v_win` `[num_slots, H, W, d]` in the model's dtype, with
   `W = sink + recent + P - 1`. Like the pages they hold the rotated basis (`k @ R_K`, `v @ R_V`, see
@@ -137,7 +137,7 @@ class SequenceState:
 class LayerPool:
     """Device storage and the artifact's transform for one calibrated attention layer.
 
-    Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16;
+    Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16 or uint8 (ue5m3);
     windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
     With one group per row (G = d), v_scale and v_zero are the two halves of one `[num_pages, H, P, 2]` buffer
     (row strides 2, last dim contiguous); every other pool is contiguous.
@@ -226,7 +226,7 @@ class PagedKVCache:
                  page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int = DEFAULT_LAYOUT.sink_tokens, recent_tokens: int = DEFAULT_LAYOUT.recent_tokens,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                 check_finite: bool = True):
+                 check_finite: bool = True, scale_format: str = "float16"):
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
                 raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
@@ -260,8 +260,12 @@ class PagedKVCache:
                 raise ValueError(f"{name}: expected a non-negative integer, got {v}")
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype: window dtype must be float16, bfloat16 or float32, got {dtype}")
+        if scale_format not in quant_api.naive.SCALE_FORMATS:
+            raise ValueError(f"scale_format: expected one of {list(quant_api.naive.SCALE_FORMATS)}, got {scale_format!r}")
 
         self.device = normalize_device(device)
+        self.scale_format = scale_format
+        sdt = quant_api.scale_storage_dtype(scale_format)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
         self.page_size, self.sink, self.recent = int(page_size), int(sink_tokens), int(recent_tokens)
@@ -287,8 +291,8 @@ class PagedKVCache:
             # so the whole-page decode loop reads both with one asynchronous load (1-6 % faster calls at all nine
             # points of the H200 table, docs/kernels.md).
             if d // g == 1:
-                return alloc_paired_v_pools(n_pages, h, p, self.device)
-            return zeros((n_pages, h, p, d // g), torch.float16), zeros((n_pages, h, p, d // g), torch.float16)
+                return alloc_paired_v_pools(n_pages, h, p, self.device, dtype=sdt)
+            return zeros((n_pages, h, p, d // g), sdt), zeros((n_pages, h, p, d // g), sdt)
 
         self.pools: list[LayerPool] = []
         for i in range(a):
@@ -296,8 +300,8 @@ class PagedKVCache:
             self.pools.append(LayerPool(
                 k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
                 v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                k_scale=zeros((n_pages, h, p, d // g), torch.float16),
-                k_zero=zeros((n_pages, h, p, d // g), torch.float16),
+                k_scale=zeros((n_pages, h, p, d // g), sdt),
+                k_zero=zeros((n_pages, h, p, d // g), sdt),
                 v_scale=v_scale,
                 v_zero=v_zero,
                 k_win=zeros((s, h, w, d), dtype),
@@ -320,7 +324,9 @@ class PagedKVCache:
                       clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
         """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata).
 
-        Refused, naming the field: a quantizer this runtime does not serve (`lloyd_max` codebooks), and windows
+        The pages store scales in the artifact's `scale_dtype` when it is `ue5m3`, in fp16 otherwise (a reference
+        import's float32 scales included). Refused, naming the field: a quantizer this runtime does not serve
+        (`lloyd_max` codebooks), and windows
         that disagree with the ones a calibrated artifact's clips were fitted for (an identity artifact, which
         fitted nothing, takes any windows).
         """
@@ -344,7 +350,8 @@ class PagedKVCache:
                    device=device, dtype=dtype, clip=clip, backend=backend, check_finite=check_finite,
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
-                   v_mean=artifact.value_mean("rotated") if artifact.is_centered else None)
+                   v_mean=artifact.value_mean("rotated") if artifact.is_centered else None,
+                   scale_format="ue5m3" if artifact.scale_format == "ue5m3" else "float16")
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:
@@ -393,7 +400,8 @@ class PagedKVCache:
         for pool in self.pools:
             paired = pool.v_zero.data_ptr() == pool.v_scale.data_ptr() + pool.v_scale.element_size()
             if paired:  # keep V scale and zero side by side in one buffer (the layout the kernel reads at once)
-                v_scale, v_zero = alloc_paired_v_pools(n, self.num_kv_heads, self.page_size, self.device)
+                v_scale, v_zero = alloc_paired_v_pools(n, self.num_kv_heads, self.page_size, self.device,
+                                                       dtype=pool.v_scale.dtype)
                 v_scale[:old], v_zero[:old] = pool.v_scale, pool.v_zero
             else:
                 v_scale, v_zero = grown(pool.v_scale), grown(pool.v_zero)

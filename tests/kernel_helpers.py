@@ -22,11 +22,13 @@ def assert_lse_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None
     assert torch.allclose(got[fin], want[fin], rtol=0, atol=atol), (got[fin] - want[fin]).abs().max()
 
 
-def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, device="cpu"):
+def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, device="cpu", scale_format="float16",
+              paired_v=False):
     """Random INT2 pools + a shuffled block table for sequences of the given history lengths.
 
-    Returns codes/scale/zero for K and V (`[num_pages, H, P, *]`), block_table int32 `[B, max_pages]`,
-    hist_len int32 `[B]`.
+    Returns codes/scale/zero for K and V (`[num_pages, H, P, *]`; scale/zero fp16, or uint8 for ue5m3), block_table
+    int32 `[B, max_pages]`, hist_len int32 `[B]`. paired_v: V scale and zero as the two halves of one buffer (one
+    group per row only), the layout the cache allocates.
     """
     gen = torch.Generator().manual_seed(seed)
     g = group_size or d
@@ -36,11 +38,18 @@ def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, devic
     def pool():
         x = torch.randn(n_pages * page, h_kv, d, generator=gen) * torch.exp(
             0.5 * torch.randn(n_pages * page, h_kv, 1, generator=gen))
-        c, s, z = qnaive.quantize_pack(x, None, None, g)
+        c, s, z = qnaive.quantize_pack(x, None, None, g, scale_format=scale_format)
         return [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous().to(device) for t in (c, s, z)]
 
     kc, ks, kz = pool()
     vc, vs, vz = pool()
+    if paired_v:
+        from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
+
+        pvs, pvz = alloc_paired_v_pools(n_pages, h_kv, page, device, dtype=vs.dtype)
+        pvs.copy_(vs)
+        pvz.copy_(vz)
+        vs, vz = pvs, pvz
     table = torch.randperm(n_pages, generator=gen)[: len(lens) * max_pages].reshape(len(lens), max_pages)
     return (kc, ks, kz, vc, vs, vz, table.to(torch.int32).to(device),
             torch.tensor(lens, dtype=torch.int32, device=device))

@@ -21,7 +21,7 @@ def rel_rmse(got, want, floor=1e-3):
     return (err / want.float().pow(2).mean().sqrt().clamp_min(floor)).item()
 
 
-def make_pool(lens, h_kv, d, page=64, group_size=None, seed=0):
+def make_pool(lens, h_kv, d, page=64, group_size=None, seed=0, scale_format="float16"):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     g = group_size or d
     max_pages = max(1, max(-(-n // page) for n in lens))
@@ -29,7 +29,7 @@ def make_pool(lens, h_kv, d, page=64, group_size=None, seed=0):
     out = []
     for _ in range(2):
         x = torch.randn(n_pages * page, h_kv, d, generator=gen, device=DEV)
-        c, s, z = naive.quantize_pack(x, None, None, g)
+        c, s, z = naive.quantize_pack(x, None, None, g, scale_format=scale_format)
         out += [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous() for t in (c, s, z)]
     table = torch.randperm(n_pages, generator=gen, device=DEV)[: len(lens) * max_pages].reshape(len(lens), max_pages)
     return out + [table.to(torch.int32), torch.tensor(lens, dtype=torch.int32, device=DEV)]
@@ -298,3 +298,49 @@ def test_centered_decode_on_gpu():
                                     v_mean=zeros)
         assert torch.equal(o0, oz) and torch.equal(l0, lz)
 
+
+
+@pytest.mark.parametrize("clip_mode", ["kernel", "torch"])
+def test_ue5m3_quantize_bit_exact_on_gpu(clip_mode):
+    """The ue5m3 scale format (uint8 scale code and zero point) on the compiled kernel: the reciprocal-multiply
+    division torch uses on CUDA, the fp32 bit tricks of the encoding, centering and clipping, bit for bit."""
+    from runtime_kernels.quant.triton_quant import quantize_pack_into
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    t, h, d = 4099, 8, 128
+    x = torch.randn(t, h, d, generator=gen, device=DEV) * torch.exp(torch.randn(t, h, 1, generator=gen, device=DEV))
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
+    ratio = torch.linspace(0.85, 1.0, h, device=DEV)
+    mean = torch.randn(h, d, generator=gen, device=DEV) * 0.3
+    want = naive.quantize_pack(x, rot, ratio, d, mean=mean, scale_format="ue5m3")
+    codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
+    scale = torch.empty(t, h, 1, 1, dtype=torch.uint8, device=DEV)
+    zero = torch.empty_like(scale)
+    idx = torch.arange(t, device=DEV, dtype=torch.int32)
+    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0, d,
+                       clip_mode=clip_mode, mean=mean)
+    for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d,group_size,paired", [(128, None, True), (128, None, False), (64, None, True),
+                                                 (64, None, False), (128, 32, False)])
+@pytest.mark.parametrize("whole", [True, False])
+def test_ue5m3_decode_on_gpu(d, group_size, paired, whole):
+    """uint8 scale pools through the production kernel (paired or separate V pools; int8 scores at whole pages and
+    head_dim 128, float scores at 64) and the fallback (several groups per row)."""
+    lens = [0, 64, 4096, 20032] if whole else [0, 7, 63, 257, 4099, 20000]
+    pool = make_pool(lens, 2, d, group_size=group_size, seed=31, scale_format="ue5m3")
+    if paired:
+        vs, vz = alloc_paired_v_pools(*pool[4].shape[:3], DEV, dtype=torch.uint8)
+        vs.copy_(pool[4])
+        vz.copy_(pool[5])
+        pool[4], pool[5] = vs, vz
+        assert paired_v_pools(pool[4], pool[5])
+    q = torch.randn(len(lens), 8, d, device=DEV, dtype=torch.bfloat16)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    o, lse = A.int2_decode_attention(q, *pool, whole_pages=whole)
+    assert rel_rmse(o, o_ref) < 2e-2
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)

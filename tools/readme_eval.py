@@ -19,6 +19,10 @@ from pathlib import Path
 import torch
 
 
+# Windows that ue5m3 scales (2.125 history bits at d = 128) pay for within fp16-scale 64/256's 2.284 bits at 128K.
+EQUAL_BITS_LAYOUTS = ((64, 256), (128, 1024), (128, 1280))
+
+
 def markdown_table(result: dict) -> str:
     lines = [f"Context {result['context']} tokens (BF16 sink {result['sink']} + recent {result['recent']}), "
              f"{result['windows']['long']} single-document + {result['windows']['packed']} packed windows, "
@@ -63,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                         "defaults were chosen from)")
     p.add_argument("--window-sweep", action="store_true",
                    help="also evaluate hadamard-clip and the default at sink/recent 64/512, 128/1024, 128/2048")
+    p.add_argument("--equal-bits", action="store_true",
+                   help="also calibrate and evaluate ue5m3 scales (16 bits per group) with the wider windows that "
+                        "cost the same bits at 128K as fp16 scales at 64/256, against hadamard-clip in the same layout")
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,7 +99,19 @@ def main(argv: list[str] | None = None) -> int:
             "oscar block_out +ck+cv": {"key_clip_objective": "block_out", "center_keys": True, "center_values": True},
             "oscar-layer out_err +ck+cv": {"granularity": "layer", "key_clip_objective": "out_err",
                                            "center_keys": True, "center_values": True},
+            "oscar ue5m3": {"scale_dtype": "ue5m3"},
         })
+    # Variants calibrated for other windows, evaluated in those windows (rows of the window sweep).
+    layouts = {}
+    if args.equal_bits:
+        for sink, recent in EQUAL_BITS_LAYOUTS[1:]:  # 64/256 is the main table's "oscar ue5m3"
+            layouts[f"oscar ue5m3 [{sink}/{recent}]"] = {"scale_dtype": "ue5m3", "sink_tokens": sink,
+                                                          "recent_tokens": recent}
+        layouts["oscar fp16 uncentered attn_kl [128/1024]"] = {
+            "key_clip_objective": "attn_kl", "center_keys": False, "center_values": False,
+            "sink_tokens": 128, "recent_tokens": 1024}
+        layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024}
+    variants.update(layouts)
     arts, fits = {}, {}
     for name, overrides in variants.items():
         t0 = time.perf_counter()
@@ -104,29 +123,42 @@ def main(argv: list[str] | None = None) -> int:
             f"V {fits[name]['v_clip_ratio_mean']:.3f}; {fits[name]['clip_at_grid_edge']} at a grid edge")
     windows = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
     t0 = time.perf_counter()
-    result = evaluate_methods(model, standard_methods(model.config.head_dim, arts), windows, args.batch_size)
+    main_arts = {k: v for k, v in arts.items() if k not in layouts}
+    result = evaluate_methods(model, standard_methods(model.config.head_dim, main_arts), windows, args.batch_size)
     log(f"evaluated in {time.perf_counter() - t0:.1f}s")
     result["fits"] = fits
+    head_dim = model.config.head_dim
+    sweep: list[tuple[object, int, int]] = []  # (method, sink, recent)
     if args.window_sweep:
+        chosen = [m for m in standard_methods(head_dim, main_arts) if m.name in ("hadamard-clip", "oscar (default)")]
+        sweep += [(m, sink, recent) for sink, recent in ((64, 512), (128, 1024), (128, 2048)) for m in chosen]
+    if args.equal_bits:
+        from oscar_calib.methods import ArtifactInt2, RowwiseInt2, hadamard
+
+        had = hadamard(head_dim).float()
+        for sink, recent in EQUAL_BITS_LAYOUTS:
+            sweep.append((RowwiseInt2("hadamard-clip ue5m3", k_rotation=had, v_rotation=had, k_clip=0.96,
+                                      v_clip=0.92, scale_format="ue5m3"), sink, recent))
+        for name in layouts:
+            art = arts[name]
+            sweep.append((ArtifactInt2(name, artifact=art), art.sink_tokens, art.recent_tokens))
+    if sweep:
         from oscar_calib.evaluate import bootstrap_delta_ci, method_nll
 
-        head_dim = model.config.head_dim
         base = {r["name"]: r for r in result["methods"]}
         bf16 = torch.tensor(base["bf16"]["window_nll"], dtype=torch.float64)
         all_w = torch.cat([windows.long, windows.packed])
-        chosen = [m for m in standard_methods(head_dim, arts) if m.name in ("hadamard-clip", "oscar (default)")]
         result["window_sweep"] = []
-        for sink, recent in ((64, 512), (128, 1024), (128, 2048)):
-            for m in chosen:
-                nll, _ = method_nll(model, m, all_w, args.batch_size, sink, recent, collect_stats=False)
-                win = nll.double().mean(dim=1)
-                result["window_sweep"].append({
-                    "name": m.name, "sink": sink, "recent": recent, "ppl": float(torch.exp(nll.double().mean())),
-                    "ppl_delta_pct": 100 * float(torch.expm1(win.mean() - bf16.mean())),
-                    "ci95": list(bootstrap_delta_ci(win, bf16)),
-                    "bits_32k": m.effective_bits(32768, head_dim, sink, recent),
-                    "bits_128k": m.effective_bits(131072, head_dim, sink, recent)})
-                log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
+        for m, sink, recent in sweep:
+            nll, _ = method_nll(model, m, all_w, args.batch_size, sink, recent, collect_stats=False)
+            win = nll.double().mean(dim=1)
+            result["window_sweep"].append({
+                "name": m.name, "sink": sink, "recent": recent, "ppl": float(torch.exp(nll.double().mean())),
+                "ppl_delta_pct": 100 * float(torch.expm1(win.mean() - bf16.mean())),
+                "ci95": list(bootstrap_delta_ci(win, bf16)), "window_nll": win.tolist(),
+                "bits_32k": m.effective_bits(32768, head_dim, sink, recent),
+                "bits_128k": m.effective_bits(131072, head_dim, sink, recent)})
+            log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
     if args.generation_steps:
         try:
             gw = torch.cat([windows.long, windows.packed])[:args.generation_windows]

@@ -19,7 +19,13 @@ from runtime_kernels._validate import (
 )
 from runtime_kernels.quant import naive
 
-__all__ = ["naive", "quantize_pack", "write_pages"]
+__all__ = ["naive", "quantize_pack", "scale_storage_dtype", "write_pages"]
+
+
+def scale_storage_dtype(scale_format: str) -> torch.dtype:
+    """dtype of the scale and zero pools for a scale format: fp16, or uint8 for ue5m3."""
+    naive.scale_bits(scale_format)  # validates the name
+    return torch.uint8 if scale_format == "ue5m3" else torch.float16
 
 
 def _check_common(x, rotation, clip_ratio, group_size) -> int:
@@ -69,8 +75,8 @@ def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                  group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None,
+                  scale_format: str = "float16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate, (center,) clip, quantize to 2 bits and pack.
 
     Args:
@@ -78,17 +84,18 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
         rotation: `[H, d, d]` or None (identity); clip_ratio: `[H]` or None (no clipping).
         group_size: channels per scale/zero group (default d).
         mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
+        scale_format: "float16" or "ue5m3" (`naive.SCALE_FORMATS`).
     Returns:
-        packed uint8 `[T, H, d // 4]`, scale fp16 `[T, H, d // G]`, zero fp16 `[T, H, d // G]`.
+        packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]` (fp16, or uint8 for ue5m3).
     """
     g = _check_common(x, rotation, clip_ratio, group_size)
     mean = _check_mean(mean, x)
     if resolve_backend(backend, x.device) == "torch":
-        return naive.quantize_pack(x, rotation, clip_ratio, g, mean=mean)
+        return naive.quantize_pack(x, rotation, clip_ratio, g, mean=mean, scale_format=scale_format)
     t, h, d = x.shape
     xr = _rotated(x, rotation)
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(t, h, 1, d // g, dtype=torch.float16, device=x.device)
+    scale = torch.empty(t, h, 1, d // g, dtype=scale_storage_dtype(scale_format), device=x.device)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, dtype=torch.int32, device=x.device)
     from runtime_kernels.quant.triton_quant import quantize_pack_into
@@ -104,7 +111,8 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]`, in place.
 
     Args:
-        codes_pool: uint8 `[num_pages, H, P, d // 4]`; scale_pool, zero_pool: fp16 `[num_pages, H, P, d // G]`.
+        codes_pool: uint8 `[num_pages, H, P, d // 4]`; scale_pool, zero_pool: `[num_pages, H, P, d // G]`, fp16
+            both, or uint8 both for the ue5m3 scale format (the pools' dtype selects it).
         page_ids, rows: int32/int64 `[T]` (values are not range-checked here: that would sync the GPU).
         mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
     """
@@ -112,8 +120,8 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
     mean = _check_mean(mean, x)
     t, h, d = x.shape
     check_tensor("codes_pool", codes_pool, dtypes=(torch.uint8,), ndim=4, device=x.device)
-    check_tensor("scale_pool", scale_pool, dtypes=(torch.float16,), ndim=4, device=x.device)
-    check_tensor("zero_pool", zero_pool, dtypes=(torch.float16,), ndim=4, device=x.device)
+    check_tensor("scale_pool", scale_pool, dtypes=(torch.float16, torch.uint8), ndim=4, device=x.device)
+    check_tensor("zero_pool", zero_pool, dtypes=(scale_pool.dtype,), ndim=4, device=x.device)
     check_dim("codes_pool", codes_pool, 1, h, "KV heads of x")
     check_dim("codes_pool", codes_pool, 3, d // 4, "head_dim // 4 packed bytes")
     for name, pool in (("scale_pool", scale_pool), ("zero_pool", zero_pool)):

@@ -20,6 +20,43 @@ LEVELS = 4  # 2 bits
 SCALE_EPS = 3 * 2.0**-14
 ZERO_LIMIT = 2.0**15
 
+# Scale formats (the artifact's `scale_dtype`):
+# - "float16": scale and zero point (in codes) in fp16, 32 bits per group;
+# - "ue5m3": 16 bits per group, 2.125 bits per element at d = 128. The scale is an unsigned 8-bit float
+#   (5 exponent bits, bias 15, 3 mantissa bits, no subnormals; within 6.25 % of the fp32 scale), the zero point a
+#   uint8 in 1/64 of a code. Scales are kept in fp16's normal range [2^-14, 61440] (the decode kernel forms
+#   p * scale in fp16). The range is widened to include 0 so the zero point
+#   always lies in [0, 3] codes; a row crossing 0 (every centered rotated row in practice) is unchanged.
+#   Codes are computed against the rounded scale and zero, so dequantization reproduces what was encoded.
+SCALE_FORMATS = ("float16", "ue5m3")
+UE5M3_MIN = 2.0**-14
+UE5M3_MAX = 1.875 * 2.0**15
+UE5M3_BIAS = (127 - 15) << 3  # fp32 exponent bias minus ue5m3's, in units of the 3-bit mantissa
+ZERO_STEPS = 64  # ue5m3 zero points are stored in 1/64 of a code
+
+
+def scale_bits(scale_format: str) -> int:
+    """Bits per group spent on the scale and zero point together."""
+    return {"float16": 32, "ue5m3": 16}[_check_format(scale_format)]
+
+
+def _check_format(scale_format: str) -> str:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format: expected one of {list(SCALE_FORMATS)}, got {scale_format!r}")
+    return scale_format
+
+
+def encode_ue5m3(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scale -> uint8 ue5m3 code, rounded to the nearest representable value (integer ops on the fp32 bits,
+    so the Triton kernel reproduces it exactly)."""
+    bits = scale.float().clamp(UE5M3_MIN, UE5M3_MAX).view(torch.int32)
+    return (((bits + (1 << 19)) >> 20) - UE5M3_BIAS).clamp(0, 255).to(torch.uint8)
+
+
+def decode_ue5m3(code: torch.Tensor) -> torch.Tensor:
+    """uint8 ue5m3 code -> fp32 scale (exact)."""
+    return ((code.to(torch.int32) + UE5M3_BIAS) << 20).view(torch.float32)
+
 
 def clip_index(ratio: float | torch.Tensor, d: int) -> torch.Tensor:
     """Order-statistic index `c = min(floor(ratio * d), d - 1)` used for the clip threshold."""
@@ -41,14 +78,17 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 
-def quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, group_size: int | None = None, scale_format: str = "float16"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max INT2 per group of `group_size` channels.
 
     Args:
         x: `[..., d]` float tensor.
+        scale_format: "float16" or "ue5m3" (see SCALE_FORMATS above).
     Returns:
-        codes `[..., d]` uint8 in {0..3}; scale, zero `[..., d // group_size]` float16.
-    The arithmetic is done in fp32 with the fp16-rounded scale and zero, so dequantization with the
+        codes `[..., d]` uint8 in {0..3}; scale, zero `[..., d // group_size]`: float16 both, or uint8 both
+        (ue5m3 scale code, zero point in 1/64 code).
+    The arithmetic is done in fp32 with the rounded scale and zero, so dequantization with the
     stored values reproduces exactly what was encoded.
     """
     d = x.shape[-1]
@@ -58,21 +98,36 @@ def quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tens
     xg = x.float().reshape(*x.shape[:-1], d // g, g)
     lo = xg.amin(dim=-1)
     hi = xg.amax(dim=-1)
-    scale = torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1)
-    scale = torch.maximum(scale, torch.maximum(lo.abs(), hi.abs()) * (1.0 / ZERO_LIMIT)).to(torch.float16)
-    zero = (-lo / scale.float()).to(torch.float16)
-    codes = torch.floor(xg / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1) + 0.5)
+    if _check_format(scale_format) == "ue5m3":
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        scale = encode_ue5m3(torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1))
+        zero = torch.floor(-lo / decode_ue5m3(scale) * ZERO_STEPS + 0.5).clamp(0, 255).to(torch.uint8)
+    else:
+        scale = torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1)
+        scale = torch.maximum(scale, torch.maximum(lo.abs(), hi.abs()) * (1.0 / ZERO_LIMIT)).to(torch.float16)
+        zero = (-lo / scale.float()).to(torch.float16)
+    s, z = scale_zero_fp32(scale, zero)
+    codes = torch.floor(xg / s.unsqueeze(-1) + z.unsqueeze(-1) + 0.5)
     codes = codes.clamp(0, LEVELS - 1).to(torch.uint8).reshape(x.shape)
     return codes, scale, zero
 
 
+def scale_zero_fp32(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored scale and zero (fp16, or uint8 ue5m3 and 1/64 codes) -> fp32 scale and zero point in codes."""
+    if scale.dtype == torch.uint8:
+        return decode_ue5m3(scale), zero.float() * (1.0 / ZERO_STEPS)
+    return scale.float(), zero.float()
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of `quantize`: `(code - zero) * scale`, per group. Shapes as returned by `quantize`."""
+    """Inverse of `quantize`: `(code - zero) * scale`, per group. Shapes as returned by `quantize`; the scale
+    format follows from the stored dtype (uint8 = ue5m3)."""
     d = codes.shape[-1]
     n_groups = scale.shape[-1]
     g = d // n_groups
+    s, z = scale_zero_fp32(scale, zero)
     c = codes.float().reshape(*codes.shape[:-1], n_groups, g)
-    x = (c - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
+    x = (c - z.unsqueeze(-1)) * s.unsqueeze(-1)
     return x.reshape(codes.shape).to(dtype)
 
 
@@ -104,7 +159,7 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
-                  group_size: int | None = None, mean: torch.Tensor | None = None
+                  group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full write path for one layer: rotate, (center,) clip, quantize, pack.
 
@@ -114,15 +169,16 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
         clip_ratio: `[H_kv]` or scalar (None or 1 = no clipping).
         mean: `[H_kv, d]` per-head mean in the rotated basis, subtracted before clipping (a centered cache);
             None = uncentered.
+        scale_format: "float16" or "ue5m3".
     Returns:
-        packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // group_size]` fp16.
+        packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // group_size]` (fp16, or uint8 for ue5m3).
     """
     xr = rotate(x, rotation) if rotation is not None else x.float()
     if mean is not None:
         xr = xr - mean.float()
     if clip_ratio is not None:
         xr = clip_rows(xr, clip_ratio)
-    codes, scale, zero = quantize(xr, group_size)
+    codes, scale, zero = quantize(xr, group_size, scale_format)
     return pack(codes), scale, zero
 
 
@@ -133,10 +189,11 @@ def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 
 def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, group_size: int | None = None,
-                  unrotate: bool = True, mean: torch.Tensor | None = None) -> torch.Tensor:
+                  unrotate: bool = True, mean: torch.Tensor | None = None, scale_format: str = "float16"
+                  ) -> torch.Tensor:
     """Quantize then dequantize `x [T, H_kv, d]` (centered by `mean [H_kv, d]` if given: dequant + mean); with
     `unrotate`, map back to the original basis."""
-    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean)
+    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format)
     xr = unpack_dequantize(packed, scale, zero)
     if mean is not None:
         xr = xr + mean.float()

@@ -50,6 +50,27 @@ def _scale_fp16(lo, hi, RECIP: tl.constexpr):
 
 
 @triton.jit
+def _scale_zero(lo, hi, RECIP: tl.constexpr, UE5M3: tl.constexpr):
+    """(stored scale, stored zero, fp32 scale, fp32 zero) of a group with bounds `lo, hi [ROWS]`, as
+    `naive.quantize` computes them: fp16 both, or (UE5M3) a ue5m3 scale code and a zero point in 1/64 code."""
+    if UE5M3:
+        lo = tl.minimum(lo, 0.0)  # the range always contains 0, so the zero point lies in [0, 3] codes
+        hi = tl.maximum(hi, 0.0)
+        r = _range_over_3(tl.maximum(hi - lo, 0.00018310546875), RECIP)  # 3 * 2^-14
+        r = tl.minimum(tl.maximum(r, 6.103515625e-05), 61440.0)  # [2^-14, 1.875 * 2^15]: naive.UE5M3_MIN/MAX
+        bits = r.to(tl.int32, bitcast=True)
+        code = tl.minimum(tl.maximum(((bits + (1 << 19)) >> 20) - 896, 0), 255)  # 896 = (127 - 15) << 3
+        s = ((code + 896) << 20).to(tl.float32, bitcast=True)
+        zq = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(-lo, s) * 64.0 + 0.5), 0.0), 255.0)
+        return code.to(tl.uint8), zq.to(tl.uint8), s, zq * 0.015625
+    else:
+        s16 = _scale_fp16(lo, hi, RECIP)
+        s = s16.to(tl.float32)
+        z16 = tl.math.div_rn(-lo, s).to(tl.float16)
+        return s16, z16, s, z16.to(tl.float32)
+
+
+@triton.jit
 def _range_over_3(r, RECIP: tl.constexpr):
     """`r / 3` exactly as torch computes `tensor / 3` on the same device: torch's CUDA kernel multiplies by the
     fp32 reciprocal of a scalar divisor (RECIP), its CPU kernel divides (IEEE)."""
@@ -67,8 +88,9 @@ def _quantize_pack_kernel(
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
-    MEAN: tl.constexpr = False,
+    MEAN: tl.constexpr = False, UE5M3: tl.constexpr = False,
 ):
+    # UE5M3: scale and zero pools are uint8 (ue5m3 scale code, zero point in 1/64 code); fp16 otherwise.
     # MEAN: centered cache, mean_ptr fp32 `[H, D]`: the head's mean is subtracted from every row before clipping.
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
     # clip_ptr: the fp32 clip ratio per head; CLIP 1 derives the order-statistic index from it exactly as
@@ -122,12 +144,9 @@ def _quantize_pack_kernel(
         lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
         lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
         hi = tl.where(t_ok, hi, 1.0)
-        s16 = _scale_fp16(lo, hi, RECIP)
-        s = s16.to(tl.float32)
-        z16 = tl.math.div_rn(-lo, s).to(tl.float16)
-        z = z16.to(tl.float32)
-        tl.store(s_dst, s16, mask=t_ok)
-        tl.store(z_dst, z16, mask=t_ok)
+        s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
+        tl.store(s_dst, s_st, mask=t_ok)
+        tl.store(z_dst, z_st, mask=t_ok)
         s0 = s[:, None]
         s1 = s0
         s2 = s0
@@ -158,12 +177,9 @@ def _quantize_pack_kernel(
             lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
             lo = tl.where(t_ok, lo, 0.0)
             hi = tl.where(t_ok, hi, 1.0)
-            s16 = _scale_fp16(lo, hi, RECIP)
-            s = s16.to(tl.float32)
-            z16 = tl.math.div_rn(-lo, s).to(tl.float16)
-            z = z16.to(tl.float32)
-            tl.store(s_dst + g, s16, mask=t_ok)
-            tl.store(z_dst + g, z16, mask=t_ok)
+            s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
+            tl.store(s_dst + g, s_st, mask=t_ok)
+            tl.store(z_dst + g, z_st, mask=t_ok)
             s0 = tl.where(in0[None, :], s[:, None], s0)
             s1 = tl.where(in1[None, :], s[:, None], s1)
             s2 = tl.where(in2[None, :], s[:, None], s2)
@@ -197,8 +213,9 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         clip_ratio: fp32 `[H]` contiguous clip ratio per head, or None for no clipping. The order-statistic index
             (`naive.clip_index`) is derived from it in the kernel ("kernel" mode: no small torch ops per call) or
             on the host ("torch" mode).
-        codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: fp16 `[num_pages, H, P, d // group_size]`
-            (any strides for the first three dims, last dim contiguous).
+        codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: `[num_pages, H, P, d // group_size]`, fp16 both
+            or uint8 both (the ue5m3 format: `naive.SCALE_FORMATS`), any strides for the first three dims, last
+            dim contiguous.
         page_ids, rows: int `[T]` destination of each token.
         clip_mode: "kernel" (order statistic by `tl.sort` inside the kernel; default on CUDA) or "torch"
             (a torch sort before the kernel; default off-GPU, where the interpreter's `tl.sort` is very slow).
@@ -230,6 +247,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None,
+        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=scale.dtype == torch.uint8,
         num_warps=4,
     )

@@ -1,4 +1,5 @@
-"""Triton helpers shared by every decode kernel of this folder: chunk bounds, the softmax epilogue, a portable dot."""
+"""Triton helpers shared by every decode kernel of this folder: chunk bounds, the softmax epilogue, a portable dot,
+the stored scale/zero formats."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
     chunk = tl.cdiv(tl.cdiv(L, n_split), BLOCK_N) * BLOCK_N
     start = sp * chunk
     return start, tl.minimum(start + chunk, L)
+
+
+@triton.jit
+def _scale_f32(raw):
+    """A stored scale -> fp32. Its dtype is the format (`runtime_kernels.quant.naive.SCALE_FORMATS`): fp16 as is,
+    uint8 a ue5m3 code (5 exponent bits with bias 15, 3 mantissa bits), decoded exactly through the fp32 bits."""
+    if raw.dtype == tl.uint8:
+        return ((raw.to(tl.int32) + 896) << 20).to(tl.float32, bitcast=True)  # 896 = (127 - 15) << 3
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _zero_f32(raw):
+    """A stored zero point -> fp32 codes: fp16 as is, uint8 in 1/64 of a code."""
+    if raw.dtype == tl.uint8:
+        return raw.to(tl.float32) * 0.015625
+    else:
+        return raw.to(tl.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _softmax_finish
+from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _scale_f32, _softmax_finish, _zero_f32
 
 
 @triton.jit
@@ -48,8 +48,8 @@ def _magic_codes(b, SHIFT: tl.constexpr, dt: tl.constexpr, SUB: tl.constexpr, IN
 @triton.jit
 def _dequant_quarter(c, zs, ss, gi, cm):
     """`(code - zero) * scale` of one channel quarter `[BLOCK_N, Q_PAD]`, fp32, per-channel-group scale/zero."""
-    return (c.to(tl.float32) - tl.load(zs + gi, mask=cm, other=0.0).to(tl.float32)) * \
-        tl.load(ss + gi, mask=cm, other=0.0).to(tl.float32)
+    return (c.to(tl.float32) - _zero_f32(tl.load(zs + gi, mask=cm, other=0))) * \
+        tl.where(cm, _scale_f32(tl.load(ss + gi, mask=cm, other=0)), 0.0)
 
 
 @triton.jit(do_not_specialize=["split_offset"])
@@ -125,10 +125,11 @@ def _int2_decode_fallback_kernel(
         vb = tl.load(vc_ptr + vc_row[:, None] + offs_j[None, :], mask=cm, other=0)
 
         if NG == 1:
-            ks = tl.load(ks_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-            kz = tl.load(kz_ptr + ks_row, mask=t_ok, other=0.0).to(tl.float32)
-            vs = tl.load(vs_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
-            vz = tl.load(vz_ptr + vs_row, mask=t_ok, other=0.0).to(tl.float32)
+            # masked rows: scale 0 in either format (a ue5m3 code 0 would decode to 2^-15)
+            ks = tl.where(t_ok, _scale_f32(tl.load(ks_ptr + ks_row, mask=t_ok, other=0)), 0.0)
+            kz = _zero_f32(tl.load(kz_ptr + ks_row, mask=t_ok, other=0))
+            vs = tl.where(t_ok, _scale_f32(tl.load(vs_ptr + vs_row, mask=t_ok, other=0)), 0.0)
+            vz = _zero_f32(tl.load(vz_ptr + vs_row, mask=t_ok, other=0))
             qc = _dot(q0, tl.trans(_magic_codes(kb, 0, cdt, not KFOLD, INTERP)), FP32, INTERP)
             qc += _dot(q1, tl.trans(_magic_codes(kb, 2, cdt, not KFOLD, INTERP)), FP32, INTERP)
             qc += _dot(q2, tl.trans(_magic_codes(kb, 4, cdt, not KFOLD, INTERP)), FP32, INTERP)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _softmax_finish
+from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _scale_f32, _softmax_finish, _zero_f32
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
 _ASM_SUBN = tl.constexpr(
@@ -271,7 +271,7 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
-    ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))
+    ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))  # fp16 pools only (launch.chunk_constexprs)
     kz0, kz1, kz2, kz3 = _split4(tl.load(kz_ptr + srow).to(tl.float32))
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
@@ -393,16 +393,16 @@ def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride
         kw = tl.load(kc_ptr + kbase + k_off, mask=u_ok[None, :], other=0)
         vw = tl.load(vc_ptr + vbase + v_off, mask=u_ok[:, None], other=0)
     ks_rows = page * stride_ksp + h * stride_ksh + r0 * stride_ksr + offs_n * stride_ksr
-    ks = tl.load(ks_ptr + ks_rows).to(tl.float32)
-    kz = tl.load(kz_ptr + ks_rows).to(tl.float32)
-    vs = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr).to(tl.float32)
+    ks = _scale_f32(tl.load(ks_ptr + ks_rows))
+    kz = _zero_f32(tl.load(kz_ptr + ks_rows))
+    vs = _scale_f32(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + r0 * stride_vsr + offs_n * stride_vsr))
     return kw, vw, ks, kz, vs
 
 
 @triton.jit
 def _tile_zeros(vz_ptr, page, h, t0, offs_n, stride_vsp, stride_vsh, stride_vsr, P: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """The V zeros `[BLOCK_N]` (fp16) of the tile at token t0 (tile-aligned) in page `page`, KV head h."""
+    """The V zeros `[BLOCK_N]` (as stored: fp16 or uint8) of the tile at token t0 (tile-aligned) in page `page`, KV head h."""
     return tl.load(vz_ptr + page * stride_vsp + h * stride_vsh + tl.multiple_of(t0 % P, BLOCK_N) * stride_vsr
                    + offs_n * stride_vsr)
 
@@ -553,7 +553,7 @@ def _int2_chunk(
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                     stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh,
                     stride_vsr, k_off, v_off, offs_n, u_ok, U, U_PAD)
-                vz = vz_cur.to(tl.float32)
+                vz = _zero_f32(vz_cur)
                 t_ok = t0 + offs_n < end
                 if not FULL_TILES:
                     vs = tl.where(t_ok, vs, 0.0)

@@ -163,7 +163,10 @@ def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: Decod
     u = k_codes.shape[3] // 2  # int16 words per row
     u_pad = max(16, next_pow2(u))
     group = q.shape[1] // k_codes.shape[1]
-    full = bool(whole_pages)
+    # uint8 (ue5m3) scale pools take the masked-tile loop even at whole pages: the whole-page piece loop returned
+    # wrong outputs for them on an H200 (Triton 3.6) though it matches the reference under the interpreter; the
+    # masked loop matches on both (tests/test_kernels_gpu.py::test_ue5m3_decode_on_gpu). Root cause not found yet.
+    full = bool(whole_pages) and v_scale.dtype == torch.float16
     pieces = full and opts.block_n == TILE_TOKENS
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=u_pad, P=k_codes.shape[2],
                 BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,

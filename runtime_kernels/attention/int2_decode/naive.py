@@ -3,7 +3,8 @@ and the CPU backend of the functional API. They favour clarity over speed (a Pyt
 
 Pool layout for one attention layer (H = KV heads, d = head_dim, G = group size, P = page size):
 - codes: uint8 `[num_pages, H, P, d // 4]` (quarter-split packing of `naive.pack`)
-- scale, zero: float16 `[num_pages, H, P, d // G]`
+- scale, zero: `[num_pages, H, P, d // G]`, float16 both, or uint8 both (ue5m3 scale code and zero point in 1/64
+  code, `runtime_kernels.quant.naive`): the pools' dtype is the scale format
 - windows: `[num_slots, H, W, d]` (bf16 on GPU; any float dtype), rows `[0, win_len)` valid
 - `block_table` int `[B, max_pages]`, `hist_len` int `[B]`: token t of sequence b's history lives at
   page `block_table[b, t // P]`, row `t % P`.
@@ -132,10 +133,10 @@ def merge_attention_ref(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tenso
 
 
 def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                      group_size: int | None = None, mean: torch.Tensor | None = None
+                      group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale fp16 `[T, H, d // G]`, zero fp16 `[T, H, d // G]`)."""
-    return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size, mean=mean)
+    """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]`: fp16, or uint8 for ue5m3)."""
+    return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format)
 
 
 def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
@@ -144,10 +145,11 @@ def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: 
                     mean: torch.Tensor | None = None) -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]` (in place).
 
-    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16;
+    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
     page_ids, rows: int `[T]`.
     """
-    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean)
+    fmt = "ue5m3" if scale_pool.dtype == torch.uint8 else "float16"
+    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean, fmt)
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
