@@ -2,7 +2,7 @@
 
 Exit codes (oscar_calib.cli.exit_codes): 0 ok (also when the content was already released, unless
 `--version` asked for a new version: then 6), 2 bad input (names with '..', control characters or
-absolute paths; artifact for another model), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
+absolute paths; artifact for another model; a repo of the other --repo-type), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
 refused (tag exists with other content, concurrent publisher, unknown repo/revision/release).
 """
 
@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
+from oscar_calib.cli.options import JsonOpt, RepoType, RepoTypeOpt, RevisionOpt, TokenOpt
 from oscar_calib.errors import InputError
 
 CalibrationOpt = Annotated[
@@ -57,6 +57,7 @@ Examples:
 
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo                 # next version vN
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --version v3 --calibration chat
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo-data --repo-type dataset    # a dataset repo
 """
 
 
@@ -64,6 +65,7 @@ Examples:
 def push_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
     repo: RepoOpt,
+    repo_type: RepoTypeOpt = RepoType.model,
     version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
     calibration: CalibrationOpt = "default",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
@@ -89,17 +91,19 @@ def push_cmd(
 
         if version is not None:
             check_version(version)
-        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN"}
+        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN",
+                                                            "repo_type": repo_type.value}
         if as_json:
             print(json.dumps(plan, indent=2, sort_keys=True))
         else:
-            print(f"would publish {directory} -> {repo} {plan['path_in_repo']} as {plan['version']}:")
+            print(f"would publish {directory} -> {repo_type.value} repo {repo} {plan['path_in_repo']} as "
+                  f"{plan['version']}:")
             for name, rec in plan["files"].items():
                 print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
         return
     with translate_errors():
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint(), commit_message=commit_message)
+                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value)
     if version is not None and result.version != version and not result.created and not allow_unchanged:
         raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "
@@ -117,6 +121,7 @@ Examples:
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3 --local-dir ./qwen3-8b-kv
   HF_HUB_OFFLINE=1 oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3   # from the cache
+  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo-data --repo-type dataset --revision v1
 """
 
 
@@ -124,6 +129,7 @@ Examples:
 def pull_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Model id, e.g. Qwen/Qwen3-8B.")],
     repo: RepoOpt,
+    repo_type: RepoTypeOpt = RepoType.model,
     revision: RevisionOpt = None,
     calibration: CalibrationOpt = "default",
     local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
@@ -140,10 +146,10 @@ def pull_cmd(
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
     with translate_errors():
         pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
-                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config)
+                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value)
     folder = pulled.artifact_path.parent
     if as_json:
-        print(json.dumps({"repo": repo, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
+        print(json.dumps({"repo": repo, "repo_type": repo_type.value, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
                           "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True))
     else:
         print(folder)
