@@ -135,6 +135,7 @@ def build_cmd(
     local_model: LocalModelOpt = None,
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild directories that exist.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run the calibration of every recipe that has no release yet."""
     from oscar_calib.job import run_calibration
@@ -145,18 +146,26 @@ def build_cmd(
     pending = zoo.pending()
     if not pending:
         print("every recipe has a release; nothing to build", file=sys.stderr)
+    built = []
     for recipe in pending:
         out = build_dir(out_root, recipe.model_id, recipe.calibration)
+        row = {"model_id": recipe.model_id, "calibration": recipe.calibration, "out": str(out)}
         if (out / "oscar_kv.safetensors").is_file() and not overwrite:
             print(f"{out}: already built (pass --overwrite to rebuild)", file=sys.stderr)
-            print(out)
+            built.append(row | {"built": False})
+            if not as_json:
+                print(out)
             continue
         mirror = mirrors.get(recipe.model_id)
         config = recipe.to_config(model=str(mirror) if mirror else None, device=device, base_dir=manifest.parent)
         run_calibration(config, out, overwrite=overwrite)
         if mirror is not None:
             relabel_artifact(out, recipe.model_id, recipe.model_revision)
-        print(out)
+        built.append(row | {"built": True})
+        if not as_json:
+            print(out)
+    if as_json:
+        print(json.dumps({"recipes": built}, indent=2, sort_keys=True))
 
 
 # --- publish -------------------------------------------------------------------------------------
