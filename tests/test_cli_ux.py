@@ -28,7 +28,8 @@ HEAVY = ("torch", "triton", "transformers", "safetensors", "huggingface_hub", "n
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["zoo", "--help"], ["push", "-h"], ["eval", "--help"],
-                                  ["audit", "--help"], ["run", "--help"], ["--version"]])
+                                  ["audit", "--help"], ["run", "--help"], ["--version"], ["pull", "-h"],
+                                  ["refit", "-h"], ["stats", "merge", "-h"], ["zoo", "list", "-h"]])
 def test_help_imports_neither_torch_nor_triton(argv):
     code = textwrap.dedent(f"""
         import sys
