@@ -1,11 +1,12 @@
 """The CLI's surface as a whole (issue 22): every command that produces a result has `--json`, every command that
-talks to a zoo repo has `--repo-type`, and the README's serving section shows the one-call Hub path with `cache=`."""
+talks to a zoo repo has `--repo-type`, Hub-command errors name the flag, and the README's serving section shows the one-call Hub path with `cache=`."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
 import typer
 
 from oscar_calib.cli import app
@@ -60,3 +61,29 @@ def test_readme_serving_section_shows_the_one_call_hub_path_and_cache_kwarg():
     assert re.search(r"OscarCache\.from_pretrained\([^)]*repo=[^)]*revision=", code), code
     assert re.search(r"\.generate\([^)]*\bcache=cache\b", code), code
     assert not re.search(r"\.generate\([^)]*past_key_values=", code)  # the old, deprecated spelling is not the call
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["push", "{art}", "--repo", "bad"], "--repo"),
+    (["push", "{art}", "--repo", "org/../zoo", "--dry-run"], "--repo"),
+    (["push", "{art}", "--repo", "org/zoo", "--version", "3"], "--version"),
+    (["push", "{art}", "--repo", "org/zoo", "--calibration", "../x", "--dry-run"], "--calibration"),
+    (["push", "{tmp}/missing", "--repo", "org/zoo"], "DIR"),
+    (["pull", "m/x", "--repo", "org/zoo", "--revision", "v1;"], "--revision"),
+    (["pull", "m/../x", "--repo", "org/zoo", "--revision", "v1"], "MODEL"),
+    (["pull", "m/x", "--repo", "org/zoo", "--revision", "v1", "--calibration", "a\tb"], "--calibration"),
+    (["zoo", "list", "--repo", "bad"], "--repo"),
+    (["zoo", "publish", "--repo", "bad"], "--repo"),
+])
+def test_hub_command_errors_name_the_flag(argv, flag, tmp_path, monkeypatch, capsys):
+    from cli_helpers import run_cli
+
+    from oscar_calib.cli import exit_codes
+    from runtime_kernels.artifact import identity_artifact, write_artifact
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the names are checked first
+    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")
+    argv = [a.format(art=tmp_path / "a", tmp=tmp_path) for a in argv]
+    code, out, err = run_cli(argv, monkeypatch, capsys)
+    assert code == exit_codes.BAD_INPUT and out == "", err
+    assert err.startswith(f"Error: {flag}") and "field '" not in err, err

@@ -35,6 +35,36 @@ def translate_errors():
         yield
 
 
+def check_flags(**values: tuple[str, object]) -> None:
+    """Check names the user typed, naming the flag: `check_flags(repo=("--repo", "org/x"))`.
+
+    The runtime's checks name their argument (`field 'repo'`), which is right in Python; on the command line
+    the error should say `--repo`. Kinds: repo, model (MODEL argument), calibration, revision, version."""
+    from runtime_kernels.loader import (
+        UnsafeNameError,
+        check_component,
+        check_model_id,
+        check_repo_id,
+        check_revision,
+    )
+
+    checks = {"repo": check_repo_id, "model": check_model_id, "calibration": check_component,
+              "revision": check_revision}
+    for kind, (flag, value) in values.items():
+        if value is None:
+            continue
+        try:
+            if kind == "version":
+                from oscar_calib.hub import check_version
+
+                check_version(value)
+            else:
+                checks[kind](value, flag)
+        except (UnsafeNameError, InputError) as exc:
+            text = str(exc).replace(f"field '{flag}'", flag, 1).replace("field 'version'", flag, 1)
+            raise InputError(text) from None
+
+
 def endpoint() -> str | None:
     """HF_ENDPOINT read now (the client reads it once at import)."""
     return os.environ.get("HF_ENDPOINT") or None
@@ -84,13 +114,14 @@ def push_cmd(
     an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
     """
     from oscar_calib.cli.exit_codes import UnchangedRelease
-    from oscar_calib.hub import check_version, push
+    from oscar_calib.hub import push
 
+    check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
+    if not directory.is_dir():
+        raise InputError(f"DIR {directory}: not a directory (expected an artifact directory)")
     if dry_run:
         from oscar_calib.cli.zoo_cmd import _push_plan
 
-        if version is not None:
-            check_version(version)
         plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN",
                                                             "repo_type": repo_type.value}
         if as_json:
@@ -141,6 +172,8 @@ def pull_cmd(
     """Download a release through the Hub cache, verify every sha256, and check it against the model."""
     from oscar_calib.hub import pull
 
+    check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
+                revision=("--revision", revision))
     config = _load_config(model_config)
     if revision is None:
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")

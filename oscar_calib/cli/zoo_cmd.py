@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from oscar_calib.cli.app import CONTEXT, app
-from oscar_calib.cli.hub_cmd import endpoint, translate_errors
+from oscar_calib.cli.hub_cmd import check_flags, endpoint, translate_errors
 from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
@@ -215,6 +215,7 @@ def publish_cmd(
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.loader import file_record, pull_release
 
+    check_flags(repo=("--repo", repo))
     zoo = load_manifest(manifest)
     target = repo or zoo.repo
     kind = repo_type.value if repo_type is not None else zoo.repo_type
@@ -287,7 +288,6 @@ def list_cmd(
 ) -> None:
     """List the releases a zoo repo holds: one row per version tag (model, calibration, commit, files)."""
     from oscar_calib.manifest import load_manifest
-    from runtime_kernels.loader import check_repo_id
 
     kind = repo_type.value if repo_type is not None else RepoType.model.value
     if repo is None:
@@ -295,8 +295,8 @@ def list_cmd(
             raise InputError(f"--repo: required (no manifest at {manifest} to take the default repo from)")
         zoo = load_manifest(manifest)
         repo, kind = zoo.repo, kind if repo_type is not None else zoo.repo_type
+    check_flags(repo=("--repo", repo))
     with translate_errors():
-        check_repo_id(repo, "--repo")
         rows = list_releases(repo, kind, token)
     if as_json:
         print(json.dumps({"repo": repo, "repo_type": kind, "releases": rows}, indent=2, sort_keys=True))
