@@ -87,3 +87,22 @@ def test_hub_command_errors_name_the_flag(argv, flag, tmp_path, monkeypatch, cap
     code, out, err = run_cli(argv, monkeypatch, capsys)
     assert code == exit_codes.BAD_INPUT and out == "", err
     assert err.startswith(f"Error: {flag}") and "field '" not in err, err
+
+
+def test_help_paragraphs_are_reflowed_for_the_terminal():
+    from oscar_calib.cli.app import _reflow
+
+    assert _reflow("First line.\n\n    Second paragraph\n    goes on.\n\n    Examples:\n\n        a  # x\n        b\n") == \
+        "First line.\n\nSecond paragraph goes on.\n\nExamples:\n\n    a  # x\n    b"
+    from oscar_calib.cli import app as the_app
+
+    def infos(t):
+        yield from t.registered_commands
+        for group in t.registered_groups:
+            yield from infos(group.typer_instance)
+
+    helps = {info.callback.__name__: info.help for info in infos(the_app)}
+    assert "push_cmd" in helps and "With `--version vN`, that is an error" in helps["push_cmd"]
+    for name, text in helps.items():  # rich keeps line breaks: none may be left inside a prose paragraph
+        for para in (text or "").split("\n\n"):
+            assert "\n" not in para or para.startswith("\b") or para.splitlines()[1][:1].isspace(), (name, para)

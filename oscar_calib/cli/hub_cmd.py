@@ -87,7 +87,7 @@ Examples:
 
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo                 # next version vN
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --version v3 --calibration chat
-  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo-data --repo-type dataset    # a dataset repo
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --repo-type dataset        # in a dataset repo
 """
 
 
@@ -152,7 +152,7 @@ Examples:
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3 --local-dir ./qwen3-8b-kv
   HF_HUB_OFFLINE=1 oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3   # from the cache
-  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo-data --repo-type dataset --revision v1
+  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --repo-type dataset --revision v1
 """
 
 

@@ -197,7 +197,7 @@ def publish_cmd(
     out_root: OutRootOpt = Path("zoo/build"),
     repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
     repo_type: ZooRepoTypeOpt = None,
-    private: Annotated[bool, typer.Option("--private")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
     commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit message of each release "
                                                        "(default: '<model_id>/<calibration>: release vN').")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and list what would be published; push "
