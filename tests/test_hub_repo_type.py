@@ -28,10 +28,12 @@ def _push(tmp_path, monkeypatch, capsys, *extra, seed=0, name="a"):
 
 
 def test_push_and_pull_a_dataset_repo_round_trip(hub, tmp_path, monkeypatch, capsys):
-    art, code, out, err = _push(tmp_path, monkeypatch, capsys, "--repo-type", "dataset")
+    art, code, out, err = _push(tmp_path, monkeypatch, capsys, "--repo-type", "dataset", "--commit-message",
+                                "calibration zoo, first release")
     assert code == 0, err
     result = json.loads(out)
     assert result["repo_type"] == "dataset" and result["version"] == "v1" and result["created"]
+    assert hub.store.commit_data(REPO, result["commit"], "dataset")["message"] == "calibration zoo, first release"
     # Published to the dataset namespace only, tagged there.
     assert hub.store.exists(REPO, "dataset") and not hub.store.exists(REPO, "model")
     assert hub.store.refs(REPO, "dataset")["tags"] == {"v1": result["commit"]}
