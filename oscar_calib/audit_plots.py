@@ -212,7 +212,8 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
     if not flags.any():  # an all-green map reads as "nothing drawn" without a word
         left.text(0.5, 0.5, "no head flagged", transform=left.transAxes, ha="center", va="center", fontsize=11,
                   color="#2e7d32", bbox={"facecolor": "white", "edgecolor": "#2e7d32", "boxstyle": "round"})
-    fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1), shrink=0.6, aspect=25)
+    fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1),  # short on a tall map only
+                 shrink=0.9 if len(layers) <= 8 else 0.6, aspect=20 if len(layers) <= 8 else 25)
 
     from oscar_calib.audit import _badness
 
