@@ -246,6 +246,7 @@ def test_the_fixture_directory_stands_for_its_hub_id(tmp_path, monkeypatch, caps
 
 
 def test_audit_allow_other_model(tmp_path, monkeypatch, capsys, model_dir):
+    pytest.importorskip("matplotlib")
     write_artifact(identity_artifact(2, 2, 4, 64, model_id="someone/else"), tmp_path / "a")
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 40)
@@ -253,9 +254,12 @@ def test_audit_allow_other_model(tmp_path, monkeypatch, capsys, model_dir):
             "--samples", "1", "--json"]
     code, _, err = run_cli(argv, monkeypatch, capsys)
     assert code == exit_codes.BAD_INPUT and "model_id" in err and "--allow-other-model" in err
-    code, out, err = run_cli([*argv, "--allow-other-model"], monkeypatch, capsys)
+    code, out, err = run_cli([*argv, "--allow-other-model", "--plots", str(tmp_path / "plots")], monkeypatch, capsys)
     assert code == 0, err
-    assert json.loads(out)["with_activations"] is True
+    report = json.loads(out)
+    assert report["with_activations"] is True
+    assert sorted(report["plots"]) == sorted(str(p) for p in (tmp_path / "plots").iterdir())
+    assert {Path(p).name for p in report["plots"]} >= {"summary.png", "quant_error.png", "kurtosis.png"}
 
 
 # ------------------------------------------------------------------------------------------------ progress

@@ -118,8 +118,10 @@ def audit_cmd(
         acts = capture_activations(lm, ids)
     report = audit_artifact(raw, acts)
     if plots is not None:
-        for p in write_audit_plots(report, plots):
+        written = write_audit_plots(report, plots)
+        for p in written:
             _log(f"wrote {p}")
+        report["plots"] = [str(p) for p in written]  # in --json too: the result names every file it wrote
     if as_json:
         print(json.dumps(report, indent=1))
     else:
