@@ -75,7 +75,9 @@ def _grid(rows: list[dict], key: str, layers: list[int], heads: list[int]):
 def _fmt(value: float) -> str:
     if not math.isfinite(value):
         return "nan" if math.isnan(value) else "inf"
-    return f"{value:.2g}" if abs(value) < 0.01 or abs(value) >= 100 else f"{value:.3g}"
+    if 100 <= abs(value) < 1e5:  # whole numbers read better than '1.1e+02' in a cell or on a colour bar
+        return f"{value:.0f}"
+    return f"{value:.2g}" if abs(value) < 0.01 or abs(value) >= 1e5 else f"{value:.3g}"
 
 
 def _annotate(ax, grid, norm, cmap) -> None:
@@ -113,6 +115,20 @@ def _norm(grids, log: bool):
     return Normalize(lo, hi)
 
 
+def _plain_log_ticks(axis) -> None:
+    """Log-axis tick labels as plain numbers (0.02, 0.1, 0.4) instead of mathtext powers (2 x 10^-2); which
+    ticks get a label stays matplotlib's choice."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    class Plain(LogFormatterSciNotation):
+        def __call__(self, x, pos=None):
+            return _fmt(x) if super().__call__(x, pos) else ""
+
+    axis.set_major_formatter(Plain())
+    axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 1)))  # some in-between labels up to
+    # two decades (matplotlib's default stops at one, leaving only 0.01 and 0.1 on a 0.01-0.5 axis)
+
+
 def _axes_labels(ax, layers: list[int], heads: list[int], left: bool) -> None:
     ax.set_xticks(range(len(heads)), heads, fontsize=7)
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
@@ -123,6 +139,7 @@ def _axes_labels(ax, layers: list[int], heads: list[int], left: bool) -> None:
 
 def _family_figure(family: Family, report: dict, layers: list[int], heads: list[int]):
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     rows = report["heads"]
     kept = [(row, tuple(k for k in row if any(k in r for r in rows))) for row in family.rows]
@@ -150,8 +167,10 @@ def _family_figure(family: Family, report: dict, layers: list[int], heads: list[
                 ax.set_xlabel("")
         for ax in axes[i, len(keys):]:
             ax.axis("off")
-        fig.colorbar(image, ax=list(axes[i, :len(keys)]), label=family.colorbars[family.rows.index(row)],
-                     shrink=0.9)
+        bar = fig.colorbar(image, ax=list(axes[i, :len(keys)]), label=family.colorbars[family.rows.index(row)],
+                           shrink=0.9)
+        if isinstance(norm, LogNorm):
+            _plain_log_ticks(bar.ax.yaxis)
     fig.suptitle(f"{family.title}\n{_artifact_name(report)}", fontsize=10)
     return fig
 
@@ -190,11 +209,16 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
                           color="white" if len(text) >= 2 else "black")
     _axes_labels(left, layers, heads, left=True)
     left.set_title("flags per head (cell: why; blank = no flag)", fontsize=9)
-    fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1), shrink=0.9)
+    if not flags.any():  # an all-green map reads as "nothing drawn" without a word
+        left.text(0.5, 0.5, "no head flagged", transform=left.transAxes, ha="center", va="center", fontsize=11,
+                  color="#2e7d32", bbox={"facecolor": "white", "edgecolor": "#2e7d32", "boxstyle": "round"})
+    fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1),  # short on a tall map only
+                 shrink=0.9 if len(layers) <= 8 else 0.6, aspect=20 if len(layers) <= 8 else 25)
 
     from oscar_calib.audit import _badness
 
     bad = sorted(rows, key=_badness, reverse=True)[:worst]  # worst first, as the audit table
+    which = f"all {len(bad)} heads, worst first" if len(bad) == len(rows) else f"the {len(bad)} worst heads"
     names = [f"L{r['layer']} H{r['head']}" for r in bad]
     x = np.arange(len(bad))
     if report.get("with_activations"):
@@ -208,8 +232,9 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
                 right.bar(x + offset, values, width, color=colour, hatch=hatch, edgecolor="black", linewidth=0.3,
                           label=f"{'keys' if kind == 'k' else 'values'}: {label}")
         right.set_yscale("log")
-        right.set_ylabel("INT2 relative error (log)")
-        right.set_title(f"the {len(bad)} worst heads: INT2 error against the alternatives", fontsize=9)
+        _plain_log_ticks(right.yaxis)
+        right.set_ylabel("INT2 relative error (log scale)")
+        right.set_title(f"{which}: INT2 error against the alternatives", fontsize=9)
     else:
         width = 0.35
         right.bar(x - width / 2, [r.get("k_top1_share", float("nan")) for r in bad], width, label="keys",
@@ -217,8 +242,8 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
         right.bar(x + width / 2, [r.get("v_top1_share", float("nan")) for r in bad], width, label="values",
                   color="#d84315")
         right.set_ylabel("top eigenvalue share of the target")
-        right.set_title(f"the {len(bad)} worst heads: spectrum concentration (no activations: pass --model "
-                        "for errors)", fontsize=9)
+        right.set_title(f"{which}: spectrum concentration (no activations: pass --model for errors)",
+                        fontsize=9)
     right.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
     right.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     total = report.get("flags_total", 0)
@@ -246,7 +271,12 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
         if fig is None:
             continue
         path = directory / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        tmp = directory / f".{name}.png.tmp"  # renamed into place: an interrupted write leaves no broken PNG
+        try:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+            tmp.replace(path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
         written.append(path)
     return written

@@ -35,8 +35,10 @@ from runtime_kernels.loader import (
     check_component,
     check_model_id,
     check_repo_id,
+    check_repo_type,
     is_connection_error,
     is_offline,
+    other_repo_type,
     parse_release_record,
     release_dir,
     release_record,
@@ -62,6 +64,7 @@ class PushResult:
     tagged: bool
     message: str
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    repo_type: str = "model"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,7 +129,7 @@ def _strip_front_matter(text: str) -> str:
 
 def model_card(metadata: dict[str, str], repo: str, version: str, calibration: str,
                files: dict[str, dict[str, Any]], receipts: dict[str, Any], recipe: dict[str, Any] | None,
-               run_report: str | None = None) -> str:
+               run_report: str | None = None, repo_type: str = "model") -> str:
     """The release's README.md: base model, calibration recipe, evaluation receipts, how to load it."""
     model_id = metadata["model_id"]
     base = f"{model_id}/{calibration}"
@@ -161,15 +164,18 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
             lines += [f"### {name}", "```json", json.dumps(data, indent=2, sort_keys=True), "```"]
     else:
         lines.append("None published with this release.")
+    # A dataset-repo zoo needs its repo type named in both ways to load it (the default is a model repo).
+    type_kw, type_flag = (f", repo_type={repo_type!r}", f" --repo-type {repo_type}") if repo_type != "model" else ("", "")
     lines += [
         "",
         "## How to load it",
         "```python",
         "from runtime_kernels import load_artifact",
         f"artifact = load_artifact({model_id!r}, repo={repo!r}, revision={version!r}, calibration={calibration!r},",
-        "                         model_config=model.config)  # sha256-verified, checked against the model",
+        f"                         model_config=model.config{type_kw})  # sha256-verified, checked against the model",
         "```",
-        "or: `oscar-calib pull " + f"{model_id} --repo {repo} --revision {version} --calibration {calibration}`",
+        "or: `oscar-calib pull " + f"{model_id} --repo {repo} --revision {version} --calibration {calibration}"
+        f"{type_flag}`",
         "",
         "## Files",
         "| file | bytes | sha256 |",
@@ -213,10 +219,10 @@ def _same_content(record: dict[str, Any], files: dict[str, dict[str, Any]], mode
 class _Remote:
     """The zoo repo as the Hub sees it now, through one HfApi client."""
 
-    def __init__(self, repo: str, token: str | None, endpoint: str | None):
+    def __init__(self, repo: str, token: str | None, endpoint: str | None, repo_type: str = "model"):
         from huggingface_hub import HfApi
 
-        self.repo, self.token, self.endpoint = repo, token, endpoint
+        self.repo, self.token, self.endpoint, self.repo_type = repo, token, endpoint, repo_type
         self.api = HfApi(endpoint=endpoint, token=token)
         self._cache = tempfile.TemporaryDirectory(prefix="oscar-push-")
 
@@ -224,20 +230,27 @@ class _Remote:
         self._cache.cleanup()
 
     def refs(self) -> tuple[str, dict[str, str]]:
-        refs = self.api.list_repo_refs(self.repo)
+        refs = self.api.list_repo_refs(self.repo, repo_type=self.repo_type)
         branches = {b.name: b.target_commit for b in refs.branches}
         if "main" not in branches:
             raise HubError(f"field 'repo': '{self.repo}' has no 'main' branch")
         return branches["main"], {t.name: t.target_commit for t in refs.tags}
 
     def refs_or_create(self, private: bool) -> tuple[str, dict[str, str]]:
-        """Refs of the repo, creating it first (exist_ok: a concurrent creator is fine) when it does not exist."""
+        """Refs of the repo, creating it first (exist_ok: a concurrent creator is fine) when it does not exist.
+
+        A repo of that name but the other kind is refused, not shadowed: the Hub would make a second repo
+        of the same name, and pulls with the other `--repo-type` would never see this release."""
         from huggingface_hub.utils import RepositoryNotFoundError
 
         try:
             return self.refs()
         except RepositoryNotFoundError:
-            self.api.create_repo(self.repo, private=private, exist_ok=True, repo_type="model")
+            wrong = other_repo_type(self.repo, self.repo_type, token=self.token, endpoint=self.endpoint)
+            if wrong is not None:
+                raise InputError(f"{wrong.flag_message()}; nothing was pushed (a new {self.repo_type} repo of the "
+                                 "same name would be a second, separate zoo)") from None
+            self.api.create_repo(self.repo, private=private, exist_ok=True, repo_type=self.repo_type)
             return self.refs()
 
     def record(self, base: str, commit: str) -> dict[str, Any] | None:
@@ -247,7 +260,7 @@ class _Remote:
 
         try:
             path = hf_hub_download(self.repo, f"{base}/{RELEASE_FILENAME}", revision=commit, token=self.token,
-                                   endpoint=self.endpoint, cache_dir=self._cache.name)
+                                   endpoint=self.endpoint, cache_dir=self._cache.name, repo_type=self.repo_type)
         except EntryNotFoundError:
             return None
         try:
@@ -256,15 +269,17 @@ class _Remote:
             raise IntegrityError(str(exc)) from None
 
     def files_under(self, base: str, commit: str) -> list[str]:
-        info = self.api.model_info(self.repo, revision=commit)
+        info = self.api.repo_info(self.repo, revision=commit, repo_type=self.repo_type)
         return [s.rfilename for s in (info.siblings or []) if s.rfilename.startswith(base + "/")]
 
 
 def push(directory: str | Path, repo: str, *, version: str | None = None, calibration: str = "default",
          private: bool = False, token: str | None = None, endpoint: str | None = None,
-         recipe: dict[str, Any] | None = None, commit_message: str | None = None) -> PushResult:
+         recipe: dict[str, Any] | None = None, commit_message: str | None = None,
+         repo_type: str = "model") -> PushResult:
     """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN).
-    `commit_message` replaces the default '<model_id>/<calibration>: release vN'."""
+    `commit_message` replaces the default '<model_id>/<calibration>: release vN'. `repo_type` is the kind
+    of Hub repo the zoo is ("model" or "dataset"); a repo of that name and the other kind is refused."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.utils import HfHubHTTPError
 
@@ -272,6 +287,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     try:
         check_repo_id(repo, "repo")
         check_component(calibration, "calibration")
+        check_repo_type(repo_type)
     except UnsafeNameError as exc:
         raise InputError(str(exc)) from None
     if version is not None:
@@ -293,7 +309,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     if is_offline():
         raise HubError("push needs the Hub but HF_HUB_OFFLINE is set; unset it to publish")
 
-    remote = _Remote(repo, token, endpoint)
+    remote = _Remote(repo, token, endpoint, repo_type)
     doing = f"push to {repo}"
     try:
         try:
@@ -303,7 +319,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
                 rec = remote.record(base, tags[version])
                 if rec is not None and _same_content(rec, hashes, meta["model_revision"]):
                     return PushResult(repo, version, tags[version], base, False, False,
-                                      f"identical content is already released as {version}; nothing pushed", hashes)
+                                      f"identical content is already released as {version}; nothing pushed", hashes, repo_type)
                 raise HubError(f"field 'version': tag '{version}' already exists on commit {tags[version]} with "
                                "different content for this model; tags are never moved; choose a new version")
             # 2. Identical content already at the head or under any version tag: create nothing.
@@ -312,19 +328,20 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
                 if rec["version"] in tags:
                     return PushResult(repo, rec["version"], tags[rec["version"]], base, False, False,
                                       f"identical content is already released as {rec['version']}; nothing pushed",
-                                      hashes)
+                                      hashes, repo_type)
                 # An earlier push committed but died before tagging: finish that release.
-                remote.api.create_tag(repo, tag=rec["version"], revision=head)
+                remote.api.create_tag(repo, tag=rec["version"], revision=head, repo_type=repo_type)
                 return PushResult(repo, rec["version"], head, base, False, True,
-                                  f"content was committed but untagged; tagged it {rec['version']}", hashes)
+                                  f"content was committed but untagged; tagged it {rec['version']}", hashes, repo_type)
             for tag in sorted(tags, key=lambda t: int(t[1:]) if VERSION_RE.fullmatch(t) else -1, reverse=True):
                 old = remote.record(base, tags[tag])
                 if old is not None and _same_content(old, hashes, meta["model_revision"]):
                     return PushResult(repo, tag, tags[tag], base, False, False,
-                                      f"identical content is already released as {tag}; nothing pushed", hashes)
+                                      f"identical content is already released as {tag}; nothing pushed", hashes, repo_type)
             # 3. A new release: one commit on top of `head`, then the tag on that commit's sha.
             version = version or next_version(list(tags))
-            card = model_card(meta, repo, version, calibration, hashes, receipts, recipe, run_report).encode()
+            card = model_card(meta, repo, version, calibration, hashes, receipts, recipe, run_report,
+                              repo_type).encode()
             listed = {**hashes, CARD_FILENAME: {"sha256": _sha256(card), "size": len(card)}}
             record = release_record(meta["model_id"], meta["model_revision"], calibration, version, listed)
             record_bytes = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
@@ -336,18 +353,18 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             logger.info("committing %d file(s) to %s on top of %s", len(ops), repo, head[:12])
             info = remote.api.create_commit(repo, ops, commit_message=commit_message or f"{base}: release {version}",
                                             commit_description=f"OSCAR KV rotations for {meta['model_id']}",
-                                            parent_commit=head, revision="main")
+                                            parent_commit=head, revision="main", repo_type=repo_type)
             commit = info.oid
             if not COMMIT_RE.fullmatch(commit or ""):
                 raise HubError(f"{doing}: the Hub did not return a commit sha")
             try:
-                remote.api.create_tag(repo, tag=version, revision=commit)
+                remote.api.create_tag(repo, tag=version, revision=commit, repo_type=repo_type)
             except HfHubHTTPError as exc:
                 if getattr(exc.response, "status_code", None) == 409:
                     raise HubError(f"{doing}: tag '{version}' was created by someone else meanwhile; commit {commit} "
                                    "is on main but untagged; run push again (it will tag or re-release)") from None
                 raise
-            return PushResult(repo, version, commit, base, True, True, f"released {version} at {commit}", hashes)
+            return PushResult(repo, version, commit, base, True, True, f"released {version} at {commit}", hashes, repo_type)
         except HfHubHTTPError as exc:
             raise _hub_error(exc, doing) from None
         except Exception as exc:
@@ -373,12 +390,15 @@ def translate_errors() -> Iterator[None]:
         ModelMismatchError,
         ReleaseNotFoundError,
         UnsafeNameError,
+        WrongRepoTypeError,
     )
 
     try:
         yield
     except OscarError:
         raise
+    except WrongRepoTypeError as exc:  # before ReleaseNotFoundError, its base: a wrong option, not a missing repo
+        raise InputError(exc.flag_message()) from None
     except HubUnreachableError as exc:
         raise HubError(str(exc)) from None
     except UnsafeNameError as exc:
@@ -400,7 +420,8 @@ def translate_errors() -> Iterator[None]:
 
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
-         endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None):
+         endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None,
+         repo_type: str = "model"):
     """Download and verify a release (runtime_kernels.loader.pull_release), read the artifact, check it
     against `model_config`, and only then copy the files to `local_dir`. Errors become OscarErrors."""
     from runtime_kernels.artifact import check_against_model
@@ -408,7 +429,8 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
 
     with translate_errors():
         pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
-                              cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256)
+                              cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
+                              repo_type=repo_type)
         artifact = read_artifact(pulled.artifact_path)
         if artifact.metadata["model_id"] != model_id:
             raise ModelMismatchError(f"{artifact.source}: field 'model_id': artifact has "

@@ -23,7 +23,7 @@ import io
 import json
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -46,6 +46,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 SHA1_RE = r"^[0-9a-f]{40}$"
 SHA256_RE = r"^[0-9a-f]{64}$"
 VERSION_RE = r"^v[1-9][0-9]{0,5}$"
+RepoTypeName = Literal["model", "dataset"]  # the Hub repo kinds a zoo can live in (runtime_kernels.loader.REPO_TYPES)
 
 
 class ManifestError(InputError):
@@ -229,6 +230,7 @@ class Release(_ModelKeyed):
     calibration: str = "default"
     model_revision: str = Field(pattern=SHA1_RE)
     repo: str = Field(description="Zoo repo id 'ORG/NAME'.")
+    repo_type: RepoTypeName = Field("model", description="Kind of Hub repo `repo` is: model (default) or dataset.")
     version: str = Field(pattern=VERSION_RE, description="Version tag, e.g. 'v3'.")
     commit: str = Field(pattern=SHA1_RE, description="The commit the tag named when it was published.")
     files: list[ReleaseFile] = Field(min_length=1)
@@ -266,6 +268,7 @@ class ZooManifest(_Strict):
 
     schema_version: int = Field(1, ge=1, le=1)
     repo: str = Field(description="Default zoo repo id 'ORG/NAME' for `zoo publish`.")
+    repo_type: RepoTypeName = Field("model", description="Kind of Hub repo `repo` is: model (default) or dataset.")
     recipes: list[Recipe] = Field(default_factory=list)
     releases: list[Release] = Field(default_factory=list)
 
@@ -281,7 +284,7 @@ class ZooManifest(_Strict):
         if dup:
             raise ValueError(f"recipes: two recipes for model_id '{dup[0]}' calibration '{dup[1]}'")
         recipes = {r.key: r for r in self.recipes}
-        seen: set[tuple[str, str]] = set()
+        seen: set[tuple[str, str, str]] = set()
         for i, rel in enumerate(self.releases):
             recipe = recipes.get(rel.key)
             if recipe is None:
@@ -289,9 +292,9 @@ class ZooManifest(_Strict):
             if rel.model_revision != recipe.model_revision:
                 raise ValueError(f"releases.{i}.model_revision: '{rel.model_revision}' differs from the recipe's "
                                  f"'{recipe.model_revision}'")
-            if (rel.repo, rel.version) in seen:
+            if (rel.repo, rel.repo_type, rel.version) in seen:
                 raise ValueError(f"releases.{i}: version '{rel.version}' of '{rel.repo}' recorded twice")
-            seen.add((rel.repo, rel.version))
+            seen.add((rel.repo, rel.repo_type, rel.version))
         return self
 
     def pending(self) -> list[Recipe]:
@@ -407,6 +410,8 @@ def append_release(path: str | Path, release: Release) -> ZooManifest:
     rt.indent(mapping=2, sequence=4, offset=2)
     doc = rt.load(path.read_text(encoding="utf-8"))
     entry = json.loads(release.model_dump_json())
+    if entry["repo_type"] == "model":  # the default stays unwritten, as in the releases recorded before it existed
+        del entry["repo_type"]
     for key in ("model_revision", "commit"):  # hex that YAML could read as a number: always quoted
         entry[key] = DoubleQuotedScalarString(entry[key])
     for file in entry["files"]:
@@ -420,8 +425,8 @@ def append_release(path: str | Path, release: Release) -> ZooManifest:
     rt.dump(doc, buffer)
     text = buffer.getvalue()
     after = parse_manifest(text, str(path))
-    expected = ZooManifest(schema_version=before.schema_version, repo=before.repo, recipes=before.recipes,
-                           releases=[*before.releases, release])
+    expected = ZooManifest(schema_version=before.schema_version, repo=before.repo, repo_type=before.repo_type,
+                           recipes=before.recipes, releases=[*before.releases, release])
     if after != expected:
         raise ManifestError(f"{path}: editing the manifest in place changed more than the new release; "
                             "nothing was written")

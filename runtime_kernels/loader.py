@@ -17,7 +17,8 @@ downloaded by tag).
 
 Errors: `ArtifactError` (a ValueError) for integrity and contract failures, `ReleaseNotFoundError` for
 a repo, revision or file that does not exist, `ModelMismatchError` for an artifact made for another
-model, and `UnsafeNameError` (a ValueError) for a malformed name; the CLI maps each to its exit code.
+model, `WrongRepoTypeError` for a zoo that is a repo of the other kind (`repo_type`, model or dataset), and
+`UnsafeNameError` (a ValueError) for a malformed name; the CLI maps each to its exit code.
 This module imports only torch, safetensors, huggingface_hub and stdlib.
 """
 
@@ -73,6 +74,48 @@ class ReleaseNotFoundError(LookupError):
 
 class HubUnreachableError(ConnectionError):
     """The Hub could not be reached (connection refused, DNS, timeout) while online."""
+
+
+class WrongRepoTypeError(ReleaseNotFoundError):
+    """The zoo repo exists on the Hub (or in the cache), but as the other kind (a dataset repo asked for as a
+    model repo). `repo`, `repo_type` (asked for) and `actual` (what it is) let a CLI name its own flag."""
+
+    def __init__(self, repo: str, repo_type: str, actual: str, where: str = "on the Hub"):
+        self.repo, self.repo_type, self.actual = repo, repo_type, actual
+        super().__init__(f"field 'repo_type': '{repo}' is a {actual} repo {where}, not a {repo_type} repo; pass "
+                         f"repo_type='{actual}' (on the command line: --repo-type {actual})")
+
+    def flag_message(self) -> str:
+        """The same, in the words of the command line."""
+        return (f"--repo-type {self.repo_type}: '{self.repo}' is a {self.actual} repo, not a {self.repo_type} repo; "
+                f"pass --repo-type {self.actual}")
+
+
+# The kinds of Hub repo a zoo can live in. The Hub keeps a separate namespace per kind, so `org/zoo` the
+# dataset and `org/zoo` the model are two repos, and a client asking for the wrong kind gets "not found".
+REPO_TYPES = ("model", "dataset")
+
+
+def check_repo_type(value: Any, field_name: str = "repo_type") -> str:
+    if value not in REPO_TYPES:
+        raise UnsafeNameError(f"field '{field_name}': expected one of {list(REPO_TYPES)}, got {_describe(value)}")
+    return value
+
+
+def other_repo_type(repo: str, repo_type: str, *, token=None, endpoint=None) -> WrongRepoTypeError | None:
+    """When `repo` is not found as a `repo_type` repo: the error to raise if it exists as the other kind, else None.
+
+    One extra request, made only after a 'not found'; a failure of that request is not an answer (None)."""
+    from huggingface_hub import HfApi
+
+    other = next(t for t in REPO_TYPES if t != repo_type)
+    try:
+        exists = HfApi(endpoint=endpoint, token=token).repo_exists(repo, repo_type=other)
+    except Exception:  # noqa: BLE001 - only a hint: the original 'not found' stands
+        return None
+    if not exists:
+        return None
+    return WrongRepoTypeError(repo, repo_type, other)
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -346,7 +389,7 @@ def _hub_errors():
 
 
 def _download(repo: str, filename: str, revision: str, *, token, cache_dir, endpoint, offline: bool,
-              force: bool = False) -> str:
+              force: bool = False, repo_type: str = "model") -> str:
     """hf_hub_download through the cache; Hub 'not found' errors become ReleaseNotFoundError."""
     from huggingface_hub import hf_hub_download
 
@@ -354,32 +397,49 @@ def _download(repo: str, filename: str, revision: str, *, token, cache_dir, endp
     try:
         try:
             return hf_hub_download(repo, filename, revision=revision, token=token, cache_dir=cache_dir,
-                                   endpoint=endpoint, local_files_only=offline, force_download=force)
+                                   endpoint=endpoint, local_files_only=offline, force_download=force,
+                                   repo_type=repo_type)
         except Exception as exc:
             if is_connection_error(exc):
                 raise unreachable(endpoint, f"download '{filename}' of '{repo}'", exc) from None
             raise
     except local_nf:  # before entry_nf: newer clients derive it from EntryNotFoundError
+        other = _cached_as_other_type(repo, repo_type, cache_dir)
+        if other is not None:
+            raise WrongRepoTypeError(repo, repo_type, other, where="in the local cache (offline)") from None
         raise ReleaseNotFoundError(
             f"field 'revision': '{filename}' at '{revision}' of '{repo}' is not in the local cache and the Hub "
             "is not reachable (HF_HUB_OFFLINE is set or the network is down); pull it once online") from None
     except repo_nf:
-        raise ReleaseNotFoundError(f"field 'repo': repository '{repo}' not found (or not visible with this token)") from None
+        raise other_repo_type(repo, repo_type, token=token, endpoint=endpoint) or ReleaseNotFoundError(
+            f"field 'repo': {repo_type} repository '{repo}' not found (or not visible with this token)") from None
     except rev_nf:
         raise ReleaseNotFoundError(f"field 'revision': revision '{revision}' not found in '{repo}'") from None
     except entry_nf:
         raise ReleaseNotFoundError(f"field 'path': '{filename}' not found in '{repo}' at '{revision}'") from None
 
 
-def resolve_commit(repo: str, revision: str, *, token=None, endpoint=None) -> str:
+def _cached_as_other_type(repo: str, repo_type: str, cache_dir) -> str | None:
+    """The other repo type when the local cache holds `repo` only as that kind (for the offline error), else None."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    root = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
+    other = next(t for t in REPO_TYPES if t != repo_type)
+    here, there = (root / repo_folder_name(repo_id=repo, repo_type=t) for t in (repo_type, other))
+    return other if there.is_dir() and not here.is_dir() else None
+
+
+def resolve_commit(repo: str, revision: str, *, token=None, endpoint=None, repo_type: str = "model") -> str:
     """Resolve a branch, tag or sha to the commit sha it names now (online only)."""
     from huggingface_hub import HfApi
 
     _, _, repo_nf, rev_nf = _hub_errors()
     try:
-        info = HfApi(endpoint=endpoint).model_info(repo, revision=revision, token=token)
+        info = HfApi(endpoint=endpoint).repo_info(repo, revision=revision, token=token, repo_type=repo_type)
     except repo_nf:
-        raise ReleaseNotFoundError(f"field 'repo': repository '{repo}' not found (or not visible with this token)") from None
+        raise other_repo_type(repo, repo_type, token=token, endpoint=endpoint) or ReleaseNotFoundError(
+            f"field 'repo': {repo_type} repository '{repo}' not found (or not visible with this token)") from None
     except rev_nf:
         raise ReleaseNotFoundError(f"field 'revision': revision '{revision}' not found in '{repo}'") from None
     except Exception as exc:
@@ -392,16 +452,17 @@ def resolve_commit(repo: str, revision: str, *, token=None, endpoint=None) -> st
     return sha
 
 
-def cached_ref(repo: str, revision: str, cache_dir: str | os.PathLike | None) -> str | None:
+def cached_ref(repo: str, revision: str, cache_dir: str | os.PathLike | None,
+               repo_type: str = "model") -> str | None:
     """The commit the local Hub cache recorded for `revision` of `repo` (its `refs/<revision>` file), or None."""
     from huggingface_hub import constants
 
     try:
         from huggingface_hub.file_download import repo_folder_name
 
-        folder = repo_folder_name(repo_id=repo, repo_type="model")
+        folder = repo_folder_name(repo_id=repo, repo_type=repo_type)
     except ImportError:  # pragma: no cover - the layout name is stable across client versions
-        folder = "models--" + repo.replace("/", "--")
+        folder = f"{repo_type}s--" + repo.replace("/", "--")
     ref = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE) / folder / "refs" / revision
     try:
         text = ref.read_text(encoding="ascii", errors="replace").strip()
@@ -413,16 +474,18 @@ def cached_ref(repo: str, revision: str, cache_dir: str | os.PathLike | None) ->
 def pull_release(model_id: str, repo: str, revision: str | None = None, *, calibration: str = "default",
                  expected_sha256: dict[str, str] | None = None, token: str | None = None,
                  cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
-                 local_dir: str | os.PathLike | None = None) -> PulledRelease:
+                 local_dir: str | os.PathLike | None = None, repo_type: str = "model") -> PulledRelease:
     """Resolve, download and verify one release directory. Returns where the verified files are.
 
     `expected_sha256` maps file names inside the release directory (e.g. 'oscar_kv.safetensors',
     'release.json') to hex sha256 digests the caller trusts (e.g. from zoo_manifest.yaml); they are
     checked in addition to the release record. With `local_dir`, the verified files are also copied
-    there (atomically: a temporary directory renamed into place).
+    there (atomically: a temporary directory renamed into place). `repo_type` is the kind of Hub repo
+    that holds the zoo ("model" or "dataset"); a repo of the other kind raises WrongRepoTypeError.
     """
     check_model_id(model_id)
     check_repo_id(repo)
+    check_repo_type(repo_type)
     check_component(calibration, "calibration")
     if revision is None:
         logger.warning("revision not given: using 'main', which can change; pin a version tag or commit sha")
@@ -438,12 +501,12 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     base = release_dir(model_id, calibration)
     source = f"{repo}@{revision}:{base}"
     kw = dict(token=token, cache_dir=None if cache_dir is None else str(cache_dir), endpoint=endpoint,
-              offline=offline)
+              offline=offline, repo_type=repo_type)
 
     is_tag = bool(VERSION_RE.fullmatch(revision))
-    commit = None if offline else resolve_commit(repo, revision, token=token, endpoint=endpoint)
+    commit = None if offline else resolve_commit(repo, revision, token=token, endpoint=endpoint, repo_type=repo_type)
     if commit is not None and is_tag:
-        earlier = cached_ref(repo, revision, cache_dir)
+        earlier = cached_ref(repo, revision, cache_dir, repo_type)
         if earlier is not None and earlier != commit:
             raise ArtifactError(
                 f"{source}: field 'revision': release tag '{revision}' now names commit {commit}, but this cache "
@@ -531,7 +594,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
                   model_config: Any = None, expected_sha256: dict[str, str] | None = None,
                   token: str | None = None, cache_dir: str | os.PathLike | None = None, *,
                   calibration: str = "default", endpoint: str | None = None,
-                  allow_other_model: bool = False) -> OscarArtifact:
+                  allow_other_model: bool = False, repo_type: str = "model") -> OscarArtifact:
     """Load a validated artifact from a local path or from a zoo repo on the Hub.
 
     - `repo` is None: `path_or_model_id` is a local directory or `.safetensors` file (read_artifact);
@@ -539,6 +602,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
     - otherwise `path_or_model_id` is the model id, `repo` the zoo repo and `revision` a version tag,
       branch or commit sha: see `pull_release` (resolve to a commit, download through the cache,
       verify sha256 against the release record and `expected_sha256`; offline from a warm cache).
+      `repo_type` says which kind of Hub repo `repo` is ("model", the default, or "dataset").
 
     With `model_config` (a transformers config), the artifact is checked against it (heads, head_dim,
     layer count, and the model identity: the requested model id, else the config's `_name_or_path`)
@@ -562,7 +626,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
         return artifact
     model_id = str(path_or_model_id)
     pulled = pull_release(model_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,
-                          token=token, cache_dir=cache_dir, endpoint=endpoint)
+                          token=token, cache_dir=cache_dir, endpoint=endpoint, repo_type=repo_type)
     artifact = read_artifact(pulled.artifact_path)
     if artifact.metadata.get("model_id") != model_id:
         raise ModelMismatchError(
@@ -584,8 +648,11 @@ __all__ = [
     "UnsafeNameError",
     "PulledRelease",
     "RELEASE_FILENAME",
+    "REPO_TYPES",
     "ReleaseNotFoundError",
+    "WrongRepoTypeError",
     "cached_ref",
+    "check_repo_type",
     "check_component",
     "copy_release_files",
     "check_model_id",
@@ -595,6 +662,7 @@ __all__ = [
     "file_record",
     "is_connection_error",
     "load_artifact",
+    "other_repo_type",
     "parse_release_record",
     "pull_release",
     "release_dir",

@@ -1,21 +1,25 @@
 """A local stand-in for the part of the Hugging Face Hub HTTP API that `huggingface_hub` uses for the zoo.
 
-It listens on 127.0.0.1 (a free port) and stores repos as real files on disk:
+It listens on 127.0.0.1 (a free port) and stores repos as real files on disk (model repos under
+`<root>/<org>/<name>`, dataset repos under `<root>/@datasets/<org>/<name>`: '@' is never part of an org,
+so the two kinds keep separate namespaces, as on the Hub):
 
     <root>/<org>/<name>/meta.json            {"private": bool}
     <root>/<org>/<name>/refs.json            {"branches": {"main": sha}, "tags": {name: sha}}
     <root>/<org>/<name>/commits/<sha>.json   {"parent": sha|None, "message": str, "tree": {path: blob sha256}}
     <root>/<org>/<name>/blobs/<sha256>       file contents
 
-Endpoints (what the real client calls, read from huggingface_hub's source):
-    POST /api/repos/create                            create_repo (409 when it exists)
-    GET  /api/models/{repo}[/revision/{rev}]          model_info / repo_info (sha, siblings)
-    POST /api/models/{repo}/preupload/{rev}           upload mode: always "regular" (inline base64, no LFS/Xet)
-    POST /api/models/{repo}/commit/{rev}              NDJSON commit; 412 when parentCommit is not the head
-    GET  /api/models/{repo}/refs                      list_repo_refs
-    POST /api/models/{repo}/tag/{rev}                 create_tag (409 when the tag exists)
-    HEAD/GET /{repo}/resolve/{rev}/{path}             file metadata and download (ETag, X-Repo-Commit)
+Endpoints (what the real client calls, read from huggingface_hub's source; {kind} is `models` or
+`datasets`, {prefix} is empty for a model repo and `datasets/` for a dataset repo):
+    POST /api/repos/create                            create_repo ("type": model/dataset; 409 when it exists)
+    GET  /api/{kind}/{repo}[/revision/{rev}]          model_info / dataset_info / repo_info (sha, siblings)
+    POST /api/{kind}/{repo}/preupload/{rev}           upload mode: always "regular" (inline base64, no LFS/Xet)
+    POST /api/{kind}/{repo}/commit/{rev}              NDJSON commit; 412 when parentCommit is not the head
+    GET  /api/{kind}/{repo}/refs                      list_repo_refs
+    POST /api/{kind}/{repo}/tag/{rev}                 create_tag (409 when the tag exists)
+    HEAD/GET /{prefix}{repo}/resolve/{rev}/{path}     file metadata and download (ETag, X-Repo-Commit)
     POST /api/validate-yaml                           README metadata check (always fine)
+A repo asked for under the other kind is "not found" (404 RepoNotFound), as on the Hub.
 
 Fault injection for tests (`HubServer.faults`): `commit_errors` (answer that many commits with 500
 after reading the whole upload), `corrupt` (paths served with one byte flipped, same size),
@@ -37,6 +41,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 _SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+REPO_KINDS = {"models": "model", "datasets": "dataset"}  # URL segment -> repo type
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -68,72 +73,79 @@ class HubStore:
         self._counter = 0
 
     # -- repo files ------------------------------------------------------------------------
-    def repo_dir(self, repo_id: str) -> Path:
+    def repo_dir(self, repo_id: str, repo_type: str = "model") -> Path:
         org, _, name = repo_id.partition("/")
         for part in (org, name):
             if not part or part in (".", "..") or not set(part) <= _SAFE:
                 raise HttpError(400, f"invalid repo id {repo_id!r}", "InvalidRepoId")
-        return self.root / org / name
+        if repo_type == "model":
+            return self.root / org / name
+        if repo_type == "dataset":
+            return self.root / "@datasets" / org / name
+        raise HttpError(400, f"invalid repo type {repo_type!r}", "InvalidRepoType")
 
-    def exists(self, repo_id: str) -> bool:
-        return (self.repo_dir(repo_id) / "refs.json").is_file()
+    def exists(self, repo_id: str, repo_type: str = "model") -> bool:
+        return (self.repo_dir(repo_id, repo_type) / "refs.json").is_file()
 
-    def refs(self, repo_id: str) -> dict[str, dict[str, str]]:
-        if not self.exists(repo_id):
+    def refs(self, repo_id: str, repo_type: str = "model") -> dict[str, dict[str, str]]:
+        if not self.exists(repo_id, repo_type):
             raise HttpError(404, f"Repository {repo_id} not found", "RepoNotFound")
-        return json.loads((self.repo_dir(repo_id) / "refs.json").read_text())
+        return json.loads((self.repo_dir(repo_id, repo_type) / "refs.json").read_text())
 
     def _write_json(self, path: Path, data: Any) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         tmp.replace(path)
 
-    def commit_data(self, repo_id: str, sha: str) -> dict[str, Any]:
-        return json.loads((self.repo_dir(repo_id) / "commits" / f"{sha}.json").read_text())
+    def commit_data(self, repo_id: str, sha: str, repo_type: str = "model") -> dict[str, Any]:
+        return json.loads((self.repo_dir(repo_id, repo_type) / "commits" / f"{sha}.json").read_text())
 
-    def blob(self, repo_id: str, digest: str) -> bytes:
-        return (self.repo_dir(repo_id) / "blobs" / digest).read_bytes()
+    def blob(self, repo_id: str, digest: str, repo_type: str = "model") -> bytes:
+        return (self.repo_dir(repo_id, repo_type) / "blobs" / digest).read_bytes()
 
-    def resolve(self, repo_id: str, revision: str) -> str:
-        refs = self.refs(repo_id)
+    def private(self, repo_id: str, repo_type: str = "model") -> bool:
+        return json.loads((self.repo_dir(repo_id, repo_type) / "meta.json").read_text())["private"]
+
+    def resolve(self, repo_id: str, revision: str, repo_type: str = "model") -> str:
+        refs = self.refs(repo_id, repo_type)
         if revision in refs["branches"]:
             return refs["branches"][revision]
         if revision in refs["tags"]:
             return refs["tags"][revision]
-        if len(revision) == 40 and (self.repo_dir(repo_id) / "commits" / f"{revision}.json").is_file():
+        if len(revision) == 40 and (self.repo_dir(repo_id, repo_type) / "commits" / f"{revision}.json").is_file():
             return revision
         raise HttpError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
-    def tree(self, repo_id: str, revision: str) -> tuple[str, dict[str, str]]:
-        sha = self.resolve(repo_id, revision)
-        return sha, self.commit_data(repo_id, sha)["tree"]
+    def tree(self, repo_id: str, revision: str, repo_type: str = "model") -> tuple[str, dict[str, str]]:
+        sha = self.resolve(repo_id, revision, repo_type)
+        return sha, self.commit_data(repo_id, sha, repo_type)["tree"]
 
     # -- writes ----------------------------------------------------------------------------
-    def create(self, repo_id: str, private: bool) -> bool:
+    def create(self, repo_id: str, private: bool, repo_type: str = "model") -> bool:
         with self.lock:
-            if self.exists(repo_id):
+            if self.exists(repo_id, repo_type):
                 return False
-            d = self.repo_dir(repo_id)
+            d = self.repo_dir(repo_id, repo_type)
             (d / "commits").mkdir(parents=True, exist_ok=True)
             (d / "blobs").mkdir(exist_ok=True)
             self._write_json(d / "meta.json", {"private": bool(private)})
             self._write_json(d / "refs.json", {"branches": {}, "tags": {}})
             self.commit(repo_id, "main", {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"},
-                        [], "initial commit", None)
+                        [], "initial commit", None, repo_type)
             return True
 
     def commit(self, repo_id: str, branch: str, additions: dict[str, bytes], deletions: list[str],
-               message: str, parent: str | None) -> str:
+               message: str, parent: str | None, repo_type: str = "model") -> str:
         """Apply one commit atomically: blobs first, then the commit object, then the branch ref."""
         with self.lock:
-            refs = self.refs(repo_id)
+            refs = self.refs(repo_id, repo_type)
             head = refs["branches"].get(branch)
             if head is None and refs["branches"]:
                 raise HttpError(404, f"Invalid rev id: {branch}", "RevisionNotFound")
             if parent is not None and parent != head:
                 raise HttpError(412, f"A commit has happened since. Please refresh and try again. "
                                      f"(parent {parent} is not the head {head})")
-            tree = dict(self.commit_data(repo_id, head)["tree"]) if head else {}
+            tree = dict(self.commit_data(repo_id, head, repo_type)["tree"]) if head else {}
             for path in deletions:
                 _safe_path(path.rstrip("/"))
                 prefix = path.rstrip("/") + "/"
@@ -142,7 +154,7 @@ class HubStore:
                     raise HttpError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
                 for p in gone:
                     del tree[p]
-            d = self.repo_dir(repo_id)
+            d = self.repo_dir(repo_id, repo_type)
             for path, data in additions.items():
                 _safe_path(path)
                 digest = hashlib.sha256(data).hexdigest()
@@ -156,16 +168,16 @@ class HubStore:
             self._write_json(d / "refs.json", refs)
             return sha
 
-    def tag(self, repo_id: str, tag: str, revision: str) -> None:
+    def tag(self, repo_id: str, tag: str, revision: str, repo_type: str = "model") -> None:
         with self.lock:
-            sha = self.resolve(repo_id, revision)
-            refs = self.refs(repo_id)
+            sha = self.resolve(repo_id, revision, repo_type)
+            refs = self.refs(repo_id, repo_type)
             if tag in refs["tags"]:
                 raise HttpError(409, f"Tag {tag} already exists", "TagExists")
             if not tag or not set(tag) <= _SAFE:
                 raise HttpError(400, f"invalid tag {tag!r}")
             refs["tags"][tag] = sha
-            self._write_json(self.repo_dir(repo_id) / "refs.json", refs)
+            self._write_json(self.repo_dir(repo_id, repo_type) / "refs.json", refs)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -211,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Repo-Commit"] = err.commit
         self._send(err.status, json.dumps({"error": err.message}).encode(), headers, head=head)
 
-    def _authorize(self, repo_id: str | None, write: bool) -> None:
+    def _authorize(self, repo_id: str | None, write: bool, repo_type: str = "model") -> None:
         auth = self.headers.get("Authorization")
         if auth:
             self.server.hub.auth_headers_seen.append(auth)
@@ -219,8 +231,8 @@ class _Handler(BaseHTTPRequestHandler):
         if token is None:
             return
         private = False
-        if repo_id and self.server.store.exists(repo_id):
-            private = json.loads((self.server.store.repo_dir(repo_id) / "meta.json").read_text())["private"]
+        if repo_id and self.server.store.exists(repo_id, repo_type):
+            private = self.server.store.private(repo_id, repo_type)
         if (write or private) and auth != f"Bearer {token}":
             if private and not write:
                 raise HttpError(404, f"Repository {repo_id} not found", "RepoNotFound")
@@ -235,28 +247,33 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._create(json.loads(body or b"{}"))
             if method == "POST" and parts[:2] == ["api", "validate-yaml"]:
                 return self._json(200, {"errors": [], "warnings": []})
-            if parts[:2] == ["api", "models"] and len(parts) >= 4:
-                repo_id = f"{parts[2]}/{parts[3]}"
-                rest = parts[4:]
-                if method == "GET" and not rest:
-                    return self._info(repo_id, "main")
-                if method == "GET" and rest[:1] == ["revision"] and len(rest) >= 2:
-                    return self._info(repo_id, "/".join(rest[1:]))
-                if method == "GET" and rest == ["refs"]:
-                    return self._refs(repo_id)
-                if method == "POST" and rest[:1] == ["preupload"]:
-                    return self._preupload(repo_id, "/".join(rest[1:]), json.loads(body))
-                if method == "POST" and rest[:1] == ["commit"]:
-                    return self._commit(repo_id, "/".join(rest[1:]), body)
-                if method == "POST" and rest[:1] == ["tag"]:
-                    return self._tag(repo_id, "/".join(rest[1:]), json.loads(body))
-            if method in ("GET", "HEAD") and len(parts) >= 5 and parts[2] == "resolve":
-                return self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
+            if parts[:1] == ["api"] and len(parts) >= 4 and parts[1] in REPO_KINDS:
+                return self._api(method, REPO_KINDS[parts[1]], f"{parts[2]}/{parts[3]}", parts[4:], body)
+            # File URLs: /{org}/{name}/resolve/... for a model, /datasets/{org}/{name}/resolve/... for a dataset.
+            kind, rest = ("dataset", parts[1:]) if parts[:1] == ["datasets"] else ("model", parts)
+            if method in ("GET", "HEAD") and len(rest) >= 5 and rest[2] == "resolve":
+                return self._resolve(f"{rest[0]}/{rest[1]}", rest[3], "/".join(rest[4:]), head, kind)
             raise HttpError(404, f"no route for {method} {self.path}")
         except HttpError as err:
             self._error(err, head=head)
         except (ValueError, KeyError) as err:
             self._error(HttpError(400, f"bad request: {err}"), head=head)
+
+    def _api(self, method: str, repo_type: str, repo_id: str, rest: list[str], body: bytes) -> None:
+        """The /api/{models|datasets}/{repo}/... routes; the same handlers serve both kinds."""
+        if method == "GET" and not rest:
+            return self._info(repo_id, "main", repo_type)
+        if method == "GET" and rest[:1] == ["revision"] and len(rest) >= 2:
+            return self._info(repo_id, "/".join(rest[1:]), repo_type)
+        if method == "GET" and rest == ["refs"]:
+            return self._refs(repo_id, repo_type)
+        if method == "POST" and rest[:1] == ["preupload"]:
+            return self._preupload(repo_id, "/".join(rest[1:]), json.loads(body), repo_type)
+        if method == "POST" and rest[:1] == ["commit"]:
+            return self._commit(repo_id, "/".join(rest[1:]), body, repo_type)
+        if method == "POST" and rest[:1] == ["tag"]:
+            return self._tag(repo_id, "/".join(rest[1:]), json.loads(body), repo_type)
+        raise HttpError(404, f"no route for {method} {self.path}")
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -270,44 +287,48 @@ class _Handler(BaseHTTPRequestHandler):
     # -- endpoints -------------------------------------------------------------------------
     def _create(self, payload: dict[str, Any]) -> None:
         repo_id = f"{payload.get('organization')}/{payload.get('name')}"
-        if payload.get("type", "model") not in ("model", None):
-            raise HttpError(400, "only model repos are served here")
-        self._authorize(repo_id, write=True)
+        repo_type = payload.get("type") or "model"  # the client leaves "type" out for a model repo
+        if repo_type not in REPO_KINDS.values():
+            raise HttpError(400, f"only model and dataset repos are served here, not {repo_type!r}")
+        self._authorize(repo_id, write=True, repo_type=repo_type)
         private = payload.get("private", payload.get("visibility") == "private")
-        url = f"{self.server.hub.endpoint}/{repo_id}"
-        if not self.server.store.create(repo_id, bool(private)):
-            return self._json(409, {"error": "You already created this model repo", "url": url})
+        url = f"{self.server.hub.endpoint}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+        if not self.server.store.create(repo_id, bool(private), repo_type):
+            return self._json(409, {"error": f"You already created this {repo_type} repo", "url": url})
         self._json(200, {"url": url, "name": repo_id, "id": repo_id})
 
-    def _info(self, repo_id: str, revision: str) -> None:
-        self._authorize(repo_id, write=False)
-        sha, tree = self.server.store.tree(repo_id, revision)
-        meta = json.loads((self.server.store.repo_dir(repo_id) / "meta.json").read_text())
-        self._json(200, {"id": repo_id, "modelId": repo_id, "sha": sha, "private": meta["private"],
-                         "siblings": [{"rfilename": p} for p in sorted(tree)]})
+    def _info(self, repo_id: str, revision: str, repo_type: str) -> None:
+        self._authorize(repo_id, write=False, repo_type=repo_type)
+        store = self.server.store
+        sha, tree = store.tree(repo_id, revision, repo_type)
+        info = {"id": repo_id, "sha": sha, "private": store.private(repo_id, repo_type),
+                "siblings": [{"rfilename": p} for p in sorted(tree)]}
+        if repo_type == "model":
+            info["modelId"] = repo_id
+        self._json(200, info)
 
-    def _refs(self, repo_id: str) -> None:
-        self._authorize(repo_id, write=False)
-        refs = self.server.store.refs(repo_id)
+    def _refs(self, repo_id: str, repo_type: str) -> None:
+        self._authorize(repo_id, write=False, repo_type=repo_type)
+        refs = self.server.store.refs(repo_id, repo_type)
         self._json(200, {
             "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": s} for n, s in refs["branches"].items()],
             "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": s} for n, s in sorted(refs["tags"].items())],
             "converts": [],
         })
 
-    def _preupload(self, repo_id: str, revision: str, payload: dict[str, Any]) -> None:
-        self._authorize(repo_id, write=True)
+    def _preupload(self, repo_id: str, revision: str, payload: dict[str, Any], repo_type: str) -> None:
+        self._authorize(repo_id, write=True, repo_type=repo_type)
         store = self.server.store
-        _, tree = store.tree(repo_id, revision)
+        _, tree = store.tree(repo_id, revision, repo_type)
         files = []
         for item in payload["files"]:
             path = _safe_path(item["path"])
-            oid = git_blob_sha1(store.blob(repo_id, tree[path])) if path in tree else None
+            oid = git_blob_sha1(store.blob(repo_id, tree[path], repo_type)) if path in tree else None
             files.append({"path": path, "uploadMode": "regular", "shouldIgnore": False, "oid": oid})
-        self._json(200, {"files": files, "commitOid": store.resolve(repo_id, revision)})
+        self._json(200, {"files": files, "commitOid": store.resolve(repo_id, revision, repo_type)})
 
-    def _commit(self, repo_id: str, revision: str, body: bytes) -> None:
-        self._authorize(repo_id, write=True)
+    def _commit(self, repo_id: str, revision: str, body: bytes, repo_type: str) -> None:
+        self._authorize(repo_id, write=True, repo_type=repo_type)
         hub = self.server.hub
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         header = next((x["value"] for x in lines if x["key"] == "header"), None)
@@ -333,23 +354,24 @@ class _Handler(BaseHTTPRequestHandler):
         if hook is not None:
             hook()
         sha = self.server.store.commit(repo_id, revision, additions, deletions, header.get("summary", ""),
-                                       header.get("parentCommit"))
+                                       header.get("parentCommit"), repo_type)
         hub.commits_applied += 1
-        self._json(200, {"success": True, "commitOid": sha, "commitUrl": f"{hub.endpoint}/{repo_id}/commit/{sha}",
-                         "pullRequestUrl": None})
+        prefix = "datasets/" if repo_type == "dataset" else ""
+        self._json(200, {"success": True, "commitOid": sha,
+                         "commitUrl": f"{hub.endpoint}/{prefix}{repo_id}/commit/{sha}", "pullRequestUrl": None})
 
-    def _tag(self, repo_id: str, revision: str, payload: dict[str, Any]) -> None:
-        self._authorize(repo_id, write=True)
-        self.server.store.tag(repo_id, payload["tag"], revision)
+    def _tag(self, repo_id: str, revision: str, payload: dict[str, Any], repo_type: str) -> None:
+        self._authorize(repo_id, write=True, repo_type=repo_type)
+        self.server.store.tag(repo_id, payload["tag"], revision, repo_type)
         self._json(200, {})
 
-    def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:
-        self._authorize(repo_id, write=False)
+    def _resolve(self, repo_id: str, revision: str, path: str, head: bool, repo_type: str) -> None:
+        self._authorize(repo_id, write=False, repo_type=repo_type)
         store = self.server.store
-        sha, tree = store.tree(repo_id, revision)
+        sha, tree = store.tree(repo_id, revision, repo_type)
         if path not in tree:
             raise HttpError(404, f"Entry not found: {path}", "EntryNotFound", commit=sha)
-        data = store.blob(repo_id, tree[path])
+        data = store.blob(repo_id, tree[path], repo_type)
         etag = git_blob_sha1(data)
         if not head:
             self.server.hub.downloads.append(path)
@@ -357,8 +379,6 @@ class _Handler(BaseHTTPRequestHandler):
                 data = data[:-1] + bytes([data[-1] ^ 0xFF])  # same size, different content
         self._send(200, data, {"ETag": f'"{etag}"', "X-Repo-Commit": sha, "Accept-Ranges": "none"},
                    content_type="application/octet-stream", head=head)
-        if head:
-            return
 
 
 class _Server(ThreadingHTTPServer):

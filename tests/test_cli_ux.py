@@ -28,7 +28,8 @@ HEAVY = ("torch", "triton", "transformers", "safetensors", "huggingface_hub", "n
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["zoo", "--help"], ["push", "-h"], ["eval", "--help"],
-                                  ["audit", "--help"], ["run", "--help"], ["--version"]])
+                                  ["audit", "--help"], ["run", "--help"], ["--version"], ["pull", "-h"],
+                                  ["refit", "-h"], ["stats", "merge", "-h"], ["zoo", "list", "-h"]])
 def test_help_imports_neither_torch_nor_triton(argv):
     code = textwrap.dedent(f"""
         import sys
@@ -193,6 +194,72 @@ def test_compared_panels_share_one_colour_scale_and_show_values(tmp_path):
     written = audit_plots.write_audit_plots(report, tmp_path)
     assert [p.name for p in written] == ["summary.png", "clip_ratios.png", "quant_error.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_figures_read_as_plain_numbers_and_say_when_nothing_is_flagged(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from oscar_calib import audit_plots
+
+    assert [audit_plots._fmt(v) for v in (123.4, 0.0051, 0.256, 7.0, 2.5e5)] == ["123", "0.0051", "0.256", "7", "2.5e+05"]
+    report = _report(layers=2, heads=2)
+    for row in report["heads"]:
+        row["flags"] = []
+    report["flags_total"] = 0
+    fig = audit_plots._summary_figure(report, [0, 1], [0, 1])
+    flags_ax, bars_ax = fig.axes[0], fig.axes[1]
+    assert "no head flagged" in [t.get_text() for t in flags_ax.texts]
+    assert bars_ax.get_title().startswith("all 4 heads, worst first")
+    fig.canvas.draw()
+    labels = [t.get_text() for t in bars_ax.get_yticklabels() + bars_ax.get_yticklabels(minor=True)]
+    assert any(labels) and not any("$" in t or "10^" in t or "\u00d7" in t for t in labels), labels
+    plt.close(fig)
+    report["heads"][0]["flags"] = ["clip-at-grid-edge-k"]
+    fig = audit_plots._summary_figure(report, [0, 1], [0, 1], worst=2)
+    assert "K clip at edge" in [t.get_text() for t in fig.axes[0].texts]
+    assert "no head flagged" not in [t.get_text() for t in fig.axes[0].texts]
+    assert fig.axes[1].get_title().startswith("the 2 worst heads")
+    plt.close(fig)
+    written = audit_plots.write_audit_plots(report, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)  # no temporary files left
+
+
+def test_the_fixture_directory_stands_for_its_hub_id(tmp_path, monkeypatch, capsys):
+    from oscar_calib.cli.checks import local_model_id
+    from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
+
+    if not fixture_available():
+        pytest.skip("trained fixture not installed")
+    assert local_model_id(FIXTURE_DIR) == FIXTURE_MODEL_ID and local_model_id(tmp_path) is None
+    import json as _json
+
+    cfg = _json.loads((FIXTURE_DIR / "config.json").read_text())
+    shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["num_attention_heads"],
+             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    for model_id, code_wanted in ((FIXTURE_MODEL_ID, 0), ("someone/else", exit_codes.BAD_INPUT)):
+        write_artifact(identity_artifact(*shape, model_id=model_id), tmp_path / model_id.replace("/", "_"))
+        code, _, err = run_cli(["export", str(tmp_path / model_id.replace("/", "_")), "--out",
+                                str(tmp_path / f"ref-{code_wanted}"), "--model-config", str(FIXTURE_DIR)],
+                               monkeypatch, capsys)
+        assert code == code_wanted, err
+
+
+def test_audit_allow_other_model(tmp_path, monkeypatch, capsys, model_dir):
+    pytest.importorskip("matplotlib")
+    write_artifact(identity_artifact(2, 2, 4, 64, model_id="someone/else"), tmp_path / "a")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 40)
+    argv = ["audit", str(tmp_path / "a"), "--model", str(model_dir), "--data", str(text), "--seq-len", "64",
+            "--samples", "1", "--json"]
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert code == exit_codes.BAD_INPUT and "model_id" in err and "--allow-other-model" in err
+    code, out, err = run_cli([*argv, "--allow-other-model", "--plots", str(tmp_path / "plots")], monkeypatch, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["with_activations"] is True
+    assert sorted(report["plots"]) == sorted(str(p) for p in (tmp_path / "plots").iterdir())
+    assert {Path(p).name for p in report["plots"]} >= {"summary.png", "quant_error.png", "kurtosis.png"}
 
 
 # ------------------------------------------------------------------------------------------------ progress

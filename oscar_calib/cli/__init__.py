@@ -19,8 +19,10 @@ from oscar_calib.cli import (
     stats_cmd,  # noqa: F401  (registers `refit`, `stats merge`)
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
-from oscar_calib.cli.app import app
+from oscar_calib.cli.app import app, reflow_help
 from oscar_calib.cli.exit_codes import exit_code_for
+
+reflow_help(app)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -38,3 +39,23 @@ def _root(
     Exit codes: 0 ok, 1 other, 2 bad input, 3 capture, 4 integrity, 5 Hub refused, 6 nothing new,
     7 missing optional dependency, 130 interrupted (`docs/cli.md`).
     """
+
+
+def _reflow(text: str) -> str:
+    """A docstring's paragraphs each on one line; indented paragraphs (examples) and `\\b` ones kept as written."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") or any(line[:1].isspace() for line in p.splitlines())
+                       else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """Typer's rich help keeps a docstring's line breaks, so text wrapped for the source showed up broken
+    mid-sentence in `--help`; give each command its docstring reflowed, for rich to wrap to the terminal.
+    Runs at start-up over the registered commands (no imports, just strings)."""
+    for info in typer_app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None)
+        if doc:
+            info.help = _reflow(doc)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            reflow_help(group.typer_instance)

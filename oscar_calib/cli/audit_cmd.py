@@ -73,6 +73,8 @@ def audit_cmd(
     plots: Annotated[Path | None, typer.Option("--plots", help="Write heatmap PNGs into this directory.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model: audit an artifact "
+                                                    "calibrated for another model id (shapes must still match).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Per-(layer, KV head) spectra, clip ratios, outliers before/after rotation, INT2 errors and flags.
@@ -92,7 +94,7 @@ def audit_cmd(
         _log(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
-        from oscar_calib.cli.checks import check_model
+        from oscar_calib.cli.checks import check_model, local_model_id
         from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.evaluate import make_windows, read_documents
         from oscar_calib.job import Choices, resolve_device, resolve_dtype
@@ -105,7 +107,8 @@ def audit_cmd(
         tok = load_tokenizer(model, revision, False)
         lm = load_model(model, revision, torch_dtype, dev, False)
         if raw.contract_error is None:
-            check_model(read_artifact(artifact), lm.config)
+            check_model(read_artifact(artifact), lm.config, model_id=local_model_id(model),
+                        allow_other_model=allow_other_model)
         data = data or FIXTURE_DIR / "heldout.txt"
         w = make_windows(tok, read_documents(data), seq_len)
         ids = torch.cat([w.long, w.packed])[:samples]
@@ -115,8 +118,10 @@ def audit_cmd(
         acts = capture_activations(lm, ids)
     report = audit_artifact(raw, acts)
     if plots is not None:
-        for p in write_audit_plots(report, plots):
+        written = write_audit_plots(report, plots)
+        for p in written:
             _log(f"wrote {p}")
+        report["plots"] = [str(p) for p in written]  # in --json too: the result names every file it wrote
     if as_json:
         print(json.dumps(report, indent=1))
     else:

@@ -20,3 +20,17 @@ def check_model(artifact: Any, config: Any, model_id: str | None = None, allow_o
         raise
     except ArtifactError as exc:
         raise ModelMismatchError(str(exc)) from None
+
+
+def local_model_id(model: Any) -> str | None:
+    """The Hub id a local model directory stands for, where the package knows it: the trained fixture's
+    directory is `oscar-calib/tiny-qwen3` (the id the demo's artifacts name). None otherwise."""
+    from pathlib import Path
+
+    from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID
+
+    try:
+        same = Path(model).resolve() == FIXTURE_DIR.resolve()
+    except (OSError, TypeError, ValueError):
+        return None
+    return FIXTURE_MODEL_ID if same else None

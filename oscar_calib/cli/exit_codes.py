@@ -33,7 +33,8 @@ KINDS: tuple[ExitKind, ...] = (
     ExitKind(SUCCESS, "success"),
     ExitKind(OTHER, "other known error"),
     ExitKind(BAD_INPUT, "bad input: option, model, dataset, output path, manifest, unsafe repo id / file name / "
-                        "revision, malformed reference file, artifact made for another model"),
+                        "revision, malformed reference file, artifact made for another model, a zoo repo of the other "
+                        "`--repo-type`"),
     ExitKind(CAPTURE, "capture failed: unsupported attention, NaN/Inf in activations"),
     ExitKind(INTEGRITY, "integrity: sha256 mismatch, an artifact that breaks the contract"),
     ExitKind(HUB_REFUSED, "the Hub refused: tag exists with other content, concurrent publisher, unknown "
@@ -58,6 +59,7 @@ EXCEPTION_CODES: dict[str, int] = {
     "runtime_kernels.contract.DuplicateKeyError": INTEGRITY,
     "runtime_kernels.artifact.ModelMismatchError": BAD_INPUT,
     "runtime_kernels.loader.UnsafeNameError": BAD_INPUT,
+    "runtime_kernels.loader.WrongRepoTypeError": BAD_INPUT,  # before its base ReleaseNotFoundError (MRO order)
     "runtime_kernels.loader.ReleaseNotFoundError": HUB_REFUSED,
     "runtime_kernels.loader.HubUnreachableError": HUB_REFUSED,
     "runtime_kernels.atomic.OutputDirError": BAD_INPUT,

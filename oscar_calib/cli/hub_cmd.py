@@ -2,7 +2,7 @@
 
 Exit codes (oscar_calib.cli.exit_codes): 0 ok (also when the content was already released, unless
 `--version` asked for a new version: then 6), 2 bad input (names with '..', control characters or
-absolute paths; artifact for another model), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
+absolute paths; artifact for another model; a repo of the other --repo-type), 4 integrity (sha256 mismatch, broken artifact), 5 Hub
 refused (tag exists with other content, concurrent publisher, unknown repo/revision/release).
 """
 
@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import JsonOpt, RevisionOpt, TokenOpt
+from oscar_calib.cli.options import JsonOpt, RepoType, RepoTypeOpt, RevisionOpt, TokenOpt
 from oscar_calib.errors import InputError
 
 CalibrationOpt = Annotated[
@@ -33,6 +33,36 @@ def translate_errors():
 
     with translate():
         yield
+
+
+def check_flags(**values: tuple[str, object]) -> None:
+    """Check names the user typed, naming the flag: `check_flags(repo=("--repo", "org/x"))`.
+
+    The runtime's checks name their argument (`field 'repo'`), which is right in Python; on the command line
+    the error should say `--repo`. Kinds: repo, model (MODEL argument), calibration, revision, version."""
+    from runtime_kernels.loader import (
+        UnsafeNameError,
+        check_component,
+        check_model_id,
+        check_repo_id,
+        check_revision,
+    )
+
+    checks = {"repo": check_repo_id, "model": check_model_id, "calibration": check_component,
+              "revision": check_revision}
+    for kind, (flag, value) in values.items():
+        if value is None:
+            continue
+        try:
+            if kind == "version":
+                from oscar_calib.hub import check_version
+
+                check_version(value)
+            else:
+                checks[kind](value, flag)
+        except (UnsafeNameError, InputError) as exc:
+            text = str(exc).replace(f"field '{flag}'", flag, 1).replace("field 'version'", flag, 1)
+            raise InputError(text) from None
 
 
 def endpoint() -> str | None:
@@ -57,6 +87,7 @@ Examples:
 
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo                 # next version vN
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --version v3 --calibration chat
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --repo-type dataset        # in a dataset repo
 """
 
 
@@ -64,6 +95,7 @@ Examples:
 def push_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
     repo: RepoOpt,
+    repo_type: RepoTypeOpt = RepoType.model,
     version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
     calibration: CalibrationOpt = "default",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
@@ -82,24 +114,27 @@ def push_cmd(
     an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
     """
     from oscar_calib.cli.exit_codes import UnchangedRelease
-    from oscar_calib.hub import check_version, push
+    from oscar_calib.hub import push
 
+    check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
+    if not directory.is_dir():
+        raise InputError(f"DIR {directory}: not a directory (expected an artifact directory)")
     if dry_run:
         from oscar_calib.cli.zoo_cmd import _push_plan
 
-        if version is not None:
-            check_version(version)
-        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN"}
+        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN",
+                                                            "repo_type": repo_type.value}
         if as_json:
             print(json.dumps(plan, indent=2, sort_keys=True))
         else:
-            print(f"would publish {directory} -> {repo} {plan['path_in_repo']} as {plan['version']}:")
+            print(f"would publish {directory} -> {repo_type.value} repo {repo} {plan['path_in_repo']} as "
+                  f"{plan['version']}:")
             for name, rec in plan["files"].items():
                 print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
         return
     with translate_errors():
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint(), commit_message=commit_message)
+                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value)
     if version is not None and result.version != version and not result.created and not allow_unchanged:
         raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "
@@ -117,6 +152,7 @@ Examples:
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3
   oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3 --local-dir ./qwen3-8b-kv
   HF_HUB_OFFLINE=1 oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --revision v3   # from the cache
+  oscar-calib pull Qwen/Qwen3-8B --repo my-org/oscar-zoo --repo-type dataset --revision v1
 """
 
 
@@ -124,6 +160,7 @@ Examples:
 def pull_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Model id, e.g. Qwen/Qwen3-8B.")],
     repo: RepoOpt,
+    repo_type: RepoTypeOpt = RepoType.model,
     revision: RevisionOpt = None,
     calibration: CalibrationOpt = "default",
     local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
@@ -135,15 +172,17 @@ def pull_cmd(
     """Download a release through the Hub cache, verify every sha256, and check it against the model."""
     from oscar_calib.hub import pull
 
+    check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
+                revision=("--revision", revision))
     config = _load_config(model_config)
     if revision is None:
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
     with translate_errors():
         pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
-                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config)
+                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value)
     folder = pulled.artifact_path.parent
     if as_json:
-        print(json.dumps({"repo": repo, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
+        print(json.dumps({"repo": repo, "repo_type": repo_type.value, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
                           "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True))
     else:
         print(folder)

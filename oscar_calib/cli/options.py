@@ -105,9 +105,13 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           center_keys=center_keys, center_values=center_values, **windows)
 
 
-RepoTypeOpt = Annotated[
-    RepoType, typer.Option("--repo-type", help="Kind of Hub repo that holds the zoo.", case_sensitive=False)
-]
+# The Hub keeps models and datasets in separate namespaces: `org/zoo` may be either, so every command that talks
+# to a zoo repo takes the same --repo-type (a dataset repo is a common home for non-model files).
+RepoTypeOpt = Annotated[RepoType, typer.Option(
+    "--repo-type", help="Kind of Hub repo that holds the zoo.", case_sensitive=False)]
+ZooRepoTypeOpt = Annotated[Optional[RepoType], typer.Option(
+    "--repo-type", help="Kind of Hub repo that holds the zoo (default: the manifest's repo_type, else model).",
+    case_sensitive=False, show_default=False)]
 
 
 # Config field (pydantic `loc`, last part) -> the flag that sets it, where the names differ.

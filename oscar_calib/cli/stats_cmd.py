@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from oscar_calib.cli.options import (
     Granularity,
     GranularityOpt,
     GroupSizeOpt,
+    JsonOpt,
     KGridOpt,
     OutDirOpt,
     RecentOpt,
@@ -26,6 +28,7 @@ from oscar_calib.cli.options import (
     ValueTargetOpt,
     VGridOpt,
     solver_settings,
+    validation_message,
 )
 from oscar_calib.errors import InputError
 
@@ -56,6 +59,7 @@ def refit_cmd(
     group_size: GroupSizeOpt = None,
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Build an artifact from saved statistics with no model: the same bytes as the run with these settings."""
     from oscar_calib.refit import refit
@@ -63,10 +67,8 @@ def refit_cmd(
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
                                    center_values, sink, recent, group_size)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise InputError(f"option '{field}': {first['msg']} (got {first.get('input')!r})") from exc
+    except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
+        raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):
         raise InputError(f"--device {device}: expected cpu, cuda or cuda:N")
     if device and device.startswith("cuda"):
@@ -75,7 +77,12 @@ def refit_cmd(
         if not torch.cuda.is_available():
             raise InputError(f"--device {device}: no CUDA device is visible (expected cpu, or a machine with a GPU)")
     refit(stats, out, settings, overwrite=overwrite, device=device or "cpu")
-    typer.echo(str(out))
+    if as_json:
+        from oscar_calib.cli.run_cmd import _run_result  # the same result as `run --json`: a refit is a run
+
+        typer.echo(json.dumps(_run_result(out), indent=2, sort_keys=True))
+    else:
+        typer.echo(str(out))
 
 
 @stats_app.command("merge", epilog="\nExample:\n\n  oscar-calib stats merge shard0/oscar_stats.safetensors "
@@ -84,6 +91,7 @@ def merge_cmd(
     inputs: Annotated[list[Path], typer.Argument(help="Statistics files (or run directories) of disjoint samples.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Merged statistics file to write.")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing file.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Sum statistics files by addition; refuses files of other models, configs, data or tool versions."""
     from oscar_calib.calibrate import created_at
@@ -95,4 +103,13 @@ def merge_cmd(
         raise InputError(f"--out {out}: already exists; pass --overwrite to replace it")
     merged = merge_statistics([(str(p), load_statistics(p)) for p in inputs], created_at())
     save_statistics(merged, out)
-    typer.echo(str(out))
+    if as_json:
+        from runtime_kernels.loader import file_record
+
+        prov = merged.provenance
+        typer.echo(json.dumps({"out": str(out), **file_record(out), "inputs": [str(p) for p in inputs],
+                               "model_id": prov.model_id, "model_revision": prov.model_revision,
+                               "sample_ranges": prov.sample_ranges, "tokens": merged.tokens,
+                               "layer_ids": list(merged.layer_ids)}, indent=2, sort_keys=True))
+    else:
+        typer.echo(str(out))

@@ -21,8 +21,8 @@ from typing import Annotated, Any
 import typer
 
 from oscar_calib.cli.app import CONTEXT, app
-from oscar_calib.cli.hub_cmd import endpoint, translate_errors
-from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, RepoTypeOpt, TokenOpt
+from oscar_calib.cli.hub_cmd import check_flags, endpoint, translate_errors
+from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
 zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
@@ -61,16 +61,21 @@ def check_release_online(release, token: str | None) -> None:
 
     from runtime_kernels.loader import pull_release
 
-    refs = HfApi(endpoint=endpoint(), token=token).list_repo_refs(release.repo)
-    tags = {t.name: t.target_commit for t in refs.tags}
     where = f"release {release.repo} {release.version} ({release.path_in_repo})"
+    try:
+        refs = HfApi(endpoint=endpoint(), token=token).list_repo_refs(release.repo, repo_type=release.repo_type)
+    except Exception as exc:
+        raise_wrong_repo_type(exc, release.repo, release.repo_type, token, recorded_in=where)
+        raise
+    tags = {t.name: t.target_commit for t in refs.tags}
     if release.version not in tags:
         raise HubError(f"{where}: field 'version': tag '{release.version}' does not exist on the Hub")
     if tags[release.version] != release.commit:
         raise HubError(f"{where}: field 'commit': tag points to {tags[release.version]}, manifest records {release.commit}")
     with tempfile.TemporaryDirectory(prefix="oscar-zoo-validate-") as cache:
         pulled = pull_release(release.model_id, release.repo, release.commit, calibration=release.calibration,
-                              expected_sha256=release.sha256s(), token=token, cache_dir=cache, endpoint=endpoint())
+                              expected_sha256=release.sha256s(), token=token, cache_dir=cache, endpoint=endpoint(),
+                              repo_type=release.repo_type)
         recorded = {f.name for f in release.files}
         listed = set(pulled.record["files"]) | {"release.json"}
         if recorded != listed:
@@ -130,6 +135,7 @@ def build_cmd(
     local_model: LocalModelOpt = None,
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild directories that exist.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run the calibration of every recipe that has no release yet."""
     from oscar_calib.job import run_calibration
@@ -140,18 +146,26 @@ def build_cmd(
     pending = zoo.pending()
     if not pending:
         print("every recipe has a release; nothing to build", file=sys.stderr)
+    built = []
     for recipe in pending:
         out = build_dir(out_root, recipe.model_id, recipe.calibration)
+        row = {"model_id": recipe.model_id, "calibration": recipe.calibration, "out": str(out)}
         if (out / "oscar_kv.safetensors").is_file() and not overwrite:
             print(f"{out}: already built (pass --overwrite to rebuild)", file=sys.stderr)
-            print(out)
+            built.append(row | {"built": False})
+            if not as_json:
+                print(out)
             continue
         mirror = mirrors.get(recipe.model_id)
         config = recipe.to_config(model=str(mirror) if mirror else None, device=device, base_dir=manifest.parent)
         run_calibration(config, out, overwrite=overwrite)
         if mirror is not None:
             relabel_artifact(out, recipe.model_id, recipe.model_revision)
-        print(out)
+        built.append(row | {"built": True})
+        if not as_json:
+            print(out)
+    if as_json:
+        print(json.dumps({"recipes": built}, indent=2, sort_keys=True))
 
 
 # --- publish -------------------------------------------------------------------------------------
@@ -182,7 +196,8 @@ def publish_cmd(
     manifest: ManifestOpt = Path("zoo_manifest.yaml"),
     out_root: OutRootOpt = Path("zoo/build"),
     repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo (default: the manifest's).")] = None,
-    private: Annotated[bool, typer.Option("--private")] = False,
+    repo_type: ZooRepoTypeOpt = None,
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private (if it does not exist).")] = False,
     commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit message of each release "
                                                        "(default: '<model_id>/<calibration>: release vN').")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and list what would be published; push "
@@ -200,8 +215,10 @@ def publish_cmd(
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.loader import file_record, pull_release
 
+    check_flags(repo=("--repo", repo))
     zoo = load_manifest(manifest)
     target = repo or zoo.repo
+    kind = repo_type.value if repo_type is not None else zoo.repo_type
     published = []
     for recipe in zoo.pending():
         directory = build_dir(out_root, recipe.model_id, recipe.calibration)
@@ -215,25 +232,25 @@ def publish_cmd(
                 raise InputError(f"{directory}: field '{key}': artifact has '{meta[key]}', the recipe pins "
                                  f"'{getattr(recipe, key)}'; nothing was published")
         if dry_run:
-            plan = _push_plan(directory, target, recipe.calibration)
+            plan = _push_plan(directory, target, recipe.calibration) | {"repo_type": kind}
             published.append(plan)
             if not as_json:
-                print(f"would publish {directory} -> {target} {plan['path_in_repo']} (next free version): "
+                print(f"would publish {directory} -> {kind} repo {target} {plan['path_in_repo']} (next free version): "
                       f"{len(plan['files'])} file(s), {sum(f['size'] for f in plan['files'].values())} bytes")
             continue
         with translate_errors():
             result = push(directory, target, calibration=recipe.calibration, private=private, token=token,
                           endpoint=endpoint(), recipe=json.loads(recipe.model_dump_json()),
-                          commit_message=commit_message)
+                          commit_message=commit_message, repo_type=kind)
             with tempfile.TemporaryDirectory(prefix="oscar-zoo-publish-") as cache:
                 # Read back what the Hub now serves (verified), to record exactly those bytes.
                 pulled = pull_release(recipe.model_id, target, result.commit, calibration=recipe.calibration,
-                                      token=token, cache_dir=cache, endpoint=endpoint())
+                                      token=token, cache_dir=cache, endpoint=endpoint(), repo_type=kind)
                 files = [ReleaseFile(name=n, sha256=e["sha256"], size=e["size"]) for n, e in pulled.record["files"].items()]
                 rec = file_record(pulled.files["release.json"])
                 files.append(ReleaseFile(name="release.json", **rec))
         release = Release(model_id=recipe.model_id, calibration=recipe.calibration,
-                          model_revision=recipe.model_revision, repo=target, version=result.version,
+                          model_revision=recipe.model_revision, repo=target, repo_type=kind, version=result.version,
                           commit=result.commit, files=files, metrics=_metrics(directory))
         append_release(manifest, release)  # after every push: a later failure never loses an earlier release
         published.append(result.as_dict())
@@ -265,28 +282,29 @@ def _push_plan(directory: Path, repo: str, calibration: str) -> dict:
 def list_cmd(
     repo: Annotated[str | None, typer.Option("--repo", help="Zoo repo id ORG/NAME (default: the manifest's).")] = None,
     manifest: ManifestOpt = Path("zoo_manifest.yaml"),
-    repo_type: RepoTypeOpt = RepoType.model,
+    repo_type: ZooRepoTypeOpt = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List the releases a zoo repo holds: one row per version tag (model, calibration, commit, files)."""
     from oscar_calib.manifest import load_manifest
-    from runtime_kernels.loader import check_repo_id
 
+    kind = repo_type.value if repo_type is not None else RepoType.model.value
     if repo is None:
         if not manifest.is_file():
             raise InputError(f"--repo: required (no manifest at {manifest} to take the default repo from)")
-        repo = load_manifest(manifest).repo
+        zoo = load_manifest(manifest)
+        repo, kind = zoo.repo, kind if repo_type is not None else zoo.repo_type
+    check_flags(repo=("--repo", repo))
     with translate_errors():
-        check_repo_id(repo, "--repo")
-        rows = list_releases(repo, repo_type.value, token)
+        rows = list_releases(repo, kind, token)
     if as_json:
-        print(json.dumps({"repo": repo, "releases": rows}, indent=2, sort_keys=True))
+        print(json.dumps({"repo": repo, "repo_type": kind, "releases": rows}, indent=2, sort_keys=True))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{repo}: {len(rows)} release(s)")
+    table = Table(title=f"{repo} ({kind} repo): {len(rows)} release(s)")
     for col in ("version", "model", "calibration", "model revision", "commit", "files", "bytes"):
         table.add_column(col, justify="right" if col in ("files", "bytes") else "left")
     for r in rows:
@@ -303,7 +321,11 @@ def list_releases(repo: str, repo_type: str, token: str | None) -> list[dict]:
     from runtime_kernels.loader import parse_release_record
 
     api = HfApi(endpoint=endpoint(), token=token)
-    refs = api.list_repo_refs(repo, repo_type=repo_type)
+    try:
+        refs = api.list_repo_refs(repo, repo_type=repo_type)
+    except Exception as exc:
+        raise_wrong_repo_type(exc, repo, repo_type, token)
+        raise
     tags = {t.name: t.target_commit for t in refs.tags}
     rows = []
     with tempfile.TemporaryDirectory(prefix="oscar-zoo-list-") as cache:
@@ -317,6 +339,24 @@ def list_releases(repo: str, repo_type: str, token: str | None) -> list[dict]:
                     rows.append({"version": tag, "commit": tags[tag], "path_in_repo": name.rsplit("/", 1)[0],
                                  **{k: record[k] for k in ("model_id", "calibration", "model_revision", "files")}})
     return rows
+
+
+def raise_wrong_repo_type(exc: Exception, repo: str, repo_type: str, token: str | None,
+                          recorded_in: str | None = None) -> None:
+    """After a 'repository not found' from the Hub: a clear error when the repo is the other kind, naming
+    --repo-type, or the manifest field when the type came from `recorded_in` (else return: the caller re-raises)."""
+    from huggingface_hub.utils import RepositoryNotFoundError
+
+    from runtime_kernels.loader import other_repo_type
+
+    if isinstance(exc, RepositoryNotFoundError):
+        wrong = other_repo_type(repo, repo_type, token=token, endpoint=endpoint())
+        if wrong is None:
+            return
+        if recorded_in is None:
+            raise InputError(wrong.flag_message()) from None
+        raise InputError(f"{recorded_in}: field 'repo_type': recorded '{repo_type}', but '{repo}' is a "
+                         f"{wrong.actual} repo on the Hub; record `repo_type: {wrong.actual}`") from None
 
 
 # --- schema --------------------------------------------------------------------------------------
