@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS
+from runtime_kernels.layout import MAX_WINDOW_TOKENS, RECIPE_LAYOUT
 
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
@@ -33,7 +33,7 @@ class DataConfig(_Strict):
     split: str = "train"
     text_column: str = "text"
     samples: int = Field(32, ge=1, description="Number of packed sequences used for statistics.")
-    seq_len: int = Field(1024, ge=8, description="Tokens per packed sequence.")
+    seq_len: int = Field(2048, ge=8, description="Tokens per packed sequence (longer than the recipe's windows).")
     holdout_samples: int = Field(1, ge=1, description="Extra packed sequences held out for fitting clip ratios.")
     holdout_queries: int = Field(256, ge=8, description="Query positions sampled per held-out sequence.")
     seed: int = 0
@@ -57,10 +57,10 @@ class SolverSettings(_Strict):
     center_values: bool = Field(True, description="Subtract the calibrated value mean before quantizing.")
     group_size: Optional[int] = Field(None, description="Quantization group (channels); None = head_dim.")
     scale_dtype: Literal["float16", "ue5m3"] = Field(
-        "float16", description="How the INT2 history stores each group's scale and zero point: fp16 both "
+        "ue5m3", description="How the INT2 history stores each group's scale and zero point: fp16 both "
                                "(32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero point, 16 bits).")
-    sink_tokens: int = Field(DEFAULT_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
-    recent_tokens: int = Field(DEFAULT_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+    sink_tokens: int = Field(RECIPE_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+    recent_tokens: int = Field(RECIPE_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
 
     @field_validator("k_clip_grid", "v_clip_grid")
     @classmethod

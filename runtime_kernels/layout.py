@@ -47,5 +47,9 @@ class CacheLayout:
 
 
 DEFAULT_LAYOUT = CacheLayout()
+# The calibration recipe's windows (`oscar_calib.config.SolverSettings`). With ue5m3 scales the INT2 history costs
+# 2.125 bits per element at head_dim 128, which pays for 128/1024 BF16 windows within the 2.284 bits per element at
+# 128K that fp16 scales cost at 64/256 (2.247 bits). Measured on both fixtures: bench/results/quality/equal_bits_*.
+RECIPE_LAYOUT = CacheLayout(sink_tokens=128, recent_tokens=1024)
 
-__all__ = ["CacheLayout", "DEFAULT_LAYOUT", "MAX_WINDOW_TOKENS"]
+__all__ = ["CacheLayout", "DEFAULT_LAYOUT", "MAX_WINDOW_TOKENS", "RECIPE_LAYOUT"]

@@ -61,7 +61,8 @@ def fake_quant_attention(art):
                                           art.value_mean("original")[i])):
                     for b in range(t.shape[0]):
                         seg = t[b, :, S:S + h].transpose(0, 1) - mu  # [h, H, d]
-                        fq = quant_naive.fake_quantize(seg, rot, clip, art.group_size) + mu
+                        fq = quant_naive.fake_quantize(seg, rot, clip, art.group_size,
+                                                       scale_format=art.scale_format) + mu
                         t[b, :, S:S + h] = fq.transpose(0, 1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -30,9 +30,10 @@ def _one_error_line(err: str) -> bool:
 
 
 def _args(model, data, out, *extra):
-    # seq-len 384: the held-out sequence must be longer than the BF16 windows (checked before the data is read).
+    # seq-len 384 with 64/256 windows: the held-out sequence must be longer than the BF16 windows (checked before
+    # the data is read).
     return ["run", "--model", str(model), "--dataset", str(data), "--out", str(out), "--samples", "2",
-            "--seq-len", "384", *extra]
+            "--seq-len", "384", "--sink", "64", "--recent", "256", *extra]
 
 
 @pytest.fixture

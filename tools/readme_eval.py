@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-
 # Windows that ue5m3 scales (2.125 history bits at d = 128) pay for within fp16-scale 64/256's 2.284 bits at 128K.
 EQUAL_BITS_LAYOUTS = ((64, 256), (128, 1024), (128, 1280))
 

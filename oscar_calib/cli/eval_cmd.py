@@ -65,6 +65,10 @@ def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, s
     return out
 
 
+def _pct(x) -> str:
+    return "n/a" if not isinstance(x, float) else f"{100 * x:.0f}%"
+
+
 def _table(result: dict):
     from rich.table import Table
 
@@ -125,6 +129,7 @@ def eval_cmd(
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
     generation_steps: Annotated[int | None, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip; default 64 on a GPU, 16 on a CPU).")] = None,
     generation_windows: Annotated[int, typer.Option("--generation-windows", help="Windows used for the runtime agreement.")] = 2,
+    probes: Annotated[int | None, typer.Option("--probes", help="Passkey needles placed in the INT2 history, plus a verbatim-recall check through the runtime (0 = skip; default 16 on a GPU, 0 on a CPU).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", help="Windows per forward pass (default: 1 on CPU, 4 on GPU).")] = None,
@@ -168,6 +173,9 @@ def eval_cmd(
     max_windows = _sized(max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
     generation_steps = _sized(generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
     bs = _sized(batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
+    probes = _sized(probes, "--probes", on_gpu, gpu=16, cpu=0)
+    if probes < 0:
+        raise InputError(f"--probes {probes}: expected 0 (skip) or a number of passkey needles")
 
     tokenizer = load_tokenizer(model, revision, False)
     lm = load_model(model, revision, torch_dtype, dev, False)
@@ -224,6 +232,12 @@ def eval_cmd(
         result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps,
                                                               sink=sink, recent=recent)
         _log(f"generation agreement: {result['generation_agreement']}")
+    if probes > 0:
+        from oscar_calib.probes import run_probes
+
+        result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
+                                      probes, sink, recent)
+        _log(f"probes: {json.dumps(result['probes'])}")
     result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                    "seconds": round(time.perf_counter() - t0, 1)})
@@ -249,3 +263,11 @@ def eval_cmd(
                               f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
         elif agree:
             console.print(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")
+        pr = result.get("probes")
+        if pr:
+            for name, r in pr["passkey"].items():
+                console.print(f"{name}: passkey {100 * r['key_token_accuracy']:.0f}% of key tokens, "
+                              f"{100 * r['keys_exact']:.0f}% of {r['needles']} keys exact; verbatim recall "
+                              f"{_pct(pr['verbatim'].get(name))}")
+            if "bf16" not in pr["passkey"]:
+                console.print(f"bf16: verbatim recall {_pct(pr['verbatim'].get('bf16'))}")

@@ -49,6 +49,11 @@ class ValueTarget(str, Enum):
     logit_weighted = "logit_weighted"
 
 
+class ScaleDtype(str, Enum):
+    ue5m3 = "ue5m3"
+    float16 = "float16"
+
+
 class ClipObjective(str, Enum):
     block_out = "block_out"
     out_err = "out_err"
@@ -73,9 +78,12 @@ CenterKeysOpt = Annotated[bool, typer.Option(
 CenterValuesOpt = Annotated[bool, typer.Option(
     "--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")]
 SinkOpt = Annotated[Optional[int], typer.Option(
-    "--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 64).")]
+    "--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 128).")]
 RecentOpt = Annotated[Optional[int], typer.Option(
-    "--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 256).")]
+    "--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 1024).")]
+ScaleDtypeOpt = Annotated[ScaleDtype, typer.Option(
+    "--scale-dtype", help="Per-row scale and zero point of the INT2 history: ue5m3 (8 + 8 bits, 2.125 bits per "
+                          "element at head_dim 128) or float16 (16 + 16 bits, 2.25).")]
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
 
 
@@ -93,7 +101,8 @@ def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tu
 
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
-                    sink: Optional[int], recent: Optional[int], group_size: Optional[int]):
+                    sink: Optional[int], recent: Optional[int], group_size: Optional[int],
+                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 
@@ -102,7 +111,8 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           k_clip_grid=parse_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                           v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
                           key_clip_objective=key_objective.value, group_size=group_size,
-                          center_keys=center_keys, center_values=center_values, **windows)
+                          center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value,
+                          **windows)
 
 
 # The Hub keeps models and datasets in separate namespaces: `org/zoo` may be either, so every command that talks

@@ -24,6 +24,8 @@ from oscar_calib.cli.options import (
     KGridOpt,
     RecentOpt,
     RevisionOpt,
+    ScaleDtype,
+    ScaleDtypeOpt,
     SinkOpt,
     ValueTarget,
     ValueTargetOpt,
@@ -60,12 +62,13 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
 
 
 def _default_samples(demo: bool) -> int:
-    """32 sequences; the demo 8 on the fixture's calibration text, 3 on the small demo text of the random fallback."""
+    """32 sequences; the demo 4 on the fixture's calibration text, 1 on the small demo text of the random fallback
+    (its 4.6K tokens hold one 2048-token sequence and the held-out one)."""
     if not demo:
         return 32
     from oscar_calib.demo import fixture_available
 
-    return 8 if fixture_available() else 3
+    return 4 if fixture_available() else 1
 
 
 @app.command("run", epilog=_EXAMPLES)
@@ -78,7 +81,7 @@ def run(
     split: Annotated[str, typer.Option("--split")] = "train",
     text_column: Annotated[str, typer.Option("--text-column")] = "text",
     samples: Annotated[Optional[int], typer.Option("--samples", help="Packed sequences for statistics (default 32; demo 8).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default 1024; must exceed sink + recent).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default 2048; must exceed sink + recent).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
     granularity: GranularityOpt = Granularity.head,
@@ -88,6 +91,7 @@ def run(
     key_objective: ClipObjectiveOpt = ClipObjective.block_out,
     center_keys: CenterKeysOpt = True,
     center_values: CenterValuesOpt = True,
+    scale_dtype: ScaleDtypeOpt = ScaleDtype.ue5m3,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
     group_size: GroupSizeOpt = None,
@@ -118,9 +122,9 @@ def run(
             data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
                             split=split, text_column=text_column,
                             samples=_default_samples(demo) if samples is None else samples,
-                            seq_len=1024 if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
+                            seq_len=2048 if seq_len is None else seq_len, seed=seed, chat_template=chat_template),
             solver=solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
-                                   center_values, sink, recent, group_size),
+                                   center_values, sink, recent, group_size, scale_dtype),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )

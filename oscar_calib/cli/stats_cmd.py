@@ -23,6 +23,8 @@ from oscar_calib.cli.options import (
     KGridOpt,
     OutDirOpt,
     RecentOpt,
+    ScaleDtype,
+    ScaleDtypeOpt,
     SinkOpt,
     ValueTarget,
     ValueTargetOpt,
@@ -54,6 +56,7 @@ def refit_cmd(
     key_objective: ClipObjectiveOpt = ClipObjective.block_out,
     center_keys: CenterKeysOpt = True,
     center_values: CenterValuesOpt = True,
+    scale_dtype: ScaleDtypeOpt = ScaleDtype.ue5m3,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
     group_size: GroupSizeOpt = None,
@@ -66,7 +69,7 @@ def refit_cmd(
 
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
-                                   center_values, sink, recent, group_size)
+                                   center_values, sink, recent, group_size, scale_dtype)
     except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
         raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):

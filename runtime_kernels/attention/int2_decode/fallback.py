@@ -19,7 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _scale_f32, _softmax_finish, _zero_f32
+from runtime_kernels.attention.int2_decode.common import (
+    _chunk_bounds,
+    _dot,
+    _scale_f32,
+    _softmax_finish,
+    _zero_f32,
+)
 
 
 @triton.jit

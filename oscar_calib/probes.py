@@ -1,0 +1,165 @@
+"""Long-context probes: does a KV method keep what a far-away token said?
+
+Perplexity averages over every position; these two probes ask about one fact placed deep in the INT2 history.
+
+- Passkey retrieval (teacher-forced, any `KVMethod`): a random number follows a fixed phrase at a chosen depth of a
+  window of held-out text, and the same phrase closes the window. Scored: the fraction of the number's tokens the
+  model predicts greedily at the end, and their mean NLL, with the evaluation's three-segment mask (sink | INT2
+  history | recent), so the needle is read from the quantized history whenever its depth puts it there.
+- Verbatim recall through the real runtime (`OscarCache`, or transformers' `DynamicCache` for BF16): a prompt holds
+  a passage; the model first generates `generate` tokens of its own, then is cued with the passage's first tokens
+  and continues greedily. Scored: the fraction of the passage's remaining tokens reproduced exactly.
+
+Shapes: windows are `[N, T]` token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oscar_calib.errors import InputError
+from oscar_calib.evaluate import EvalSession, evaluating
+from oscar_calib.methods import KVMethod
+from runtime_kernels.layout import DEFAULT_LAYOUT
+
+NEEDLE = " The secret pass key is {key}. Remember it: the pass key is {key}."
+QUESTION = " What was the secret pass key? The pass key is"  # + " {key}", the targets
+
+
+@dataclass
+class PasskeyBatch:
+    """Windows `[N, T]` with a needle each; `key_spans[i]` = positions `[a, b)` of the key at the recall (targets)."""
+
+    ids: torch.Tensor
+    key_spans: list[tuple[int, int]]
+    depths: list[float]
+    needle_positions: list[int]
+
+
+def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: int = 0) -> PasskeyBatch:
+    """Overwrite part of each filler window `[N, T]` with a needle at `depths[i % len(depths)]` (fraction of the
+    window) and the question at its end, keeping the length T."""
+    if filler.dim() != 2 or filler.shape[0] == 0:
+        raise InputError(f"passkey: expected filler windows [N, T], got shape {tuple(filler.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    ids, spans, used, positions = [], [], [], []
+    for i, row in enumerate(filler):
+        key = str(int(torch.randint(10000, 100000, (1,), generator=gen)))
+        needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
+        head = tokenizer(QUESTION, add_special_tokens=False).input_ids
+        full = tokenizer(f"{QUESTION} {key}", add_special_tokens=False).input_ids
+        if full[:len(head)] != head:  # the key must start a new token for the targets to be the key alone
+            raise InputError("passkey: this tokenizer merges the question's last word with the key; "
+                             "the probe needs the key to start a new token")
+        t = row.shape[0]
+        depth = depths[i % len(depths)]
+        pos = int(depth * (t - len(full) - len(needle)))
+        if pos + len(needle) > t - len(full):
+            raise InputError(f"passkey: windows of {t} tokens are too short for a needle at depth {depth}")
+        seq = row.clone()
+        seq[pos:pos + len(needle)] = torch.tensor(needle, dtype=seq.dtype)
+        seq[t - len(full):] = torch.tensor(full, dtype=seq.dtype)
+        ids.append(seq)
+        spans.append((t - len(full) + len(head), t))
+        used.append(depth)
+        positions.append(pos)
+    return PasskeyBatch(torch.stack(ids), spans, used, positions)
+
+
+@torch.no_grad()
+def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, sink: int = DEFAULT_LAYOUT.sink_tokens,
+                   recent: int = DEFAULT_LAYOUT.recent_tokens) -> dict:
+    """Greedy accuracy over the key tokens, the fraction of keys entirely right, and the keys' mean NLL."""
+    device = next(model.parameters()).device
+    hits, tokens, exact, nll = 0, 0, 0, 0.0
+    with evaluating(model, EvalSession(method, sink, recent, collect_stats=False)):
+        for i in range(batch.ids.shape[0]):
+            seq = batch.ids[i:i + 1].to(device)
+            logits = model(input_ids=seq, use_cache=False).logits[0].float()
+            a, b = batch.key_spans[i]
+            pred = logits[a - 1:b - 1]  # position j predicts token j + 1
+            target = seq[0, a:b]
+            ok = pred.argmax(dim=-1) == target
+            hits += int(ok.sum())
+            tokens += b - a
+            exact += int(ok.all())
+            nll += float(-torch.log_softmax(pred, dim=-1).gather(-1, target[:, None]).sum())
+    n = batch.ids.shape[0]
+    return {"key_token_accuracy": hits / tokens, "keys_exact": exact / n, "key_nll": nll / tokens, "needles": n}
+
+
+@torch.no_grad()
+def verbatim_recall(model, window: torch.Tensor, passage_start: int, passage_len: int, generate: int, cue: int,
+                    artifact=None, page_size: int = DEFAULT_LAYOUT.page_size) -> float:
+    """Fraction of `window[passage_start + cue : passage_start + passage_len]` reproduced exactly after the prompt
+    `window [T]` (which holds the passage), `generate` free greedy tokens, and the cue `window[passage_start :
+    passage_start + cue]`. `artifact` None = BF16 (`DynamicCache`), else through `OscarCache`."""
+    if not 0 < cue < passage_len or passage_start + passage_len > window.shape[0]:
+        raise InputError(f"verbatim recall: cue {cue} must lie inside a passage of {passage_len} tokens that lies "
+                         f"inside the {window.shape[0]}-token prompt")
+    device = next(model.parameters()).device
+    prompt = window[None].to(device)
+    passage = window[passage_start:passage_start + passage_len].to(device)
+    total = prompt.shape[1] + generate + passage_len + 1
+
+    def run(cache) -> float:
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(generate):
+            tok = logits.argmax(dim=-1, keepdim=True)
+            logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=passage[None, :cue], past_key_values=cache, use_cache=True).logits[:, -1]
+        out = []
+        for _ in range(passage_len - cue):
+            tok = logits.argmax(dim=-1, keepdim=True)
+            out.append(tok)
+            logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        got = torch.cat(out, dim=1)[0]
+        return float((got == passage[cue:]).float().mean())
+
+    if artifact is None:
+        from transformers import DynamicCache
+
+        return run(DynamicCache(config=model.config))
+    from oscar_calib.evaluate import routed_attention
+    from runtime_kernels.hf import ATTENTION_NAME, OscarCache, oscar_attention_forward
+
+    with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
+        cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=total, page_size=page_size,
+                                         allow_other_model=True)  # the caller checked the artifact's model
+        return run(cache)
+
+
+def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windows: torch.Tensor, needles: int,
+               sink: int, recent: int, generate: int = 64, passage: int = 48, cue: int = 8) -> dict:
+    """Both probes on held-out `windows [N, T]`: passkey for every method (needles spread over the INT2 history),
+    verbatim recall for BF16 and each artifact (`name -> OscarArtifact`) on the first window."""
+    t = windows.shape[1]
+    if t <= sink + recent + 64:
+        raise InputError(f"probes: windows of {t} tokens leave no INT2 history past sink {sink} + recent {recent}; "
+                         "use a longer --context or smaller windows")
+    filler = windows[torch.arange(needles) % windows.shape[0]]
+    lo, hi = (sink + 16) / t, 1.0 - (recent + 64) / t  # depths whose needle lies in the INT2 history
+    depths = [lo + (hi - lo) * i / max(needles - 1, 1) for i in range(needles)]
+    batch = passkey_batch(tokenizer, filler, depths, seed=0)
+    out = {"needles": needles, "context": t, "depth_range": [lo, hi], "passkey": {}, "verbatim": {}}
+    for m in methods:
+        out["passkey"][m.name] = passkey_scores(model, m, batch, sink, recent)
+    prompt_len = t - generate - passage - 1
+    start = sink + 32  # the passage sits in the INT2 history of every cache below
+    if start + passage > prompt_len - recent:
+        out["verbatim"] = {"status": "skipped", "reason": f"a {t}-token window leaves no room for the passage "
+                                                           f"in the history (sink {sink}, recent {recent})"}
+        return out
+    win = windows[0, :prompt_len]
+    out["verbatim_setup"] = {"prompt": prompt_len, "passage_start": start, "passage": passage, "cue": cue,
+                             "generate": generate}
+    out["verbatim"]["bf16"] = verbatim_recall(model, win, start, passage, generate, cue)
+    for name, art in artifacts.items():
+        out["verbatim"][name] = verbatim_recall(model, win, start, passage, generate, cue, artifact=art)
+    return out
+
+
+__all__ = ["NEEDLE", "PasskeyBatch", "QUESTION", "passkey_batch", "passkey_scores", "run_probes",
+           "verbatim_recall"]

@@ -1,0 +1,104 @@
+"""Long-context probes (`oscar_calib.probes`) on the trained fixture at a short context: the passkey windows hold
+what they claim, the teacher-forced score equals a plain forward pass for BF16 and falls to 0 for a method that
+forgets its history, and verbatim recall equals an independent greedy loop through `generate()`, and the runtime's
+when its BF16 windows hold the whole sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_calib.demo import FIXTURE_DIR, fixture_available
+from oscar_calib.evaluate import make_windows, read_documents
+from oscar_calib.methods import KVMethod
+from oscar_calib.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
+from runtime_kernels.artifact import identity_artifact
+from runtime_kernels.layout import CacheLayout
+
+pytestmark = pytest.mark.skipif(not fixture_available(), reason="trained fixture not installed")
+SINK, RECENT = 16, 64
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE_DIR)
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE_DIR, dtype=torch.float32).eval()
+    w = make_windows(tok, read_documents(FIXTURE_DIR / "heldout.txt"), 512, 8)
+    return model, tok, torch.cat([w.long, w.packed])[:8]
+
+
+class Forgetful(KVMethod):
+    """Every history key and value read as zero: whatever a needle said is gone."""
+
+    def quantizes(self, layer_idx):
+        return True
+
+    def fake_quantize(self, layer_idx, keys, values, sink=0):
+        return torch.zeros_like(keys, dtype=torch.float32), torch.zeros_like(values, dtype=torch.float32)
+
+
+def test_passkey_windows_hold_the_needle_and_end_with_the_key(lm):
+    model, tok, filler = lm
+    batch = passkey_batch(tok, filler, [0.2, 0.5])
+    assert batch.ids.shape == filler.shape
+    for i, (a, b) in enumerate(batch.key_spans):
+        key = tok.decode(batch.ids[i, a:b]).strip()
+        assert key.isdigit() and len(key) == 5
+        needle = tok.decode(batch.ids[i, batch.needle_positions[i]:batch.needle_positions[i] + 24])
+        assert f"pass key is {key}" in needle
+        assert b == filler.shape[1]
+
+
+def test_passkey_score_of_bf16_is_a_plain_forward_pass_and_a_forgetful_cache_scores_zero(lm):
+    model, tok, filler = lm
+    batch = passkey_batch(tok, filler, [0.2, 0.4, 0.6])
+    got = passkey_scores(model, KVMethod(), batch, SINK, RECENT)
+    with torch.no_grad():
+        logits = model(input_ids=batch.ids, use_cache=False).logits
+    hits = sum(int((logits[i, a - 1:b - 1].argmax(-1) == batch.ids[i, a:b]).sum())
+               for i, (a, b) in enumerate(batch.key_spans))
+    total = sum(b - a for a, b in batch.key_spans)
+    assert got["key_token_accuracy"] == pytest.approx(hits / total)
+    assert got["key_token_accuracy"] >= 0.6  # measured 0.86: the fixture does retrieve at this depth
+    forgot = passkey_scores(model, Forgetful("forgetful"), batch, SINK, RECENT)
+    assert forgot["key_token_accuracy"] < 0.2 and forgot["key_nll"] > got["key_nll"] + 2
+
+
+def _generate_greedy(model, ids, n):
+    out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         pad_token_id=0, eos_token_id=None)
+    return out[:, ids.shape[1]:]
+
+
+def test_verbatim_recall_equals_a_greedy_loop_through_generate(lm):
+    model, _, filler = lm
+    win, start, passage, gen, cue = filler[1, :300], 40, 32, 16, 6
+    got = verbatim_recall(model, win, start, passage, gen, cue)
+    with torch.no_grad():
+        ids = win[None]
+        ids = torch.cat([ids, _generate_greedy(model, ids, gen)], dim=1)
+        ids = torch.cat([ids, win[None, start:start + cue]], dim=1)
+        tail = _generate_greedy(model, ids, passage - cue)[0]
+    assert got == pytest.approx(float((tail == win[start + cue:start + passage]).float().mean()))
+
+
+def test_verbatim_recall_through_the_runtime_equals_bf16_when_the_windows_hold_everything(lm):
+    model, _, filler = lm
+    win, start, passage, gen, cue = filler[2, :300], 40, 32, 16, 6
+    cfg = model.config
+    everything = CacheLayout(sink_tokens=512, recent_tokens=512)
+    art = identity_artifact(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
+                            layout=everything)
+    assert verbatim_recall(model, win, start, passage, gen, cue, artifact=art) == \
+        verbatim_recall(model, win, start, passage, gen, cue)
+
+
+def test_run_probes_refuses_windows_without_a_history(lm):
+    from oscar_calib.errors import InputError
+
+    model, tok, filler = lm
+    with pytest.raises(InputError, match="no INT2 history"):
+        run_probes(model, tok, [KVMethod()], {}, filler, 2, 256, 256)
