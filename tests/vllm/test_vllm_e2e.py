@@ -29,6 +29,8 @@ pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
+from vllm.model_executor.models.utils import extract_layer_index as extract_index  # noqa: E402
+
 from runtime_kernels.layout import DEFAULT_LAYOUT  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "oscar_calib" / "fixtures" / "tiny-qwen3"
@@ -89,7 +91,8 @@ def oscar_fp32(artifact_dir, prompts):
 
 
 def transformers_reference(artifact_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy decoding with transformers + OscarCache (float32, torch kernels, page 64)."""
+    """Greedy decoding with transformers + OscarCache (float32, torch kernels, page 64). Layers the artifact does
+    not calibrate keep transformers' own full-precision cache layer."""
     from transformers import AutoModelForCausalLM
 
     from runtime_kernels import read_artifact
@@ -130,6 +133,58 @@ def test_packed_pages_give_vllm_seven_times_the_bf16_capacity(artifact_dir, osca
     _, bf_blocks = serve(None, "float32", [])
     # float32 K+V is 1024 B per (token, head): INT2 is 14x that; against BF16 (512 B) it is 7.1x.
     assert oscar_blocks >= 12 * bf_blocks, (oscar_blocks, bf_blocks)
+
+
+BUDGET = 32 << 20  # make_llm's kv_cache_memory_bytes
+
+
+def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact_dir, prompts, oscar_fp32):
+    """An artifact for layers 1 and 3 only: layers 0 and 2 run vLLM's own CPU backend on full-precision pages,
+    1 and 3 the INT2 cache, in one block table; vLLM's block count is the budget over the mixed page bytes; the
+    ragged batch equals transformers' OscarCache with the same partial artifact (its uncalibrated layers keep
+    transformers' own cache) and differs from the all-layers artifact (so the comparison sees the layer split)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from runtime_kernels import read_artifact
+    from runtime_kernels.vllm.backend import OscarAttentionBackend
+    from runtime_kernels.vllm.layout import PackedLayout
+
+    calibrated = read_artifact(partial_artifact_dir).layer_ids.tolist()
+    assert calibrated == [1, 3]
+    llm = make_llm(partial_artifact_dir, "float32")
+    vcfg = llm.llm_engine.vllm_config
+    blocks = vcfg.cache_config.num_gpu_blocks
+    layers = {extract_index(name): m for name, m in vcfg.compilation_config.static_forward_context.items()}
+    cell = PackedLayout(128, 128).bytes_per_token_head  # the fixture: d = 128, one group per head
+    page_bytes = 0
+    for idx, m in sorted(layers.items()):
+        kv = m.kv_cache
+        if idx in calibrated:
+            assert m.attn_backend is OscarAttentionBackend
+            assert kv.shape[-1] * kv.element_size() == cell  # packed INT2 cell per (token, KV head)
+            page_bytes += BLOCK * 2 * cell
+        else:
+            assert m.attn_backend is CPUAttentionBackend  # vLLM's own class: its spec, builder and kernels
+            assert kv.dtype == torch.float32 and kv.shape[-1] == 2 * 128  # dense K | V rows
+            page_bytes += BLOCK * 2 * 2 * 128 * 4
+        assert kv.shape[0] == blocks  # one block table for every layer
+    assert blocks == BUDGET // page_bytes, (blocks, BUDGET, page_bytes)
+    results = generate(llm, prompts)
+    del llm, layers
+    gc.collect()
+    full_blocks = oscar_fp32[1]
+    print(f"KV blocks for {BUDGET >> 20} MiB: all layers INT2 {full_blocks}, layers {calibrated} INT2 "
+          f"{blocks}, none (fp32) {BUDGET // (BLOCK * 4 * 2 * 2 * 128 * 4)}")
+    worst, vs_full = 0.0, 0.0
+    for prompt, (tokens, lps, _), (_, full_lps, _) in zip(prompts, results, oscar_fp32[0]):
+        ref_tokens, ref_lps = transformers_reference(partial_artifact_dir, prompt)
+        assert tokens == ref_tokens, (len(prompt), tokens, ref_tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(lps, ref_lps)))
+        vs_full = max(vs_full, max(abs(a - b) for a, b in zip(lps, full_lps)))
+    print(f"partial artifact: max |logprob(vLLM) - logprob(transformers OscarCache)| = {worst:.2e}; "
+          f"vs the all-layers artifact in vLLM: {vs_full:.2e}")
+    assert worst <= LOGPROB_TOL
+    assert vs_full > 10 * LOGPROB_TOL  # the reference would see INT2 in layers 0 and 2 (or their absence)
 
 
 def test_prefix_cache_hit_equals_miss(artifact_dir, prompts):
