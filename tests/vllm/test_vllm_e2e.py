@@ -61,9 +61,9 @@ def make_llm(artifact: Path | None, dtype: str, prefix_caching: bool = False, **
                additional_config=extra, seed=0, **engine)
 
 
-def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], int]]:
+def generate(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[tuple[list[int], list[float], int]]:
     """(greedy token ids, their logprobs, prompt tokens served from the prefix cache) per prompt."""
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
     for o in outs:
@@ -210,6 +210,69 @@ def test_prefix_cache_hit_equals_miss(artifact_dir, prompts):
     diff = max(abs(a - b) for a, b in zip(hit[1], miss[1]))
     print(f"prefix hit vs one-shot miss: max |logprob diff| = {diff:.2e}")
     assert diff <= 5e-2
+
+
+def preemptions(llm: LLM) -> float:
+    """vLLM's own count of preempted requests (its Prometheus counter; needs disable_log_stats=False)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_preemption_and_recompute_equal_an_uninterrupted_run(artifact_dir, monkeypatch):
+    """Three requests of 400-440 tokens (7 blocks each, INT2 history already in use) growing by 48 tokens in 22
+    KV blocks: they all start, then need 23, so vLLM preempts (its scheduler counts it, and a spy on its
+    `_preempt_request` records how many tokens the request had generated) and recomputes the request later: a
+    prefill over its prompt and the k tokens it had generated, into blocks other requests used (their window
+    entries reset at the row-0 writes). Against a run with enough blocks (no preemption): greedy tokens equal;
+    before the preemption point logprobs agree (same computation); after it, the tail equals that run's greedy
+    continuation of prompt + those k tokens (what recompute means), and differs from the uninterrupted tail by
+    the recompute effect only (its k tokens come through a full-precision prefill instead of the decode steps)."""
+    from transformers import AutoTokenizer
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    ids = AutoTokenizer.from_pretrained(FIXTURE)((FIXTURE / "heldout.txt").read_text())["input_ids"]
+    batch = [ids[2000:2400], ids[3000:3420], ids[4000:4440]]
+    new_tokens = 48
+    preempted_at: dict[int, int] = {}  # prompt length -> tokens generated when last preempted
+    preempt = Scheduler._preempt_request
+
+    def spy(self, request, *args, **kwargs):
+        preempted_at[len(request.prompt_token_ids)] = request.num_output_tokens
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", spy)
+    llm = make_llm(artifact_dir, "float32", num_gpu_blocks_override=22, disable_log_stats=False)
+    assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 22
+    before = preemptions(llm)
+    tight = generate(llm, batch, max_new=new_tokens)
+    counted = preemptions(llm) - before
+    del llm
+    gc.collect()
+    assert counted >= 1 and preempted_at, (counted, preempted_at)
+
+    llm = make_llm(artifact_dir, "float32", disable_log_stats=False)
+    before = preemptions(llm)
+    roomy = generate(llm, batch, max_new=new_tokens)
+    cut = {i: preempted_at[len(p)] for i, p in enumerate(batch) if len(p) in preempted_at}
+    tails = {i: generate(llm, [batch[i] + tight[i][0][:k]], max_new=new_tokens - k)[0] for i, k in cut.items()
+             if k < new_tokens}
+    assert preemptions(llm) == before  # the reference never preempted
+    assert tails, cut  # a request was preempted before its last token: there is a recomputed tail to check
+    del llm
+    gc.collect()
+    same, tail_err, effect = 0.0, 0.0, 0.0
+    for i, ((tokens, lps, _), (ref_tokens, ref_lps, _)) in enumerate(zip(tight, roomy)):
+        assert tokens == ref_tokens, i
+        k = cut.get(i, new_tokens)
+        same = max([same] + [abs(a - b) for a, b in zip(lps[:k], ref_lps[:k])])
+        if i in tails:
+            assert tokens[k:] == tails[i][0]
+            tail_err = max([tail_err] + [abs(a - b) for a, b in zip(lps[k:], tails[i][1])])
+            effect = max([effect] + [abs(a - b) for a, b in zip(lps[k:], ref_lps[k:])])
+    print(f"preemptions {counted:.0f} at {preempted_at}; max |logprob diff| vs the uninterrupted run before the "
+          f"preemption point {same:.2e}, after it {effect:.2e}; tail vs the continuation of prompt + k "
+          f"{tail_err:.2e}")
+    assert same <= LOGPROB_TOL and tail_err <= LOGPROB_TOL
+    assert effect <= 5e-2  # the chunked-prefill effect (test_prefix_cache_hit_equals_miss)
 
 
 def test_wrong_artifact_refused_before_first_request(tmp_path):
