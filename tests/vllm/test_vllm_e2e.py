@@ -142,7 +142,8 @@ def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact
     """An artifact for layers 1 and 3 only: layers 0 and 2 run vLLM's own CPU backend on full-precision pages,
     1 and 3 the INT2 cache, in one block table; vLLM's block count is the budget over the mixed page bytes; the
     ragged batch equals transformers' OscarCache with the same partial artifact (its uncalibrated layers keep
-    transformers' own cache) and differs from the all-layers artifact (so the comparison sees the layer split)."""
+    transformers' own cache) and differs from the all-layers artifact (so the comparison sees the layer split);
+    layer 0's cache bytes equal those of a run without the plugin entry."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from runtime_kernels import read_artifact
@@ -170,8 +171,20 @@ def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact
         assert kv.shape[0] == blocks  # one block table for every layer
     assert blocks == BUDGET // page_bytes, (blocks, BUDGET, page_bytes)
     results = generate(llm, prompts)
+    used = sum(-(-(len(p) + MAX_NEW) // BLOCK) for p in prompts)  # blocks 1..used (0 is vLLM's null block)
+    first_layer = layers[0].kv_cache[:used + 1].clone()
     del llm, layers
     gc.collect()
+    # Layer 0 sees only the embeddings: without OSCAR in front of it, its cache is vLLM's own, byte for byte.
+    plain = make_llm(None, "float32")
+    plain_tokens = [r[0] for r in generate(plain, prompts)]
+    plain_first = plain.llm_engine.vllm_config.compilation_config.static_forward_context[
+        "model.layers.0.self_attn.attn"].kv_cache[:used + 1].clone()
+    del plain
+    gc.collect()
+    assert plain_tokens == [r[0] for r in results]  # so both runs wrote the same tokens into the same blocks
+    assert int((first_layer.flatten(1).abs().sum(1) > 0).sum()) == used
+    assert torch.equal(first_layer, plain_first)
     full_blocks = oscar_fp32[1]
     print(f"KV blocks for {BUDGET >> 20} MiB: all layers INT2 {full_blocks}, layers {calibrated} INT2 "
           f"{blocks}, none (fp32) {BUDGET // (BLOCK * 4 * 2 * 2 * 128 * 4)}")
