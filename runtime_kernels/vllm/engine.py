@@ -51,20 +51,22 @@ def window_blocks_per_request(layout: CacheLayout) -> int:
 class WindowStore:
     """Full-precision rotated rows of the blocks in a window, keyed by physical block id, for every layer.
 
-    Tensors: `k[layer]`, `v[layer]` `[capacity, H, P, d]` in the model dtype. A window block is valid for the
+    Tensors: `k[layer]`, `v[layer]` `[capacity + 1, H, P, d]` in the model dtype. A window block is valid for the
     rows `[0, rows[slot])` written in order since the block's last row-0 write (a block rewritten from row 0
     belongs to new content: vLLM reallocated it). Slots are reclaimed least recently used first, never one
-    pinned by the step being planned. Missing rows are read from the block's INT2 bytes instead.
+    pinned by the step being planned. Missing rows are read from the block's INT2 bytes instead. One extra slot
+    (`scratch`, index `capacity`) takes the padded tokens of a static step.
     """
 
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         if capacity < 1:
             raise ValueError(f"capacity: expected at least 1 window block, got {capacity}")
-        shape = (capacity, num_kv_heads, block_size, head_dim)
+        shape = (capacity + 1, num_kv_heads, block_size, head_dim)  # + the scratch slot, never handed out
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
+        self.scratch = capacity  # where the padded tokens of a static step write (and read) their window row
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # physical block -> slot, least recent first
         self.rows = [0] * capacity  # valid rows of each slot (-1: written out of order, never readable)
         self._free = list(range(capacity - 1, -1, -1))
@@ -165,10 +167,78 @@ class StepPlan:
     win_width: int
     whole_pages: bool = True
     prefills: list[tuple[RequestStep, SegmentIndex]] = field(default_factory=list)
+    slot_ids: torch.Tensor | None = None  # [Bd] rows of the window gather (None: arange, allocated per layer)
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None  # preallocated K, V window gathers (static steps)
 
 
 def _long(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+NULL_BLOCK = 0  # vLLM's null block: block 0 of the pool is never handed to a request; padded tokens write there
+
+
+class StaticStep:
+    """Preallocated metadata of a decode-only step of up to `max_tokens` requests, filled in place each step, so
+    every tensor the layers read keeps its address and shape (what CUDA graph capture needs; the eager `plan`
+    allocates fresh tensors instead). Host work per step: the bookkeeping and one copy per buffer.
+
+    Buffers (T = max_tokens, M = max_pages, W = sink + recent + P - 1 window rows, H KV heads, d head_dim):
+    write_pages/write_rows/write_slots int64 `[T]`; decode_tokens, slot_ids `[T]` (0..T-1, constant);
+    block_table int32 `[T, M]`; hist_len, win_len int32 `[T]`; win_slots/win_rows/win_batch/win_pos int64
+    `[T * W]` (unused entries gather the scratch slot into the spare row T); gather K, V `[T + 1, H, W, d]`.
+    """
+
+    def __init__(self, max_tokens: int, max_pages: int, layout: CacheLayout, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if max_tokens < 1 or max_pages < 1:
+            raise ValueError(f"max_tokens, max_pages: expected >= 1, got {max_tokens}, {max_pages}")
+        self.max_tokens, self.max_pages = int(max_tokens), int(max_pages)
+        self.win_width = layout.sink_tokens + layout.recent_tokens + layout.page_size - 1
+        t, w, dev = self.max_tokens, self.win_width, device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.write_pages, self.write_rows, self.write_slots = (torch.zeros(t, **i64) for _ in range(3))
+        self.decode_tokens = torch.arange(t, **i64)
+        self.slot_ids = torch.arange(t, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(t, self.max_pages, dtype=torch.int32, device=dev)
+        self.hist_len = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.win_len = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.win_slots, self.win_rows, self.win_batch, self.win_pos = (torch.zeros(t * w, **i64) for _ in range(4))
+        self.gather = tuple(torch.zeros(t + 1, num_kv_heads, w, head_dim, dtype=dtype, device=dev)
+                            for _ in range(2))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer by name (tests check their addresses stay put)."""
+        names = ("write_pages", "write_rows", "write_slots", "decode_tokens", "slot_ids", "block_table",
+                 "hist_len", "win_len", "win_slots", "win_rows", "win_batch", "win_pos")
+        return {**{n: getattr(self, n) for n in names}, "gather_k": self.gather[0], "gather_v": self.gather[1]}
+
+    def fill(self, n: int, pages, rows, slots, tables, hist, window, win_len, scratch: int) -> None:
+        """Copy one step's host lists (`n` tokens, padding included) into the buffers: one copy per buffer.
+        Window entries past the step's own gather the scratch slot into the spare row (never read)."""
+        def put(buf, values):
+            buf[:len(values)].copy_(torch.tensor(values, dtype=buf.dtype))
+
+        for buf, values in ((self.write_pages, pages), (self.write_rows, rows), (self.write_slots, slots),
+                            (self.hist_len, hist), (self.win_len, win_len)):
+            put(buf, values)
+        m = self.max_pages
+        put(self.block_table, [t + [0] * (m - len(t)) for t in tables] + [[0] * m] * (n - len(tables)))
+        used = len(window[0])
+        for buf, values, unused in zip((self.win_slots, self.win_rows, self.win_batch, self.win_pos), window,
+                                       (scratch, 0, self.max_tokens, 0)):
+            put(buf, values)
+            buf[used:].fill_(unused)
+
+    def plan(self, n: int) -> StepPlan:
+        """The StepPlan of the filled step: fixed views (`[:n]` of the token buffers, whole window lists)."""
+        return StepPlan(
+            num_tokens=n, write_pages=self.write_pages[:n], write_rows=self.write_rows[:n],
+            write_slots=self.write_slots[:n], decode_tokens=self.decode_tokens[:n],
+            block_table=self.block_table[:n], hist_len=self.hist_len[:n], win_slots=self.win_slots,
+            win_rows=self.win_rows, win_batch=self.win_batch, win_pos=self.win_pos, win_len=self.win_len[:n],
+            win_width=self.win_width, whole_pages=False, slot_ids=self.slot_ids[:n],
+            gather=self.gather)
 
 
 class OscarEngine:
@@ -238,20 +308,20 @@ class OscarEngine:
         order = [i if k == 0 else len(ws) + i for k, i in kinds]
         return ws, wr, ip, ir, order
 
-    def plan(self, requests: list[RequestStep]) -> StepPlan:
-        """Book the step: window slots for the new tokens, and where each request reads its cache from."""
-        p, dev, store = self.layout.page_size, self.device, self.windows
+    def _check_blocks(self, requests: list[RequestStep]) -> set[int]:
+        """Raise on a request without enough blocks; return the step's blocks (pinned: never reclaimed now)."""
+        p = self.layout.page_size
         for r in requests:
-            need = -(-r.n_new // p)
-            if len(r.blocks) < need:
+            if len(r.blocks) < -(-r.n_new // p):
                 raise ValueError(f"blocks: request at q_start={r.q_start} has {len(r.blocks)} blocks for "
                                  f"{r.n_new} tokens (block size {p})")
         pinned = {b for r in requests for b in r.blocks[:-(-r.n_new // p)]}
-        store.touch(pinned)
-        # Reads first (they see the cache before this step's writes; writes only touch positions >= n_old).
-        decode, prefills = [], []
-        for r in requests:
-            (decode if r.q_len == 1 and r.n_old > 0 else prefills).append(r)
+        self.windows.touch(pinned)
+        return pinned
+
+    def _book_writes(self, requests: list[RequestStep], pinned: set[int]) -> tuple[list, list, list]:
+        """(INT2 blocks, rows, window slots) of every new token, in token order; window slots are booked."""
+        p, store = self.layout.page_size, self.windows
         pages, rows, slots = [], [], []
         for r in requests:
             for pos in range(r.n_old, r.n_new):
@@ -259,7 +329,12 @@ class OscarEngine:
                 pages.append(block)
                 rows.append(row)
                 slots.append(store.slot_for_write(block, row, pinned))
-        # Decode reads the state after its write: sink and recent BF16 (one token later), history INT2.
+        return pages, rows, slots
+
+    def _decode_reads(self, decode: list[RequestStep]):
+        """Where each decode request reads (the state after its write): INT2 tables and history lengths, and
+        the window rows `(slot, row) -> (batch, pos)` with per-request window lengths."""
+        p, store = self.layout.page_size, self.windows
         tables, hist, win_s, win_r, win_b, win_p, win_len = [], [], [], [], [], [], []
         s_blocks = self.layout.sink_tokens // p
         for i, r in enumerate(decode):
@@ -290,6 +365,19 @@ class OscarEngine:
                 table.append(partial[0])
             tables.append(table)
             win_len.append(count)
+        return tables, hist, win_s, win_r, win_b, win_p, win_len
+
+    def plan(self, requests: list[RequestStep]) -> StepPlan:
+        """Book the step: window slots for the new tokens, and where each request reads its cache from."""
+        p, dev = self.layout.page_size, self.device
+        pinned = self._check_blocks(requests)
+        # Reads first (they see the cache before this step's writes; writes only touch positions >= n_old).
+        decode, prefills = [], []
+        for r in requests:
+            (decode if r.q_len == 1 and r.n_old > 0 else prefills).append(r)
+        pages, rows, slots = self._book_writes(requests, pinned)
+        # Decode reads the state after its write: sink and recent BF16 (one token later), history INT2.
+        tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(decode)
         width = max([1] + [len(t) for t in tables])
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
                                    device=dev)[:len(tables)]
@@ -305,6 +393,34 @@ class OscarEngine:
             win_slots=_long(win_s, dev), win_rows=_long(win_r, dev), win_batch=_long(win_b, dev),
             win_pos=_long(win_p, dev), win_len=torch.tensor(win_len, dtype=torch.int32, device=dev),
             win_width=max([1] + win_len), whole_pages=all(h % p == 0 for h in hist), prefills=prefill_plans)
+
+    def plan_static(self, requests: list[RequestStep], num_tokens: int, bufs: StaticStep) -> StepPlan:
+        """Book a decode-only step into `bufs` in place (what a captured CUDA graph replays): the same
+        bookkeeping as `plan`, every tensor of the returned plan a fixed view of `bufs`, shapes independent of
+        the batch. Token t < len(requests) is request t's new token (q_start == t); tokens
+        `[len(requests), num_tokens)` are padding: they write block `NULL_BLOCK` row 0 and the window scratch
+        slot, and read one window row (finite outputs, discarded by the caller).
+
+        Raises ValueError naming `requests` (not decode-only, or out of token order) or `num_tokens`."""
+        if not max(1, len(requests)) <= num_tokens <= bufs.max_tokens:
+            raise ValueError(f"num_tokens: expected {max(1, len(requests))} .. {bufs.max_tokens} (the requests, "
+                             f"up to the static buffers' size), got {num_tokens}")
+        for t, r in enumerate(requests):
+            if r.q_len != 1 or r.n_old < 1 or r.q_start != t:
+                raise ValueError(f"requests: a static step is decode-only with token t for request t; request {t} "
+                                 f"has q_start={r.q_start}, q_len={r.q_len}, n_old={r.n_old}")
+        pinned = self._check_blocks(requests)
+        pages, rows, slots = self._book_writes(requests, pinned)
+        tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(requests)
+        if any(len(t) > bufs.max_pages for t in tables):
+            raise ValueError(f"requests: a history of more than max_pages={bufs.max_pages} blocks")
+        pad, scratch = num_tokens - len(requests), self.windows.scratch
+        # padded token i reads one window row: row 0 of the scratch slot, gathered into its own row i
+        win_s, win_r = win_s + [scratch] * pad, win_r + [0] * pad
+        win_b, win_p = win_b + list(range(len(requests), num_tokens)), win_p + [0] * pad
+        bufs.fill(num_tokens, pages + [NULL_BLOCK] * pad, rows + [0] * pad, slots + [scratch] * pad, tables,
+                  hist + [0] * pad, (win_s, win_r, win_b, win_p), win_len + [1] * pad, scratch)
+        return bufs.plan(num_tokens)
 
     # -- per layer -------------------------------------------------------------------------------------------
     def local_index(self, layer_idx: int) -> int:
@@ -349,13 +465,18 @@ class OscarEngine:
     def _decode(self, li, plan: StepPlan, pools, win_k, win_v, q, sm_scale) -> torch.Tensor:
         """Decode queries `[Bd, H_q, d]` -> `[Bd, H_q, d]` fp32 (model basis), as `PagedKVCache.decode_attention`."""
         bd = q.shape[0]
-        kw = torch.zeros(bd, self.num_kv_heads, plan.win_width, self.head_dim, dtype=self.dtype, device=q.device)
-        vw = torch.zeros_like(kw)
+        if plan.gather is not None:  # static step: the buffers are reused, rows past win_len are never read
+            kw, vw = plan.gather
+        else:
+            kw = torch.zeros(bd, self.num_kv_heads, plan.win_width, self.head_dim, dtype=self.dtype,
+                             device=q.device)
+            vw = torch.zeros_like(kw)
         if plan.win_slots.numel():
             kw[plan.win_batch, :, plan.win_pos] = win_k[plan.win_slots, :, plan.win_rows]
             vw[plan.win_batch, :, plan.win_pos] = win_v[plan.win_slots, :, plan.win_rows]
         q_rot = attn_api.rotate_queries(q.float(), self.k_rotation[li]).to(self.dtype)
-        slots = torch.arange(bd, dtype=torch.int32, device=q.device)
+        slots = plan.slot_ids if plan.slot_ids is not None else torch.arange(bd, dtype=torch.int32,
+                                                                             device=q.device)
         o, _ = attn_api.decode_attention(q_rot, pools.k_codes, pools.k_scale, pools.k_zero, pools.v_codes,
                                          pools.v_scale, pools.v_zero, plan.block_table, plan.hist_len, kw, vw,
                                          slots, plan.win_len, sm_scale=sm_scale, backend=self.backend,
@@ -394,5 +515,5 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
     return o.transpose(0, 1)
 
 
-__all__ = ["OscarEngine", "RequestStep", "SegmentIndex", "StepPlan", "WindowStore", "history_tokens",
-           "window_blocks_per_request"]
+__all__ = ["NULL_BLOCK", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
+           "history_tokens", "window_blocks_per_request"]

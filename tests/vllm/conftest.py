@@ -24,3 +24,16 @@ def artifact_dir(tmp_path_factory) -> Path:
     cli = Path(sys.executable).with_name("oscar-calib")
     subprocess.run([str(cli), "run", "--out", str(out)], check=True, capture_output=True)
     return out
+
+
+
+@pytest.fixture(scope="session")
+def partial_artifact_dir(artifact_dir, tmp_path_factory) -> Path:
+    """The fixture's artifact restricted to layers 1 and 3 (0 and 2, the first among them, keep vLLM's / transformers'
+    own cache), written through the artifact API."""
+    from runtime_kernels.artifact import read_artifact, write_artifact
+    from runtime_kernels.vllm.config import restrict_layers
+
+    out = tmp_path_factory.mktemp("partial") / "tiny-partial"
+    write_artifact(restrict_layers(read_artifact(artifact_dir), [1, 3]), out)
+    return out

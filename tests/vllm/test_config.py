@@ -7,7 +7,7 @@ import torch
 
 from runtime_kernels import identity_artifact, write_artifact
 from runtime_kernels.artifact import ArtifactError
-from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
+from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config, restrict_layers
 
 
 def test_absent_entry_means_plugin_off():
@@ -29,6 +29,9 @@ def test_valid_entries():
     ({"path": "a", "pth": "b"}, r"additional_config\.oscar\.pth: Extra inputs are not permitted"),
     ({"path": "a", "kernel_backend": "cuda"}, r"additional_config\.oscar\.kernel_backend"),
     ({"path": "a", "window_reserve": 0.5}, r"'window_reserve' must be >= 1"),
+    ({"path": "a", "layers": []}, r"'layers' must be a non-empty list"),
+    ({"path": "a", "layers": [1, 1]}, r"'layers' must be a non-empty list of distinct"),
+    ({"path": "a", "layers": ["x"]}, r"additional_config\.oscar\.layers\.0"),
 ])
 def test_malformed_entries_name_the_field(entry, message):
     with pytest.raises(ValueError, match=message):
@@ -50,3 +53,25 @@ def test_artifact_checked_against_the_model(tmp_path):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "bad")), model)
     with pytest.raises(Exception, match="no local artifact"):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "missing")), model)
+
+
+def test_layers_restrict_the_artifact_to_their_rows(tmp_path):
+    """`layers` keeps exactly the artifact rows of those layers (tensors sliced, not recomputed); a layer the
+    artifact does not calibrate is refused naming the field."""
+    from transformers import Qwen3Config
+
+    model = Qwen3Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        hidden_size=128)
+    art = identity_artifact(3, 2, 4, 32, layer_ids=[0, 2, 3])
+    art.k_clip_ratio = torch.tensor([[0.9, 0.8], [0.7, 0.6], [0.55, 0.5]])  # one distinct row per layer
+    write_artifact(art.validate(), tmp_path / "a")
+    cfg = OscarServeConfig(path=str(tmp_path / "a"), layers=[3, 0])
+    sub = load_checked_artifact(cfg, model)
+    assert sub.layer_ids.tolist() == [0, 3]
+    assert torch.equal(sub.k_clip_ratio, torch.tensor([[0.9, 0.8], [0.55, 0.5]]))
+    assert sub.k_rotation.shape == (2, 2, 32, 32) and sub.k_mean.shape == (2, 2, 32)
+    with pytest.raises(ValueError, match=r"additional_config\.oscar\.layers: .*field 'layer_ids': layers \[1\] "
+                                         r"are not calibrated"):
+        load_checked_artifact(OscarServeConfig(path=str(tmp_path / "a"), layers=[1, 2]), model)
+    with pytest.raises(Exception, match="field 'layer_ids'"):
+        restrict_layers(art, [5])

@@ -12,7 +12,14 @@ import torch
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.layout import CacheLayout
-from runtime_kernels.vllm.engine import OscarEngine, RequestStep, _causal_attention, history_tokens
+from runtime_kernels.vllm.engine import (
+    NULL_BLOCK,
+    OscarEngine,
+    RequestStep,
+    StaticStep,
+    _causal_attention,
+    history_tokens,
+)
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
 S, R, P = 8, 16, 8  # sink / recent / page (= vLLM block) small enough that 60 tokens use every segment
@@ -39,11 +46,13 @@ def random_artifact(num_layers=2, seed=0, centered=False):
 class FakeVllm:
     """Blocks handed out like vLLM's allocator (ids not in token order), one packed layer cache per layer."""
 
-    def __init__(self, engine: OscarEngine, num_layers: int, num_blocks: int = 64):
+    def __init__(self, engine: OscarEngine, num_layers: int, num_blocks: int = 64, null_block: bool = False):
         cell = PackedLayout(D, G).bytes_per_token_head
         self.caches = [torch.zeros(num_blocks, H, P, cell, dtype=torch.uint8) for _ in range(num_layers)]
         self.free = list(range(num_blocks))[::-1]
         self.free = self.free[1::2] + self.free[0::2]  # interleaved ids: physical order != logical order
+        if null_block:  # like vLLM: block 0 is never handed to a request
+            self.free.remove(NULL_BLOCK)
         self.engine = engine
 
     def blocks_for(self, have: list[int], n: int) -> list[int]:
@@ -222,6 +231,89 @@ def test_engine_refuses_bad_geometry():
         engine.plan([RequestStep(0, 20, 0, [0])])
     with pytest.raises(KeyError, match="layer 7: not calibrated"):
         engine.local_index(7)
+
+
+def static_vs_eager(backend: str, dtype=torch.bfloat16, decode_steps: int = 20):
+    """The same ragged decode steps (1 to 3 requests, padded to 4 tokens) planned into `StaticStep` buffers by one
+    engine and by the eager `plan` by another. Returns (worst output difference, engines, fakes, buffer addresses
+    seen at every static step)."""
+    art = random_artifact(seed=13)
+    gen = torch.Generator().manual_seed(14)
+    eager, static = (OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend=backend) for _ in range(2))
+    fakes = [FakeVllm(e, art.num_layers, null_block=True) for e in (eager, static)]
+    bufs = StaticStep(4, 8, LAYOUT, H, D, dtype)
+    lens = {"a": 37, "b": 26, "c": 30}  # a already has INT2 history; b and c get theirs while decoding
+    blocks = [{n: f.blocks_for([], t) for n, t in lens.items()} for f in fakes]
+    prompt = [(rand(gen, 93, HQ, D, dtype=dtype), rand(gen, 93, H, D, dtype=dtype), rand(gen, 93, H, D, dtype=dtype))
+              for _ in range(art.num_layers)]
+    first = [RequestStep(0, 37, 0, None), RequestStep(37, 26, 0, None), RequestStep(63, 30, 0, None)]
+    for engine, fake, mine in zip((eager, static), fakes, blocks):
+        step(engine, fake, prompt, [RequestStep(r.q_start, r.q_len, 0, b) for r, b in zip(first, mine.values())])
+    batches = [("a", "b", "c"), ("a",), ("c", "b"), ("b",), ("a", "c")]
+    worst, addresses = 0.0, []
+    for i in range(decode_steps):
+        names = batches[i % len(batches)]
+        inputs = [(rand(gen, 4, HQ, D, dtype=dtype), rand(gen, 4, H, D, dtype=dtype), rand(gen, 4, H, D, dtype=dtype))
+                  for _ in range(art.num_layers)]
+        reqs = []
+        for mine, fake in zip(blocks, fakes):
+            reqs.append([RequestStep(t, 1, lens[n], fake.blocks_for(mine[n], lens[n] + 1)) for t, n in enumerate(names)])
+        m = len(names)
+        out_eager = step(eager, fakes[0], [(q[:m], k[:m], v[:m]) for q, k, v in inputs], reqs[0])
+        plan = static.plan_static(reqs[1], 4, bufs)
+        assert plan.block_table.data_ptr() == bufs.block_table.data_ptr() and plan.gather is bufs.gather
+        addresses.append({n: (t.data_ptr(), tuple(t.shape)) for n, t in bufs.tensors().items()})
+        for layer, (q, k, v) in enumerate(inputs):
+            out = torch.empty_like(q)
+            static.forward(layer, plan, fakes[1].caches[layer], q, k, v, SCALE, out)
+            assert torch.isfinite(out).all()  # padded tokens read the scratch row: finite, and discarded
+            worst = max(worst, (out[:m].float() - out_eager[layer].float()).abs().max().item())
+        for n in names:
+            lens[n] += 1
+    return worst, (eager, static), fakes, addresses, lens
+
+
+def test_static_step_reuses_its_buffers_and_equals_the_eager_plan():
+    """Decode steps planned in place into preallocated buffers (what CUDA graph capture needs: the same tensors at
+    the same addresses every step, shapes independent of the batch; padding writes only vLLM's null block and the
+    window scratch slot) give the eager plan's outputs bit for bit and the same cache bytes and windows."""
+    worst, (eager, static), fakes, addresses, lens = static_vs_eager("torch")
+    assert worst == 0.0
+    assert all(a == addresses[0] for a in addresses)
+    assert min(lens.values()) >= S + R + P  # every request ends with INT2 history
+    for a, b in zip(fakes[0].caches, fakes[1].caches):
+        keep = torch.ones(a.shape[0], dtype=torch.bool)
+        keep[NULL_BLOCK] = False
+        assert torch.equal(a[keep], b[keep])
+    cap = eager.windows.capacity
+    for a, b in zip(eager.windows.k + eager.windows.v, static.windows.k + static.windows.v):
+        assert torch.equal(a[:cap], b[:cap])
+    assert eager.windows.slot_of == static.windows.slot_of
+
+
+@pytest.mark.interpreter
+def test_static_step_triton_path_equals_the_eager_plan():
+    """The Triton (CUDA) kernels on the static buffers (padded batch, spare gather row, partial-page masking kept
+    on): the eager plan's outputs, under the interpreter."""
+    worst, _, fakes, addresses, _ = static_vs_eager("triton", decode_steps=3)
+    print(f"triton: static vs eager plan, max |output difference| = {worst:.2e}")
+    assert all(a == addresses[0] for a in addresses)
+    assert worst == 0.0  # measured identical, though the eager plan takes the whole-page variant and this one masks
+
+
+def test_static_step_refuses_what_it_cannot_replay():
+    art = random_artifact(seed=15)
+    engine = OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, layout=LAYOUT, backend="torch")
+    bufs = StaticStep(2, 8, LAYOUT, H, D, torch.bfloat16)
+    blocks = [1, 2, 3]
+    with pytest.raises(ValueError, match="requests: a static step is decode-only.*q_len=5"):
+        engine.plan_static([RequestStep(0, 5, 10, blocks)], 2, bufs)
+    with pytest.raises(ValueError, match="requests: .*request 1 has q_start=0"):
+        engine.plan_static([RequestStep(0, 1, 10, blocks), RequestStep(0, 1, 10, blocks)], 2, bufs)
+    with pytest.raises(ValueError, match=r"num_tokens: expected 1 .. 2 .*got 3"):
+        engine.plan_static([RequestStep(0, 1, 10, blocks)], 3, bufs)
+    with pytest.raises(ValueError, match="max_tokens, max_pages"):
+        StaticStep(0, 8, LAYOUT, H, D, torch.bfloat16)
 
 
 @pytest.mark.interpreter

@@ -49,6 +49,24 @@ def test_pinned_vllm_surface():
     assert replace(spec, state_content_bytes=72).page_size_bytes == 64 * 2 * 72
 
 
+def test_pinned_surface_for_uncalibrated_layers():
+    """What routing uncalibrated layers to vLLM's own backend relies on (docs/vllm.md section 4): the runner asks
+    each layer's `get_attn_backend()` (the `attn_backend` attribute the plugin sets), the impl has the
+    `process_weights_after_loading` hook, and full-attention specs of different page sizes form one
+    `UniformTypeKVCacheSpecs` whose block costs the sum of the layers' pages."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    assert "return self.attn_backend" in inspect.getsource(Attention.get_attn_backend)
+    assert "self.impl.process_weights_after_loading" in inspect.getsource(Attention.process_weights_after_loading)
+    assert "process_weights_after_loading" in dir(CPUAttentionBackendImpl)
+    dense = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    packed = replace(dense, state_content_bytes=72)
+    mixed = UniformTypeKVCacheSpecs.from_specs({"l0": dense, "l1": packed, "l2": dense})
+    assert mixed is not None and mixed.page_size_bytes == 64 * 2 * (512 + 72 + 512)
+
+
 @pytest.mark.skipif("CUSTOM" not in KVQuantMode.__members__, reason="vLLM < 0.33: no KVQuantMode.CUSTOM")
 def test_033_custom_quant_mode_is_an_alias_and_dtype_registered():
     """0.33: CUSTOM has OCTAVE_K3V4's value, so it *is* that member (and `is_octave` holds for it): the plugin

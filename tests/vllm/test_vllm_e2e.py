@@ -29,6 +29,8 @@ pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
+from vllm.model_executor.models.utils import extract_layer_index as extract_index  # noqa: E402
+
 from runtime_kernels.layout import DEFAULT_LAYOUT  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "oscar_calib" / "fixtures" / "tiny-qwen3"
@@ -59,9 +61,9 @@ def make_llm(artifact: Path | None, dtype: str, prefix_caching: bool = False, **
                additional_config=extra, seed=0, **engine)
 
 
-def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], int]]:
+def generate(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[tuple[list[int], list[float], int]]:
     """(greedy token ids, their logprobs, prompt tokens served from the prefix cache) per prompt."""
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
     for o in outs:
@@ -89,7 +91,8 @@ def oscar_fp32(artifact_dir, prompts):
 
 
 def transformers_reference(artifact_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy decoding with transformers + OscarCache (float32, torch kernels, page 64)."""
+    """Greedy decoding with transformers + OscarCache (float32, torch kernels, page 64). Layers the artifact does
+    not calibrate keep transformers' own full-precision cache layer."""
     from transformers import AutoModelForCausalLM
 
     from runtime_kernels import read_artifact
@@ -132,6 +135,71 @@ def test_packed_pages_give_vllm_seven_times_the_bf16_capacity(artifact_dir, osca
     assert oscar_blocks >= 12 * bf_blocks, (oscar_blocks, bf_blocks)
 
 
+BUDGET = 32 << 20  # make_llm's kv_cache_memory_bytes
+
+
+def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact_dir, prompts, oscar_fp32):
+    """An artifact for layers 1 and 3 only: layers 0 and 2 run vLLM's own CPU backend on full-precision pages,
+    1 and 3 the INT2 cache, in one block table; vLLM's block count is the budget over the mixed page bytes; the
+    ragged batch equals transformers' OscarCache with the same partial artifact (its uncalibrated layers keep
+    transformers' own cache) and differs from the all-layers artifact (so the comparison sees the layer split);
+    layer 0's cache bytes equal those of a run without the plugin entry."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from runtime_kernels import read_artifact
+    from runtime_kernels.vllm.backend import OscarAttentionBackend
+    from runtime_kernels.vllm.layout import PackedLayout
+
+    calibrated = read_artifact(partial_artifact_dir).layer_ids.tolist()
+    assert calibrated == [1, 3]
+    llm = make_llm(partial_artifact_dir, "float32")
+    vcfg = llm.llm_engine.vllm_config
+    blocks = vcfg.cache_config.num_gpu_blocks
+    layers = {extract_index(name): m for name, m in vcfg.compilation_config.static_forward_context.items()}
+    cell = PackedLayout(128, 128).bytes_per_token_head  # the fixture: d = 128, one group per head
+    page_bytes = 0
+    for idx, m in sorted(layers.items()):
+        kv = m.kv_cache
+        if idx in calibrated:
+            assert m.attn_backend is OscarAttentionBackend
+            assert kv.shape[-1] * kv.element_size() == cell  # packed INT2 cell per (token, KV head)
+            page_bytes += BLOCK * 2 * cell
+        else:
+            assert m.attn_backend is CPUAttentionBackend  # vLLM's own class: its spec, builder and kernels
+            assert kv.dtype == torch.float32 and kv.shape[-1] == 2 * 128  # dense K | V rows
+            page_bytes += BLOCK * 2 * 2 * 128 * 4
+        assert kv.shape[0] == blocks  # one block table for every layer
+    assert blocks == BUDGET // page_bytes, (blocks, BUDGET, page_bytes)
+    results = generate(llm, prompts)
+    used = sum(-(-(len(p) + MAX_NEW) // BLOCK) for p in prompts)  # blocks 1..used (0 is vLLM's null block)
+    first_layer = layers[0].kv_cache[:used + 1].clone()
+    del llm, layers
+    gc.collect()
+    # Layer 0 sees only the embeddings: without OSCAR in front of it, its cache is vLLM's own, byte for byte.
+    plain = make_llm(None, "float32")
+    plain_tokens = [r[0] for r in generate(plain, prompts)]
+    plain_first = plain.llm_engine.vllm_config.compilation_config.static_forward_context[
+        "model.layers.0.self_attn.attn"].kv_cache[:used + 1].clone()
+    del plain
+    gc.collect()
+    assert plain_tokens == [r[0] for r in results]  # so both runs wrote the same tokens into the same blocks
+    assert int((first_layer.flatten(1).abs().sum(1) > 0).sum()) == used
+    assert torch.equal(first_layer, plain_first)
+    full_blocks = oscar_fp32[1]
+    print(f"KV blocks for {BUDGET >> 20} MiB: all layers INT2 {full_blocks}, layers {calibrated} INT2 "
+          f"{blocks}, none (fp32) {BUDGET // (BLOCK * 4 * 2 * 2 * 128 * 4)}")
+    worst, vs_full = 0.0, 0.0
+    for prompt, (tokens, lps, _), (_, full_lps, _) in zip(prompts, results, oscar_fp32[0]):
+        ref_tokens, ref_lps = transformers_reference(partial_artifact_dir, prompt)
+        assert tokens == ref_tokens, (len(prompt), tokens, ref_tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(lps, ref_lps)))
+        vs_full = max(vs_full, max(abs(a - b) for a, b in zip(lps, full_lps)))
+    print(f"partial artifact: max |logprob(vLLM) - logprob(transformers OscarCache)| = {worst:.2e}; "
+          f"vs the all-layers artifact in vLLM: {vs_full:.2e}")
+    assert worst <= LOGPROB_TOL
+    assert vs_full > 10 * LOGPROB_TOL  # the reference would see INT2 in layers 0 and 2 (or their absence)
+
+
 def test_prefix_cache_hit_equals_miss(artifact_dir, prompts):
     """The long prompt twice with prefix caching on: the second request reuses the cached INT2 blocks (vLLM
     reports the cached tokens) and equals, bit for bit, a run without the prefix cache whose prefill is chunked
@@ -155,6 +223,69 @@ def test_prefix_cache_hit_equals_miss(artifact_dir, prompts):
     diff = max(abs(a - b) for a, b in zip(hit[1], miss[1]))
     print(f"prefix hit vs one-shot miss: max |logprob diff| = {diff:.2e}")
     assert diff <= 5e-2
+
+
+def preemptions(llm: LLM) -> float:
+    """vLLM's own count of preempted requests (its Prometheus counter; needs disable_log_stats=False)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_preemption_and_recompute_equal_an_uninterrupted_run(artifact_dir, monkeypatch):
+    """Three requests of 400-440 tokens (7 blocks each, INT2 history already in use) growing by 48 tokens in 22
+    KV blocks: they all start, then need 23, so vLLM preempts (its scheduler counts it, and a spy on its
+    `_preempt_request` records how many tokens the request had generated) and recomputes the request later: a
+    prefill over its prompt and the k tokens it had generated, into blocks other requests used (their window
+    entries reset at the row-0 writes). Against a run with enough blocks (no preemption): greedy tokens equal;
+    before the preemption point logprobs agree (same computation); after it, the tail equals that run's greedy
+    continuation of prompt + those k tokens (what recompute means), and differs from the uninterrupted tail by
+    the recompute effect only (its k tokens come through a full-precision prefill instead of the decode steps)."""
+    from transformers import AutoTokenizer
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    ids = AutoTokenizer.from_pretrained(FIXTURE)((FIXTURE / "heldout.txt").read_text())["input_ids"]
+    batch = [ids[2000:2400], ids[3000:3420], ids[4000:4440]]
+    new_tokens = 48
+    preempted_at: dict[int, int] = {}  # prompt length -> tokens generated when last preempted
+    preempt = Scheduler._preempt_request
+
+    def spy(self, request, *args, **kwargs):
+        preempted_at[len(request.prompt_token_ids)] = request.num_output_tokens
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", spy)
+    llm = make_llm(artifact_dir, "float32", num_gpu_blocks_override=22, disable_log_stats=False)
+    assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 22
+    before = preemptions(llm)
+    tight = generate(llm, batch, max_new=new_tokens)
+    counted = preemptions(llm) - before
+    del llm
+    gc.collect()
+    assert counted >= 1 and preempted_at, (counted, preempted_at)
+
+    llm = make_llm(artifact_dir, "float32", disable_log_stats=False)
+    before = preemptions(llm)
+    roomy = generate(llm, batch, max_new=new_tokens)
+    cut = {i: preempted_at[len(p)] for i, p in enumerate(batch) if len(p) in preempted_at}
+    tails = {i: generate(llm, [batch[i] + tight[i][0][:k]], max_new=new_tokens - k)[0] for i, k in cut.items()
+             if k < new_tokens}
+    assert preemptions(llm) == before  # the reference never preempted
+    assert tails, cut  # a request was preempted before its last token: there is a recomputed tail to check
+    del llm
+    gc.collect()
+    same, tail_err, effect = 0.0, 0.0, 0.0
+    for i, ((tokens, lps, _), (ref_tokens, ref_lps, _)) in enumerate(zip(tight, roomy)):
+        assert tokens == ref_tokens, i
+        k = cut.get(i, new_tokens)
+        same = max([same] + [abs(a - b) for a, b in zip(lps[:k], ref_lps[:k])])
+        if i in tails:
+            assert tokens[k:] == tails[i][0]
+            tail_err = max([tail_err] + [abs(a - b) for a, b in zip(lps[k:], tails[i][1])])
+            effect = max([effect] + [abs(a - b) for a, b in zip(lps[k:], ref_lps[k:])])
+    print(f"preemptions {counted:.0f} at {preempted_at}; max |logprob diff| vs the uninterrupted run before the "
+          f"preemption point {same:.2e}, after it {effect:.2e}; tail vs the continuation of prompt + k "
+          f"{tail_err:.2e}")
+    assert same <= LOGPROB_TOL and tail_err <= LOGPROB_TOL
+    assert effect <= 5e-2  # the chunked-prefill effect (test_prefix_cache_hit_equals_miss)
 
 
 def test_wrong_artifact_refused_before_first_request(tmp_path):
