@@ -12,9 +12,8 @@ venv="${OSCAR_VLLM_VENV:-${TMPDIR:-/tmp}/oscar-calib-vllm-lane}"
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$venv/bin/python" -m pip install --quiet --no-deps -e .
 installed=$(date +%s)
-art="$(mktemp -d)/tiny-qwen3-oscar"
-"$venv/bin/oscar-calib" run --out "$art" >/dev/null
-export OSCAR_VLLM_ARTIFACT="$art" VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRITON_INTERPRET=1
+# the fixture's artifact is calibrated once by tests/vllm/conftest.py (its RUN_ARGS)
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRITON_INTERPRET=1
 "$venv/bin/python" -m pytest -q tests/vllm/test_registration.py tests/vllm/test_vllm_e2e.py  # the rest of tests/vllm runs in make test
 end=$(date +%s)
 echo "vllm lane: $((end - start)) s in all, install $((installed - start)) s"

@@ -185,7 +185,7 @@ class ArtifactInt2(TableInt2):
 
     def __init__(self, name: str = "oscar", description: str = "OSCAR artifact", artifact: OscarArtifact | None = None,
                  centered: bool = True):
-        fmt = _runtime_scale_format(artifact) if artifact is not None else "float16"
+        fmt = artifact.runtime_scale_format if artifact is not None else "float16"
         super().__init__(name, description, group_size=artifact.group_size if artifact is not None else None,
                          scale_format=fmt, tables=artifact_tables(artifact, centered) if artifact is not None else {})
         self.artifact = artifact
@@ -197,11 +197,6 @@ class ArtifactInt2(TableInt2):
         return effective_bits(context_len, self.artifact.group_size, sink, recent,
                               naive.scale_bits(self.scale_format) // 2)
 
-
-def _runtime_scale_format(artifact: OscarArtifact) -> str:
-    """The scale format the runtime stores for this artifact: ue5m3 when it says so, fp16 otherwise (a reference
-    import's bfloat16/float32 scales are served as fp16, as the runtime's pages hold)."""
-    return "ue5m3" if artifact.scale_format == "ue5m3" else "float16"
 
 
 def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip, mean: torch.Tensor | None,
@@ -274,16 +269,23 @@ def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Ten
 
 
 def standard_methods(head_dim: int, artifacts: dict[str, OscarArtifact] | None = None) -> list[KVMethod]:
-    """The methods of the comparison table, in display order (BF16 first, then by family)."""
+    """The methods of the comparison table, in display order (BF16 first, then by family).
+
+    The per-token baselines store their scales in the artifacts' format when every artifact has the same one (so a
+    ue5m3 artifact is compared at equal bits), in fp16 otherwise.
+    """
     had = hadamard(head_dim).float()
+    formats = {a.runtime_scale_format for a in (artifacts or {}).values()}
+    fmt = formats.pop() if len(formats) == 1 else "float16"
     methods: list[KVMethod] = [
         KVMethod(),
-        RowwiseInt2("int2", "per-token min-max INT2 (group = head_dim), no rotation"),
+        RowwiseInt2("int2", "per-token min-max INT2 (group = head_dim), no rotation", scale_format=fmt),
         Kivi2("kivi2-g128", "KIVI-2: keys per channel over 128-token blocks, values per token", token_group=128),
         Kivi2("kivi2-g32", "KIVI-2: keys per channel over 32-token blocks, values per token", token_group=32),
-        RowwiseInt2("quarot-int2", "Hadamard rotation, no clipping (QuaRot-style)", k_rotation=had, v_rotation=had),
+        RowwiseInt2("quarot-int2", "Hadamard rotation, no clipping (QuaRot-style)", k_rotation=had, v_rotation=had,
+                    scale_format=fmt),
         RowwiseInt2("hadamard-clip", "Hadamard rotation, global clip ratios K 0.96 / V 0.92",
-                    k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92),
+                    k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92, scale_format=fmt),
     ]
     for name, art in (artifacts or {}).items():
         gran = art.metadata.get("granularity", "?")

@@ -143,7 +143,8 @@ def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windo
     lo, hi = (sink + 16) / t, 1.0 - (recent + 64) / t  # depths whose needle lies in the INT2 history
     depths = [lo + (hi - lo) * i / max(needles - 1, 1) for i in range(needles)]
     batch = passkey_batch(tokenizer, filler, depths, seed=0)
-    out = {"needles": needles, "context": t, "depth_range": [lo, hi], "passkey": {}, "verbatim": {}}
+    out = {"needles": needles, "context": t, "sink": sink, "recent": recent, "depth_range": [lo, hi], "passkey": {},
+           "verbatim": {}}
     for m in methods:
         out["passkey"][m.name] = passkey_scores(model, m, batch, sink, recent)
     prompt_len = t - generate - passage - 1

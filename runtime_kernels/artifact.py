@@ -154,6 +154,12 @@ class OscarArtifact:
         return self._meta("scale_dtype")
 
     @property
+    def runtime_scale_format(self) -> str:
+        """The scale format the runtime's pages store for this artifact: `ue5m3` when it says so, `float16`
+        otherwise (a reference import's bfloat16/float32 scales are served as fp16)."""
+        return "ue5m3" if self.scale_format == "ue5m3" else "float16"
+
+    @property
     def scale_bits(self) -> int:
         """Bits of each of the scale and the zero point (16 for float16, 8 for ue5m3)."""
         dt = self.scale_dtype

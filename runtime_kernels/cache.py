@@ -351,7 +351,7 @@ class PagedKVCache:
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
                    v_mean=artifact.value_mean("rotated") if artifact.is_centered else None,
-                   scale_format="ue5m3" if artifact.scale_format == "ue5m3" else "float16")
+                   scale_format=artifact.runtime_scale_format)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:

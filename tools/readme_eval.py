@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+MAIN_ROW = "oscar (default clips, fp16)"  # the default solver at the main table's 64/256 windows and fp16 scales
 # Windows that ue5m3 scales (2.125 history bits at d = 128) pay for within fp16-scale 64/256's 2.284 bits at 128K.
 EQUAL_BITS_LAYOUTS = ((64, 256), (128, 1024), (128, 1280))
 
@@ -38,6 +39,15 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {sweep['name']} @ sink {sweep['sink']} / recent {sweep['recent']} | {sweep['bits_32k']:.3f} | "
                      f"{sweep['bits_128k']:.3f} | {sweep['ppl']:.3f} | {sweep['ppl_delta_pct']:+.2f}% | "
                      f"[{sweep['ci95'][0]:+.2f}, {sweep['ci95'][1]:+.2f}] | | | | |")
+    for probe in result.get("probes", []):
+        lines.append("")
+        lines.append(f"Passkey probe, {probe['needles']} needles in the INT2 history of {probe['context']}-token windows "
+                     f"(sink {probe.get('sink')} / recent {probe.get('recent')}):")
+        for name, r in probe["passkey"].items():
+            v = probe["verbatim"].get(name) if isinstance(probe["verbatim"], dict) else None
+            lines.append(f"- {name}: {100 * r['key_token_accuracy']:.1f}% of key tokens, {100 * r['keys_exact']:.0f}% "
+                         f"of keys exact, key NLL {r['key_nll']:.3f}"
+                         + ("" if not isinstance(v, float) else f"; verbatim recall through the runtime {100 * v:.1f}%"))
     agree = result.get("generation_agreement") or {}
     if agree.get("status") == "ok":
         lines.append("")
@@ -69,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--equal-bits", action="store_true",
                    help="also calibrate and evaluate ue5m3 scales (16 bits per group) with the wider windows that "
                         "cost the same bits at 128K as fp16 scales at 64/256, against hadamard-clip in the same layout")
+    p.add_argument("--probes", type=int, default=0,
+                   help="passkey needles in the INT2 history (and a verbatim-recall check through the runtime) for "
+                        "BF16, hadamard-clip and the default, in the main table's windows and, with --equal-bits, in "
+                        "the 128/1024 layout")
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
     ids = torch.cat([cal.long, cal.packed])[:args.calib_samples].to(device)
-    variants = {"oscar (default)": {}}
+    # The main table's rows share its windows (64/256) and fp16 scales, so its bits are equal; the recipe itself
+    # (ue5m3 scales, 128/1024 windows) is a row of the --equal-bits sweep.
+    variants = {MAIN_ROW: {}}
     if args.variants == "all":
         variants.update({
             "oscar attn_kl (v0.1 default)": {"key_clip_objective": "attn_kl", "center_keys": False,
@@ -108,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                                                           "recent_tokens": recent}
         layouts["oscar fp16 uncentered attn_kl [128/1024]"] = {
             "key_clip_objective": "attn_kl", "center_keys": False, "center_values": False,
-            "sink_tokens": 128, "recent_tokens": 1024}
-        layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024}
+            "sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16"}
+        layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16"}
     variants.update(layouts)
+    for name in variants:
+        if name not in layouts:
+            variants[name] = {"sink_tokens": 64, "recent_tokens": 256, "scale_dtype": "float16", **variants[name]}
     arts, fits = {}, {}
     for name, overrides in variants.items():
         t0 = time.perf_counter()
@@ -129,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = model.config.head_dim
     sweep: list[tuple[object, int, int]] = []  # (method, sink, recent)
     if args.window_sweep:
-        chosen = [m for m in standard_methods(head_dim, main_arts) if m.name in ("hadamard-clip", "oscar (default)")]
+        chosen = [m for m in standard_methods(head_dim, main_arts) if m.name in ("hadamard-clip", MAIN_ROW)]
         sweep += [(m, sink, recent) for sink, recent in ((64, 512), (128, 1024), (128, 2048)) for m in chosen]
     if args.equal_bits:
         from oscar_calib.methods import ArtifactInt2, RowwiseInt2, hadamard
@@ -158,6 +177,21 @@ def main(argv: list[str] | None = None) -> int:
                 "bits_32k": m.effective_bits(32768, head_dim, sink, recent),
                 "bits_128k": m.effective_bits(131072, head_dim, sink, recent)})
             log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
+    if args.probes:
+        from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
+        from oscar_calib.probes import run_probes
+
+        had = hadamard(head_dim).float()
+        all_w = torch.cat([windows.long, windows.packed])
+        main = [m for m in standard_methods(head_dim, main_arts) if m.name in ("bf16", "hadamard-clip", MAIN_ROW)]
+        result["probes"] = [run_probes(model, tok, main, {MAIN_ROW: arts[MAIN_ROW]}, all_w,
+                                       args.probes, 64, 256)]
+        key = "oscar ue5m3 [128/1024]"
+        if key in arts:
+            wide = [KVMethod(), RowwiseInt2("hadamard-clip ue5m3", k_rotation=had, v_rotation=had, k_clip=0.96,
+                                            v_clip=0.92, scale_format="ue5m3"), ArtifactInt2(key, artifact=arts[key])]
+            result["probes"].append(run_probes(model, tok, wide, {key: arts[key]}, all_w, args.probes, 128, 1024))
+        log(f"probes: {json.dumps(result['probes'])}")
     if args.generation_steps:
         try:
             gw = torch.cat([windows.long, windows.packed])[:args.generation_windows]

@@ -18,7 +18,7 @@ from oscar_calib.errors import InputError
 _EXAMPLES = """
 Examples:
 
-  oscar-calib eval                                         # trained fixture, calibrated on the fly, 1K context
+  oscar-calib eval                                         # trained fixture, calibrated on the fly, 2K context
   oscar-calib eval --context 4096 --device cuda --json-out eval.json --plot eval.png
   oscar-calib eval --model Qwen/Qwen3-8B --artifact zoo/qwen3-8b --data text.txt --context 8192
 """
@@ -121,7 +121,7 @@ def eval_cmd(
     data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
     calib_data: Annotated[Path | None, typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
     calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit; default 16 on a GPU, 6 on a CPU).")] = None,
-    context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window.")] = 1024,
+    context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window (longer than sink + recent).")] = 2048,
     max_windows: Annotated[int | None, typer.Option("--max-windows", help="At most this many windows (long and packed share it; default 16 on a GPU, 4 on a CPU).")] = None,
     sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
@@ -195,6 +195,9 @@ def eval_cmd(
         sink = next(iter(arts.values())).sink_tokens if arts else 64
     if recent is None:
         recent = next(iter(arts.values())).recent_tokens if arts else 256
+    if context <= sink + recent + 64:
+        raise InputError(f"--context {context}: the windows (sink {sink} + recent {recent}) leave no INT2 history to "
+                         f"evaluate; use --context {sink + recent + 512} or more, or smaller --sink/--recent")
     if not arts:
         calib_data = calib_data or FIXTURE_DIR / "calib.txt"
         arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, sink, recent)

@@ -84,7 +84,7 @@ class _PluginState:
 
     @property
     def packed(self) -> PackedLayout:
-        return PackedLayout(self.artifact.head_dim, self.artifact.group_size)
+        return PackedLayout(self.artifact.head_dim, self.artifact.group_size, self.artifact.runtime_scale_format)
 
     def engine_for(self, vllm_config, block_size: int, device: torch.device) -> OscarEngine:
         if self.engine is None:

@@ -261,7 +261,7 @@ class OscarEngine:
         if self.layout.sink_tokens % p:
             raise ValueError(f"sink_tokens: must be a multiple of the block size {p} (history pages are vLLM "
                              f"blocks), got {self.layout.sink_tokens}")
-        self.packed = PackedLayout(artifact.head_dim, artifact.group_size)
+        self.packed = PackedLayout(artifact.head_dim, artifact.group_size, artifact.runtime_scale_format)
         self.num_kv_heads, self.head_dim = artifact.num_kv_heads, artifact.head_dim
         self.local_of = {int(g): i for i, g in enumerate(artifact.layer_ids.tolist())}
         self.device = torch.device(device)

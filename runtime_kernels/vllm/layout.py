@@ -3,10 +3,11 @@
 A vLLM layer cache for this backend is `[num_blocks, H, P, C]` (vLLM's `LBHNC` layout: block, KV head, token,
 content) with `C = PackedLayout.bytes_per_token_head` bytes per (token, KV head):
 
-    [ K codes d/4 | V codes d/4 | K scale | K zero | V scale | V zero ]   (scale/zero fp16, d/G each)
+    [ K codes d/4 | V codes d/4 | K scale | K zero | V scale | V zero ]   (scale/zero d/G each)
 
-72 bytes at d = 128 and one group per row, against `2 * d * 2 = 512` for BF16 K+V. The views keep the last
-dim contiguous, as `runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
+Scale and zero are fp16 (the `float16` scale format) or one byte each (`ue5m3`): 72 or 68 bytes at d = 128 and
+one group per row, against `2 * d * 2 = 512` for BF16 K+V. The views keep the last dim contiguous, as
+`runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Geometry of the packed cell of one (token, KV head): head_dim d, quantization group G (divides d)."""
+    """Geometry of the packed cell of one (token, KV head): head_dim d, quantization group G (divides d), and the
+    scale format (`float16`: 2 bytes each for scale and zero; `ue5m3`: 1 byte each)."""
 
     head_dim: int
     group_size: int
+    scale_format: str = "float16"
 
     def __post_init__(self) -> None:
         d, g = self.head_dim, self.group_size
@@ -29,6 +32,13 @@ class PackedLayout:
             raise ValueError(f"head_dim: expected a positive multiple of 4 for 2-bit packing, got {d}")
         if g <= 0 or g % 4 or d % g:
             raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
+        if self.scale_format not in ("float16", "ue5m3"):
+            raise ValueError(f"scale_format: expected 'float16' or 'ue5m3', got {self.scale_format!r}")
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """dtype of the scale and zero views: fp16, or uint8 for ue5m3."""
+        return torch.uint8 if self.scale_format == "ue5m3" else torch.float16
 
     @property
     def code_bytes(self) -> int:
@@ -41,8 +51,8 @@ class PackedLayout:
 
     @property
     def bytes_per_token_head(self) -> int:
-        """K and V codes plus four fp16 vectors (K scale/zero, V scale/zero) of d/G entries."""
-        return 2 * self.code_bytes + 4 * 2 * self.groups
+        """K and V codes plus four vectors (K scale/zero, V scale/zero) of d/G entries of the scale dtype."""
+        return 2 * self.code_bytes + 4 * self.scale_dtype.itemsize * self.groups
 
     @staticmethod
     def bf16_bytes_per_token_head(head_dim: int) -> int:
@@ -54,7 +64,7 @@ class PackedLayout:
 class PagePools:
     """The kernels' INT2 pools as views of one vLLM layer cache (no copy).
 
-    codes: uint8 `[num_blocks, H, P, d // 4]`; scale/zero: fp16 `[num_blocks, H, P, d // G]`.
+    codes: uint8 `[num_blocks, H, P, d // 4]`; scale/zero: fp16 or uint8 (ue5m3) `[num_blocks, H, P, d // G]`.
     """
 
     k_codes: torch.Tensor
@@ -81,11 +91,13 @@ def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
         raise ValueError(f"kv_cache: tokens of a block must be contiguous cells of {want} bytes, "
                          f"got strides {raw.stride()}")
     c, g = layout.code_bytes, layout.groups
-    half = raw.view(torch.float16)  # [B, H, P, want // 2]; scales start at byte 2c = fp16 index c
+    sd = layout.scale_dtype
+    sc = raw.view(sd)  # [B, H, P, want // itemsize]; the scales start at byte 2c = index 2c // itemsize
+    o = 2 * c // sd.itemsize
     return PagePools(
         k_codes=raw[..., :c], v_codes=raw[..., c:2 * c],
-        k_scale=half[..., c:c + g], k_zero=half[..., c + g:c + 2 * g],
-        v_scale=half[..., c + 2 * g:c + 3 * g], v_zero=half[..., c + 3 * g:c + 4 * g])
+        k_scale=sc[..., o:o + g], k_zero=sc[..., o + g:o + 2 * g],
+        v_scale=sc[..., o + 2 * g:o + 3 * g], v_zero=sc[..., o + 3 * g:o + 4 * g])
 
 
 __all__ = ["PackedLayout", "PagePools", "page_pools"]

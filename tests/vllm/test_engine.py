@@ -28,9 +28,11 @@ LAYOUT = CacheLayout(sink_tokens=S, recent_tokens=R, page_size=P)
 SCALE = D ** -0.5
 
 
-def random_artifact(num_layers=2, seed=0, centered=False):
-    """Random orthogonal rotations per (layer, KV head) and clip ratios below 1; with `centered`, random means."""
+def random_artifact(num_layers=2, seed=0, centered=False, scale_format="float16"):
+    """Random orthogonal rotations per (layer, KV head) and clip ratios below 1; with `centered`, random means;
+    `scale_format` recorded as the contract's scale_dtype."""
     art = identity_artifact(num_layers, H, HQ, D, group_size=G)
+    art.metadata["scale_dtype"] = scale_format
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -47,7 +49,7 @@ class FakeVllm:
     """Blocks handed out like vLLM's allocator (ids not in token order), one packed layer cache per layer."""
 
     def __init__(self, engine: OscarEngine, num_layers: int, num_blocks: int = 64, null_block: bool = False):
-        cell = PackedLayout(D, G).bytes_per_token_head
+        cell = engine.packed.bytes_per_token_head
         self.caches = [torch.zeros(num_blocks, H, P, cell, dtype=torch.uint8) for _ in range(num_layers)]
         self.free = list(range(num_blocks))[::-1]
         self.free = self.free[1::2] + self.free[0::2]  # interleaved ids: physical order != logical order
@@ -80,6 +82,11 @@ def test_packed_layout_bytes_and_views():
     assert PackedLayout(128, 128).bytes_per_token_head == 72  # the issue's number: 64 code bytes + 4 fp16
     assert PackedLayout.bf16_bytes_per_token_head(128) == 512
     assert PackedLayout(128, 32).bytes_per_token_head == 64 + 4 * 2 * 4
+    assert PackedLayout(128, 128, "ue5m3").bytes_per_token_head == 68  # one byte each for scale and zero
+    u8 = page_pools(torch.zeros(2, H, P, 68, dtype=torch.uint8), PackedLayout(128, 128, "ue5m3"))
+    assert u8.k_scale.dtype == torch.uint8 and u8.v_zero.shape == (2, H, P, 1)
+    u8.v_zero.fill_(7)
+    assert u8.k_codes.untyped_storage().data_ptr() == u8.v_zero.untyped_storage().data_ptr()
     cache = torch.zeros(3, H, P, PackedLayout(D, G).bytes_per_token_head, dtype=torch.uint8)
     pools = page_pools(cache.view(torch.bfloat16), PackedLayout(D, G))
     pools.v_zero.fill_(1.5)
@@ -92,15 +99,17 @@ def test_packed_layout_bytes_and_views():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("centered", [False, True], ids=["uncentered", "centered"])
-def test_ragged_steps_match_paged_cache(dtype, centered):
+@pytest.mark.parametrize("centered,scale_format", [(False, "float16"), (True, "float16"), (True, "ue5m3")],
+                         ids=["uncentered", "centered", "centered-ue5m3"])
+def test_ragged_steps_match_paged_cache(dtype, centered, scale_format):
     """Two requests of different lengths: prefill, then about 28 decode steps each (request a crosses four page
     demotions while decoding), plus a third request that arrives later in two prefill chunks. Decode outputs equal
     `PagedKVCache.decode_attention`, prefill outputs equal full-precision attention over the cached state
     (`OscarCache`'s prefill), and the INT2 bytes of every demoted page equal `PagedKVCache`'s (centered too)."""
-    art = random_artifact(centered=centered)
+    art = random_artifact(centered=centered, scale_format=scale_format)
     assert art.is_centered == centered
     engine = OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend="torch")
+    assert engine.packed.scale_format == scale_format
     fake = FakeVllm(engine, art.num_layers)
     ref = PagedKVCache.from_artifact(art, max_pages=64, max_seqs=4, page_size=P, sink_tokens=S, recent_tokens=R,
                                      dtype=dtype, backend="torch")

@@ -86,7 +86,8 @@ def fake_vllm_config(additional_config, cache_dtype="auto", hf_config=None):
 
 
 def test_customize_spec_packs_only_when_selected(artifact_dir):
-    """No `oscar` entry: vLLM's spec unchanged (BF16 bytes). With one: 72 bytes per (token, KV head); a wrong
+    """No `oscar` entry: vLLM's spec unchanged (BF16 bytes). With one: the artifact's packed cell per (token, KV head)
+    (68 bytes with ue5m3 scales, 72 with fp16); a wrong
     dtype or a missing artifact is refused naming what to pass."""
     from pathlib import Path
 
@@ -99,7 +100,12 @@ def test_customize_spec_packs_only_when_selected(artifact_dir):
         assert oscar_backend.active_state(fake_vllm_config({})) is None
         assert cls.customize_spec(spec) == spec
         assert oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir), "model_id": FIXTURE_MODEL_ID}}, hf_config=hf))
-        assert cls.customize_spec(spec).page_size_bytes == 64 * 2 * 72
+        from runtime_kernels.artifact import read_artifact
+        from runtime_kernels.vllm.layout import PackedLayout
+
+        cell = PackedLayout(128, 128, read_artifact(artifact_dir).runtime_scale_format).bytes_per_token_head
+        assert cell in (68, 72)  # ue5m3 or fp16 scale and zero
+        assert cls.customize_spec(spec).page_size_bytes == 64 * 2 * cell
         with pytest.raises(ValueError, match="kv_cache_dtype: additional_config.oscar stores the cache in INT2"):
             oscar_backend.active_state(fake_vllm_config({"oscar": {"path": str(artifact_dir), "model_id": FIXTURE_MODEL_ID}}, "fp8", hf))
         with pytest.raises(ValueError, match=f"kv_cache_dtype '{KV_CACHE_DTYPE}' needs an artifact"):

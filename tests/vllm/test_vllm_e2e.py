@@ -135,6 +135,22 @@ def test_packed_pages_give_vllm_seven_times_the_bf16_capacity(artifact_dir, osca
     assert oscar_blocks >= 12 * bf_blocks, (oscar_blocks, bf_blocks)
 
 
+def test_ue5m3_pages_serve_with_68_byte_cells(ue5m3_artifact_dir, prompts, oscar_fp32):
+    """ue5m3 scales: vLLM allocates 68 bytes per (token, KV head) (64 code bytes, one byte each for the K and V
+    scale and zero point), so the same budget holds 72/68 the blocks of fp16 scales; the ragged batch runs and its
+    greedy tokens start as transformers' OscarCache's on the same artifact (exact equality is not expected past the
+    first row that a last-bit difference of the model's K/V moves to another scale code: conftest.RUN_ARGS)."""
+    from runtime_kernels.vllm.layout import PackedLayout
+
+    (results,), blocks = serve(ue5m3_artifact_dir, "float32", [prompts])
+    _, fp16_blocks = oscar_fp32
+    assert PackedLayout(128, 128, "ue5m3").bytes_per_token_head == 68
+    assert blocks >= fp16_blocks * 72 // 68, (blocks, fp16_blocks)
+    for prompt, (tokens, _, _) in zip(prompts, results):
+        ref_tokens, _ = transformers_reference(ue5m3_artifact_dir, prompt)
+        assert len(tokens) == len(ref_tokens) and tokens[:4] == ref_tokens[:4], (len(prompt), tokens, ref_tokens)
+
+
 BUDGET = 32 << 20  # make_llm's kv_cache_memory_bytes
 
 
@@ -156,7 +172,8 @@ def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact
     vcfg = llm.llm_engine.vllm_config
     blocks = vcfg.cache_config.num_gpu_blocks
     layers = {extract_index(name): m for name, m in vcfg.compilation_config.static_forward_context.items()}
-    cell = PackedLayout(128, 128).bytes_per_token_head  # the fixture: d = 128, one group per head
+    # the fixture: d = 128, one group per head, the artifact's scale format
+    cell = PackedLayout(128, 128, read_artifact(partial_artifact_dir).runtime_scale_format).bytes_per_token_head
     page_bytes = 0
     for idx, m in sorted(layers.items()):
         kv = m.kv_cache
