@@ -358,7 +358,8 @@ def test_cli_eval_bad_input(args, needle, tmp_path, monkeypatch, capsys, model_d
 
     write_artifact(_artifact(), tmp_path / "art")
     base = ["eval", "--model", str(model_dir), "--artifact", str(tmp_path / "art"), "--data", str(text_file),
-            "--context", "64", "--json-out", str(tmp_path / "r.json"), "--allow-other-model"]
+            "--context", "64", "--sink", "4", "--recent", "8", "--json-out", str(tmp_path / "r.json"),
+            "--allow-other-model"]
     code, out, err = run_cli(base + args, monkeypatch, capsys)
     assert code == 2 and needle in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()  # nothing half-written
@@ -375,3 +376,16 @@ def test_cli_eval_default_fixture_accepts_the_demos_artifact(tmp_path, monkeypat
                               "--methods", "bf16,oscar-head"], monkeypatch, capsys)
     assert code == 0, err
     assert "oscar-head" in out
+
+
+def test_cli_eval_refuses_a_context_the_windows_fill(tmp_path, monkeypatch, capsys):
+    """The recipe's windows (128 + 1024) hold a 1024-token window entirely in BF16: nothing to evaluate."""
+    from oscar_calib.demo import FIXTURE_MODEL_ID
+    from runtime_kernels.artifact import identity_artifact, write_artifact
+    from runtime_kernels.layout import RECIPE_LAYOUT
+
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID, layout=RECIPE_LAYOUT), tmp_path / "a")
+    code, _, err = run_cli(["eval", "--artifact", str(tmp_path / "a"), "--context", "1024", "--json-out",
+                            str(tmp_path / "r.json")], monkeypatch, capsys)
+    assert code == 2 and "--context 1024" in err and "sink 128 + recent 1024" in err
+    assert not (tmp_path / "r.json").exists()

@@ -102,3 +102,29 @@ def test_run_probes_refuses_windows_without_a_history(lm):
     model, tok, filler = lm
     with pytest.raises(InputError, match="no INT2 history"):
         run_probes(model, tok, [KVMethod()], {}, filler, 2, 256, 256)
+
+
+def test_eval_probes_flag_reports_both_probes(tmp_path, monkeypatch, capsys):
+    import json
+
+    from cli_helpers import run_cli
+    from transformers import AutoConfig
+
+    from oscar_calib.demo import FIXTURE_MODEL_ID
+    from runtime_kernels.artifact import write_artifact
+
+    cfg = AutoConfig.from_pretrained(FIXTURE_DIR)
+    art = identity_artifact(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
+                            model_id=FIXTURE_MODEL_ID, layout=CacheLayout(sink_tokens=SINK, recent_tokens=RECENT))
+    write_artifact(art, tmp_path / "id")
+    code, _, err = run_cli(["eval", "--artifact", str(tmp_path / "id"), "--context", "512", "--max-windows", "2",
+                            "--generation-steps", "0", "--probes", "2", "--methods", "bf16,oscar-head",
+                            "--json-out", str(tmp_path / "r.json")], monkeypatch, capsys)
+    assert code == 0, err
+    probes = json.loads((tmp_path / "r.json").read_text())["probes"]
+    assert set(probes["passkey"]) == {"bf16", "oscar-head"} and probes["needles"] == 2
+    assert set(probes["verbatim"]) == {"bf16", "oscar-head"}
+    assert (probes["sink"], probes["recent"]) == (SINK, RECENT)
+    code, _, err = run_cli(["eval", "--artifact", str(tmp_path / "id"), "--context", "512", "--probes", "-1"],
+                           monkeypatch, capsys)
+    assert code == 2 and "--probes -1" in err

@@ -123,8 +123,8 @@ def eval_cmd(
     calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit; default 16 on a GPU, 6 on a CPU).")] = None,
     context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window (longer than sink + recent).")] = 2048,
     max_windows: Annotated[int | None, typer.Option("--max-windows", help="At most this many windows (long and packed share it; default 16 on a GPU, 4 on a CPU).")] = None,
-    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else 64).")] = None,
-    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else 256).")] = None,
+    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else the recipe's 128).")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else the recipe's 1024).")] = None,
     page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
     generation_steps: Annotated[int | None, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip; default 64 on a GPU, 16 on a CPU).")] = None,
@@ -151,6 +151,7 @@ def eval_cmd(
     from oscar_calib.methods import standard_methods
     from oscar_calib.progress import Stages
     from runtime_kernels.artifact import model_geometry, read_artifact
+    from runtime_kernels.layout import RECIPE_LAYOUT
 
     model_id = None  # the model's identity for the artifact check (default: its config's path)
     if model is None:
@@ -192,12 +193,12 @@ def eval_cmd(
             name += "'"
         arts[name] = art
     if sink is None:
-        sink = next(iter(arts.values())).sink_tokens if arts else 64
+        sink = next(iter(arts.values())).sink_tokens if arts else RECIPE_LAYOUT.sink_tokens
     if recent is None:
-        recent = next(iter(arts.values())).recent_tokens if arts else 256
-    if context <= sink + recent + 64:
+        recent = next(iter(arts.values())).recent_tokens if arts else RECIPE_LAYOUT.recent_tokens
+    if context <= sink + recent:
         raise InputError(f"--context {context}: the windows (sink {sink} + recent {recent}) leave no INT2 history to "
-                         f"evaluate; use --context {sink + recent + 512} or more, or smaller --sink/--recent")
+                         f"evaluate; use --context {2 * (sink + recent)} or more, or smaller --sink/--recent")
     if not arts:
         calib_data = calib_data or FIXTURE_DIR / "calib.txt"
         arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, sink, recent)

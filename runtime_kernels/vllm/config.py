@@ -35,6 +35,7 @@ class OscarServeConfig(BaseModel):
     path: str | None = None
     repo: str | None = None
     revision: str | None = None
+    repo_type: Literal["model", "dataset"] = "model"  # the Hub keeps model and dataset repos apart
     model_id: str | None = None
     calibration: str = "default"
     allow_other_model: bool = False
@@ -84,7 +85,8 @@ def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: s
         if not model_id:
             raise ValueError(f"additional_config.{CONFIG_KEY}.model_id: needed to pull from '{cfg.repo}' "
                              f"when the served model has no Hub name")
-        artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration)
+        artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration,
+                                 repo_type=cfg.repo_type)
     check_against_model(artifact, hf_config, model_id=cfg.model_id, allow_other_model=cfg.allow_other_model)
     if cfg.layers is not None:
         try:

@@ -80,3 +80,27 @@ def test_layers_restrict_the_artifact_to_their_rows(tmp_path):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "a"), layers=[1, 2]), model)
     with pytest.raises(Exception, match="field 'layer_ids'"):
         restrict_layers(art, [5])
+
+
+def test_repo_type_reaches_the_hub_pull(tmp_path, monkeypatch):
+    """`repo_type` (a zoo kept in a dataset repo) is passed to `load_artifact`; anything but model/dataset is named."""
+    import runtime_kernels.vllm.config as config_mod
+
+    seen = {}
+
+    def fake_load(model_id, **kwargs):
+        seen.update(kwargs, model_id=model_id)
+        return identity_artifact(2, 2, 4, 32, model_id=model_id)
+
+    monkeypatch.setattr(config_mod, "load_artifact", fake_load)
+    from transformers import Qwen3Config
+
+    model = Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        hidden_size=128)
+    cfg = parse_oscar_config({"oscar": {"repo": "org/zoo", "revision": "v1", "repo_type": "dataset",
+                                        "model_id": "org/model"}})
+    load_checked_artifact(cfg, model)
+    assert (seen["repo"], seen["revision"], seen["repo_type"], seen["model_id"]) == ("org/zoo", "v1", "dataset",
+                                                                                      "org/model")
+    with pytest.raises(ValueError, match=r"additional_config\.oscar\.repo_type"):
+        parse_oscar_config({"oscar": {"repo": "org/zoo", "revision": "v1", "repo_type": "space"}})
