@@ -91,7 +91,7 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(args.model)
     art = read_artifact(args.artifact)
-    cell = PackedLayout(art.head_dim, art.group_size)
+    cell = PackedLayout(art.head_dim, art.group_size, art.runtime_scale_format)
     agree = [_agree(a, b) for a, b in zip(bf16["tokens"], oscar["tokens"])]
     matches = sum(x == y for a, b in zip(bf16["tokens"], oscar["tokens"]) for x, y in zip(a, b))
     total = sum(len(a) for a in bf16["tokens"])
