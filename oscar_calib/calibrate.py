@@ -150,8 +150,10 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
              o_weights: dict[int, torch.Tensor] | None = None,
              tick: Callable[[], None] | None = None) -> dict[int, ClipFit]:
     """Clip fit of every layer; `means` `([A, H_kv, d], [A, H_kv, d])` for a centered cache (None = uncentered).
+    `no_clip` or `settings.clip` False: every ratio 1 (no clipping), the grids unsearched.
 
     `tick` is called once per layer (progress)."""
+    no_clip = no_clip or not settings.clip
     fits = {}
     for a, layer in enumerate(layer_ids):
         if tick is not None:

@@ -244,3 +244,17 @@ def test_run_lists_and_checks_the_solver_choices(model_dir, text_file, tmp_path,
     flat = " ".join(stderr.replace("│", " ").split())  # rich draws the usage error in a box
     assert code == 2 and "'kl' is not one of" in flat and "block_out" in flat
     assert not (tmp_path / "x").exists()
+
+
+def test_no_clip_writes_unclipped_ratios_and_records_it(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    """--no-clip: every clip ratio 1 (nothing searched), recorded in the recipe; the default run clips some heads."""
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "nc", "--no-clip"), monkeypatch, capsys)
+    assert code == 0, err
+    art = read_artifact(tmp_path / "nc")
+    assert bool((art.k_clip_ratio == 1).all()) and bool((art.v_clip_ratio == 1).all())
+    assert json.loads(art.metadata["calibration"])["solver"]["clip"] is False
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "c"), monkeypatch, capsys)
+    assert code == 0, err
+    clipped = read_artifact(tmp_path / "c")
+    assert bool((clipped.k_clip_ratio < 1).any() or (clipped.v_clip_ratio < 1).any())
+    assert torch.equal(clipped.k_rotation, art.k_rotation)  # only the clips differ

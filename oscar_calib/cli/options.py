@@ -73,6 +73,9 @@ VGridOpt = Annotated[Optional[str], typer.Option(
 ClipObjectiveOpt = Annotated[ClipObjective, typer.Option(
     "--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys "
                             "and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")]
+ClipOpt = Annotated[bool, typer.Option(
+    "--clip/--no-clip", help="Fit per-head clip ratios (--no-clip: none; better far-token retrieval, slightly higher "
+                             "perplexity on the fixtures).")]
 CenterKeysOpt = Annotated[bool, typer.Option(
     "--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")]
 CenterValuesOpt = Annotated[bool, typer.Option(
@@ -102,7 +105,7 @@ def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tu
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
-                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3):
+                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3, clip: bool = True):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 
@@ -111,7 +114,7 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           k_clip_grid=parse_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                           v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
                           key_clip_objective=key_objective.value, group_size=group_size,
-                          center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value,
+                          center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
                           **windows)
 
 

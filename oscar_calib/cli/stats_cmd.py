@@ -15,6 +15,7 @@ from oscar_calib.cli.options import (
     CenterValuesOpt,
     ClipObjective,
     ClipObjectiveOpt,
+    ClipOpt,
     DeviceOpt,
     Granularity,
     GranularityOpt,
@@ -57,6 +58,7 @@ def refit_cmd(
     center_keys: CenterKeysOpt = True,
     center_values: CenterValuesOpt = True,
     scale_dtype: ScaleDtypeOpt = ScaleDtype.ue5m3,
+    clip: ClipOpt = True,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
     group_size: GroupSizeOpt = None,
@@ -69,7 +71,8 @@ def refit_cmd(
 
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
-                                   center_values, sink, recent, group_size, scale_dtype)
+                                   center_values, sink, recent, group_size, scale_dtype,
+                                   clip)
     except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
         raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):
