@@ -22,6 +22,20 @@ def _no_network(monkeypatch):
     yield
 
 
+@pytest.fixture
+def hub(tmp_path, monkeypatch, request):
+    """The local fake Hub (tests/hub_server.py), online, as `HF_ENDPOINT`; it accepts the test module's TOKEN."""
+    import huggingface_hub.constants as constants
+    from hub_server import HubServer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with HubServer(tmp_path / "hub", token=request.module.TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        yield server
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need a CUDA device and compiled kernels; `interpreter` tests launch Triton kernels on CPU tensors,
     which only the interpreter can do. One process runs Triton one way or the other (TRITON_INTERPRET is read when

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hub_server import HubServer
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -69,17 +68,6 @@ def fake_quant_attention(art):
 
     return attention
 
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with HubServer(tmp_path / "hub", token=TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
 
 
 @torch.no_grad()

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli
-from hub_server import HubServer
 from tiny_models import tiny_config
 
 from oscar_calib.errors import HubError, InputError
@@ -57,22 +56,6 @@ def make_artifact(directory: Path, seed: int = 0, model_id: str = MODEL, revisio
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture
-def online(monkeypatch, tmp_path):
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-
-
-@pytest.fixture
-def hub(tmp_path, online, monkeypatch):
-    with HubServer(tmp_path / "hub", token=TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
 
 
 def go_offline(monkeypatch):

@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-from hub_server import HubServer
 from test_hub import MODEL, REPO, REV, TOKEN, go_offline, make_artifact, run_cli, sha
 from test_zoo_cli import COMMENTED
 from tiny_models import tiny_config
@@ -19,19 +18,6 @@ from tiny_models import tiny_config
 from oscar_calib.cli import exit_codes
 from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
 from runtime_kernels.loader import WrongRepoTypeError, load_artifact
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """The local Hub server, online, as `HF_ENDPOINT` (as in test_hub)."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with HubServer(tmp_path / "hub", token=TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
 
 
 def _push(tmp_path, monkeypatch, capsys, *extra, seed=0, name="a"):

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from hub_server import HubServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hub import MODEL, REPO, TOKEN, do_load, do_push, go_offline, make_artifact, run_cli, sha
@@ -29,20 +28,6 @@ from runtime_kernels.loader import (
     pull_release,
     release_record,
 )
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """The fake Hub, online (test_hub's fixture, repeated: fixtures are not imported across test modules)."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with HubServer(tmp_path / "hub", token=TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
-
 
 GOOD = release_record(MODEL, "a" * 40, "default", "v1", {ARTIFACT_FILENAME: {"sha256": "a" * 64, "size": 3}})
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from hub_server import HubServer
 from test_hub import MODEL, REPO, REV, TOKEN, make_artifact, run_cli
 
 from oscar_calib.cli import exit_codes
@@ -14,18 +13,6 @@ from oscar_calib.manifest import ManifestError, load_manifest, parse_manifest, s
 
 SHA = "c" * 40
 
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """The local Hub server, online, as `HF_ENDPOINT` (as in test_hub)."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with HubServer(tmp_path / "hub", token=TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
 
 
 # ------------------------------------------------------------------------------------------------ parser

@@ -29,6 +29,7 @@ from runtime_kernels._validate import (
 )
 from runtime_kernels.attention import naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.quant.naive import SCALE_STORAGE
 
 
 def _launch():
@@ -90,7 +91,7 @@ def _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tab
         raise ValueError(f"q: {h_q} query heads is not a multiple of the {h_kv} KV heads of k_codes")
     # The scale format is the pools' dtype: fp16 scale/zero, or uint8 (ue5m3 scale, zero in 1/64 code); one for all.
     for name, s in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
-        check_tensor(name, s, dtypes=(k_scale.dtype,) if name != "k_scale" else (torch.float16, torch.uint8),
+        check_tensor(name, s, dtypes=(k_scale.dtype,) if name != "k_scale" else tuple(SCALE_STORAGE.values()),
                      ndim=4, device=dev)
         if tuple(s.shape[:3]) != tuple(k_codes.shape[:3]) or s.shape[3] < 1 or d % s.shape[3]:
             raise ValueError(f"{name}: expected shape {tuple(k_codes.shape[:3])} + (head_dim // group_size,), "

@@ -25,7 +25,7 @@ __all__ = ["naive", "quantize_pack", "scale_storage_dtype", "write_pages"]
 def scale_storage_dtype(scale_format: str) -> torch.dtype:
     """dtype of the scale and zero pools for a scale format: fp16, or uint8 for ue5m3."""
     naive.scale_bits(scale_format)  # validates the name
-    return torch.uint8 if scale_format == "ue5m3" else torch.float16
+    return naive.SCALE_STORAGE[scale_format]
 
 
 def _check_common(x, rotation, clip_ratio, group_size) -> int:
@@ -120,7 +120,7 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
     mean = _check_mean(mean, x)
     t, h, d = x.shape
     check_tensor("codes_pool", codes_pool, dtypes=(torch.uint8,), ndim=4, device=x.device)
-    check_tensor("scale_pool", scale_pool, dtypes=(torch.float16, torch.uint8), ndim=4, device=x.device)
+    check_tensor("scale_pool", scale_pool, dtypes=tuple(naive.SCALE_STORAGE.values()), ndim=4, device=x.device)
     check_tensor("zero_pool", zero_pool, dtypes=(scale_pool.dtype,), ndim=4, device=x.device)
     check_dim("codes_pool", codes_pool, 1, h, "KV heads of x")
     check_dim("codes_pool", codes_pool, 3, d // 4, "head_dim // 4 packed bytes")

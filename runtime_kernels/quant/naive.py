@@ -28,11 +28,17 @@ ZERO_LIMIT = 2.0**15
 #   p * scale in fp16). The range is widened to include 0 so the zero point
 #   always lies in [0, 3] codes; a row crossing 0 (every centered rotated row in practice) is unchanged.
 #   Codes are computed against the rounded scale and zero, so dequantization reproduces what was encoded.
-SCALE_FORMATS = ("float16", "ue5m3")
+SCALE_STORAGE = {"float16": torch.float16, "ue5m3": torch.uint8}  # format -> dtype of the scale and zero tensors
+SCALE_FORMATS = tuple(SCALE_STORAGE)
 UE5M3_MIN = 2.0**-14
 UE5M3_MAX = 1.875 * 2.0**15
 UE5M3_BIAS = (127 - 15) << 3  # fp32 exponent bias minus ue5m3's, in units of the 3-bit mantissa
 ZERO_STEPS = 64  # ue5m3 zero points are stored in 1/64 of a code
+
+
+def scale_format_of(dtype: torch.dtype) -> str:
+    """The scale format of stored scale/zero tensors of `dtype` (the inverse of SCALE_STORAGE)."""
+    return "ue5m3" if dtype == torch.uint8 else "float16"
 
 
 def scale_bits(scale_format: str) -> int:
@@ -114,7 +120,7 @@ def quantize(x: torch.Tensor, group_size: int | None = None, scale_format: str =
 
 def scale_zero_fp32(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored scale and zero (fp16, or uint8 ue5m3 and 1/64 codes) -> fp32 scale and zero point in codes."""
-    if scale.dtype == torch.uint8:
+    if scale_format_of(scale.dtype) == "ue5m3":
         return decode_ue5m3(scale), zero.float() * (1.0 / ZERO_STEPS)
     return scale.float(), zero.float()
 

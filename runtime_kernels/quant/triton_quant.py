@@ -247,6 +247,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=scale.dtype == torch.uint8,
+        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=naive.scale_format_of(scale.dtype) == "ue5m3",
         num_warps=4,
     )

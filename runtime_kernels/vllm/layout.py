@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime_kernels.quant.naive import SCALE_STORAGE
+
 
 @dataclass(frozen=True)
 class PackedLayout:
@@ -32,13 +34,13 @@ class PackedLayout:
             raise ValueError(f"head_dim: expected a positive multiple of 4 for 2-bit packing, got {d}")
         if g <= 0 or g % 4 or d % g:
             raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
-        if self.scale_format not in ("float16", "ue5m3"):
-            raise ValueError(f"scale_format: expected 'float16' or 'ue5m3', got {self.scale_format!r}")
+        if self.scale_format not in SCALE_STORAGE:
+            raise ValueError(f"scale_format: expected one of {list(SCALE_STORAGE)}, got {self.scale_format!r}")
 
     @property
     def scale_dtype(self) -> torch.dtype:
         """dtype of the scale and zero views: fp16, or uint8 for ue5m3."""
-        return torch.uint8 if self.scale_format == "ue5m3" else torch.float16
+        return SCALE_STORAGE[self.scale_format]
 
     @property
     def code_bytes(self) -> int:

@@ -148,8 +148,8 @@ def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: 
     Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
     page_ids, rows: int `[T]`.
     """
-    fmt = "ue5m3" if scale_pool.dtype == torch.uint8 else "float16"
-    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean, fmt)
+    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean,
+                                            quant_naive.scale_format_of(scale_pool.dtype))
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
