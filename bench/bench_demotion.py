@@ -9,7 +9,8 @@ Demotion per step, for a batch of B sequences, K and V (`quant.write_pages`):
 Each is timed under a CUDA graph (16 calls per replay, each to its own scattered pages) and eagerly (`do_bench`,
 launch overhead included). The attention time per point is read from the graph benchmark's results file.
 
-    python3 bench/bench_demotion.py --out bench/results --attention bench/results/decode_graph_NVIDIA_H200.json
+    python3 bench/bench_demotion.py --out bench/results --attention bench/results/decode_graph_NVIDIA_H200.json \
+        [--scale-format ue5m3] [--quantizer uniform_unbiased]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode_graph import graph_times  # noqa: E402
-from common import H_KV, PAGE, D  # noqa: E402
+from common import H_KV, PAGE, D, commit  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools  # noqa: E402
@@ -33,7 +34,8 @@ from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools  # 
 DEV = "cuda"
 
 
-def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True):
+def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True,
+                 quantizer: str = "uniform_minmax"):
     """`n_calls` write_pages calls (K and V) of `tokens` tokens each, to distinct random pages and rows; `rotate`
     False: rows already rotated (bf16), as the cache demotes them."""
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0] if rotate else None
@@ -45,8 +47,8 @@ def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate:
         rows = torch.randint(0, PAGE, (tokens,), device=DEV, generator=gen, dtype=torch.int32)
 
         def call(x=x, ids=ids, rows=rows):
-            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows)
-            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows)
+            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows, quantizer=quantizer)
+            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows, quantizer=quantizer)
         calls.append(call)
     return calls
 
@@ -55,6 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--attention", required=True, help="decode_graph_<gpu>.json of the graph benchmark")
+    ap.add_argument("--scale-format", default="float16", choices=quant.naive.SCALE_FORMATS)
+    ap.add_argument("--quantizer", default="uniform_minmax", choices=quant.naive.QUANTIZERS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_demotion: needs a CUDA GPU")
@@ -66,17 +70,18 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
     # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.
+    sdt = quant.scale_storage_dtype(args.scale_format)
     pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=sdt, device=DEV),
+             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=sdt, device=DEV),
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV))
+             *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV, dtype=sdt))
     per_batch = {}
     for batch in sorted({r["shape"]["batch"] for r in att["rows"]}):
         res = {}
         for name, tokens, steps, rotate in (("page_batched_cache", batch * PAGE, PAGE, False),
                                             ("page_batched", batch * PAGE, PAGE, True), ("one_token", batch, 1, True)):
-            calls = demote_calls(tokens, 16, pools, gen, rotate)
+            calls = demote_calls(tokens, 16, pools, gen, rotate, args.quantizer)
             res[f"{name}_graph_ms_per_step"] = graph_times(calls)[0] / steps
             res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
         per_batch[batch] = res
@@ -90,12 +95,16 @@ def main() -> None:
                      **d, **{f"{k.replace('_ms_per_step', '')}_pct_of_attention": 100 * v / r["p50_ms"]
                              for k, v in d.items()}})
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-            "attention_file": os.path.basename(args.attention), "attention_impl": impl_key}
-    stem = os.path.join(args.out, "decode_demotion_" + meta["gpu"].replace(" ", "_"))
+            "attention_file": os.path.basename(args.attention), "attention_impl": impl_key,
+            "scale_format": args.scale_format, "quantizer": args.quantizer, "commit": commit()}
+    suffix = "" if (args.scale_format, args.quantizer) == ("float16", "uniform_minmax") else \
+        f"_{args.scale_format}_{args.quantizer}"
+    stem = os.path.join(args.out, "decode_demotion_" + meta["gpu"].replace(" ", "_") + suffix)
     with open(stem + ".json", "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [f"# Demotion cost per decode step vs decode attention ({meta['gpu']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}; `quant.write_pages` of K and V, Qwen3-8B geometry; "
+             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; scale format "
+             f"{meta['scale_format']}, quantizer {meta['quantizer']}; `quant.write_pages` of K and V, Qwen3-8B geometry; "
              f"cache path = rows already rotated (what `PagedKVCache` demotes), the other columns include the "
              f"rotation; attention = {impl_key} under CUDA graphs from `{meta['attention_file']}`. "
              "`python3 bench/bench_demotion.py --out DIR --attention FILE`", "",

@@ -167,7 +167,8 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
                                 (1.0,) if no_clip else settings.k_clip_grid, session.scaling, settings.group_size,
                                 settings.sink_tokens, settings.recent_tokens, settings.key_clip_objective,
                                 (1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
-                                o_weight=w_o, extend=not no_clip, scale_format=settings.scale_dtype)
+                                o_weight=w_o, extend=not no_clip, scale_format=settings.scale_dtype,
+                                quantizer=settings.quantizer)
     return fits
 
 
@@ -364,7 +365,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
         tool_version=f"oscar-calib {__version__}",
         layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
                                     group_size=settings.group_size or d),
-        scale_dtype=settings.scale_dtype)
+        scale_dtype=settings.scale_dtype, quantizer=settings.quantizer)
     if prov.created_at:  # a refit keeps the capture's timestamp, so it reproduces the run's bytes
         meta["created_at"] = prov.created_at
     # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.

@@ -76,7 +76,7 @@ def quantized_pair_mask(positions: torch.Tensor, seq_len: int, sink: int, recent
 
 def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | torch.Tensor,
                         group_size: int | None, mean: torch.Tensor | None = None,
-                        scale_format: str = "float16") -> torch.Tensor:
+                        scale_format: str = "float16", quantizer: str = "uniform_minmax") -> torch.Tensor:
     """x `[S, H, T, d]` -> `fq(x - mean) + mean` in the rotated basis, then back; same shape, fp32.
 
     ratio: a scalar or per head `[H]`; mean `[H, d]` (model basis) or None.
@@ -84,9 +84,8 @@ def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | 
     xf = x.float() if mean is None else x.float() - mean.float()[None, :, None, :]
     xr = torch.einsum("shtd,hde->shte", xf, rotation.float())
     r = torch.as_tensor(ratio, dtype=torch.float64)
-    if bool((r < 1.0).any()):
-        xr = naive.clip_rows(xr, r[None, :, None] if r.dim() == 1 else r)
-    codes, scale, zero = naive.quantize(xr, group_size, scale_format)
+    clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
+    codes, scale, zero = naive.quantize_rows(xr, clip, group_size, scale_format, quantizer)
     xq = naive.dequantize(codes, scale, zero)
     out = torch.einsum("shte,hde->shtd", xq, rotation.float())
     return out if mean is None else out + mean.float()[None, :, None, :]
@@ -170,7 +169,7 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                 recent: int = DEFAULT_LAYOUT.recent_tokens, key_objective: str = "attn_kl",
                 v_grid: tuple[float, ...] | None = None, k_mean: torch.Tensor | None = None,
                 v_mean: torch.Tensor | None = None, o_weight: torch.Tensor | None = None,
-                scale_format: str = "float16") -> tuple[torch.Tensor, torch.Tensor]:
+                scale_format: str = "float16", quantizer: str = "uniform_minmax") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-aware errors of every key clip ratio in `grid` and value clip ratio in `v_grid` (default: `grid`).
 
     Args:
@@ -179,6 +178,7 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         key_objective: one of KEY_OBJECTIVES; `block_out` needs `o_weight` (`[hidden, H_q * d]`), and then the
             value error is measured after o_proj too.
         scale_format: the cache's scale format ("float16" or "ue5m3"), so clips are fitted for the stored grid.
+        quantizer: the cache's quantizer (`naive.QUANTIZERS`).
     Returns:
         key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU); an empty grid
         skips that side.
@@ -191,7 +191,7 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                    o_weight if key_objective == "block_out" else None)
     objective = "out_err" if key_objective == "block_out" else key_objective
     v_grid = grid if v_grid is None else v_grid
-    fq = lambda x, rot, r, mu: _fake_quant_rotated(x, rot, r, group_size, mu, scale_format) - x  # noqa: E731
+    fq = lambda x, rot, r, mu: _fake_quant_rotated(x, rot, r, group_size, mu, scale_format, quantizer) - x  # noqa: E731
     k_err = [_key_error(ho, fq(ho.k, k_rotation, r, k_mean), objective) for r in grid]
     v_err = [_value_error(ho, fq(ho.v, v_rotation, r, v_mean)) for r in v_grid]
     empty = torch.zeros(0, keys.shape[1], dtype=torch.float64)  # an empty grid skips that side
@@ -236,7 +236,8 @@ def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, sc
               sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens,
               key_objective: str = "attn_kl", v_grid: tuple[float, ...] | None = None,
               k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-              o_weight: torch.Tensor | None = None, extend: bool = True, scale_format: str = "float16") -> ClipFit:
+              o_weight: torch.Tensor | None = None, extend: bool = True, scale_format: str = "float16",
+              quantizer: str = "uniform_minmax") -> ClipFit:
     """Fit K (over `grid`) and V (over `v_grid`, default `grid`) clip ratios of one layer; shapes as in `clip_errors`.
 
     With `extend`, a grid whose lowest candidate wins for some head is extended downward (EXTEND_STEP at a time,
@@ -244,7 +245,7 @@ def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, sc
     """
     v_grid = grid if v_grid is None else v_grid
     kw = dict(scaling=scaling, group_size=group_size, sink=sink, recent=recent, key_objective=key_objective,
-              k_mean=k_mean, v_mean=v_mean, o_weight=o_weight, scale_format=scale_format)
+              k_mean=k_mean, v_mean=v_mean, o_weight=o_weight, scale_format=scale_format, quantizer=quantizer)
     if not extend:
         k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, v_grid=v_grid, **kw)
         kr, vr = pick_ratios(k_err, grid), pick_ratios(v_err, v_grid)

@@ -62,6 +62,11 @@ class SolverSettings(_Strict):
     scale_dtype: Literal["float16", "ue5m3"] = Field(
         "ue5m3", description="How the INT2 history stores each group's scale and zero point: fp16 both "
                                "(32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero point, 16 bits).")
+    quantizer: Literal["uniform_unbiased", "uniform_minmax"] = Field(
+        "uniform_unbiased", description="How each INT2 group is encoded: min-max over the clipped group, then again "
+                                        "with a gain that keeps the group's projection on the unclipped one (far "
+                                        "tokens keep their attention logits after clipping), or min-max only (the "
+                                        "reference's `uniform_minmax`).")
     sink_tokens: int = Field(RECIPE_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
     recent_tokens: int = Field(RECIPE_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
 

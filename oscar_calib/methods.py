@@ -103,6 +103,7 @@ class RowwiseInt2(KVMethod):
     v_clip: float = 1.0
     group_size: int | None = None
     scale_format: str = "float16"
+    quantizer: str = "uniform_minmax"
 
     def quantizes(self, layer_idx: int) -> bool:
         return True
@@ -117,7 +118,7 @@ class RowwiseInt2(KVMethod):
 
     def _one(self, x: torch.Tensor, rotation: torch.Tensor | None, clip: float) -> torch.Tensor:
         ratio = None if clip >= 1.0 else clip
-        return centered_fake_quantize(x, rotation, ratio, None, self.group_size, self.scale_format)
+        return centered_fake_quantize(x, rotation, ratio, None, self.group_size, self.scale_format, self.quantizer)
 
     def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
         return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
@@ -160,9 +161,9 @@ class TableInt2(RowwiseInt2):
         if key not in self._cache:
             self._cache[key] = self.tables[layer_idx].to(keys.device)
         t = self._cache[key]
-        g, f = self.group_size, self.scale_format
-        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g, f),
-                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g, f))
+        g, f, q = self.group_size, self.scale_format, self.quantizer
+        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g, f, q),
+                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g, f, q))
 
 
 def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int, LayerTables]:
@@ -187,7 +188,8 @@ class ArtifactInt2(TableInt2):
                  centered: bool = True):
         fmt = artifact.runtime_scale_format if artifact is not None else "float16"
         super().__init__(name, description, group_size=artifact.group_size if artifact is not None else None,
-                         scale_format=fmt, tables=artifact_tables(artifact, centered) if artifact is not None else {})
+                         scale_format=fmt, quantizer=artifact.quantizer if artifact is not None else "uniform_minmax",
+                         tables=artifact_tables(artifact, centered) if artifact is not None else {})
         self.artifact = artifact
 
     def history_bits(self, head_dim: int) -> float:
@@ -200,7 +202,8 @@ class ArtifactInt2(TableInt2):
 
 
 def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip, mean: torch.Tensor | None,
-                           group_size: int | None, scale_format: str = "float16") -> torch.Tensor:
+                           group_size: int | None, scale_format: str = "float16",
+                           quantizer: str = "uniform_minmax") -> torch.Tensor:
     """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2 (scales in `scale_format`),
     de-rotate.
 
@@ -212,7 +215,8 @@ def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip,
     if mean is not None:
         xf = xf - mean.to(xf.device, torch.float32)[None, :, None, :]
     rot = None if rotation is None else rotation.to(x.device, torch.float32)
-    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size, scale_format=scale_format), b, t)
+    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size, scale_format=scale_format,
+                                         quantizer=quantizer), b, t)
     if mean is not None:
         out = out + mean.to(out.device, torch.float32)[None, :, None, :]
     return out

@@ -71,9 +71,11 @@ def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: in
 @torch.no_grad()
 def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, sink: int = DEFAULT_LAYOUT.sink_tokens,
                    recent: int = DEFAULT_LAYOUT.recent_tokens) -> dict:
-    """Greedy accuracy over the key tokens, the fraction of keys entirely right, and the keys' mean NLL."""
+    """Greedy accuracy over the key tokens, the fraction of keys entirely right, and the keys' mean NLL; per needle
+    too (`per_needle`: accuracy and mean NLL of each key, for intervals over needles)."""
     device = next(model.parameters()).device
     hits, tokens, exact, nll = 0, 0, 0, 0.0
+    per_acc, per_nll = [], []
     with evaluating(model, EvalSession(method, sink, recent, collect_stats=False)):
         for i in range(batch.ids.shape[0]):
             seq = batch.ids[i:i + 1].to(device)
@@ -82,12 +84,16 @@ def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, sink: int = DEF
             pred = logits[a - 1:b - 1]  # position j predicts token j + 1
             target = seq[0, a:b]
             ok = pred.argmax(dim=-1) == target
+            key_nll = float(-torch.log_softmax(pred, dim=-1).gather(-1, target[:, None]).sum())
             hits += int(ok.sum())
             tokens += b - a
             exact += int(ok.all())
-            nll += float(-torch.log_softmax(pred, dim=-1).gather(-1, target[:, None]).sum())
+            nll += key_nll
+            per_acc.append(float(ok.float().mean()))
+            per_nll.append(key_nll / (b - a))
     n = batch.ids.shape[0]
-    return {"key_token_accuracy": hits / tokens, "keys_exact": exact / n, "key_nll": nll / tokens, "needles": n}
+    return {"key_token_accuracy": hits / tokens, "keys_exact": exact / n, "key_nll": nll / tokens, "needles": n,
+            "per_needle": {"accuracy": per_acc, "nll": per_nll}}
 
 
 @torch.no_grad()

@@ -57,6 +57,16 @@ def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 MAX_KV_MAGNITUDE = float(torch.finfo(torch.float16).max)
 
 
+def check_served_quantizer(artifact: OscarArtifact) -> str:
+    """The artifact's quantizer if this runtime serves it (`quant.naive.QUANTIZERS`); ValueError naming the field
+    otherwise (`lloyd_max` codebooks: the int8 key scores rely on uniform levels)."""
+    if artifact.quantizer not in quant_api.naive.QUANTIZERS:
+        raise ValueError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; this runtime serves "
+                         f"{' and '.join(quant_api.naive.QUANTIZERS)} INT2 (uniform levels: the int8 key scores "
+                         "rely on them)")
+    return artifact.quantizer
+
+
 class NonFiniteKVError(ValueError):
     """A key or value to be cached is NaN, infinite or beyond the fp16 range of the INT2 page scales.
 
@@ -226,7 +236,7 @@ class PagedKVCache:
                  page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int = DEFAULT_LAYOUT.sink_tokens, recent_tokens: int = DEFAULT_LAYOUT.recent_tokens,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                 check_finite: bool = True, scale_format: str = "float16"):
+                 check_finite: bool = True, scale_format: str = "float16", quantizer: str = "uniform_minmax"):
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
                 raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
@@ -262,9 +272,11 @@ class PagedKVCache:
             raise TypeError(f"dtype: window dtype must be float16, bfloat16 or float32, got {dtype}")
         if scale_format not in quant_api.naive.SCALE_FORMATS:
             raise ValueError(f"scale_format: expected one of {list(quant_api.naive.SCALE_FORMATS)}, got {scale_format!r}")
+        quant_api.naive.check_quantizer(quantizer)
 
         self.device = normalize_device(device)
         self.scale_format = scale_format
+        self.quantizer = quantizer
         sdt = quant_api.scale_storage_dtype(scale_format)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
@@ -333,9 +345,7 @@ class PagedKVCache:
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
         artifact.validate()
-        if artifact.quantizer != "uniform_minmax":
-            raise ValueError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; this runtime serves "
-                             "uniform_minmax INT2 only (the int8 key scores rely on uniform levels)")
+        check_served_quantizer(artifact)
         if artifact.metadata.get("key_target") != "identity":
             for name, asked, fitted in (("sink_tokens", sink_tokens, artifact.sink_tokens),
                                         ("recent_tokens", recent_tokens, artifact.recent_tokens)):
@@ -351,7 +361,7 @@ class PagedKVCache:
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
                    v_mean=artifact.value_mean("rotated") if artifact.is_centered else None,
-                   scale_format=artifact.runtime_scale_format)
+                   scale_format=artifact.runtime_scale_format, quantizer=artifact.quantizer)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:
@@ -583,7 +593,7 @@ class PagedKVCache:
             if plan.demote_src.numel():  # rows are already rotated: (center,) clip, quantize, pack
                 quant_api.write_pages(src[plan.demote_src], None, clip, codes, scale, zero, plan.demote_pages,
                                       plan.demote_rows, group_size=self.group_size, backend=self.backend,
-                                      mean=mean)
+                                      mean=mean, quantizer=self.quantizer)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
 

@@ -6,7 +6,8 @@ Contract version 2 (the writer's version) adds to version 1:
     k_codebook         float32 [A, H_kv, 4]   optional, only with quantizer = lloyd_max
     v_codebook         float32 [A, H_kv, 4]   optional, only with quantizer = lloyd_max
 
-and the metadata `mean_basis` (original | rotated), `quantizer` (uniform_minmax | lloyd_max) and
+and the metadata `mean_basis` (original | rotated), `quantizer` (uniform_minmax | uniform_unbiased | lloyd_max;
+`runtime_kernels.quant.naive.QUANTIZERS` says what the uniform ones do) and
 `scale_dtype` (float16 | bfloat16 | float32 | ue5m3, the last an 8-bit scale and 8-bit zero point). Version 1 artifacts still load: their means are zero,
 their quantizer uniform_minmax and their scale dtype float16. Any other schema version is refused.
 
@@ -52,7 +53,7 @@ INT_METADATA = ("schema_version", "num_attention_heads", "num_key_value_heads", 
 
 GRANULARITIES = ("head", "layer")
 MEAN_BASES = ("original", "rotated")
-QUANTIZERS = ("uniform_minmax", "lloyd_max")
+QUANTIZERS = ("uniform_minmax", "uniform_unbiased", "lloyd_max")
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "ue5m3": torch.uint8}  # ue5m3: 8-bit scale + 8-bit zero point (runtime_kernels.quant.naive)
 CODEBOOK_LEVELS = 4

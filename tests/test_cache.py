@@ -20,9 +20,10 @@ S, R, P = 4, 8, 4  # small sink / recent / page so short sequences use all three
 H, HQ, D, G = 2, 4, 16, 8
 
 
-def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0, group=G):
+def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0, group=G, quantizer="uniform_minmax"):
     """An artifact with random orthogonal per-head rotations and clip ratios below 1."""
     art = identity_artifact(num_layers, H, HQ, D, group_size=group)
+    art.metadata["quantizer"] = quantizer
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -52,8 +53,11 @@ def reference_attention(art, layer, q, k, v):
     h = expected_history(n)
     segs_k, segs_v = [k[:S]], [v[:S]]
     if h:
-        segs_k.append(quant_naive.fake_quantize(k[S:S + h], art.k_rotation[layer], art.k_clip_ratio[layer], G))
-        segs_v.append(quant_naive.fake_quantize(v[S:S + h], art.v_rotation[layer], art.v_clip_ratio[layer], G))
+        q_ = art.quantizer
+        segs_k.append(quant_naive.fake_quantize(k[S:S + h], art.k_rotation[layer], art.k_clip_ratio[layer], G,
+                                                quantizer=q_))
+        segs_v.append(quant_naive.fake_quantize(v[S:S + h], art.v_rotation[layer], art.v_clip_ratio[layer], G,
+                                                quantizer=q_))
     segs_k.append(k[S + h:])
     segs_v.append(v[S + h:])
     kk = torch.cat(segs_k).transpose(0, 1)[None]  # [1, H, n, d]
@@ -101,8 +105,9 @@ class Workload:
                 torch.testing.assert_close(got[b], want, atol=atol, rtol=1e-4)
 
 
-def test_decode_matches_dense_fake_quantized_reference():
-    art = random_artifact()
+@pytest.mark.parametrize("quantizer", ["uniform_minmax", "uniform_unbiased"])
+def test_decode_matches_dense_fake_quantized_reference(quantizer):
+    art = random_artifact(quantizer=quantizer)
     cache = make_cache(art)
     work = Workload(cache, art.num_layers)
     ids = work.prefill([3, 14, 37])  # sink only / sink+recent / all three segments

@@ -323,6 +323,33 @@ def test_ue5m3_quantize_bit_exact_on_gpu(clip_mode):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("clip_mode", ["kernel", "torch"])
+@pytest.mark.parametrize("scale_format,group_size", [("ue5m3", None), ("float16", None), ("ue5m3", 32),
+                                                     ("float16", 64)])
+def test_unbiased_quantize_bit_exact_on_gpu(clip_mode, scale_format, group_size):
+    """The uniform_unbiased quantizer's second pass on the compiled kernel: the float64 gain (summed in another
+    order than torch's, then rounded to 1/2^16), both scale formats, groups, centering and clipping, bit for bit."""
+    from runtime_kernels.quant.triton_quant import quantize_pack_into
+
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    t, h, d = 4099, 8, 128
+    g = group_size or d
+    x = torch.randn(t, h, d, generator=gen, device=DEV) * torch.exp(torch.randn(t, h, 1, generator=gen, device=DEV))
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
+    ratio = torch.linspace(0.85, 1.0, h, device=DEV)
+    mean = torch.randn(h, d, generator=gen, device=DEV) * 0.3
+    want = naive.quantize_pack(x, rot, ratio, g, mean=mean, scale_format=scale_format, quantizer="uniform_unbiased")
+    sdt = naive.SCALE_STORAGE[scale_format]
+    codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
+    scale = torch.empty(t, h, 1, d // g, dtype=sdt, device=DEV)
+    zero = torch.empty_like(scale)
+    idx = torch.arange(t, device=DEV, dtype=torch.int32)
+    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0, g,
+                       clip_mode=clip_mode, mean=mean, quantizer="uniform_unbiased")
+    for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d,group_size,paired", [(128, None, True), (128, None, False), (64, None, True),
                                                  (64, None, False), (128, 32, False)])
 @pytest.mark.parametrize("whole", [True, False])

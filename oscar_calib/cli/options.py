@@ -54,6 +54,11 @@ class ScaleDtype(str, Enum):
     float16 = "float16"
 
 
+class Quantizer(str, Enum):
+    uniform_unbiased = "uniform_unbiased"
+    uniform_minmax = "uniform_minmax"
+
+
 class ClipObjective(str, Enum):
     block_out = "block_out"
     out_err = "out_err"
@@ -87,6 +92,10 @@ RecentOpt = Annotated[Optional[int], typer.Option(
 ScaleDtypeOpt = Annotated[ScaleDtype, typer.Option(
     "--scale-dtype", help="Per-row scale and zero point of the INT2 history: ue5m3 (8 + 8 bits, 2.125 bits per "
                           "element at head_dim 128) or float16 (16 + 16 bits, 2.25).")]
+QuantizerOpt = Annotated[Quantizer, typer.Option(
+    "--quantizer", help="How each INT2 row is encoded: uniform_unbiased (min-max over the clipped row, with a gain "
+                        "that keeps the row's projection on the unclipped one, so far tokens keep their attention "
+                        "logits) or uniform_minmax (the reference's).")]
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
 
 
@@ -105,7 +114,8 @@ def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tu
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
-                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3, clip: bool = True):
+                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3, clip: bool = True,
+                    quantizer: Quantizer = Quantizer.uniform_unbiased):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 
@@ -115,7 +125,7 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
                           key_clip_objective=key_objective.value, group_size=group_size,
                           center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
-                          **windows)
+                          quantizer=quantizer.value, **windows)
 
 
 # The Hub keeps models and datasets in separate namespaces: `org/zoo` may be either, so every command that talks

@@ -24,6 +24,8 @@ from oscar_calib.cli.options import (
     KGridOpt,
     OutDirOpt,
     RecentOpt,
+    Quantizer,
+    QuantizerOpt,
     ScaleDtype,
     ScaleDtypeOpt,
     SinkOpt,
@@ -58,6 +60,7 @@ def refit_cmd(
     center_keys: CenterKeysOpt = True,
     center_values: CenterValuesOpt = True,
     scale_dtype: ScaleDtypeOpt = ScaleDtype.ue5m3,
+    quantizer: QuantizerOpt = Quantizer.uniform_unbiased,
     clip: ClipOpt = True,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
@@ -72,7 +75,7 @@ def refit_cmd(
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
                                    center_values, sink, recent, group_size, scale_dtype,
-                                   clip)
+                                   clip, quantizer)
     except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
         raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):

@@ -76,7 +76,8 @@ def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                   group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None,
-                  scale_format: str = "float16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale_format: str = "float16", quantizer: str = "uniform_minmax"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate, (center,) clip, quantize to 2 bits and pack.
 
     Args:
@@ -85,13 +86,16 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
         group_size: channels per scale/zero group (default d).
         mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
         scale_format: "float16" or "ue5m3" (`naive.SCALE_FORMATS`).
+        quantizer: "uniform_minmax" or "uniform_unbiased" (`naive.QUANTIZERS`).
     Returns:
         packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]` (fp16, or uint8 for ue5m3).
     """
     g = _check_common(x, rotation, clip_ratio, group_size)
     mean = _check_mean(mean, x)
+    naive.check_quantizer(quantizer)
     if resolve_backend(backend, x.device) == "torch":
-        return naive.quantize_pack(x, rotation, clip_ratio, g, mean=mean, scale_format=scale_format)
+        return naive.quantize_pack(x, rotation, clip_ratio, g, mean=mean, scale_format=scale_format,
+                                   quantizer=quantizer)
     t, h, d = x.shape
     xr = _rotated(x, rotation)
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=x.device)
@@ -100,14 +104,15 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     idx = torch.arange(t, dtype=torch.int32, device=x.device)
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
-    quantize_pack_into(xr, _ratio(clip_ratio), codes, scale, zero, idx, torch.zeros_like(idx), g, mean=mean)
+    quantize_pack_into(xr, _ratio(clip_ratio), codes, scale, zero, idx, torch.zeros_like(idx), g, mean=mean,
+                       quantizer=quantizer)
     return codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]
 
 
 def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                 codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
                 page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                backend: str = "auto", mean: torch.Tensor | None = None) -> None:
+                backend: str = "auto", mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]`, in place.
 
     Args:
@@ -115,9 +120,11 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
             both, or uint8 both for the ue5m3 scale format (the pools' dtype selects it).
         page_ids, rows: int32/int64 `[T]` (values are not range-checked here: that would sync the GPU).
         mean: `[H, d]` per-head mean in the rotated basis, subtracted before clipping (centered caches), or None.
+        quantizer: one of `naive.QUANTIZERS`.
     """
     g = _check_common(x, rotation, clip_ratio, group_size)
     mean = _check_mean(mean, x)
+    naive.check_quantizer(quantizer)
     t, h, d = x.shape
     check_tensor("codes_pool", codes_pool, dtypes=(torch.uint8,), ndim=4, device=x.device)
     check_tensor("scale_pool", scale_pool, dtypes=tuple(naive.SCALE_STORAGE.values()), ndim=4, device=x.device)
@@ -138,9 +145,10 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
     if resolve_backend(backend, x.device) == "torch":
         from runtime_kernels.attention.int2_decode.naive import write_pages_ref
 
-        write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g, mean)
+        write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g, mean,
+                        quantizer=quantizer)
         return
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 
     quantize_pack_into(_rotated(x, rotation), _ratio(clip_ratio), codes_pool, scale_pool, zero_pool,
-                       page_ids.contiguous(), rows.contiguous(), g, mean=mean)
+                       page_ids.contiguous(), rows.contiguous(), g, mean=mean, quantizer=quantizer)

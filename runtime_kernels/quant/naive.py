@@ -35,6 +35,25 @@ UE5M3_MAX = 1.875 * 2.0**15
 UE5M3_BIAS = (127 - 15) << 3  # fp32 exponent bias minus ue5m3's, in units of the 3-bit mantissa
 ZERO_STEPS = 64  # ue5m3 zero points are stored in 1/64 of a code
 
+# Quantizers (the artifact's `quantizer`; levels are uniform in both):
+# - "uniform_minmax": each group's scale and zero span its (clipped) min and max;
+# - "uniform_unbiased": the same, then each group is quantized again after multiplying the clipped group by the
+#   gain `c = |x|^2 / <x, x_hat>` (x the unclipped group, x_hat its first dequantization), so that the stored
+#   group keeps its projection on the original one: `<x, x_hat'> ~ |x|^2`. Clipping shrinks every group toward 0
+#   along its own direction; for a query that matches a key (a retrieval), the logit `q . k_hat` then falls short
+#   of `q . k` by that shrinkage, and far tokens lose attention to near ones. The gain undoes it at no bits.
+#   It is computed in float64 and rounded to GAIN_STEPS, so the Triton kernel reproduces it bit for bit, and
+#   kept in [GAIN_MIN, GAIN_MAX] (a group whose first pass is orthogonal to it keeps gain 1).
+QUANTIZERS = ("uniform_minmax", "uniform_unbiased")
+GAIN_STEPS = 2.0**16
+GAIN_MIN, GAIN_MAX = 0.5, 2.0
+
+
+def check_quantizer(quantizer: str) -> str:
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer: expected one of {list(QUANTIZERS)}, got {quantizer!r}")
+    return quantizer
+
 
 def scale_format_of(dtype: torch.dtype) -> str:
     """The scale format of stored scale/zero tensors of `dtype` (the inverse of SCALE_STORAGE)."""
@@ -164,9 +183,39 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thd,hde->the", x.float(), r)
 
 
-def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
-                  group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16"
+def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """Gain `[..., d]` (one value per group, repeated over its channels) of the "uniform_unbiased" quantizer:
+    `|x|^2 / <x, x_hat>` per group of `x, x_hat [..., d]`, in float64, rounded to 1/GAIN_STEPS, kept in
+    [GAIN_MIN, GAIN_MAX]; 1 where `<x, x_hat>` is not positive."""
+    d = x.shape[-1]
+    g = group_size or d
+    xg = x.double().reshape(*x.shape[:-1], d // g, g)
+    hg = x_hat.double().reshape(*x.shape[:-1], d // g, g)
+    num = (xg * xg).sum(dim=-1)
+    den = (xg * hg).sum(dim=-1)
+    gain = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num))
+    gain = (torch.floor(gain.clamp(GAIN_MIN, GAIN_MAX) * GAIN_STEPS + 0.5) / GAIN_STEPS).float()
+    return gain.repeat_interleave(g, dim=-1)
+
+
+def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_size: int | None = None,
+                  scale_format: str = "float16", quantizer: str = "uniform_minmax"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clip and quantize rows already rotated (and centered) `xr [..., d]` with `quantizer` (QUANTIZERS).
+
+    Returns codes `[..., d]`, scale and zero `[..., d // group_size]` as `quantize` does.
+    """
+    xc = clip_rows(xr, clip_ratio) if clip_ratio is not None else xr.float()
+    codes, scale, zero = quantize(xc, group_size, scale_format)
+    if check_quantizer(quantizer) == "uniform_minmax":
+        return codes, scale, zero
+    gain = unbiased_gain(xr, dequantize(codes, scale, zero), group_size)
+    return quantize(xc * gain, group_size, scale_format)
+
+
+def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
+                  group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16",
+                  quantizer: str = "uniform_minmax") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full write path for one layer: rotate, (center,) clip, quantize, pack.
 
     Args:
@@ -176,15 +225,14 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
         mean: `[H_kv, d]` per-head mean in the rotated basis, subtracted before clipping (a centered cache);
             None = uncentered.
         scale_format: "float16" or "ue5m3".
+        quantizer: one of QUANTIZERS.
     Returns:
         packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // group_size]` (fp16, or uint8 for ue5m3).
     """
     xr = rotate(x, rotation) if rotation is not None else x.float()
     if mean is not None:
         xr = xr - mean.float()
-    if clip_ratio is not None:
-        xr = clip_rows(xr, clip_ratio)
-    codes, scale, zero = quantize(xr, group_size, scale_format)
+    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format, quantizer)
     return pack(codes), scale, zero
 
 
@@ -195,11 +243,12 @@ def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 
 def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, group_size: int | None = None,
-                  unrotate: bool = True, mean: torch.Tensor | None = None, scale_format: str = "float16"
-                  ) -> torch.Tensor:
+                  unrotate: bool = True, mean: torch.Tensor | None = None, scale_format: str = "float16",
+                  quantizer: str = "uniform_minmax") -> torch.Tensor:
     """Quantize then dequantize `x [T, H_kv, d]` (centered by `mean [H_kv, d]` if given: dequant + mean); with
     `unrotate`, map back to the original basis."""
-    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format)
+    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format,
+                                        quantizer=quantizer)
     xr = unpack_dequantize(packed, scale, zero)
     if mean is not None:
         xr = xr + mean.float()

@@ -80,6 +80,103 @@ def _range_over_3(r, RECIP: tl.constexpr):
         return tl.math.div_rn(r, 3.0)
 
 
+@triton.jit
+def _scale_zero_tiles(x0, x1, x2, x3, offs_j, j_ok, t_ok, s_dst, z_dst, G: tl.constexpr, NG: tl.constexpr,
+                      Q: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr, RECIP: tl.constexpr,
+                      UE5M3: tl.constexpr, STORE: tl.constexpr):
+    """fp32 scale and zero tiles `[ROWS, Q_PAD]` of the four quarters `x_k` (min-max per group of G channels), as
+    (s0, s1, s2, s3, z0, z1, z2, z3); with STORE, every group's stored scale and zero go to `s_dst`/`z_dst` + group.
+    One group per row (NG == 1) gives `[ROWS, 1]` columns instead, which broadcast."""
+    # One return statement: the compiler type-checks every return, even in a branch a constexpr rules out.
+    if NG == 1:
+        lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
+        lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
+        hi = tl.where(t_ok, hi, 1.0)
+        s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
+        if STORE:
+            tl.store(s_dst, s_st, mask=t_ok)
+            tl.store(z_dst, z_st, mask=t_ok)
+        s0 = s[:, None]
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        z0 = z[:, None]
+        z1 = z0
+        z2 = z0
+        z3 = z0
+    else:
+        s0 = tl.full([ROWS, Q_PAD], 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        z0 = tl.zeros([ROWS, Q_PAD], tl.float32)
+        z1 = z0
+        z2 = z0
+        z3 = z0
+        for g in tl.static_range(NG):  # NG is small and known at compile time
+            in0 = ((offs_j // G) == g) & j_ok
+            in1 = (((offs_j + Q) // G) == g) & j_ok
+            in2 = (((offs_j + 2 * Q) // G) == g) & j_ok
+            in3 = (((offs_j + 3 * Q) // G) == g) & j_ok
+            lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
+            lo = tl.where(t_ok, lo, 0.0)
+            hi = tl.where(t_ok, hi, 1.0)
+            s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
+            if STORE:
+                tl.store(s_dst + g, s_st, mask=t_ok)
+                tl.store(z_dst + g, z_st, mask=t_ok)
+            s0 = tl.where(in0[None, :], s[:, None], s0)
+            s1 = tl.where(in1[None, :], s[:, None], s1)
+            s2 = tl.where(in2[None, :], s[:, None], s2)
+            s3 = tl.where(in3[None, :], s[:, None], s3)
+            z0 = tl.where(in0[None, :], z[:, None], z0)
+            z1 = tl.where(in1[None, :], z[:, None], z1)
+            z2 = tl.where(in2[None, :], z[:, None], z2)
+            z3 = tl.where(in3[None, :], z[:, None], z3)
+    return s0, s1, s2, s3, z0, z1, z2, z3
+
+
+@triton.jit
+def _dot64(u, x, s, z):
+    """fp64 tiles `u * u` and `u * x_hat`, `x_hat = (code - z) * s` the dequantized `x` (fp32, as naive.dequantize)."""
+    xh = (_encode(x, s, z).to(tl.float32) - z) * s
+    u64 = u.to(tl.float64)
+    return u64 * u64, u64 * xh.to(tl.float64)
+
+
+@triton.jit
+def _gain_tiles(u0, u1, u2, u3, x0, x1, x2, x3, s0, s1, s2, s3, z0, z1, z2, z3, offs_j, j_ok, t_ok,
+                G: tl.constexpr, NG: tl.constexpr, Q: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr):
+    """Gain tiles `[ROWS, Q_PAD]` of `naive.unbiased_gain`: `|u|^2 / <u, x_hat>` per group (u unclipped, x_hat the
+    first dequantization of the clipped x), in fp64, kept in [0.5, 2], rounded to 1/2^16; 1 if `<u, x_hat>` <= 0."""
+    n0, d0 = _dot64(u0, x0, s0, z0)
+    n1, d1 = _dot64(u1, x1, s1, z1)
+    n2, d2 = _dot64(u2, x2, s2, z2)
+    n3, d3 = _dot64(u3, x3, s3, z3)
+    g0 = tl.full([ROWS, Q_PAD], 1.0, tl.float32)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    for g in tl.static_range(NG):
+        in0 = (((offs_j // G) == g) & j_ok)[None, :]
+        in1 = ((((offs_j + Q) // G) == g) & j_ok)[None, :]
+        in2 = ((((offs_j + 2 * Q) // G) == g) & j_ok)[None, :]
+        in3 = ((((offs_j + 3 * Q) // G) == g) & j_ok)[None, :]
+        num = (tl.sum(tl.where(in0, n0, 0.0), axis=1) + tl.sum(tl.where(in1, n1, 0.0), axis=1)
+               + tl.sum(tl.where(in2, n2, 0.0), axis=1) + tl.sum(tl.where(in3, n3, 0.0), axis=1))
+        den = (tl.sum(tl.where(in0, d0, 0.0), axis=1) + tl.sum(tl.where(in1, d1, 0.0), axis=1)
+               + tl.sum(tl.where(in2, d2, 0.0), axis=1) + tl.sum(tl.where(in3, d3, 0.0), axis=1))
+        gain = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
+        gain = tl.minimum(tl.maximum(gain, 0.5), 2.0)
+        gain = (tl.floor(gain * 65536.0 + 0.5) * (1.0 / 65536.0)).to(tl.float32)  # naive.GAIN_STEPS
+        gain = tl.where(t_ok, gain, 1.0)
+        g0 = tl.where(in0, gain[:, None], g0)
+        g1 = tl.where(in1, gain[:, None], g1)
+        g2 = tl.where(in2, gain[:, None], g2)
+        g3 = tl.where(in3, gain[:, None], g3)
+    return g0, g1, g2, g3
+
+
 @triton.jit(do_not_specialize=["T"])
 def _quantize_pack_kernel(
     x_ptr, clip_ptr, tau_ptr, codes_ptr, scale_ptr, zero_ptr, page_ptr, row_ptr, mean_ptr,
@@ -88,8 +185,9 @@ def _quantize_pack_kernel(
     stride_sp, stride_sh, stride_sr,
     D: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     D_PAD: tl.constexpr, Q_PAD: tl.constexpr, ROWS: tl.constexpr, CLIP: tl.constexpr, RECIP: tl.constexpr,
-    MEAN: tl.constexpr = False, UE5M3: tl.constexpr = False,
+    MEAN: tl.constexpr = False, UE5M3: tl.constexpr = False, UNBIASED: tl.constexpr = False,
 ):
+    # UNBIASED: the "uniform_unbiased" quantizer (naive.QUANTIZERS): a second pass after the gain.
     # UE5M3: scale and zero pools are uint8 (ue5m3 scale code, zero point in 1/64 code); fp16 otherwise.
     # MEAN: centered cache, mean_ptr fp32 `[H, D]`: the head's mean is subtracted from every row before clipping.
     # CLIP: 0 = no clipping, 1 = order statistic by an in-kernel sort, 2 = threshold precomputed in tau [T, H].
@@ -116,6 +214,7 @@ def _quantize_pack_kernel(
         x2 = x2 - tl.load(mu + 2 * Q, mask=j_ok, other=0.0)[None, :]
         x3 = x3 - tl.load(mu + 3 * Q, mask=j_ok, other=0.0)[None, :]
 
+    u0, u1, u2, u3 = x0, x1, x2, x3  # the unclipped rows (the unbiased quantizer's gain reads them)
     if CLIP == 1:
         # tau = c-th smallest |x| of the row (ascending order statistic); padding sorts last as +inf.
         c = tl.minimum(tl.floor(tl.load(clip_ptr + h).to(tl.float64) * D), D - 1).to(tl.int32)
@@ -140,54 +239,18 @@ def _quantize_pack_kernel(
     s_dst = scale_ptr + page * stride_sp + h * stride_sh + row * stride_sr
     z_dst = zero_ptr + page * stride_sp + h * stride_sh + row * stride_sr
 
-    if NG == 1:
-        lo, hi = _group_bounds(x0, x1, x2, x3, j_ok, j_ok, j_ok, j_ok)
-        lo = tl.where(t_ok, lo, 0.0)  # padding rows: keep the arithmetic finite
-        hi = tl.where(t_ok, hi, 1.0)
-        s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
-        tl.store(s_dst, s_st, mask=t_ok)
-        tl.store(z_dst, z_st, mask=t_ok)
-        s0 = s[:, None]
-        s1 = s0
-        s2 = s0
-        s3 = s0
-        z0 = z[:, None]
-        z1 = z0
-        z2 = z0
-        z3 = z0
-    else:
-        # Per-channel scale/zero tiles, filled group by group (NG is small and known at compile time).
-        grp0 = offs_j // G
-        grp1 = (offs_j + Q) // G
-        grp2 = (offs_j + 2 * Q) // G
-        grp3 = (offs_j + 3 * Q) // G
-        s0 = tl.full([ROWS, Q_PAD], 1.0, tl.float32)
-        s1 = s0
-        s2 = s0
-        s3 = s0
-        z0 = tl.zeros([ROWS, Q_PAD], tl.float32)
-        z1 = z0
-        z2 = z0
-        z3 = z0
-        for g in tl.static_range(NG):
-            in0 = (grp0 == g) & j_ok
-            in1 = (grp1 == g) & j_ok
-            in2 = (grp2 == g) & j_ok
-            in3 = (grp3 == g) & j_ok
-            lo, hi = _group_bounds(x0, x1, x2, x3, in0, in1, in2, in3)
-            lo = tl.where(t_ok, lo, 0.0)
-            hi = tl.where(t_ok, hi, 1.0)
-            s_st, z_st, s, z = _scale_zero(lo, hi, RECIP, UE5M3)
-            tl.store(s_dst + g, s_st, mask=t_ok)
-            tl.store(z_dst + g, z_st, mask=t_ok)
-            s0 = tl.where(in0[None, :], s[:, None], s0)
-            s1 = tl.where(in1[None, :], s[:, None], s1)
-            s2 = tl.where(in2[None, :], s[:, None], s2)
-            s3 = tl.where(in3[None, :], s[:, None], s3)
-            z0 = tl.where(in0[None, :], z[:, None], z0)
-            z1 = tl.where(in1[None, :], z[:, None], z1)
-            z2 = tl.where(in2[None, :], z[:, None], z2)
-            z3 = tl.where(in3[None, :], z[:, None], z3)
+    s0, s1, s2, s3, z0, z1, z2, z3 = _scale_zero_tiles(x0, x1, x2, x3, offs_j, j_ok, t_ok, s_dst, z_dst, G, NG,
+                                                       Q, ROWS, Q_PAD, RECIP, UE5M3, not UNBIASED)
+    if UNBIASED:
+        # Second pass of naive.quantize_rows: scale the clipped group by its gain, then quantize it again.
+        g0, g1, g2, g3 = _gain_tiles(u0, u1, u2, u3, x0, x1, x2, x3, s0, s1, s2, s3, z0, z1, z2, z3,
+                                     offs_j, j_ok, t_ok, G, NG, Q, ROWS, Q_PAD)
+        x0 = x0 * g0
+        x1 = x1 * g1
+        x2 = x2 * g2
+        x3 = x3 * g3
+        s0, s1, s2, s3, z0, z1, z2, z3 = _scale_zero_tiles(x0, x1, x2, x3, offs_j, j_ok, t_ok, s_dst, z_dst, G, NG,
+                                                           Q, ROWS, Q_PAD, RECIP, UE5M3, True)
 
     packed = (_encode(x0, s0, z0) | (_encode(x1, s1, z1) << 2)
               | (_encode(x2, s2, z2) << 4) | (_encode(x3, s3, z3) << 6))
@@ -205,7 +268,7 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
 def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, codes: torch.Tensor,
                        scale: torch.Tensor, zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
                        group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None,
-                       mean: torch.Tensor | None = None) -> None:
+                       mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> None:
     """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
 
     Args:
@@ -221,6 +284,7 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
             (a torch sort before the kernel; default off-GPU, where the interpreter's `tl.sort` is very slow).
             Both give the same threshold.
         mean: fp32 `[H, d]` contiguous per-head mean subtracted before clipping (centered caches), or None.
+        quantizer: one of `naive.QUANTIZERS`.
     """
     t, h, d = x_rot.shape
     if t == 0:
@@ -248,5 +312,5 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
         CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=naive.scale_format_of(scale.dtype) == "ue5m3",
-        num_warps=4,
+        UNBIASED=naive.check_quantizer(quantizer) == "uniform_unbiased", num_warps=4,
     )

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.cache import rotate_rows
+from runtime_kernels.cache import check_served_quantizer, rotate_rows
 from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
@@ -255,6 +255,7 @@ class OscarEngine:
                  layout: CacheLayout | None = None, window_capacity: int | None = None,
                  device: torch.device | str = "cpu", backend: str = "auto"):
         artifact.validate()
+        self.quantizer = check_served_quantizer(artifact)
         self.layout = layout or DEFAULT_LAYOUT.with_(sink_tokens=artifact.sink_tokens,
                                                      recent_tokens=artifact.recent_tokens)
         p = self.layout.page_size
@@ -448,10 +449,10 @@ class OscarEngine:
             win_v[plan.write_slots, :, plan.write_rows] = v_rot
             quant_api.write_pages(k_rot, None, self.k_clip[li], pools.k_codes, pools.k_scale, pools.k_zero,
                                   plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend, mean=self.k_mean[li])
+                                  backend=self.backend, mean=self.k_mean[li], quantizer=self.quantizer)
             quant_api.write_pages(v_rot, None, self.v_clip[li], pools.v_codes, pools.v_scale, pools.v_zero,
                                   plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend, mean=self.v_mean[li])
+                                  backend=self.backend, mean=self.v_mean[li], quantizer=self.quantizer)
         if plan.decode_tokens.numel():
             out[plan.decode_tokens] = self._decode(li, plan, pools, win_k, win_v, q[plan.decode_tokens],
                                                    sm_scale).to(out.dtype)

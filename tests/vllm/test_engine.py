@@ -28,11 +28,12 @@ LAYOUT = CacheLayout(sink_tokens=S, recent_tokens=R, page_size=P)
 SCALE = D ** -0.5
 
 
-def random_artifact(num_layers=2, seed=0, centered=False, scale_format="float16"):
+def random_artifact(num_layers=2, seed=0, centered=False, scale_format="float16", quantizer="uniform_minmax"):
     """Random orthogonal rotations per (layer, KV head) and clip ratios below 1; with `centered`, random means;
-    `scale_format` recorded as the contract's scale_dtype."""
+    `scale_format` and `quantizer` recorded as the contract's scale_dtype and quantizer."""
     art = identity_artifact(num_layers, H, HQ, D, group_size=G)
     art.metadata["scale_dtype"] = scale_format
+    art.metadata["quantizer"] = quantizer
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -99,17 +100,19 @@ def test_packed_layout_bytes_and_views():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("centered,scale_format", [(False, "float16"), (True, "float16"), (True, "ue5m3")],
-                         ids=["uncentered", "centered", "centered-ue5m3"])
-def test_ragged_steps_match_paged_cache(dtype, centered, scale_format):
+@pytest.mark.parametrize("centered,scale_format,quantizer",
+                         [(False, "float16", "uniform_minmax"), (True, "float16", "uniform_minmax"),
+                          (True, "ue5m3", "uniform_minmax"), (True, "ue5m3", "uniform_unbiased")],
+                         ids=["uncentered", "centered", "centered-ue5m3", "centered-ue5m3-unbiased"])
+def test_ragged_steps_match_paged_cache(dtype, centered, scale_format, quantizer):
     """Two requests of different lengths: prefill, then about 28 decode steps each (request a crosses four page
     demotions while decoding), plus a third request that arrives later in two prefill chunks. Decode outputs equal
     `PagedKVCache.decode_attention`, prefill outputs equal full-precision attention over the cached state
     (`OscarCache`'s prefill), and the INT2 bytes of every demoted page equal `PagedKVCache`'s (centered too)."""
-    art = random_artifact(centered=centered, scale_format=scale_format)
+    art = random_artifact(centered=centered, scale_format=scale_format, quantizer=quantizer)
     assert art.is_centered == centered
     engine = OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend="torch")
-    assert engine.packed.scale_format == scale_format
+    assert engine.packed.scale_format == scale_format and engine.quantizer == quantizer
     fake = FakeVllm(engine, art.num_layers)
     ref = PagedKVCache.from_artifact(art, max_pages=64, max_seqs=4, page_size=P, sink_tokens=S, recent_tokens=R,
                                      dtype=dtype, backend="torch")
@@ -375,3 +378,11 @@ def test_cuda_path_matches_torch_path():
         err = (a.float() - b.float()).norm() / a.float().norm()
         print(f"cuda vs torch engine output: relative error {err:.2e}")
         assert err < 6e-3, err
+
+
+def test_engine_refuses_a_codebook_artifact_naming_the_field():
+    art = random_artifact()
+    art.metadata["quantizer"] = "lloyd_max"
+    art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, H, 4).contiguous()
+    with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
+        OscarEngine(art, max_seqs=1, dtype=torch.float32, layout=LAYOUT, backend="torch")
