@@ -56,7 +56,8 @@ def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--attention", required=True, help="decode_graph_<gpu>.json of the graph benchmark")
+    ap.add_argument("--attention", help="decode_graph_<gpu>.json of the graph benchmark (bench/common.py schema); "
+                                        "without it, demotion times alone at batch 1, 8 and 32")
     ap.add_argument("--scale-format", default="float16", choices=quant.naive.SCALE_FORMATS)
     ap.add_argument("--quantizer", default="uniform_minmax", choices=quant.naive.QUANTIZERS)
     args = ap.parse_args()
@@ -64,8 +65,10 @@ def main() -> None:
         sys.exit("bench_demotion: needs a CUDA GPU")
     import triton.testing
 
-    with open(args.attention) as fh:
-        att = json.load(fh)
+    att = None
+    if args.attention:
+        with open(args.attention) as fh:
+            att = json.load(fh)
     impl_key = "oscar_two_launch"
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
@@ -77,7 +80,7 @@ def main() -> None:
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
              *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV, dtype=sdt))
     per_batch = {}
-    for batch in sorted({r["shape"]["batch"] for r in att["rows"]}):
+    for batch in sorted({r["shape"]["batch"] for r in att["rows"]}) if att else (1, 8, 32):
         res = {}
         for name, tokens, steps, rotate in (("page_batched_cache", batch * PAGE, PAGE, False),
                                             ("page_batched", batch * PAGE, PAGE, True), ("one_token", batch, 1, True)):
@@ -86,8 +89,8 @@ def main() -> None:
             res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
         per_batch[batch] = res
         print(batch, res, flush=True)
-    rows = []
-    for r in att["rows"]:
+    rows = [] if att else [{"batch": b, **d} for b, d in per_batch.items()]
+    for r in att["rows"] if att else []:
         if r["variant"] != impl_key or "p50_ms" not in r:
             continue
         d = per_batch[r["shape"]["batch"]]
@@ -95,7 +98,7 @@ def main() -> None:
                      **d, **{f"{k.replace('_ms_per_step', '')}_pct_of_attention": 100 * v / r["p50_ms"]
                              for k, v in d.items()}})
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-            "attention_file": os.path.basename(args.attention), "attention_impl": impl_key,
+            "attention_file": os.path.basename(args.attention) if att else None, "attention_impl": impl_key,
             "scale_format": args.scale_format, "quantizer": args.quantizer, "commit": commit()}
     suffix = "" if (args.scale_format, args.quantizer) == ("float16", "uniform_minmax") else \
         f"_{args.scale_format}_{args.quantizer}"
@@ -113,10 +116,10 @@ def main() -> None:
              "| one token, graph (ms/step) | % | one token, eager (ms/step) | % |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [str(r["context"]), str(r["batch"]), f"{r['attention_graph_ms']:.4f}"]
+        cells = [str(r.get("context", "")), str(r["batch"]), f"{r['attention_graph_ms']:.4f}" if att else "n/a"]
         for k in ("page_batched_cache_graph", "page_batched_graph", "page_batched_eager", "one_token_graph",
                   "one_token_eager"):
-            cells += [f"{r[k + '_ms_per_step']:.5f}", f"{r[k + '_pct_of_attention']:.1f}%"]
+            cells += [f"{r[k + '_ms_per_step']:.5f}", f"{r[k + '_pct_of_attention']:.1f}%" if att else "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")

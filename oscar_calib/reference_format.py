@@ -316,6 +316,10 @@ def artifact_to_reference(artifact: OscarArtifact, head_reduce: str = "none",
     if artifact.value_mean("original").any():
         raise InputError(f"{artifact.source}: field 'v_mean': the reference format has no value mean; this artifact "
                          "centres values and cannot be exported without changing its outputs")
+    if artifact.quantizer != "uniform_minmax":
+        raise InputError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; the reference quantizes "
+                         "min-max (uniform_minmax), so its outputs would change; recalibrate with --quantizer "
+                         "uniform_minmax to export")
     k_mean = artifact.key_mean("original")
     centred = bool(k_mean.any())
     if centred and version == 1:

@@ -122,7 +122,7 @@ def _refused(tmp_path: Path, tensors: dict, meta: dict, field: str, *expected: s
     ("recent_tokens", "2000000", "[0, 1048576], got 2000000"),
     ("recent_tokens", "1_000", "decimal integer"),
     ("head_dim", "9" * 5000, "decimal integer"),
-    ("quantizer", "kmeans", "['uniform_minmax', 'lloyd_max']"),
+    ("quantizer", "kmeans", "['uniform_minmax', 'uniform_unbiased', 'lloyd_max']"),
     ("scale_dtype", "float8", "['float16', 'bfloat16', 'float32', 'ue5m3']"),
     ("mean_basis", "eigen", "['original', 'rotated']"),
     ("calibration", '{"seed": 1, "seed": 2}', "duplicate key"),

@@ -14,6 +14,7 @@ from tiny_models import tiny_model
 from oscar_calib import audit as au
 from oscar_calib.demo import byte_tokenizer
 from runtime_kernels.artifact import identity_artifact, write_artifact
+from runtime_kernels.quant import naive
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -144,6 +145,17 @@ def test_capture_and_error_measures(model, tmp_path):
         assert r["v_err_oscar"] == pytest.approx(r["v_err_naive"], rel=1e-9)
         assert r["k_kurtosis_after"] == pytest.approx(r["k_kurtosis_before"], rel=1e-9)
         assert r["k_err_naive"] > 0
+
+    unb = _calibrated_like()  # an unbiased artifact's errors are measured with its own quantizer
+    unb.metadata["quantizer"] = "uniform_unbiased"
+    u_rows = au.audit_artifact(au.load_raw(write_artifact(unb, tmp_path / "u")), acts)["heads"]
+    u0 = next(r for r in u_rows if r["layer"] == 0 and r["head"] == 0)
+    k0 = acts.k[0][:, 0].reshape(-1, 64)
+    q0 = acts.q[0][:, 0:2].transpose(1, 2).reshape(-1, 64)
+    q0 = q0[torch.linspace(0, q0.shape[0] - 1, min(256, q0.shape[0])).long()]
+    for quantizer, agrees in (("uniform_unbiased", True), ("uniform_minmax", False)):
+        k_hat = naive.fake_quantize(k0[:, None], None, 0.9, None, quantizer=quantizer)[:, 0]
+        assert (u0["k_err_oscar"] == pytest.approx(au.key_logit_error(k0, k_hat, q0), rel=1e-9)) == agrees
 
     had = _calibrated_like()
     had.k_rotation[:] = _hadamard(64)

@@ -34,7 +34,9 @@ TOKEN = "hf_e2e_TOKEN_not_for_printing"
 REPO, MODEL, REV = "org/zoo", "tiny/qwen3-fixture", "b" * 40
 S, R, P = 4, 8, 64  # small windows, so a short prompt already has whole 64-token INT2 pages
 NEW_TOKENS = 6
-LOGIT_ATOL = 0.3
+# fp32 windows: the runtime then matches the fp32 reference to rounding (measured 6e-6). With bf16 windows the rows
+# are rounded before quantization, and an 8-bit scale can round a row's range to the next code (0.41 measured).
+LOGIT_ATOL = 1e-4
 
 
 def cache_kw(model, cache):
@@ -44,7 +46,7 @@ def cache_kw(model, cache):
 
 def fake_quant_attention(art):
     """Attention over a plain cache's full-precision K/V with the history segment `[S, S + h)` fake-quantized as
-    the artifact says (centering mean, rotation, clip ratio, group size): `fq(x - mu) + mu`."""
+    the artifact says (centering mean, rotation, clip ratio, group size, scale format, quantizer): `fq(x - mu) + mu`."""
     pos = {int(g): i for i, g in enumerate(art.layer_ids.tolist())}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -60,8 +62,8 @@ def fake_quant_attention(art):
                                           art.value_mean("original")[i])):
                     for b in range(t.shape[0]):
                         seg = t[b, :, S:S + h].transpose(0, 1) - mu  # [h, H, d]
-                        fq = quant_naive.fake_quantize(seg, rot, clip, art.group_size,
-                                                       scale_format=art.scale_format) + mu
+                        fq = quant_naive.fake_quantize(seg, rot, clip, art.group_size, scale_format=art.scale_format,
+                                                       quantizer=art.quantizer) + mu
                         t[b, :, S:S + h] = fq.transpose(0, 1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -93,7 +95,7 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     oscar = enable_oscar_attention(AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval())
     # the model is a local copy of the Hub id the artifact names: the identity rule needs the explicit override
     cache = OscarCache.from_artifact(loaded, oscar.config, batch_size=1, max_tokens=128, page_size=P, sink_tokens=S,
-                                     recent_tokens=R, dtype=torch.bfloat16, allow_other_model=True)
+                                     recent_tokens=R, dtype=torch.float32, allow_other_model=True)
     got = oscar.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, **cache_kw(oscar, cache))
     assert cache.paged.hist_len(cache.seq_ids[0]) == P  # the decode steps read a whole INT2 page

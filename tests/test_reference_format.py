@@ -314,3 +314,9 @@ def test_v2_export_round_trips_per_head_and_centred_keys(tmp_path):
     with pytest.raises(InputError, match="v_mean"):
         export_reference(art, tmp_path / "vmean")
     assert not (tmp_path / "vmean").exists()
+
+    art.v_mean = torch.zeros(2, 2, D)  # the reference quantizes min-max: the unbiased gain cannot travel
+    art.metadata["quantizer"] = "uniform_unbiased"
+    with pytest.raises(InputError, match="field 'quantizer' is 'uniform_unbiased'.*--quantizer uniform_minmax"):
+        export_reference(art, tmp_path / "unbiased")
+    assert not (tmp_path / "unbiased").exists()

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants == "all":
         variants.update({
             "oscar attn_kl (v0.1 default)": {"key_clip_objective": "attn_kl", "center_keys": False,
-                                             "center_values": False},
+                                             "center_values": False, "quantizer": "uniform_minmax"},
+            "oscar minmax (session-12 default)": {"quantizer": "uniform_minmax"},
             "oscar out_err": {"key_clip_objective": "out_err", "center_keys": False, "center_values": False},
             "oscar out_err +ck": {"key_clip_objective": "out_err", "center_keys": True, "center_values": False},
             "oscar out_err +ck+cv": {"key_clip_objective": "out_err", "center_keys": True, "center_values": True},
@@ -122,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         for sink, recent in EQUAL_BITS_LAYOUTS[1:]:  # 64/256 is the main table's "oscar ue5m3"
             layouts[f"oscar ue5m3 [{sink}/{recent}]"] = {"scale_dtype": "ue5m3", "sink_tokens": sink,
                                                           "recent_tokens": recent}
-        layouts["oscar fp16 uncentered attn_kl [128/1024]"] = {
+        layouts["oscar fp16 uncentered attn_kl minmax [128/1024]"] = {
             "key_clip_objective": "attn_kl", "center_keys": False, "center_values": False,
-            "sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16"}
+            "sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16", "quantizer": "uniform_minmax"}
+        layouts["oscar ue5m3 minmax [128/1024]"] = {"scale_dtype": "ue5m3", "sink_tokens": 128, "recent_tokens": 1024,
+                                                     "quantizer": "uniform_minmax"}
         layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16"}
     variants.update(layouts)
     for name in variants:
