@@ -241,7 +241,8 @@ def eval_cmd(
 
         result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
                                       probes, sink, recent)
-        _log(f"probes: {json.dumps(result['probes'])}")
+        brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in result["probes"]["passkey"].items()}
+        _log(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
     result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                    "seconds": round(time.perf_counter() - t0, 1)})
