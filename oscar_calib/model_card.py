@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from runtime_kernels.artifact import ARTIFACT_FILENAME, OscarArtifact, effective_bits
+from runtime_kernels.quant import naive
 
 CARD_TAGS = ("oscar-kv", "kv-cache-quantization", "int2")
 
@@ -40,12 +41,18 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     summary = report.summary()
     k, v = summary["key_error"], summary["value_rel_out_err"]
     g = int(meta["group_size"])
+    sink, recent = artifact.sink_tokens, artifact.recent_tokens
+    half = naive.scale_bits(artifact.runtime_scale_format) // 2  # the scale's and the zero point's bits, as served
+
+    def bits(context: int) -> float:
+        return effective_bits(context, g, sink, recent, half)
+
     lines = [
         f"# OSCAR 2-bit KV rotations for `{meta['model_id']}`",
         "",
         f"Attention-aware rotations `R = U H P` and fitted clip ratios for INT2 keys and values "
-        f"(sink {meta['sink_tokens']} + recent {meta['recent_tokens']} tokens in BF16). "
-        f"{effective_bits(131072, g):.2f} bits per KV element at 128K context, {effective_bits(32768, g):.2f} at 32K.",
+        f"(sink {sink} + recent {recent} tokens in BF16). "
+        f"{bits(131072):.3f} bits per KV element at 128K context, {bits(32768):.3f} at 32K.",
         "",
         "## Calibration",
         "",
@@ -57,6 +64,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         f"{calib.get('holdout_samples')} held out |",
         f"| seed | {calib.get('seed')} |",
         f"| granularity | {meta['granularity']} |",
+        f"| INT2 encoding | quantizer `{artifact.quantizer}`, scales `{artifact.runtime_scale_format}`, groups of {g} |",
         f"| key target | {meta['key_target']} (query second moment of the GQA group) |",
         f"| value target | {meta['value_target']} |",
         f"| group size | {g} |",

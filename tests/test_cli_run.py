@@ -50,7 +50,12 @@ def test_run_local_model_and_txt(model_dir, text_file, tmp_path, monkeypatch, ca
     assert art.metadata["model_id"] == str(model_dir)
     calib = json.loads(art.metadata["calibration"])
     assert calib["samples"] == 2 and calib["seq_len"] == 64 and calib["tokens"] == 128 and calib["seed"] == 0
-    assert (out / "README.md").read_text().startswith("---\nbase_model:")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model:")
+    # the card's bits follow the artifact: 2-bit codes + 8-bit scale and zero per 64-channel row, 4 + 8 BF16 tokens
+    want = lambda n: ((n - 12) * (2 + 2 * 8 / 64) + 12 * 16) / n  # noqa: E731
+    assert f"{want(131072):.3f} bits per KV element at 128K context, {want(32768):.3f} at 32K" in card
+    assert "quantizer `uniform_unbiased`, scales `ue5m3`" in card
     log = json.loads((out / "calibration_log.json").read_text())
     assert log["choices"]["device"]["reason"] == "no GPU visible"
     assert set(log["timings"]) >= {"load_s", "forward_capture_s", "solve_s", "write_s", "total_s"}
