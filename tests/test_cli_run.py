@@ -263,3 +263,26 @@ def test_no_clip_writes_unclipped_ratios_and_records_it(model_dir, text_file, tm
     clipped = read_artifact(tmp_path / "c")
     assert bool((clipped.k_clip_ratio < 1).any() or (clipped.v_clip_ratio < 1).any())
     assert torch.equal(clipped.k_rotation, art.k_rotation)  # only the clips differ
+
+
+def test_quantizer_flag_is_recorded_and_an_unknown_one_refused(model_dir, text_file, tmp_path, monkeypatch, capsys):
+    """--quantizer: the artifact's metadata and recipe carry it (default uniform_unbiased); only a min-max artifact
+    exports to the reference's format; an unknown name is exit 2 naming the flag, with nothing written."""
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "mm", "--quantizer", "uniform_minmax",
+                                 "--no-center-values"), monkeypatch, capsys)
+    assert code == 0, err
+    art = read_artifact(tmp_path / "mm")
+    assert art.quantizer == "uniform_minmax"
+    assert json.loads(art.metadata["calibration"])["solver"]["quantizer"] == "uniform_minmax"
+    code, _, err = run_cli(["export", str(tmp_path / "mm"), "--out", str(tmp_path / "ref")], monkeypatch, capsys)
+    assert code == 0, err
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "ub", "--no-center-values"), monkeypatch, capsys)
+    assert code == 0, err
+    assert read_artifact(tmp_path / "ub").quantizer == "uniform_unbiased"
+    code, _, err = run_cli(["export", str(tmp_path / "ub"), "--out", str(tmp_path / "ref2")], monkeypatch, capsys)
+    assert code != 0 and "field 'quantizer' is 'uniform_unbiased'" in " ".join(err.split())
+    assert not (tmp_path / "ref2").exists()
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "x", "--quantizer", "lloyd"), monkeypatch, capsys)
+    flat = " ".join(err.split())
+    assert code == 2 and "--quantizer" in flat and "'lloyd' is not one of" in flat
+    assert not (tmp_path / "x").exists()
