@@ -16,7 +16,8 @@ uniform quantizer's levels are (0, 1, 2, 3); Lloyd-Max centroids lie inside the 
 [0, 3], strictly increasing. A side (K or V) without a codebook uses uniform levels.
 
 Every check names the field, the value and what was expected (ArtifactError). This module imports only
-torch and the standard library, so the slim runtime can read an artifact without Triton.
+torch, the standard library and the torch quantizer reference (for the quantizer names), so the slim runtime can read
+an artifact without Triton.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS, CacheLayout
+from runtime_kernels.quant import naive
 
 FORMAT_NAME = "oscar-kv"
 SCHEMA_VERSION = 2
@@ -53,7 +55,7 @@ INT_METADATA = ("schema_version", "num_attention_heads", "num_key_value_heads", 
 
 GRANULARITIES = ("head", "layer")
 MEAN_BASES = ("original", "rotated")
-QUANTIZERS = ("uniform_minmax", "uniform_unbiased", "lloyd_max")
+QUANTIZERS = naive.QUANTIZERS + ("lloyd_max",)  # the uniform ones are the runtime's; lloyd_max is read, not served
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "ue5m3": torch.uint8}  # ue5m3: 8-bit scale + 8-bit zero point (runtime_kernels.quant.naive)
 CODEBOOK_LEVELS = 4

@@ -15,14 +15,13 @@ Writes `clip_study_<model>_<context>.json`. The README's "Which defaults, and wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
+from study_common import fixture_parser, load_fixture
 
 
 def log(msg: str) -> None:
@@ -52,21 +51,13 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--max-windows", type=int, default=16)
-    p.add_argument("--calib-samples", type=int, default=16)
+    p = fixture_parser(__doc__.split("\n\n")[0])
     p.add_argument("--holdout-samples", type=int, default=2)
     p.add_argument("--holdout-queries", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="few configurations (a smoke test of the script)")
     args = p.parse_args(argv)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oscar_calib.calibrate import (
         _holdout_positions,
@@ -82,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.methods import Kivi2, KVMethod, LayerTables, RowwiseInt2, TableInt2, hadamard
 
     t_start = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    tok, model, device, dtype = load_fixture(args.model)
     sink, recent = args.sink, args.recent
 
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)

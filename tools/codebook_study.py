@@ -15,13 +15,12 @@ decode kernel needs uniform key levels), on keys and values, each with the fitte
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from study_common import fixture_parser, load_fixture
 
 BINS = 1024
 
@@ -61,16 +60,8 @@ def codebook_quantize(xr: torch.Tensor, book: torch.Tensor | None, scale_format:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--max-windows", type=int, default=16)
-    p.add_argument("--calib-samples", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=4)
+    p = fixture_parser(__doc__.split("\n\n")[0])
     args = p.parse_args(argv)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oscar_calib.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
@@ -123,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             """(layer, side) -> levels `[H_kv, 4]` fitted on the histograms gathered so far."""
             return {key: torch.stack([lloyd_max(row) for row in h]) for key, h in self.hist.items()}
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    tok, model, device, dtype = load_fixture(args.model)
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
     ids = torch.cat([cal.long, cal.packed])[:args.calib_samples]
     art, _ = calibrate_model_with_report(model, ids.to(device), SolverSettings(), compare_alternatives=False)

@@ -10,13 +10,12 @@ runs where only torch + transformers (+ pydantic) are installed. Writes `eval_<c
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from study_common import fixture_parser, load_fixture
 
 MAIN_ROW = "oscar (default clips, fp16)"  # the default solver at the main table's 64/256 windows and fp16 scales
 # Windows that ue5m3 scales (2.125 history bits at d = 128) pay for within fp16-scale 64/256's 2.284 bits at 128K.
@@ -62,15 +61,9 @@ def markdown_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--max-windows", type=int, default=16)
-    p.add_argument("--calib-samples", type=int, default=16)
+    p = fixture_parser(__doc__.split("\n\n")[0])
     p.add_argument("--generation-steps", type=int, default=128)
     p.add_argument("--generation-windows", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--variants", default="default",
                    help="OSCAR rows: 'default' (the shipped SolverSettings only) or 'all' (the candidates the "
                         "defaults were chosen from)")
@@ -85,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
                         "the 128/1024 layout")
     args = p.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from oscar_calib.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
@@ -95,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[readme_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    tok, model, device, dtype = load_fixture(args.model)
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
     ids = torch.cat([cal.long, cal.packed])[:args.calib_samples].to(device)
     # The main table's rows share its windows (64/256) and fp16 scales, so its bits are equal; the recipe itself

@@ -16,13 +16,12 @@ Writes `retrieval_study_<model>_<context>.json` and `.md`. The README's "Far-tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from study_common import fixture_parser, load_fixture
 
 SPAN = 256  # tokens of the repeated passage
 
@@ -54,17 +53,9 @@ def repeated_passages(windows: torch.Tensor, sink: int, recent: int, span: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--max-windows", type=int, default=16)
-    p.add_argument("--calib-samples", type=int, default=16)
+    p = fixture_parser(__doc__.split("\n\n")[0])
     p.add_argument("--needles", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args(argv)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oscar_calib.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings
@@ -74,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime_kernels.layout import RECIPE_LAYOUT
 
     t_start = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    tok, model, device, dtype = load_fixture(args.model)
     sink, recent, t = RECIPE_LAYOUT.sink_tokens, RECIPE_LAYOUT.recent_tokens, args.context
     d = model.config.head_dim
 
@@ -126,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"ppl": float(torch.exp(torch.tensor(mean(r["window_nll"])))),
                 "ppl_delta_pct": 100 * float(torch.expm1(torch.tensor(mean(r["window_nll"]) - mean(b["window_nll"])))),
                 "ppl_delta_ci95": [100 * float(torch.expm1(torch.tensor(x))) for x in ppl_ci],
-                "copy_nll": mean(r["copy_nll"]), "copy_nll_delta_ci95": paired_ci(r["copy_nll"], b["copy_nll"]),
+                "copy_nll": mean(r["copy_nll"]), "copy_nll_delta": mean(r["copy_nll"]) - mean(b["copy_nll"]),
+                "copy_nll_delta_ci95": paired_ci(r["copy_nll"], b["copy_nll"]),
                 "passkey_accuracy": mean(r["needle_accuracy"]),
+                "passkey_delta": mean(r["needle_accuracy"]) - mean(b["needle_accuracy"]),
                 "passkey_delta_ci95": paired_ci(r["needle_accuracy"], b["needle_accuracy"]),
                 "key_nll": mean(r["needle_nll"]), "key_nll_delta_ci95": paired_ci(r["needle_nll"], b["needle_nll"])}
 
@@ -155,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         cci = h["copy_nll_delta_ci95"]
         lines.append(f"| {n} | {a['ppl']:.4f} | {a['ppl_delta_pct']:+.2f} % | {h['ppl_delta_pct']:+.2f} % "
                      f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {100 * a['passkey_accuracy']:.1f} % | "
-                     f"{100 * (a['passkey_accuracy'] - result['vs_bf16']['hadamard-clip, uniform_minmax']['passkey_accuracy']):+.1f} "
+                     f"{100 * h['passkey_delta']:+.1f} "
                      f"[{pci[0]:+.1f}, {pci[1]:+.1f}] | {a['key_nll']:.3f} | {a['copy_nll']:.3f} | "
-                     f"{a['copy_nll'] - result['vs_bf16']['hadamard-clip, uniform_minmax']['copy_nll']:+.3f} "
+                     f"{h['copy_nll_delta']:+.3f} "
                      f"[{cci[0]:+.3f}, {cci[1]:+.3f}] |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
