@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Which recipe holds at a real model's own context: every component of the default measured alone and together.
+
+For one model and two texts (calibration, held-out of another source), this calibrates the recipe's variants from
+shared captures and evaluates each, in the recipe's layout (ue5m3 scales, 128/1024 BF16 windows, 64-token pages:
+every row costs the same bits), at every `--contexts` length on the same held-out windows:
+- perplexity (teacher-forced, the decoder's three segments), its change against BF16 and against the centered
+  per-head rotation with global clips (the strongest simple peer of issue 29), each with a paired 95 % bootstrap
+  interval over windows;
+- at the longest context, a passkey probe with `--needles` needles spread over the INT2 history.
+
+Components varied: the quantizer (min-max, unbiased, unbiased on keys only), the length of the held-out sequence the
+clips are fitted on (2048 as shipped, or the longest context), the length of the statistics sequences, fitted
+against global clips, per head against per layer, centering, the capture dtype, and the rotation itself
+(OSCAR against Hadamard with the same centering, clip fit and quantizer: the claim the method rests on).
+
+    python3 tools/recipe_study.py --model ~/.cache/oscar-calib/smollm2-135m --calib calib.txt --heldout heldout.txt \
+        --contexts 2048,4096,8192 --windows 16 --needles 32 --out OUT
+
+Writes `recipe_study_<model>.json` (every per-window NLL, fits, versions, device, commit, command) and `.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SINK_DEFAULT, RECENT_DEFAULT, PAGE = 128, 1024, 64  # the recipe's layout
+BASELINE = "oscar global clips, centered, min-max"
+
+
+def log(msg: str) -> None:
+    print(f"[recipe_study {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def token_stream(tok, path: Path) -> torch.Tensor:
+    """The file's documents tokenized and joined with EOS, `[N]` int64."""
+    from oscar_calib.evaluate import read_documents
+
+    ids: list[int] = []
+    for doc in read_documents(path):
+        ids += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def chunks(stream: torch.Tensor, length: int, n: int, from_end: bool = False) -> torch.Tensor:
+    """`[n, length]` consecutive chunks from the start (or the end) of `stream`."""
+    need = n * length
+    if stream.numel() < need:
+        raise SystemExit(f"text too short: {stream.numel()} tokens, need {need} for {n} x {length}")
+    part = stream[-need:] if from_end else stream[:need]
+    return part.reshape(n, length)
+
+
+def paired_pct_ci(a: torch.Tensor, b: torch.Tensor, n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """ppl change (percent) of window NLLs `a [N]` against `b [N]`, and its paired 95 % bootstrap interval."""
+    from oscar_calib.evaluate import bootstrap_delta_ci
+
+    lo, hi = bootstrap_delta_ci(a, b, n_boot=n_boot, seed=seed)
+    return 100 * float(torch.expm1(a.double().mean() - b.double().mean())), lo, hi
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--calib", type=Path, required=True)
+    p.add_argument("--heldout", type=Path, required=True)
+    p.add_argument("--contexts", default="2048,4096,8192")
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--needles", type=int, default=32)
+    p.add_argument("--samples", type=int, default=32, help="statistics sequences of 2048 tokens (as `run`)")
+    p.add_argument("--stats-len", type=int, default=2048)
+    p.add_argument("--sink", type=int, default=SINK_DEFAULT)
+    p.add_argument("--recent", type=int, default=RECENT_DEFAULT)
+    p.add_argument("--only", default="", help="comma-separated variant names to evaluate (default: all)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    SINK, RECENT = args.sink, args.recent  # noqa: N806
+
+    from oscar_calib.calibrate import _fit_all, artifact_from_statistics, capture_statistics, session_means
+    from oscar_calib.config import SolverSettings
+    from oscar_calib.evaluate import method_nll
+    from oscar_calib.methods import KVMethod, LayerTables, TableInt2, artifact_tables, centered_fake_quantize
+    from oscar_calib.methods import hadamard as hadamard_matrix
+    from oscar_calib.probes import passkey_batch, passkey_scores
+    from runtime_kernels.artifact import effective_bits
+    from runtime_kernels.quant import naive
+
+    class SidedTables(TableInt2):
+        """TableInt2 with its own quantizer per side (keys, values)."""
+
+        def __init__(self, name: str, tables: dict, k_quantizer: str, v_quantizer: str):
+            super().__init__(name, name, scale_format="ue5m3", quantizer=k_quantizer, tables=tables)
+            self.v_quantizer = v_quantizer
+
+        def fake_quantize(self, layer_idx, keys, values, sink=0):
+            if layer_idx not in self.tables:
+                return keys.float(), values.float()
+            t = self.tables[layer_idx].to(keys.device)
+            clip = lambda r: None if bool((r >= 1.0).all()) else r  # noqa: E731
+            return (centered_fake_quantize(keys, t.k_rotation, clip(t.k_clip), t.k_mean, None, "ue5m3", self.quantizer),
+                    centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean, None, "ue5m3",
+                                           self.v_quantizer))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation's fp32 attention stays fp32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    long_ctx = max(contexts)
+    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else (
+        model.config.hidden_size // model.config.num_attention_heads)
+
+    cal = token_stream(tok, args.calib)
+    held = token_stream(tok, args.heldout)
+    log(f"calibration text {cal.numel():,} tokens, held-out text {held.numel():,} tokens")
+    n_stats_long = max(1, args.samples * args.stats_len // long_ctx)
+    stats_short = chunks(cal, args.stats_len, args.samples)  # as `run`: N sequences of --seq-len ...
+    fit_short = cal[args.samples * args.stats_len:(args.samples + 1) * args.stats_len][None]  # ... + one held out
+    stats_long = chunks(cal, long_ctx, n_stats_long)  # the same tokens in sequences of the serving context
+    fit_long = chunks(cal, long_ctx, 1, from_end=True)  # a held-out sequence of the serving context (disjoint)
+    if args.samples * args.stats_len + long_ctx > cal.numel():
+        raise SystemExit("calibration text too short for disjoint statistics and long held-out sequences")
+
+    t0 = time.perf_counter()
+    caps = {}
+
+    def capture(name: str, ids, holdout, m=model):
+        t = time.perf_counter()
+        caps[name] = capture_statistics(m, ids, holdout, batch_size=max(1, 16384 // ids.shape[1]),
+                                        model_id=str(args.model))
+        log(f"capture {name}: {ids.shape[0]} x {ids.shape[1]} + held-out {tuple(holdout.shape)} in "
+            f"{time.perf_counter() - t:.1f}s")
+
+    capture("stats2k/fit2k", stats_short, fit_short)
+    capture("stats2k/fitlong", stats_short, fit_long)
+    capture("statslong/fitlong", stats_long, fit_long)
+    if device == "cuda":  # the capture dtype: the same data captured by an fp32 copy of the model
+        model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        capture("fp32 stats2k/fitlong", stats_short, fit_long, m=model32)
+        del model32
+        torch.cuda.empty_cache()
+
+    base = dict(scale_dtype="ue5m3", sink_tokens=SINK, recent_tokens=RECENT)
+    arts, fits = {}, {}
+
+    def calibrate(name: str, cap: str, **overrides) -> None:
+        t = time.perf_counter()
+        arts[name], report = artifact_from_statistics(caps[cap], SolverSettings(**{**base, **overrides}),
+                                                      compare_alternatives=False)
+        fits[name] = {"capture": cap, "settings": overrides, **report.summary()}
+        log(f"calibrated {name} in {time.perf_counter() - t:.1f}s: K clips {fits[name]['k_clip_ratio_mean']:.3f}, "
+            f"V {fits[name]['v_clip_ratio_mean']:.3f}")
+
+    calibrate("default (shipped)", "stats2k/fit2k")
+    calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
+    calibrate("fitlong unbiased", "stats2k/fitlong")
+    calibrate("fitlong min-max", "stats2k/fitlong", quantizer="uniform_minmax")
+    calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
+    calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", center_keys=False,
+              center_values=False)
+    calibrate("fitlong min-max, no clip", "stats2k/fitlong", quantizer="uniform_minmax", clip=False)
+    calibrate("statslong fitlong min-max", "statslong/fitlong", quantizer="uniform_minmax")
+    calibrate("statslong fitlong unbiased", "statslong/fitlong")
+    if "fp32 stats2k/fitlong" in caps:
+        calibrate("fitlong min-max, fp32 capture", "fp32 stats2k/fitlong", quantizer="uniform_minmax")
+
+    methods: list[KVMethod] = [KVMethod()]
+
+    def tables_of(name: str, centered: bool = True, clips: tuple[float, float] | None = None) -> dict:
+        tabs = artifact_tables(arts[name], centered)
+        if clips is not None:
+            for t in tabs.values():
+                t.k_clip = torch.full_like(t.k_clip, clips[0])
+                t.v_clip = torch.full_like(t.v_clip, clips[1])
+        return tabs
+
+    def add(name: str, tables: dict, kq: str = "uniform_minmax", vq: str | None = None) -> None:
+        methods.append(SidedTables(name, tables, kq, vq or kq))
+
+    for name in arts:
+        q = arts[name].quantizer
+        add(name, tables_of(name, centered=True), q)
+    add("fitlong unbiased keys, min-max values",
+        {layer: LayerTables(u.k_rotation, u.v_rotation, u.k_clip, m.v_clip, u.k_mean, u.v_mean)
+         for (layer, u), m in zip(tables_of("fitlong unbiased").items(), tables_of("fitlong min-max").values())},
+        "uniform_unbiased", "uniform_minmax")
+    # Global clips (the reference's 0.96 / 0.92) on the per-head rotations, and Hadamard with the same means.
+    add(BASELINE, tables_of("fitlong min-max", True, (0.96, 0.92)))
+    add("oscar global clips, centered, unbiased", tables_of("fitlong min-max", True, (0.96, 0.92)), "uniform_unbiased")
+    add("oscar global clips, uncentered, min-max", tables_of("fitlong min-max", False, (0.96, 0.92)))
+    had = hadamard_matrix(head_dim).float()
+
+    def hadamard_tables(centered: bool, clips: tuple[float, float] | None, cap: str = "stats2k/fitlong",
+                        quantizer: str = "uniform_minmax") -> dict:
+        st = caps[cap]
+        layer_ids = st.layer_ids
+        h_kv = st.geometry[1]
+        means = session_means(st, layer_ids)
+        rot = had.expand(len(layer_ids), h_kv, head_dim, head_dim).contiguous()
+        if clips is None:  # clips fitted for the Hadamard basis, exactly as OSCAR's are for its own
+            settings = SolverSettings(**{**base, "quantizer": quantizer, "center_keys": centered,
+                                         "center_values": centered})
+            fit = _fit_all(st, layer_ids, rot, rot, settings, means=means, o_weights=st.o_weights)
+            kc = [fit[i].k_ratio for i in layer_ids]
+            vc = [fit[i].v_ratio for i in layer_ids]
+        else:
+            kc = [torch.full((h_kv,), clips[0]) for _ in layer_ids]
+            vc = [torch.full((h_kv,), clips[1]) for _ in layer_ids]
+        return {layer: LayerTables(rot[a], rot[a], kc[a], vc[a], means[0][a] if centered else None,
+                                   means[1][a] if centered else None) for a, layer in enumerate(layer_ids)}
+
+    add("hadamard global clips, centered, min-max", hadamard_tables(True, (0.96, 0.92)))
+    add("hadamard global clips, centered, unbiased", hadamard_tables(True, (0.96, 0.92)), "uniform_unbiased")
+    add("hadamard global clips, uncentered, min-max", hadamard_tables(False, (0.96, 0.92)))
+    add("hadamard fitlong min-max (fitted clips)", hadamard_tables(True, None))
+    log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
+    if args.only:
+        keep = {"bf16", BASELINE, *args.only.split(",")}
+        methods = [m for m in methods if m.name in keep]
+
+    result = {"model": str(args.model), "contexts": {}, "fits": fits, "sink": SINK, "recent": RECENT, "page": PAGE,
+              "scale_format": "ue5m3", "head_dim": head_dim,
+              "bits_per_element": {"128k": effective_bits(131072, head_dim, SINK, RECENT,
+                                                          naive.scale_bits("ue5m3") // 2),
+                                   **{str(c): effective_bits(c, head_dim, SINK, RECENT, naive.scale_bits("ue5m3") // 2)
+                                      for c in contexts}}}
+    for ctx in contexts:
+        windows = chunks(held, ctx, args.windows)
+        rows = {}
+        for m in methods:
+            t = time.perf_counter()
+            nll, _ = method_nll(model, m, windows, 1, SINK, RECENT, PAGE, collect_stats=False)
+            rows[m.name] = nll.double().mean(dim=1)
+            log(f"{ctx}: {m.name}: ppl {float(torch.exp(rows[m.name].mean())):.4f} ({time.perf_counter() - t:.1f}s)")
+        out = []
+        for name, w in rows.items():
+            d, lo, hi = paired_pct_ci(w, rows["bf16"])
+            b, blo, bhi = paired_pct_ci(w, rows[BASELINE]) if BASELINE in rows else (float("nan"),) * 3
+            out.append({"name": name, "ppl": float(torch.exp(w.mean())), "delta_vs_bf16_pct": d,
+                        "ci95_vs_bf16": [lo, hi], "delta_vs_baseline_pct": b, "ci95_vs_baseline": [blo, bhi],
+                        "window_nll": w.tolist()})
+        result["contexts"][str(ctx)] = {"windows": args.windows, "tokens_scored": args.windows * (ctx - 1),
+                                        "methods": out}
+        if ctx == long_ctx and args.needles:
+            lo_d, hi_d = (SINK + 16) / ctx, 1.0 - (RECENT + 64) / ctx
+            depths = [lo_d + (hi_d - lo_d) * i / max(args.needles - 1, 1) for i in range(args.needles)]
+            spare = held.numel() // ctx - args.windows  # windows the perplexity rows did not read
+            filler = (chunks(held, ctx, args.needles, from_end=True) if spare >= args.needles
+                      else windows[torch.arange(args.needles) % windows.shape[0]])
+            batch = passkey_batch(tok, filler, depths, seed=0)
+            pk = {}
+            for m in methods:
+                pk[m.name] = passkey_scores(model, m, batch, SINK, RECENT)
+                log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
+            result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d], "scores": pk}
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result.update({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
+                   "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                   "commit": commit, "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0})
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"recipe_study_{args.model.name}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    ctxs = list(result["contexts"])
+    lines = [f"Model `{result['model']}`, ue5m3 scales, sink {result['sink']} / recent {result['recent']}, page "
+             f"{result['page']}: {result['bits_per_element']['128k']:.3f} bits per element at 128K for every INT2 row. "
+             f"{result.get('device', '')}, {result.get('dtype', '')}. ppl change vs BF16 and vs `{BASELINE}` with "
+             "paired 95 % bootstrap intervals over windows.", ""]
+    head = "| cache | " + " | ".join(f"{c}: vs BF16 | {c}: vs baseline" for c in ctxs)
+    pk = result.get("passkey")
+    lines += [head + (f" | passkey @{pk['context']} |" if pk else " |"),
+              "|---|" + "---|---|" * len(ctxs) + ("---|" if pk else "")]
+    names = [m["name"] for m in result["contexts"][ctxs[0]]["methods"]]
+    for name in names:
+        cells = []
+        for c in ctxs:
+            r = next(m for m in result["contexts"][c]["methods"] if m["name"] == name)
+            lo, hi = r["ci95_vs_bf16"]
+            blo, bhi = r["ci95_vs_baseline"]
+            cells.append(f"{r['delta_vs_bf16_pct']:+.2f} % [{lo:+.2f}, {hi:+.2f}]" if name != "bf16"
+                         else f"ppl {r['ppl']:.3f}")
+            cells.append("" if name in ("bf16", BASELINE) else f"{r['delta_vs_baseline_pct']:+.2f} % [{blo:+.2f}, {bhi:+.2f}]")
+        if pk:
+            cells.append(f"{100 * pk['scores'][name]['key_token_accuracy']:.1f} %")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
