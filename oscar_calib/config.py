@@ -19,6 +19,11 @@ DEFAULT_K_CLIP_GRID: tuple[float, ...] = (0.94, 0.95, 0.96, 0.97, 0.98, 0.99, 1.
 DEFAULT_V_CLIP_GRID: tuple[float, ...] = (0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
 
 
+# The longest held-out sequence chosen automatically: the clip fit's held-out capture keeps every key and value of
+# it per layer ([S, H_kv, T, d] fp32), so an automatic choice stays affordable for long-context models.
+AUTO_HOLDOUT_CAP = 8192
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,6 +40,11 @@ class DataConfig(_Strict):
     samples: int = Field(32, ge=1, description="Number of packed sequences used for statistics.")
     seq_len: int = Field(2048, ge=8, description="Tokens per packed sequence (longer than the recipe's windows).")
     holdout_samples: int = Field(1, ge=1, description="Extra packed sequences held out for fitting clip ratios.")
+    holdout_len: Optional[int] = Field(
+        None, ge=8, description="Tokens per held-out sequence (the context the clips are fitted for). None = the "
+                                "model's context (max_position_embeddings), at most AUTO_HOLDOUT_CAP and at least "
+                                "seq_len: clips fitted on short sequences were measured to hold worse at the "
+                                "model's own context (tools/recipe_study.py, docs/recipe.md).")
     holdout_queries: int = Field(256, ge=8, description="Query positions sampled per held-out sequence.")
     seed: int = 0
     shuffle_buffer: int = Field(10_000, ge=1, description="Streaming shuffle buffer (Hub datasets).")
@@ -64,10 +74,11 @@ class SolverSettings(_Strict):
         "ue5m3", description="How the INT2 history stores each group's scale and zero point: fp16 both "
                                "(32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero point, 16 bits).")
     quantizer: Literal["uniform_unbiased", "uniform_minmax"] = Field(
-        "uniform_unbiased", description="How each INT2 group is encoded: min-max over the clipped group, then again "
-                                        "with a gain that keeps the group's projection on the unclipped one (far "
-                                        "tokens keep their attention logits after clipping), or min-max only (the "
-                                        "reference's `uniform_minmax`).")
+        "uniform_minmax", description="How each INT2 group is encoded: min-max over the clipped group (the "
+                                      "reference's `uniform_minmax`), or min-max then again with a gain that keeps "
+                                      "the group's projection on the unclipped one (`uniform_unbiased`: better far-"
+                                      "token retrieval on the 4K fixtures, but +1.6 to +2.6 points of perplexity at "
+                                      "a real model's 8K context; docs/recipe.md).")
     sink_tokens: int = Field(RECIPE_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
     recent_tokens: int = Field(RECIPE_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
 

@@ -164,17 +164,22 @@ def pack_documents(token_lists: Iterable[list[int]], seq_len: int, needed: int, 
 
 def load_calibration_data(cfg: DataConfig, tokenizer, default_path: Path | None = None,
                           source_name: str | None = None) -> PackedData:
-    """Tokenize and pack `cfg.samples + cfg.holdout_samples` sequences; the held-out ones come last.
+    """Tokenize and pack `cfg.samples` sequences of `seq_len` tokens, then `cfg.holdout_samples` held-out sequences
+    of `holdout_len` (default `seq_len`) tokens, cut from one stream of documents (the held-out ones come last).
 
-    Raises InputError if the source has fewer tokens than `(samples + holdout) x seq_len`.
+    Raises InputError if the source has fewer tokens than `samples x seq_len + holdout x holdout_len`.
     """
-    needed = cfg.samples + cfg.holdout_samples
+    held_len = cfg.holdout_len or cfg.seq_len
+    stats_tokens, held_tokens = cfg.samples * cfg.seq_len, cfg.holdout_samples * held_len
     eos = getattr(tokenizer, "eos_token_id", None)
     token_lists = (_encode(tokenizer, doc, cfg.chat_template) for doc in iter_texts(cfg, default_path))
-    ids, docs, tokens = pack_documents(token_lists, cfg.seq_len, needed, eos)
+    flat, docs, tokens = pack_documents(token_lists, stats_tokens + held_tokens, 1, eos)
     source = source_name or cfg.dataset or str(default_path)
-    if ids.shape[0] < needed:
+    if flat.shape[0] < 1:
         raise InputError(
-            f"dataset '{source}': only {tokens} tokens available, but --samples {cfg.samples} (+{cfg.holdout_samples} "
-            f"held out) x --seq-len {cfg.seq_len} needs {needed * cfg.seq_len}; lower --samples or --seq-len")
-    return PackedData(ids[: cfg.samples], ids[cfg.samples:], docs, tokens, source)
+            f"dataset '{source}': only {tokens} tokens available, but --samples {cfg.samples} x --seq-len "
+            f"{cfg.seq_len} (+{cfg.holdout_samples} held out x --holdout-len {held_len}) needs "
+            f"{stats_tokens + held_tokens}; lower --samples, --seq-len or --holdout-len")
+    flat = flat[0]
+    return PackedData(flat[:stats_tokens].reshape(cfg.samples, cfg.seq_len),
+                      flat[stats_tokens:].reshape(cfg.holdout_samples, held_len), docs, tokens, source)

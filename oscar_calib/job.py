@@ -22,7 +22,7 @@ from oscar_calib.calibrate import (
     check_supported,
 )
 from oscar_calib.capture import sliding_window_layers
-from oscar_calib.config import CalibrationConfig
+from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.data import load_calibration_data
 from oscar_calib.errors import InputError
 from oscar_calib.loading import load_config as _load_config
@@ -109,12 +109,16 @@ def resolve_device(requested: str | None, choices: Choices) -> str:
     return requested
 
 
-def resolve_dtype(requested: str | None, device: str, choices: Choices) -> torch.dtype:
+def resolve_dtype(requested: str | None, device: str, choices: Choices, spread: bool = False) -> torch.dtype:
+    """The capture dtype. fp32 by default: statistics and clips captured from fp32 activations held better at a real
+    model's own context than bf16 ones (docs/recipe.md); a model spread by accelerate (`spread`) keeps bf16, which
+    halves what must be placed."""
     if requested is None:
-        if device.startswith("cuda"):
-            choices.set("dtype", "bfloat16", "GPU: the dtype models are served in")
+        if device.startswith("cuda") and spread:
+            choices.set("dtype", "bfloat16", "--device-map: bf16 halves what accelerate must place")
             return torch.bfloat16
-        choices.set("dtype", "float32", "CPU: bf16 matmuls are slow there")
+        choices.set("dtype", "float32", "capture in fp32 (measured closer to BF16 serving than a bf16 capture; "
+                                        "--dtype bfloat16 halves the memory)")
         return torch.float32
     choices.set("dtype", requested, "given on the command line")
     return _DTYPES[requested]
@@ -143,6 +147,22 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
 
 def max_positions(config) -> int | None:
     return getattr(text_config(config), "max_position_embeddings", None)
+
+
+def resolve_holdout_len(data_cfg: DataConfig, limit: int | None, choices: Choices) -> DataConfig:
+    """`data_cfg` with its held-out length decided: as given, else the model's context `limit` (at most
+    AUTO_HOLDOUT_CAP, at least --seq-len). Clips fitted on 2048-token sequences over-clipped at a real model's 8K
+    context (docs/recipe.md), so the fit sees the context the artifact will serve."""
+    if data_cfg.holdout_len is not None:
+        if limit is not None and data_cfg.holdout_len > limit:
+            raise InputError(f"--holdout-len {data_cfg.holdout_len}: above the model's max_position_embeddings={limit}")
+        choices.set("holdout_len", data_cfg.holdout_len, "given on the command line")
+        return data_cfg
+    n = max(data_cfg.seq_len, min(limit or data_cfg.seq_len, AUTO_HOLDOUT_CAP))
+    why = (f"the model's context ({limit} tokens)" if limit is not None and limit <= AUTO_HOLDOUT_CAP else
+           f"the model's context, at most {AUTO_HOLDOUT_CAP}" if limit is not None else "no context in the config: --seq-len")
+    choices.set("holdout_len", n, f"{why}: clips are fitted for the context they serve")
+    return data_cfg.model_copy(update={"holdout_len": n})
 
 
 
@@ -201,7 +221,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         backend = distributed.initialise(ctx, device)
         choices.set("data_parallel", f"{ctx.world_size} ranks ({backend})",
                     "WORLD_SIZE set by the launcher: the samples are shared among the ranks, rank 0 writes")
-    dtype = resolve_dtype(config.dtype, device, choices)
+    dtype = resolve_dtype(config.dtype, device, choices, spread=config.device_map is not None)
     data_cfg = config.data
     default_text = None
     t0 = time.perf_counter()
@@ -237,7 +257,8 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     limit = max_positions(model_config)
     if limit is not None and data_cfg.seq_len > limit:
         raise InputError(f"--seq-len {data_cfg.seq_len}: above the model's max_position_embeddings={limit}")
-    check_holdout_length(config.solver, data_cfg.seq_len)
+    data_cfg = resolve_holdout_len(data_cfg, limit, choices)
+    check_holdout_length(config.solver, data_cfg.holdout_len)
     batch_size = resolve_batch_size(config.batch_size, device, data_cfg.seq_len, choices)
     sample_range = shard_range(data_cfg.samples, options.shard, batch_size)
     if config.device_map is not None:
@@ -249,7 +270,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
 
     data = load_calibration_data(data_cfg, tokenizer, default_path=default_text)
     console.print(f"data: {data.input_ids.shape[0]} x {data_cfg.seq_len} tokens for statistics, "
-                  f"{data.holdout_ids.shape[0]} x {data_cfg.seq_len} held out, from {data.documents} documents of "
+                  f"{data.holdout_ids.shape[0]} x {data_cfg.holdout_len} held out, from {data.documents} documents of "
                   f"'{data.source}'")
     if options.shard is not None:
         console.print(f"shard {options.shard[0]}/{options.shard[1]}: samples [{sample_range[0]}, {sample_range[1]})")
@@ -316,6 +337,7 @@ def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, d
         "samples": data_cfg.samples,
         "holdout_samples": data_cfg.holdout_samples,
         "seq_len": data_cfg.seq_len,
+        "holdout_len": data_cfg.holdout_len,
         "chat_template": data_cfg.chat_template,
         "packing": "concatenate documents with EOS, cut into full sequences",
         "tokens": int(data.input_ids.numel()),

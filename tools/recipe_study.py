@@ -78,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats-len", type=int, default=2048)
     p.add_argument("--sink", type=int, default=SINK_DEFAULT)
     p.add_argument("--recent", type=int, default=RECENT_DEFAULT)
-    p.add_argument("--only", default="", help="comma-separated variant names to evaluate (default: all)")
+    p.add_argument("--artifact", action="append", default=[], metavar="NAME=DIR",
+                   help="also evaluate this artifact (e.g. one written by `oscar-calib run`); with --no-variants the "
+                        "peers' rotations and means come from the first one")
+    p.add_argument("--no-variants", action="store_true", help="skip the variant grid: peers and --artifact rows only")
+    p.add_argument("--passkey-methods", default="", help="semicolon-separated rows the passkey probe runs (default all)")
+    p.add_argument("--only", default="", help="semicolon-separated rows to evaluate (default: all)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
@@ -143,10 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         log(f"capture {name}: {ids.shape[0]} x {ids.shape[1]} + held-out {tuple(holdout.shape)} in "
             f"{time.perf_counter() - t:.1f}s")
 
-    capture("stats2k/fit2k", stats_short, fit_short)
-    capture("stats2k/fitlong", stats_short, fit_long)
-    capture("statslong/fitlong", stats_long, fit_long)
-    if device == "cuda":  # the capture dtype: the same data captured by an fp32 copy of the model
+    if not args.no_variants:
+        capture("stats2k/fit2k", stats_short, fit_short)
+    if args.no_variants and device == "cuda":  # the peers' means and fitted Hadamard clips: captured as `run` does
+        model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        capture("stats2k/fitlong", stats_short, fit_long, m=model32)
+        del model32
+        torch.cuda.empty_cache()
+    else:
+        capture("stats2k/fitlong", stats_short, fit_long)
+    if not args.no_variants:
+        capture("statslong/fitlong", stats_long, fit_long)
+    if device == "cuda" and not args.no_variants:  # the capture dtype: the same data captured by an fp32 copy of the model
         model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         capture("fp32 stats2k/fitlong", stats_short, fit_long, m=model32)
         del model32
@@ -163,18 +176,28 @@ def main(argv: list[str] | None = None) -> int:
         log(f"calibrated {name} in {time.perf_counter() - t:.1f}s: K clips {fits[name]['k_clip_ratio_mean']:.3f}, "
             f"V {fits[name]['v_clip_ratio_mean']:.3f}")
 
-    calibrate("default (shipped)", "stats2k/fit2k")
-    calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
-    calibrate("fitlong unbiased", "stats2k/fitlong")
+    from runtime_kernels.artifact import read_artifact
+
+    external = {}
+    for spec in args.artifact:
+        name, _, path = spec.partition("=")
+        external[name] = read_artifact(Path(path) / "oscar_kv.safetensors")
     calibrate("fitlong min-max", "stats2k/fitlong", quantizer="uniform_minmax")
-    calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
-    calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", center_keys=False,
-              center_values=False)
-    calibrate("fitlong min-max, no clip", "stats2k/fitlong", quantizer="uniform_minmax", clip=False)
-    calibrate("statslong fitlong min-max", "statslong/fitlong", quantizer="uniform_minmax")
-    calibrate("statslong fitlong unbiased", "statslong/fitlong")
-    if "fp32 stats2k/fitlong" in caps:
-        calibrate("fitlong min-max, fp32 capture", "fp32 stats2k/fitlong", quantizer="uniform_minmax")
+    if args.no_variants:
+        arts["fitlong min-max"] = next(iter(external.values()), arts["fitlong min-max"])  # the peers' source
+    else:
+        calibrate("default (shipped)", "stats2k/fit2k", quantizer="uniform_unbiased")
+        calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
+        calibrate("fitlong unbiased", "stats2k/fitlong", quantizer="uniform_unbiased")
+        calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
+        calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", center_keys=False,
+                  center_values=False)
+        calibrate("fitlong min-max, no clip", "stats2k/fitlong", quantizer="uniform_minmax", clip=False)
+        calibrate("statslong fitlong min-max", "statslong/fitlong", quantizer="uniform_minmax")
+        calibrate("statslong fitlong unbiased", "statslong/fitlong", quantizer="uniform_unbiased")
+        if "fp32 stats2k/fitlong" in caps:
+            calibrate("fitlong min-max, fp32 capture", "fp32 stats2k/fitlong", quantizer="uniform_minmax")
+    arts.update(external)
 
     methods: list[KVMethod] = [KVMethod()]
 
@@ -190,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         methods.append(SidedTables(name, tables, kq, vq or kq))
 
     for name in arts:
-        q = arts[name].quantizer
-        add(name, tables_of(name, centered=True), q)
-    add("fitlong unbiased keys, min-max values",
-        {layer: LayerTables(u.k_rotation, u.v_rotation, u.k_clip, m.v_clip, u.k_mean, u.v_mean)
-         for (layer, u), m in zip(tables_of("fitlong unbiased").items(), tables_of("fitlong min-max").values())},
-        "uniform_unbiased", "uniform_minmax")
+        if args.no_variants and name == "fitlong min-max":
+            continue
+        add(name, tables_of(name, centered=bool(arts[name].key_mean("original").any())), arts[name].quantizer)
+    if not args.no_variants:
+        add("fitlong unbiased keys, min-max values",
+            {layer: LayerTables(u.k_rotation, u.v_rotation, u.k_clip, m.v_clip, u.k_mean, u.v_mean)
+             for (layer, u), m in zip(tables_of("fitlong unbiased").items(), tables_of("fitlong min-max").values())},
+            "uniform_unbiased", "uniform_minmax")
     # Global clips (the reference's 0.96 / 0.92) on the per-head rotations, and Hadamard with the same means.
     add(BASELINE, tables_of("fitlong min-max", True, (0.96, 0.92)))
     add("oscar global clips, centered, unbiased", tables_of("fitlong min-max", True, (0.96, 0.92)), "uniform_unbiased")
@@ -227,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     add("hadamard fitlong min-max (fitted clips)", hadamard_tables(True, None))
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
-        keep = {"bf16", BASELINE, *args.only.split(",")}
+        keep = {"bf16", BASELINE, *args.only.split(";")}
         methods = [m for m in methods if m.name in keep]
 
     result = {"model": str(args.model), "contexts": {}, "fits": fits, "sink": SINK, "recent": RECENT, "page": PAGE,
@@ -261,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                       else windows[torch.arange(args.needles) % windows.shape[0]])
             batch = passkey_batch(tok, filler, depths, seed=0)
             pk = {}
+            chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
             for m in methods:
+                if chosen is not None and m.name not in chosen and m.name != "bf16":
+                    continue
                 pk[m.name] = passkey_scores(model, m, batch, SINK, RECENT)
                 log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
             result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d], "scores": pk}
@@ -299,7 +327,8 @@ def markdown(result: dict) -> str:
                          else f"ppl {r['ppl']:.3f}")
             cells.append("" if name in ("bf16", BASELINE) else f"{r['delta_vs_baseline_pct']:+.2f} % [{blo:+.2f}, {bhi:+.2f}]")
         if pk:
-            cells.append(f"{100 * pk['scores'][name]['key_token_accuracy']:.1f} %")
+            sc = pk["scores"].get(name)
+            cells.append("" if sc is None else f"{100 * sc['key_token_accuracy']:.1f} %")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

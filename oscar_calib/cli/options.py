@@ -115,7 +115,7 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
                     scale_dtype: ScaleDtype = ScaleDtype.ue5m3, clip: bool = True,
-                    quantizer: Quantizer = Quantizer.uniform_unbiased):
+                    quantizer: Quantizer = Quantizer.uniform_minmax):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 

@@ -60,7 +60,7 @@ def refit_cmd(
     center_keys: CenterKeysOpt = True,
     center_values: CenterValuesOpt = True,
     scale_dtype: ScaleDtypeOpt = ScaleDtype.ue5m3,
-    quantizer: QuantizerOpt = Quantizer.uniform_unbiased,
+    quantizer: QuantizerOpt = Quantizer.uniform_minmax,
     clip: ClipOpt = True,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
