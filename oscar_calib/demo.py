@@ -58,7 +58,7 @@ def random_demo_model(seed: int = 0, dtype=torch.float32):
     tokenizer = byte_tokenizer()
     config = AutoConfig.for_model(
         "qwen3", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     config._name_or_path = DEMO_MODEL_ID
     torch.manual_seed(seed)

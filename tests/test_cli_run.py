@@ -50,12 +50,14 @@ def test_run_local_model_and_txt(model_dir, text_file, tmp_path, monkeypatch, ca
     assert art.metadata["model_id"] == str(model_dir)
     calib = json.loads(art.metadata["calibration"])
     assert calib["samples"] == 2 and calib["seq_len"] == 64 and calib["tokens"] == 128 and calib["seed"] == 0
+    # the clips are fitted on a held-out sequence of the model's context (its config says 512)
+    assert calib["holdout_len"] == 512 and calib["holdout_tokens"] == 512
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model:")
     # the card's bits follow the artifact: 2-bit codes + 8-bit scale and zero per 64-channel row, 4 + 8 BF16 tokens
     want = lambda n: ((n - 12) * (2 + 2 * 8 / 64) + 12 * 16) / n  # noqa: E731
     assert f"{want(131072):.3f} bits per KV element at 128K context, {want(32768):.3f} at 32K" in card
-    assert "quantizer `uniform_unbiased`, scales `ue5m3`" in card
+    assert "quantizer `uniform_minmax`, scales `ue5m3`" in card
     log = json.loads((out / "calibration_log.json").read_text())
     assert log["choices"]["device"]["reason"] == "no GPU visible"
     assert set(log["timings"]) >= {"load_s", "forward_capture_s", "solve_s", "write_s", "total_s"}
@@ -266,17 +268,17 @@ def test_no_clip_writes_unclipped_ratios_and_records_it(model_dir, text_file, tm
 
 
 def test_quantizer_flag_is_recorded_and_an_unknown_one_refused(model_dir, text_file, tmp_path, monkeypatch, capsys):
-    """--quantizer: the artifact's metadata and recipe carry it (default uniform_unbiased); only a min-max artifact
+    """--quantizer: the artifact's metadata and recipe carry it (default uniform_minmax); only a min-max artifact
     exports to the reference's format; an unknown name is exit 2 naming the flag, with nothing written."""
-    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "mm", "--quantizer", "uniform_minmax",
-                                 "--no-center-values"), monkeypatch, capsys)
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "mm", "--no-center-values"), monkeypatch, capsys)
     assert code == 0, err
     art = read_artifact(tmp_path / "mm")
     assert art.quantizer == "uniform_minmax"
     assert json.loads(art.metadata["calibration"])["solver"]["quantizer"] == "uniform_minmax"
     code, _, err = run_cli(["export", str(tmp_path / "mm"), "--out", str(tmp_path / "ref")], monkeypatch, capsys)
     assert code == 0, err
-    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "ub", "--no-center-values"), monkeypatch, capsys)
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "ub", "--quantizer", "uniform_unbiased",
+                                 "--no-center-values"), monkeypatch, capsys)
     assert code == 0, err
     assert read_artifact(tmp_path / "ub").quantizer == "uniform_unbiased"
     code, _, err = run_cli(["export", str(tmp_path / "ub"), "--out", str(tmp_path / "ref2")], monkeypatch, capsys)
