@@ -177,6 +177,34 @@ def _split4(x):
 
 
 @triton.jit
+def _stored_f32(raw, ZERO: tl.constexpr):
+    """Stored scales (ZERO: zero points) -> fp32, either format (`common._scale_f32`, `common._zero_f32`)."""
+    if ZERO:
+        return _zero_f32(raw)
+    else:
+        return _scale_f32(raw)
+
+
+@triton.jit
+def _stored_pieces(ptr, row0, stride, ZERO: tl.constexpr):
+    """A whole tile's stored scales (ZERO: zero points) at `ptr + (row0 + r) * stride`, r < 64, as four fp32 `[16]`
+    pieces. fp16 pools: one `[64]` load (4 B per lane: cp.async) split in registers. uint8 (ue5m3) pools: one `[16]`
+    load per piece, each decoded as loaded, so no 8-bit tensor is reshaped or split in registers: the masked-tile
+    loop reads uint8 pools this way (load, decode, broadcast) and matched on the H200, where the whole-page loop's
+    `[64]` + split did not (bench/results/gpu_tests_ue5m3_NVIDIA_H200.log). 8-bit lanes are too narrow for cp.async
+    either way (2 B per lane at `[64]`), so the split loads cost no pipelining."""
+    if ptr.dtype.element_ty == tl.uint8:
+        o16 = tl.arange(0, 16)
+        p0 = _stored_f32(tl.load(ptr + (row0 + o16) * stride), ZERO)
+        p1 = _stored_f32(tl.load(ptr + (row0 + 16 + o16) * stride), ZERO)
+        p2 = _stored_f32(tl.load(ptr + (row0 + 32 + o16) * stride), ZERO)
+        p3 = _stored_f32(tl.load(ptr + (row0 + 48 + o16) * stride), ZERO)
+        return p0, p1, p2, p3
+    else:
+        return _split4(_stored_f32(tl.load(ptr + (row0 + tl.arange(0, 64)) * stride), ZERO))
+
+
+@triton.jit
 def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
              ASM: tl.constexpr, INTERP: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
@@ -269,10 +297,9 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
     operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
-    srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
-    # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
-    ks0, ks1, ks2, ks3 = _split4(_scale_f32(tl.load(ks_ptr + srow)))
-    kz0, kz1, kz2, kz3 = _split4(_zero_f32(tl.load(kz_ptr + srow)))
+    sbase = page * stride_ksp + h * stride_ksh
+    ks0, ks1, ks2, ks3 = _stored_pieces(ks_ptr + sbase, r0, stride_ksr, False)
+    kz0, kz1, kz2, kz3 = _stored_pieces(kz_ptr + sbase, r0, stride_ksr, True)
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -301,26 +328,34 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 
 
 @triton.jit
-def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+def _page_values(vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
                  VPAIR: tl.constexpr):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
-    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]` (unused with VPAIR)."""
+    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]` as prefetched (fp16 pools
+    without VPAIR; uint8 pools read theirs per piece at vz_ptr, see `_stored_pieces`)."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    if VPAIR:
-        # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
-        # dots, brings the zeros along.
-        sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
-                     + tl.arange(0, 2)[None, :])
-        vs64, vz64 = tl.split(sz)
+    vrow = vs_ptr + page * stride_vsp + h * stride_vsh
+    if vs_ptr.dtype.element_ty == tl.uint8:
+        vs0, vs1, vs2, vs3 = _stored_pieces(vrow, r0, stride_vsr, False)
+        if VPAIR:  # each row's zero is the byte after its scale
+            vz0, vz1, vz2, vz3 = _stored_pieces(vrow + 1, r0, stride_vsr, True)
+        else:
+            vz0, vz1, vz2, vz3 = _stored_pieces(vz_ptr + page * stride_vsp + h * stride_vsh, r0, stride_vsr, True)
     else:
-        vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
-    vs0, vs1, vs2, vs3 = _split4(_scale_f32(vs64))
-    vz0, vz1, vz2, vz3 = _split4(_zero_f32(vz64))
+        if VPAIR:
+            # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
+            # dots, brings the zeros along.
+            sz = tl.load(vrow + (r0 + offs_n)[:, None] * stride_vsr + tl.arange(0, 2)[None, :])
+            vs64, vz64 = tl.split(sz)
+        else:
+            vs64 = tl.load(vrow + (r0 + offs_n) * stride_vsr)
+        vs0, vs1, vs2, vs3 = _split4(vs64.to(tl.float32))
+        vz0, vz1, vz2, vz3 = _split4(vz64.to(tl.float32))
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])
@@ -348,7 +383,7 @@ def _max4(s0, s1, s2, s3):
 
 
 @triton.jit
-def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
+def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur,
                  stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                  offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
@@ -367,7 +402,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     # Fresh per-tile V dots (the pieces chained in the MMA accumulator), added to the chunk accumulators by an FFMA.
     z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
-        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
         NQ, U, U_PAD, ASM, INTERP, VPAIR)
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
@@ -542,7 +577,7 @@ def _int2_chunk(
             page_n = pgn
             if FULL_TILES and BLOCK_N == 64:
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
+                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur,
                     stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
