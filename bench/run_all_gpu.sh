@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 
 echo "== decode attention under CUDA graphs (the headline table) and demotion cost"
-timeout "${GRAPH_S:-240}" python3 bench/bench_decode_graph.py --out "$OUT" > /tmp/graph.log 2>&1
+timeout "${GRAPH_S:-420}" python3 bench/bench_decode_graph.py --out "$OUT" > /tmp/graph.log 2>&1
 echo "rc=$?"; tail -14 /tmp/graph.log
 timeout 150 python3 bench/bench_demotion.py --out "$OUT" \
     --attention "$OUT/decode_graph_$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_"))').json" \
