@@ -186,22 +186,22 @@ def _stored_f32(raw, ZERO: tl.constexpr):
 
 
 @triton.jit
-def _stored_pieces(ptr, row0, stride, ZERO: tl.constexpr):
-    """A whole tile's stored scales (ZERO: zero points) at `ptr + (row0 + r) * stride`, r < 64, as four fp32 `[16]`
+def _stored_pieces(ptr, base, row0, stride, ZERO: tl.constexpr):
+    """A whole tile's stored scales (ZERO: zero points) at `ptr + base + (row0 + r) * stride`, r < 64, as four fp32 `[16]`
     pieces. fp16 pools: one `[64]` load (4 B per lane: cp.async) split in registers. uint8 (ue5m3) pools: one `[16]`
-    load per piece, each decoded as loaded, so no 8-bit tensor is reshaped or split in registers: the masked-tile
-    loop reads uint8 pools this way (load, decode, broadcast) and matched on the H200, where the whole-page loop's
-    `[64]` + split did not (bench/results/gpu_tests_ue5m3_NVIDIA_H200.log). 8-bit lanes are too narrow for cp.async
-    either way (2 B per lane at `[64]`), so the split loads cost no pipelining."""
+    load per piece, each decoded as loaded, so no 8-bit tensor changes layout in registers: the masked-tile loop
+    reads uint8 pools this way (load, decode, broadcast) and matched on the H200; an earlier whole-page version that
+    split a `[64]` uint8 vector did not (cause not confirmed: docs/kernels.md, "ue5m3 scale pools"). 8-bit lanes are
+    too narrow for cp.async either way (2 B per lane at `[64]`), so the split loads cost no pipelining."""
     if ptr.dtype.element_ty == tl.uint8:
         o16 = tl.arange(0, 16)
-        p0 = _stored_f32(tl.load(ptr + (row0 + o16) * stride), ZERO)
-        p1 = _stored_f32(tl.load(ptr + (row0 + 16 + o16) * stride), ZERO)
-        p2 = _stored_f32(tl.load(ptr + (row0 + 32 + o16) * stride), ZERO)
-        p3 = _stored_f32(tl.load(ptr + (row0 + 48 + o16) * stride), ZERO)
+        p0 = _stored_f32(tl.load(ptr + (base + (row0 + o16) * stride)), ZERO)
+        p1 = _stored_f32(tl.load(ptr + (base + (row0 + 16 + o16) * stride)), ZERO)
+        p2 = _stored_f32(tl.load(ptr + (base + (row0 + 32 + o16) * stride)), ZERO)
+        p3 = _stored_f32(tl.load(ptr + (base + (row0 + 48 + o16) * stride)), ZERO)
         return p0, p1, p2, p3
     else:
-        return _split4(_stored_f32(tl.load(ptr + (row0 + tl.arange(0, 64)) * stride), ZERO))
+        return _split4(_stored_f32(tl.load(ptr + (base + (row0 + tl.arange(0, 64)) * stride)), ZERO))
 
 
 @triton.jit
@@ -298,8 +298,8 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
     sbase = page * stride_ksp + h * stride_ksh
-    ks0, ks1, ks2, ks3 = _stored_pieces(ks_ptr + sbase, r0, stride_ksr, False)
-    kz0, kz1, kz2, kz3 = _stored_pieces(kz_ptr + sbase, r0, stride_ksr, True)
+    ks0, ks1, ks2, ks3 = _stored_pieces(ks_ptr, sbase, r0, stride_ksr, False)
+    kz0, kz1, kz2, kz3 = _stored_pieces(kz_ptr, sbase, r0, stride_ksr, True)
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -341,11 +341,12 @@ def _page_values(vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_ne
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
     vrow = vs_ptr + page * stride_vsp + h * stride_vsh
     if vs_ptr.dtype.element_ty == tl.uint8:
-        vs0, vs1, vs2, vs3 = _stored_pieces(vrow, r0, stride_vsr, False)
+        vbase = page * stride_vsp + h * stride_vsh
+        vs0, vs1, vs2, vs3 = _stored_pieces(vs_ptr, vbase, r0, stride_vsr, False)
         if VPAIR:  # each row's zero is the byte after its scale
-            vz0, vz1, vz2, vz3 = _stored_pieces(vrow + 1, r0, stride_vsr, True)
+            vz0, vz1, vz2, vz3 = _stored_pieces(vs_ptr + 1, vbase, r0, stride_vsr, True)
         else:
-            vz0, vz1, vz2, vz3 = _stored_pieces(vz_ptr + page * stride_vsp + h * stride_vsh, r0, stride_vsr, True)
+            vz0, vz1, vz2, vz3 = _stored_pieces(vz_ptr, vbase, r0, stride_vsr, True)
     else:
         if VPAIR:
             # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
@@ -474,6 +475,9 @@ def _int2_chunk(
     gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
     (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact."""
     ASM: tl.constexpr = not INTERP
+    # V zeros are prefetched a tile ahead unless the whole-page loop reads them itself: with paired pools (along with
+    # the scales) or from a uint8 pool (per piece, `_stored_pieces`).
+    VZ_AHEAD: tl.constexpr = not VPAIR and not (FULL_TILES and BLOCK_N == 64 and vz_ptr.dtype.element_ty == tl.uint8)
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
@@ -557,7 +561,7 @@ def _int2_chunk(
         # V zeros feed no dot, so the pipeliner leaves their load synchronous; they are prefetched by hand one tile
         # ahead instead, as a loop-carried register (paired pools bring them with the scales).
         pg0 = _pick_page(pg, offs_pv, 0)
-        if not VPAIR:
+        if VZ_AHEAD:
             vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
                                   stride_vsr, P, BLOCK_N)
         # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two.
@@ -568,8 +572,8 @@ def _int2_chunk(
             r0 = tl.multiple_of(t0 % P, BLOCK_N)
             jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
             pgn = _pick_page(pg, offs_pv, jn)
-            if VPAIR:
-                vz_cur = offs_n  # unused: the zeros come with the scales
+            if not VZ_AHEAD:
+                vz_cur = offs_n  # unused: the whole-page loop reads the zeros itself
             else:
                 vz_cur = vz_next
                 vz_next = _tile_zeros(vz_ptr, pgn, h, start + (jb + jn) * BLOCK_N, offs_n, stride_vsp,
