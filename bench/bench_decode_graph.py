@@ -115,9 +115,9 @@ def bf16_calls(context: int, batch: int, backend) -> list:
     return [lambda k=k, v=v: call(k, v) for k, v in kv]
 
 
-def oscar_calls(context: int, batch: int, fused: bool, fmt: str) -> tuple[list, list, tuple]:
+def oscar_calls(context: int, batch: int, fused: bool, fmt: str, options=None) -> tuple[list, list, tuple]:
     """OSCAR decode calls in format `fmt` over distinct per-layer caches (whole pages, as PagedKVCache calls them)
-    -> (calls, per-layer inputs, means or None)."""
+    under `options` (a DecodeOptions; None: the default) -> (calls, per-layer inputs, means or None)."""
     scale_format, centered, sink, recent = FORMATS[fmt]
     window = sink + recent
     one = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format, window=window)
@@ -127,13 +127,15 @@ def oscar_calls(context: int, batch: int, fused: bool, fmt: str) -> tuple[list, 
                                    window=window) for i in range(layers_for(int2_bytes))]
     means = common.decode_means(context + batch) if centered else None
     km, vm = means if centered else (None, None)
-    counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device="cuda") for _ in layers]
+    counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device=a[0].device) for a in layers]
     return [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c,
-                                                k_mean=km, v_mean=vm)
+                                                k_mean=km, v_mean=vm, options=options)
             for a, c in zip(layers, counters)], layers, means
 
 
-def point(context: int, batch: int, formats) -> list[dict]:
+def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
+    """Rows of one point: BF16 SDPA (cuDNN, flash), each format in both launch forms, and the first format's
+    two-launch form under each of `sweeps` ((name, DecodeOptions) pairs; rows with shape["options"] = name)."""
     shape = {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV, "d": common.D,
              "page": common.PAGE}
     rows = []
@@ -153,24 +155,28 @@ def point(context: int, batch: int, formats) -> list[dict]:
         torch.cuda.empty_cache()
     best = min((r["p50_ms"] for r in rows if "p50_ms" in r), default=float("nan"))
     # OSCAR: distinct per-layer caches, the two launch forms as PagedKVCache calls them (whole pages).
-    for fmt in formats:
+    runs = [(fmt, form, fused, None, None) for fmt in formats
+            for form, fused in (("two_launch", False), ("one_launch", True))]
+    runs += [(formats[0], f"two_launch_{name}", False, name, opts) for name, opts in sweeps]
+    for fmt, form, fused, opt_name, opts in runs:
         scale_format, centered, sink, recent = FORMATS[fmt]
         fshape = dict(shape, format=fmt, scale_format=scale_format, centered=centered, sink=sink, recent=recent)
-        for form, fused in (("two_launch", False), ("one_launch", True)):
-            calls, layers, means = oscar_calls(context, batch, fused, fmt)
-            t = graph_times(calls)
-            o, _ = calls[0]()
-            a = layers[0]
-            plan = A.decode_plan(a[0], a[1], a[2], a[4], a[5], a[6], a[9], whole_pages=True, fused=fused,
-                                 centered=centered)
-            nbytes = call_bytes(a)
-            rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),
-                                   speedup_vs_best_bf16=best / t[0], bytes_per_call=nbytes,
-                                   gbps=nbytes / t[0] / 1e6, plan=dataclasses.asdict(plan),
-                                   rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
-                                   splits=list(A.decode_num_splits(*a, whole_pages=True, fused=fused))))
-            del calls, layers
-            torch.cuda.empty_cache()
+        if opt_name:
+            fshape["options"] = opt_name
+        calls, layers, means = oscar_calls(context, batch, fused, fmt, opts)
+        t = graph_times(calls)
+        o, _ = calls[0]()
+        a = layers[0]
+        plan = A.decode_plan(a[0], a[1], a[2], a[4], a[5], a[6], a[9], whole_pages=True, fused=fused,
+                             centered=centered, options=opts)
+        nbytes = call_bytes(a)
+        rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),
+                               speedup_vs_best_bf16=best / t[0], bytes_per_call=nbytes,
+                               gbps=nbytes / t[0] / 1e6, plan=dataclasses.asdict(plan),
+                               rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
+                               splits=list(A.decode_num_splits(*a, whole_pages=True, fused=fused, options=opts))))
+        del calls, layers
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -181,7 +187,8 @@ def table(rows: list[dict], formats) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     points = sorted({(r["shape"]["context"], r["shape"]["batch"]) for r in rows}, reverse=True)
     for c, b in points:
-        here = [r for r in rows if r["shape"]["context"] == c and r["shape"]["batch"] == b and "p50_ms" in r]
+        here = [r for r in rows if r["shape"]["context"] == c and r["shape"]["batch"] == b and "p50_ms" in r
+                and "options" not in r["shape"]]
         bf16 = min((r["p50_ms"] for r in here if r["variant"].startswith("bf16")), default=float("nan"))
         cells = [str(c), str(b), f"{bf16:.4f}"]
         for f in formats:
@@ -201,7 +208,17 @@ def main() -> int:
     ap.add_argument("--points", help="comma-separated CONTEXTxBATCH (default: 8K/32K/64K/128K x 1/8/32)")
     ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                     help=f"comma-separated cache formats, first = headline (of {', '.join(FORMATS)})")
+    ap.add_argument("--options", action="append", default=[], metavar="FIELD=INT,...",
+                    help="also time the headline format's two-launch form under these DecodeOptions fields "
+                         "(repeatable; e.g. waves=2 or min_split_tokens=128,num_stages=4); not in the table")
     args = ap.parse_args()
+    sweeps = []
+    for spec in args.options:
+        try:
+            fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+            sweeps.append((spec.replace("=", "").replace(",", "_"), A.DecodeOptions(**fields)))
+        except (ValueError, TypeError) as e:
+            sys.exit(f"bench_decode_graph: --options {spec!r}: {e}")
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
@@ -212,7 +229,7 @@ def main() -> int:
     rows = []
     for context, batch in points:
         t0 = time.perf_counter()
-        new = point(context, batch, formats)
+        new = point(context, batch, formats, sweeps)
         rows += new
         for r in new:
             print(r["variant"], context, batch, f"{r.get('p50_ms', float('nan')):.4f} ms",
