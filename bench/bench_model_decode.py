@@ -232,7 +232,7 @@ class Bf16Attention:
 def graph_step_ms(model: Decoder, attention, batch: int, position: int) -> tuple[float, float, float]:
     """(p50, p20, p80) ms of one decode step replayed from a single CUDA graph (warmed up on a side stream)."""
     tokens = torch.randint(0, model.shape.vocab, (batch,), device="cuda")
-    rope = model.rope(position, "cuda")
+    rope = model.rope(position, "cuda")  # fixed: every replay is the same step
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -253,38 +253,41 @@ def fits(nbytes: int) -> tuple[bool, str]:
     return nbytes + MARGIN_BYTES <= free, f"needs {nbytes / 1e9:.1f} GB of KV cache, {free / 1e9:.1f} GB free"
 
 
-def measure(model: Decoder, kind: str, context: int, batch: int) -> list[dict]:
-    """Rows of one (kind, context, batch): OSCAR, or BF16 under each SDPA backend."""
+def measure(model: Decoder, kind: str, context: int, batch: int, device="cuda", recipe: Recipe = RECIPE,
+            timer=None) -> list[dict]:
+    """Rows of one (kind, context, batch): OSCAR, or BF16 under each SDPA backend. timer(model, attention, batch,
+    position) -> (p50, p20, p80) ms (default `graph_step_ms`)."""
     from torch.nn.attention import SDPBackend
 
     shape = {"context": context, "batch": batch, "layers": model.shape.layers, "h_q": model.shape.heads,
              "h_kv": model.shape.kv_heads, "d": model.shape.head_dim}
     if kind == "oscar":
-        nbytes = batch * oscar_bytes_per_seq(model.shape, context, RECIPE)
+        nbytes = batch * oscar_bytes_per_seq(model.shape, context, recipe)
         variants = [("oscar_recipe", None)]
-        shape.update(dataclasses.asdict(RECIPE))
+        shape.update(dataclasses.asdict(recipe))
     else:
         nbytes = batch * bf16_bytes_per_seq(model.shape, context)
         variants = [("bf16_sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("bf16_sdpa_flash", SDPBackend.FLASH_ATTENTION)]
-    ok, why = fits(nbytes)
+    ok, why = fits(nbytes) if device == "cuda" else (True, "")
     if not ok:
         return [{"op": "model_decode_step", "variant": v, "shape": shape, "kv_bytes": nbytes, "skipped": why}
                 for v, _ in variants]
     rows = []
-    attn = OscarAttention(model.shape, batch, context, "cuda") if kind == "oscar" else \
-        Bf16Attention(model.shape, batch, context, "cuda")
+    attn = OscarAttention(model.shape, batch, context, device, recipe) if kind == "oscar" else \
+        Bf16Attention(model.shape, batch, context, device)
     for variant, backend in variants:
         if kind != "oscar":
             attn.backend = backend
         try:
-            t = graph_step_ms(model, attn, batch, attn.position)
+            t = (timer or graph_step_ms)(model, attn, batch, attn.position)
             rows.append(common.row("model_decode_step", variant, shape, t, kv_bytes=nbytes,
                                    tokens_per_s=batch / t[0] * 1e3))
         except RuntimeError as e:  # a backend that refuses the shape is recorded, not fatal
             rows.append({"op": "model_decode_step", "variant": variant, "shape": shape, "kv_bytes": nbytes,
                          "error": str(e).splitlines()[0][:160]})
     del attn
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -294,14 +297,23 @@ def best(rows: list[dict], prefix: str, context: int, batch: int) -> dict | None
     return min(mine, key=lambda r: r["p50_ms"]) if mine else None
 
 
+def missing(rows: list[dict], prefix: str, context: int, batch: int) -> str:
+    """Why a point has no time: it did not fit the GPU, every backend refused it, or it was not run."""
+    mine = [r for r in rows if r["variant"].startswith(prefix)
+            and (r["shape"]["context"], r["shape"]["batch"]) == (context, batch)]
+    if any("skipped" in r for r in mine):
+        return "does not fit"
+    return "error" if mine else "not run"
+
+
 def table(rows: list[dict], budget: dict) -> str:
     lines = ["| context | batch | BF16 best ms/step | BF16 tokens/s | OSCAR ms/step | OSCAR tokens/s | OSCAR vs BF16 |",
              "|---|---|---|---|---|---|---|"]
     for c, b in sorted({(r["shape"]["context"], r["shape"]["batch"]) for r in rows}):
         o, f = best(rows, "oscar", c, b), best(rows, "bf16", c, b)
         cell = [str(c), str(b)]
-        cell += [f"{f['p50_ms']:.2f}", f"{f['tokens_per_s']:.0f}"] if f else ["does not fit", "-"]
-        cell += [f"{o['p50_ms']:.2f}", f"{o['tokens_per_s']:.0f}"] if o else ["does not fit", "-"]
+        cell += [f"{f['p50_ms']:.2f}", f"{f['tokens_per_s']:.0f}"] if f else [missing(rows, "bf16", c, b), "-"]
+        cell += [f"{o['p50_ms']:.2f}", f"{o['tokens_per_s']:.0f}"] if o else [missing(rows, "oscar", c, b), "-"]
         cell.append(f"{o['tokens_per_s'] / f['tokens_per_s']:.2f}x" if o and f else "-")
         lines.append("| " + " | ".join(cell) + " |")
     lines += ["", f"KV budget {budget['budget_gib']} GiB at context {budget['context']}: BF16 fits "
@@ -312,44 +324,45 @@ def table(rows: list[dict], budget: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_gpu(args) -> int:
-    points = DEFAULT_POINTS if not args.points else [tuple(int(x) for x in p.split("x"))
-                                                     for p in args.points.split(",")]
+def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, device="cuda", recipe: Recipe = RECIPE,
+        budget_context: int = BUDGET_CONTEXT, timer=None) -> tuple[list[dict], dict]:
+    """Every point for BF16 and OSCAR, then each at the largest batch whose KV cache fits `budget_gib` at
+    `budget_context`; results written to `out` after every measurement -> (rows, budget summary)."""
     t0 = time.perf_counter()
-    model = Decoder(QWEN3_8B, "cuda")
+    model = Decoder(shape, device)
     print(f"# model built: {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    budget_bytes = int(args.budget_gib * (1 << 30))
-    budget = {"budget_gib": args.budget_gib, "context": BUDGET_CONTEXT,
-              "bf16_batch": budget_bytes // bf16_bytes_per_seq(QWEN3_8B, BUDGET_CONTEXT),
-              "oscar_batch": budget_bytes // oscar_bytes_per_seq(QWEN3_8B, BUDGET_CONTEXT, RECIPE)}
+    budget_bytes = int(budget_gib * (1 << 30))
+    budget = {"budget_gib": budget_gib, "context": budget_context,
+              "bf16_batch": budget_bytes // bf16_bytes_per_seq(shape, budget_context),
+              "oscar_batch": budget_bytes // oscar_bytes_per_seq(shape, budget_context, recipe)}
     budget["sequences_ratio"] = budget["oscar_batch"] / max(1, budget["bf16_batch"])
     todo = [(k, c, b) for c, b in points for k in ("bf16", "oscar")]
-    todo += [("bf16", BUDGET_CONTEXT, budget["bf16_batch"]), ("oscar", BUDGET_CONTEXT, budget["oscar_batch"])]
+    todo += [("bf16", budget_context, budget["bf16_batch"]), ("oscar", budget_context, budget["oscar_batch"])]
     path = None
     for kind, context, batch in todo:
         if batch < 1 or any(r["shape"]["context"] == context and r["shape"]["batch"] == batch
                             and r["variant"].startswith(kind) for r in rows):
             continue
         t1 = time.perf_counter()
-        new = measure(model, kind, context, batch)
+        new = measure(model, kind, context, batch, device, recipe, timer)
         rows += new
         for r in new:
             print(r["variant"], context, batch, f"{r['p50_ms']:.3f} ms/step {r['tokens_per_s']:.0f} tok/s"
                   if "p50_ms" in r else r.get("skipped", r.get("error")), f"({time.perf_counter() - t1:.1f} s)",
                   flush=True)
-        for kind_, key in (("bf16", "bf16"), ("oscar", "oscar")):
-            r = best(rows, kind_, BUDGET_CONTEXT, budget[f"{key}_batch"])
+        for key in ("bf16", "oscar"):
+            r = best(rows, key, budget_context, budget[f"{key}_batch"])
             if r:
                 budget[f"{key}_tokens_per_s"] = r["tokens_per_s"]
         if "bf16_tokens_per_s" in budget and "oscar_tokens_per_s" in budget:
             budget["throughput_ratio"] = budget["oscar_tokens_per_s"] / budget["bf16_tokens_per_s"]
-        path = common.write_rows(args.out, "model_decode", rows + [{"op": "kv_budget", "variant": "summary",
-                                                                   "shape": {"context": BUDGET_CONTEXT}, **budget}])
+        path = common.write_rows(out, "model_decode", rows + [{"op": "kv_budget", "variant": "summary",
+                                                              "shape": {"context": budget_context}, **budget}])
     path.with_suffix(".md").write_text(table(rows, budget))
     print(table(rows, budget))
     print("wrote", path, f"({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return rows, budget
 
 
 # ----------------------------------------------------------------------------------------------- CPU smoke
@@ -411,7 +424,10 @@ def main() -> int:
         sys.exit("bench_model_decode: --out: required for the GPU run")
     if not torch.cuda.is_available():
         sys.exit("bench_model_decode: needs a CUDA GPU (or --cpu-smoke)")
-    return run_gpu(args)
+    points = DEFAULT_POINTS if not args.points else [tuple(int(x) for x in p.split("x"))
+                                                     for p in args.points.split(",")]
+    run(args.out, points, args.budget_gib)
+    return 0
 
 
 if __name__ == "__main__":

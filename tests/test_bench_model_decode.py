@@ -54,3 +54,28 @@ def test_the_decoder_step_is_a_qwen3_layer_stack():
     logits = m.step(torch.tensor([1, 2, 3]), m.rope(5, "cpu"), attention)
     assert logits.shape == (3, 50) and seen == [((3, 4, 16), (3, 2, 16), (3, 2, 16))]
     assert B.QWEN3_8B.layers == 36 and (B.QWEN3_8B.heads, B.QWEN3_8B.kv_heads, B.QWEN3_8B.head_dim) == (32, 8, 128)
+
+
+def test_the_run_measures_every_point_and_the_budget_batches(tmp_path):
+    """The GPU run's flow on CPU (tiny model, eager steps timed by a stand-in): every point for both caches, then
+    the budget batches, results and table written."""
+    import json
+
+    def timer(model, attention, batch, position):
+        tokens = torch.zeros(batch, dtype=torch.int64)
+        model.step(tokens, model.rope(position, "cpu"), attention)
+        return (1.0, 1.0, 1.0)
+
+    recipe = B.Recipe(sink=16, recent=64)
+    context = 16 + 64 + 32 + 64
+    per_seq = B.oscar_bytes_per_seq(B.SMOKE_SHAPE, context, recipe)
+    rows, budget = B.run(str(tmp_path), [(context, 1)], 3 * per_seq / (1 << 30), shape=B.SMOKE_SHAPE, device="cpu",
+                         recipe=recipe, budget_context=context, timer=timer)
+    assert budget["oscar_batch"] == 3 and budget["bf16_batch"] == 3 * per_seq // B.bf16_bytes_per_seq(
+        B.SMOKE_SHAPE, context)
+    got = {(r["variant"], r["shape"]["batch"]) for r in rows if "p50_ms" in r}
+    assert ("oscar_recipe", 1) in got and ("oscar_recipe", 3) in got
+    assert {b for v, b in got if v.startswith("bf16")} == {1, budget["bf16_batch"]}  # a backend refusing is recorded
+    saved = json.loads(next(tmp_path.glob("model_decode_*.json")).read_text())
+    assert saved["rows"][-1]["op"] == "kv_budget" and saved["meta"]["commit"]
+    assert "OSCAR vs BF16" in next(tmp_path.glob("model_decode_*.md")).read_text()
