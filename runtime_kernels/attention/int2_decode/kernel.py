@@ -177,34 +177,6 @@ def _split4(x):
 
 
 @triton.jit
-def _stored_f32(raw, ZERO: tl.constexpr):
-    """Stored scales (ZERO: zero points) -> fp32, either format (`common._scale_f32`, `common._zero_f32`)."""
-    if ZERO:
-        return _zero_f32(raw)
-    else:
-        return _scale_f32(raw)
-
-
-@triton.jit
-def _stored_pieces(ptr, base, row0, stride, ZERO: tl.constexpr):
-    """A whole tile's stored scales (ZERO: zero points) at `ptr + base + (row0 + r) * stride`, r < 64, as four fp32 `[16]`
-    pieces. fp16 pools: one `[64]` load (4 B per lane: cp.async) split in registers. uint8 (ue5m3) pools: one `[16]`
-    load per piece, each decoded as loaded, so no 8-bit tensor changes layout in registers: the masked-tile loop
-    reads uint8 pools this way (load, decode, broadcast) and matched on the H200; an earlier whole-page version that
-    split a `[64]` uint8 vector did not (cause not confirmed: docs/kernels.md, "ue5m3 scale pools"). 8-bit lanes are
-    too narrow for cp.async either way (2 B per lane at `[64]`), so the split loads cost no pipelining."""
-    if ptr.dtype.element_ty == tl.uint8:
-        o16 = tl.arange(0, 16)
-        p0 = _stored_f32(tl.load(ptr + (base + (row0 + o16) * stride)), ZERO)
-        p1 = _stored_f32(tl.load(ptr + (base + (row0 + 16 + o16) * stride)), ZERO)
-        p2 = _stored_f32(tl.load(ptr + (base + (row0 + 32 + o16) * stride)), ZERO)
-        p3 = _stored_f32(tl.load(ptr + (base + (row0 + 48 + o16) * stride)), ZERO)
-        return p0, p1, p2, p3
-    else:
-        return _split4(_stored_f32(tl.load(ptr + (base + (row0 + tl.arange(0, 64)) * stride)), ZERO))
-
-
-@triton.jit
 def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
              ASM: tl.constexpr, INTERP: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
@@ -297,9 +269,12 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
     operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
-    sbase = page * stride_ksp + h * stride_ksh
-    ks0, ks1, ks2, ks3 = _stored_pieces(ks_ptr, sbase, r0, stride_ksr, False)
-    kz0, kz1, kz2, kz3 = _stored_pieces(kz_ptr, sbase, r0, stride_ksr, True)
+    srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
+    # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
+    # fp16 pools: 4 B per lane, cp.async; uint8 pools: 2 B per lane, a plain load whose bytes Triton moves to the
+    # pieces' layout through shared memory (docs/kernels.md, "ue5m3 scale pools").
+    ks0, ks1, ks2, ks3 = _split4(_scale_f32(tl.load(ks_ptr + srow)))
+    kz0, kz1, kz2, kz3 = _split4(_zero_f32(tl.load(kz_ptr + srow)))
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -328,35 +303,26 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 
 
 @triton.jit
-def _page_values(vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
                  VPAIR: tl.constexpr):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
-    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]` as prefetched (fp16 pools
-    without VPAIR; uint8 pools read theirs per piece at vz_ptr, see `_stored_pieces`)."""
+    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]` (unused with VPAIR)."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    vrow = vs_ptr + page * stride_vsp + h * stride_vsh
-    if vs_ptr.dtype.element_ty == tl.uint8:
-        vbase = page * stride_vsp + h * stride_vsh
-        vs0, vs1, vs2, vs3 = _stored_pieces(vs_ptr, vbase, r0, stride_vsr, False)
-        if VPAIR:  # each row's zero is the byte after its scale
-            vz0, vz1, vz2, vz3 = _stored_pieces(vs_ptr + 1, vbase, r0, stride_vsr, True)
-        else:
-            vz0, vz1, vz2, vz3 = _stored_pieces(vz_ptr, vbase, r0, stride_vsr, True)
+    if VPAIR:
+        # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
+        # dots, brings the zeros along.
+        sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
+                     + tl.arange(0, 2)[None, :])
+        vs64, vz64 = tl.split(sz)
     else:
-        if VPAIR:
-            # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
-            # dots, brings the zeros along.
-            sz = tl.load(vrow + (r0 + offs_n)[:, None] * stride_vsr + tl.arange(0, 2)[None, :])
-            vs64, vz64 = tl.split(sz)
-        else:
-            vs64 = tl.load(vrow + (r0 + offs_n) * stride_vsr)
-        vs0, vs1, vs2, vs3 = _split4(vs64.to(tl.float32))
-        vz0, vz1, vz2, vz3 = _split4(vz64.to(tl.float32))
+        vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
+    vs0, vs1, vs2, vs3 = _split4(_scale_f32(vs64))
+    vz0, vz1, vz2, vz3 = _split4(_zero_f32(vz64))
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])
@@ -384,7 +350,7 @@ def _max4(s0, s1, s2, s3):
 
 
 @triton.jit
-def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur,
+def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                  stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                  offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
@@ -403,7 +369,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz
     # Fresh per-tile V dots (the pieces chained in the MMA accumulator), added to the chunk accumulators by an FFMA.
     z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
-        vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
         NQ, U, U_PAD, ASM, INTERP, VPAIR)
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
@@ -475,9 +441,6 @@ def _int2_chunk(
     gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
     (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact."""
     ASM: tl.constexpr = not INTERP
-    # V zeros are prefetched a tile ahead unless the whole-page loop reads them itself: with paired pools (along with
-    # the scales) or from a uint8 pool (per piece, `_stored_pieces`).
-    VZ_AHEAD: tl.constexpr = not VPAIR and not (FULL_TILES and BLOCK_N == 64 and vz_ptr.dtype.element_ty == tl.uint8)
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
 
@@ -561,7 +524,7 @@ def _int2_chunk(
         # V zeros feed no dot, so the pipeliner leaves their load synchronous; they are prefetched by hand one tile
         # ahead instead, as a loop-carried register (paired pools bring them with the scales).
         pg0 = _pick_page(pg, offs_pv, 0)
-        if VZ_AHEAD:
+        if not VPAIR:
             vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
                                   stride_vsr, P, BLOCK_N)
         # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two.
@@ -572,8 +535,8 @@ def _int2_chunk(
             r0 = tl.multiple_of(t0 % P, BLOCK_N)
             jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
             pgn = _pick_page(pg, offs_pv, jn)
-            if not VZ_AHEAD:
-                vz_cur = offs_n  # unused: the whole-page loop reads the zeros itself
+            if VPAIR:
+                vz_cur = offs_n  # unused: the zeros come with the scales
             else:
                 vz_cur = vz_next
                 vz_next = _tile_zeros(vz_ptr, pgn, h, start + (jb + jn) * BLOCK_N, offs_n, stride_vsp,
@@ -581,7 +544,7 @@ def _int2_chunk(
             page_n = pgn
             if FULL_TILES and BLOCK_N == 64:
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, page, r0, h, vz_cur,
+                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                     stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
