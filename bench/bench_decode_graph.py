@@ -1,18 +1,26 @@
-"""Decode attention under CUDA graphs at the README's nine points: OSCAR (INT2 history + BF16 windows) vs BF16 SDPA.
+"""Decode attention under CUDA graphs: OSCAR (INT2 history + BF16 windows) in each cache format vs BF16 SDPA.
 
-    python bench/bench_decode_graph.py --out DIR [--points 131072x8,32768x1]
+    python bench/bench_decode_graph.py --out DIR [--points 131072x8,32768x1] [--formats recipe,fp16_64_256]
+
+Formats (`FORMATS`): `recipe` is what `oscar-calib run` ships (ue5m3 scales, centered K/V, 128/1024 BF16 windows) and
+gives the headline rows; `fp16_64_256` is the layout the README's first table timed (fp16 scales, uncentered,
+64/256); `ue5m3_64_256` and `fp16_128_1024` separate the scale format from the windows. Every OSCAR row records the
+`DecodePlan` its calls took (kernel, whole pages, int8 scores, paired V pools, and why a faster choice was declined).
 
 Why graphs: at small shapes an eager call is bound by host launch time; a serving engine replays graphs. One graph
 holds calls over distinct per-layer caches (at least 3x the L2 of bytes per pass, and MIN_CALLS calls), so every
 call reads its history from HBM as a real decode step does; ms per call = replay time / calls. Rows follow the
-`bench/common.py` schema (op, variant, shape, p50/p20/p80 ms) with the speed-up over the best BF16 backend and the
-relative RMSE of OSCAR's first call against a float64 reference of the same pools.
+`bench/common.py` schema (op, variant, shape, p50/p20/p80 ms) with the speed-up over the best BF16 backend, the
+bytes one call reads and the bandwidth that makes, and the relative RMSE of OSCAR's first call against a float64
+reference of the same pools. Also writes `decode_graph_<GPU>.md`, the README's table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -25,6 +33,16 @@ from runtime_kernels import attention as A  # noqa: E402
 from runtime_kernels.attention.int2_decode import naive as paged_ref  # noqa: E402
 
 MIN_CALLS = 16
+# name -> (scale format, centered, sink tokens, recent tokens)
+FORMATS = {
+    "recipe": ("ue5m3", True, 128, 1024),
+    "fp16_64_256": ("float16", False, 64, 256),
+    "ue5m3_64_256": ("ue5m3", False, 64, 256),
+    "fp16_128_1024": ("float16", True, 128, 1024),
+}
+DEFAULT_FORMATS = ("recipe", "fp16_64_256")
+# 8K/32K/128K (the README's points) and 64K (the issue's), batches 1, 8, 32
+DEFAULT_POINTS = [(c, b) for c in (131072, 65536, 32768, 8192) for b in (1, 8, 32)]
 
 
 def layers_for(bytes_per_call: int) -> int:
@@ -57,18 +75,29 @@ def capture(calls: list) -> tuple[torch.cuda.CUDAGraph, int]:
     return graph, len(calls)
 
 
-def exact_rel_rmse(args, o) -> float:
-    """Relative RMSE of o[0] against float64 attention over sequence 0's dequantized history ++ window."""
+def exact_rel_rmse(args, o, means=None) -> float:
+    """Relative RMSE of o[0] against float64 attention over sequence 0's dequantized history (+ the means when
+    centered) ++ window."""
     q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len = args
     n = int(hist_len[0])
-    k = torch.cat([paged_ref.gather_history(kc, ks, kz, table[0], n),
-                   k_win[int(slot_ids[0]), :, :int(win_len[0])].float()], dim=1).double()
-    v = torch.cat([paged_ref.gather_history(vc, vs, vz, table[0], n),
-                   v_win[int(slot_ids[0]), :, :int(win_len[0])].float()], dim=1).double()
+    hk = paged_ref.gather_history(kc, ks, kz, table[0], n)
+    hv = paged_ref.gather_history(vc, vs, vz, table[0], n)
+    if means is not None:
+        hk, hv = hk + means[0][:, None], hv + means[1][:, None]
+    k = torch.cat([hk, k_win[int(slot_ids[0]), :, :int(win_len[0])].float()], dim=1).double()
+    v = torch.cat([hv, v_win[int(slot_ids[0]), :, :int(win_len[0])].float()], dim=1).double()
     qg = q[0].double().reshape(common.H_KV, -1, common.D)
     p = torch.softmax(torch.einsum("hgd,hnd->hgn", qg, k) / common.D ** 0.5, dim=-1)
     want = torch.einsum("hgn,hnd->hgd", p, v).reshape(-1, common.D)
     return ((o[0].double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+
+def call_bytes(args) -> int:
+    """Bytes one decode call reads: the history rows it covers (codes, scales, zeros) and the valid window rows."""
+    q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len = args
+    per_row = sum(t.shape[3] * t.element_size() for t in (kc, ks, kz, vc, vs, vz))  # per token and KV head
+    tokens = int(hist_len.sum())
+    return tokens * kc.shape[1] * per_row + int(win_len.sum()) * k_win.shape[1] * k_win.shape[3] * 2 * 2
 
 
 def bf16_calls(context: int, batch: int, backend) -> list:
@@ -86,21 +115,29 @@ def bf16_calls(context: int, batch: int, backend) -> list:
     return [lambda k=k, v=v: call(k, v) for k, v in kv]
 
 
-def oscar_calls(context: int, batch: int, fused: bool) -> tuple[list, list]:
-    """OSCAR decode calls over distinct per-layer caches (whole pages, as PagedKVCache calls them) -> (calls,
-    per-layer inputs)."""
-    one = common.decode_inputs(batch, context, seed=context + batch)
-    int2_bytes = sum(t.numel() * t.element_size() for t in one[1:7]) + 2 * one[9].numel() * 2
+def oscar_calls(context: int, batch: int, fused: bool, fmt: str, options=None) -> tuple[list, list, tuple]:
+    """OSCAR decode calls in format `fmt` over distinct per-layer caches (whole pages, as PagedKVCache calls them)
+    under `options` (a DecodeOptions; None: the default) -> (calls, per-layer inputs, means or None)."""
+    scale_format, centered, sink, recent = FORMATS[fmt]
+    window = sink + recent
+    one = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format, window=window)
+    int2_bytes = call_bytes(one)
     del one
-    layers = [common.decode_inputs(batch, context, seed=context + batch + i) for i in range(layers_for(int2_bytes))]
-    counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device="cuda") for _ in layers]
-    return [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c)
-            for a, c in zip(layers, counters)], layers
+    layers = [common.decode_inputs(batch, context, seed=context + batch + i, scale_format=scale_format,
+                                   window=window) for i in range(layers_for(int2_bytes))]
+    means = common.decode_means(context + batch) if centered else None
+    km, vm = means if centered else (None, None)
+    counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device=a[0].device) for a in layers]
+    return [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c,
+                                                k_mean=km, v_mean=vm, options=options)
+            for a, c in zip(layers, counters)], layers, means
 
 
-def point(context: int, batch: int) -> list[dict]:
+def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
+    """Rows of one point: BF16 SDPA (cuDNN, flash), each format in both launch forms, and the first format's
+    two-launch form under each of `sweeps` ((name, DecodeOptions) pairs; rows with shape["options"] = name)."""
     shape = {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV, "d": common.D,
-             "page": common.PAGE, "window": common.WIN}
+             "page": common.PAGE}
     rows = []
     # BF16 SDPA over the full context (the baseline), best of cuDNN and flash.
     from torch.nn.attention import SDPBackend
@@ -110,7 +147,7 @@ def point(context: int, batch: int) -> list[dict]:
         try:
             calls = bf16_calls(context, batch, backend)
             rows.append(common.row("decode_attention", f"bf16_sdpa_{name}", shape, graph_times(calls),
-                                   layers=len(calls)))
+                                   layers=len(calls), bytes_per_call=2 * batch * common.H_KV * context * common.D * 2))
         except RuntimeError as e:  # a backend that refuses the shape is recorded, not fatal
             rows.append({"op": "decode_attention", "variant": f"bf16_sdpa_{name}", "shape": shape,
                          "error": str(e).splitlines()[0][:160]})
@@ -118,35 +155,91 @@ def point(context: int, batch: int) -> list[dict]:
         torch.cuda.empty_cache()
     best = min((r["p50_ms"] for r in rows if "p50_ms" in r), default=float("nan"))
     # OSCAR: distinct per-layer caches, the two launch forms as PagedKVCache calls them (whole pages).
-    for variant, fused in (("oscar_two_launch", False), ("oscar_one_launch", True)):
-        calls, layers = oscar_calls(context, batch, fused)
+    runs = [(fmt, form, fused, None, None) for fmt in formats
+            for form, fused in (("two_launch", False), ("one_launch", True))]
+    runs += [(formats[0], f"two_launch_{name}", False, name, opts) for name, opts in sweeps]
+    for fmt, form, fused, opt_name, opts in runs:
+        scale_format, centered, sink, recent = FORMATS[fmt]
+        fshape = dict(shape, format=fmt, scale_format=scale_format, centered=centered, sink=sink, recent=recent)
+        if opt_name:
+            fshape["options"] = opt_name
+        calls, layers, means = oscar_calls(context, batch, fused, fmt, opts)
         t = graph_times(calls)
         o, _ = calls[0]()
-        rows.append(common.row("decode_attention", variant, shape, t, layers=len(layers),
-                               speedup_vs_best_bf16=best / t[0],
-                               rel_rmse_vs_float64=exact_rel_rmse(layers[0], o),
-                               splits=list(A.decode_num_splits(*layers[0], whole_pages=True, fused=fused))))
+        a = layers[0]
+        plan = A.decode_plan(a[0], a[1], a[2], a[4], a[5], a[6], a[9], whole_pages=True, fused=fused,
+                             centered=centered, options=opts)
+        nbytes = call_bytes(a)
+        rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),
+                               speedup_vs_best_bf16=best / t[0], bytes_per_call=nbytes,
+                               gbps=nbytes / t[0] / 1e6, plan=dataclasses.asdict(plan),
+                               rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
+                               splits=list(A.decode_num_splits(*a, whole_pages=True, fused=fused, options=opts))))
         del calls, layers
         torch.cuda.empty_cache()
     return rows
 
 
+def table(rows: list[dict], formats) -> str:
+    """The README's table: per point, the best BF16 time and each format's best launch form (ms, speed-up)."""
+    head = ["context", "batch", "BF16 best (ms)"] + [c for f in formats for c in (f"{f} ms", f"{f} vs BF16",
+                                                                                    f"{f} GB/s")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    points = sorted({(r["shape"]["context"], r["shape"]["batch"]) for r in rows}, reverse=True)
+    for c, b in points:
+        here = [r for r in rows if r["shape"]["context"] == c and r["shape"]["batch"] == b and "p50_ms" in r
+                and "options" not in r["shape"]]
+        bf16 = min((r["p50_ms"] for r in here if r["variant"].startswith("bf16")), default=float("nan"))
+        cells = [str(c), str(b), f"{bf16:.4f}"]
+        for f in formats:
+            mine = [r for r in here if r["shape"].get("format") == f]
+            if not mine:
+                cells += ["-"] * 3
+                continue
+            r = min(mine, key=lambda r: r["p50_ms"])
+            cells += [f"{r['p50_ms']:.4f}", f"{bf16 / r['p50_ms']:.2f}x", f"{r['gbps']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="directory for decode_graph_<GPU>.json")
-    ap.add_argument("--points", help="comma-separated CONTEXTxBATCH (default: the README's nine)")
+    ap.add_argument("--out", required=True, help="directory for decode_graph_<GPU>.json and .md")
+    ap.add_argument("--points", help="comma-separated CONTEXTxBATCH (default: 8K/32K/64K/128K x 1/8/32)")
+    ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                    help=f"comma-separated cache formats, first = headline (of {', '.join(FORMATS)})")
+    ap.add_argument("--options", action="append", default=[], metavar="FIELD=INT,...",
+                    help="also time the headline format's two-launch form under these DecodeOptions fields "
+                         "(repeatable; e.g. waves=2 or min_split_tokens=128,num_stages=4); not in the table")
     args = ap.parse_args()
+    sweeps = []
+    for spec in args.options:
+        try:
+            fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+            sweeps.append((spec.replace("=", "").replace(",", "_"), A.DecodeOptions(**fields)))
+        except (ValueError, TypeError) as e:
+            sys.exit(f"bench_decode_graph: --options {spec!r}: {e}")
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        sys.exit(f"bench_decode_graph: --formats: unknown {bad}, expected some of {list(FORMATS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_graph: needs a CUDA GPU")
-    points = common.DECODE_POINTS if not args.points else [
-        tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    points = DEFAULT_POINTS if not args.points else [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     rows = []
     for context, batch in points:
-        rows += point(context, batch)
-        for r in rows[-4:]:
+        t0 = time.perf_counter()
+        new = point(context, batch, formats, sweeps)
+        rows += new
+        for r in new:
             print(r["variant"], context, batch, f"{r.get('p50_ms', float('nan')):.4f} ms",
-                  f"x{r['speedup_vs_best_bf16']:.2f}" if "speedup_vs_best_bf16" in r else "", flush=True)
-    print("wrote", common.write_rows(args.out, "decode_graph", rows))
+                  f"x{r['speedup_vs_best_bf16']:.2f}" if "speedup_vs_best_bf16" in r else "",
+                  "" if "plan" not in r else f"plan={r['plan']['kernel']}/whole={r['plan']['whole_pages']}"
+                  f"/ki8={r['plan']['int8_scores']}/pair={r['plan']['paired_v']} {r['plan']['reason']}", flush=True)
+        print(f"# {context}x{batch}: {time.perf_counter() - t0:.1f} s", flush=True)
+        path = common.write_rows(args.out, "decode_graph", rows)  # after every point: a timeout keeps what ran
+    path.with_suffix(".md").write_text(table(rows, formats))
+    print("wrote", path, path.with_suffix(".md"))
     return 0
 
 

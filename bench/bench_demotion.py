@@ -69,7 +69,9 @@ def main() -> None:
     if args.attention:
         with open(args.attention) as fh:
             att = json.load(fh)
-    impl_key = "oscar_two_launch"
+    # The attention rows to compare with: the shipped recipe's two-launch form (older files: the one fp16 layout).
+    variants = {r["variant"] for r in att["rows"]} if att else set()
+    impl_key = "oscar_recipe_two_launch" if "oscar_recipe_two_launch" in variants else "oscar_two_launch"
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
     # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.

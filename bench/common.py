@@ -27,32 +27,53 @@ QUANTILES = [0.5, 0.2, 0.8]
 DECODE_POINTS = [(c, b) for c in (131072, 32768, 8192) for b in (1, 8, 32)]
 
 
-def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda") -> tuple:
-    """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - WIN` history
-    tokens rounded down to whole pages (random code bytes, fp16 scales in [0.1, 0.6), zeros in [0, 3), paired V
-    scale/zero pools, pages scattered over the pool), full BF16 windows, bf16 queries. Deterministic in `seed` for
-    a given torch build and device."""
+def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", scale_format: str = "float16",
+                  window: int = WIN) -> tuple:
+    """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - window` history
+    tokens rounded down to whole pages (random code bytes, scales in [0.1, 0.6), zeros in [0, 3) codes, paired V
+    scale/zero pools, pages scattered over the pool), `window` full BF16 window rows (sink + recent), bf16 queries.
+    scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same draws, rounded to ue5m3 and
+    1/64 codes). Deterministic in `seed` for a given torch build and device (the float16 default draws what it always
+    did: `compare_decode_bitwise.py` compares against recorded outputs)."""
+    from runtime_kernels.quant.naive import SCALE_STORAGE, ZERO_STEPS, encode_ue5m3
+
     gen = torch.Generator(device=device).manual_seed(seed)
-    hist = (context - WIN) // PAGE * PAGE
+    hist = (context - window) // PAGE * PAGE
     pages_per_seq = max(1, hist // PAGE)
     n_pages = batch * pages_per_seq
+    sdt = SCALE_STORAGE[scale_format]
     kc, vc = (torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=device, generator=gen)
               for _ in range(2))
-    ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=torch.float16, device=device) for _ in range(2))
-    pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=torch.float16, device=device)  # paired V pools, as the cache
+    ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=sdt, device=device) for _ in range(2))
+    pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=sdt, device=device)  # paired V pools, as the cache
     vs, vz = pair[..., 0:1], pair[..., 1:2]
-    ks.copy_(torch.rand(ks.shape, device=device, generator=gen) * 0.5 + 0.1)
-    vs.copy_(torch.rand(vs.shape, device=device, generator=gen) * 0.5 + 0.1)
-    kz.copy_(torch.rand(kz.shape, device=device, generator=gen) * 3)
-    vz.copy_(torch.rand(vz.shape, device=device, generator=gen) * 3)
+
+    def scales(shape):
+        x = torch.rand(shape, device=device, generator=gen) * 0.5 + 0.1
+        return x if sdt == torch.float16 else encode_ue5m3(x)
+
+    def zeros(shape):
+        x = torch.rand(shape, device=device, generator=gen) * 3
+        return x if sdt == torch.float16 else torch.floor(x * ZERO_STEPS).to(torch.uint8)
+
+    ks.copy_(scales(ks.shape))
+    vs.copy_(scales(vs.shape))
+    kz.copy_(zeros(kz.shape))
+    vz.copy_(zeros(vz.shape))
     table = torch.randperm(n_pages, device=device, generator=gen).reshape(batch, pages_per_seq).to(torch.int32)
     hist_len = torch.full((batch,), hist, dtype=torch.int32, device=device)
-    k_win, v_win = (torch.randn(batch, H_KV, WIN, D, device=device, generator=gen).to(torch.bfloat16)
+    k_win, v_win = (torch.randn(batch, H_KV, window, D, device=device, generator=gen).to(torch.bfloat16)
                     for _ in range(2))
     slot_ids = torch.randperm(batch, device=device, generator=gen).to(torch.int32)
-    win_len = torch.full((batch,), WIN, dtype=torch.int32, device=device)
+    win_len = torch.full((batch,), window, dtype=torch.int32, device=device)
     q = torch.randn(batch, H_Q, D, device=device, generator=gen).to(torch.bfloat16)
     return q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len
+
+
+def decode_means(seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `[H_KV, D]` K and V means of a centered cache (what the pools of `decode_inputs` are centered on)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(H_KV, D, device=device, generator=gen) * 0.3 for _ in range(2))
 
 
 def time_ms(fn, rep: int = 200) -> tuple[float, float, float]:

@@ -9,11 +9,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 
 echo "== decode attention under CUDA graphs (the headline table) and demotion cost"
-timeout "${GRAPH_S:-240}" python3 bench/bench_decode_graph.py --out "$OUT" > /tmp/graph.log 2>&1
+timeout "${GRAPH_S:-420}" python3 bench/bench_decode_graph.py --out "$OUT" > /tmp/graph.log 2>&1
 echo "rc=$?"; tail -14 /tmp/graph.log
 timeout 150 python3 bench/bench_demotion.py --out "$OUT" \
     --attention "$OUT/decode_graph_$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_"))').json" \
     > /tmp/demotion.log 2>&1; echo "rc=$?"; tail -12 /tmp/demotion.log
+
+echo "== model-level decode step (Qwen3-8B shape, one CUDA graph per step): OSCAR via PagedKVCache vs BF16"
+timeout "${MODEL_S:-540}" python3 bench/bench_model_decode.py --out "$OUT" > /tmp/model.log 2>&1
+echo "rc=$?"; tail -20 /tmp/model.log
 
 echo "== decode outputs bit for bit against the pre-refactor kernel (90430f9)"
 timeout "${BITWISE_S:-300}" python3 bench/compare_decode_bitwise.py --out "$OUT" > /tmp/bitwise.log 2>&1

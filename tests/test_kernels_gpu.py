@@ -371,3 +371,63 @@ def test_ue5m3_decode_on_gpu(d, group_size, paired, whole):
     fin = torch.isfinite(lse_ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
+
+
+def fp16_twin(pool):
+    """The pools with the ue5m3 scale codes and 1/64 zero points written as fp16 numbers (exact, see
+    tests/test_decode_ue5m3_paths.py); paired V pools stay paired."""
+    out = list(pool)
+    for i in (1, 4):
+        scale, zero = naive.scale_zero_fp32(pool[i], pool[i + 1])
+        s16, z16 = scale.half(), zero.half()
+        assert torch.equal(s16.float(), scale) and torch.equal(z16.float(), zero)
+        if paired_v_pools(pool[i], pool[i + 1]):
+            ps, pz = alloc_paired_v_pools(*pool[i].shape[:3], DEV)
+            ps.copy_(s16)
+            pz.copy_(z16)
+            s16, z16 = ps, pz
+        out[i], out[i + 1] = s16, z16
+    return out
+
+
+@pytest.mark.parametrize("context,batch", [(32768, 8), (131072, 1), (8192, 32)])
+def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context, batch):
+    """The shipped layout at the bench's shapes (ue5m3 scales, centered, paired V pools, 128/1024 windows, page 64,
+    Qwen3-8B heads): the production grid with whole pages and int8 scores, in both launch forms, gives the same bits
+    as the same history written with fp16 scales (what the H200 got wrong before the piece loop decoded ue5m3);
+    the masked-tile path likewise; whole-page and masked-tile paths agree, and both match the torch reference."""
+    win, rows = 128 + 1024, 128 + 1024 + 63
+    hist = (context - win) // 64 * 64
+    pool = make_pool([hist] * batch, 8, 128, seed=context + batch, scale_format="ue5m3")
+    vs, vz = alloc_paired_v_pools(*pool[4].shape[:3], DEV, dtype=torch.uint8)
+    vs.copy_(pool[4])
+    vz.copy_(pool[5])
+    pool[4], pool[5] = vs, vz
+    twin = fp16_twin(pool)
+    gen = torch.Generator(device=DEV).manual_seed(batch)
+    km, vm = (torch.randn(8, 128, generator=gen, device=DEV) * 0.3 for _ in range(2))
+    k_win, v_win = (torch.randn(batch, 8, rows, 128, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
+    slot_ids = torch.randperm(batch, generator=gen, device=DEV).to(torch.int32)
+    win_len = torch.full((batch,), win, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    windows = (k_win, v_win, slot_ids, win_len)
+    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], k_win, whole_pages=True, centered=True)
+    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v, plan.reason) == \
+        ("grid", True, True, True, "")
+    s_h, _ = A.decode_num_splits(q, *pool, *windows, whole_pages=True)  # the same splits for both pools
+    for fused in (False, True):
+        o, lse = A.decode_attention(q, *pool, *windows, whole_pages=True, fused=fused, num_splits=s_h, k_mean=km,
+                                    v_mean=vm)
+        o16, lse16 = A.decode_attention(q, *twin, *windows, whole_pages=True, fused=fused, num_splits=s_h,
+                                        k_mean=km, v_mean=vm)
+        assert torch.equal(o, o16) and torch.equal(lse, lse16), (fused, rel_rmse(o, o16))
+        o_ref, lse_ref = A.decode_attention(q, *pool, *windows, backend="torch", k_mean=km, v_mean=vm)
+        assert rel_rmse(o, o_ref) < 2e-2 and torch.allclose(lse, lse_ref, atol=2e-2)
+    # History only: the whole-page loop against the masked-tile loop on the same ue5m3 pools.
+    oh, lh = A.int2_decode_attention(q, *pool, whole_pages=True, num_splits=s_h, k_mean=km, v_mean=vm)
+    om, lm = A.int2_decode_attention(q, *pool, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
+    om16, lm16 = A.int2_decode_attention(q, *twin, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
+    assert torch.equal(om, om16) and torch.equal(lm, lm16)
+    assert rel_rmse(oh, om) < 1e-3 and torch.allclose(lh, lm, atol=2e-3), rel_rmse(oh, om)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
+    assert rel_rmse(oh, o_ref) < 2e-2 and torch.allclose(lh, lse_ref, atol=2e-2)

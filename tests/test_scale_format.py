@@ -111,8 +111,9 @@ def test_production_kernel_on_ue5m3_pools_matches_the_reference(whole, paired):
     assert pool[1].dtype == torch.uint8 and paired_v_pools(pool[4], pool[5]) == paired
     q = make_q(3, 8, 128, torch.bfloat16)
     assert L.production_ok(q, pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    # uint8 pools take the masked-tile loop at whole pages too (see launch.chunk_constexprs)
-    assert not L.chunk_constexprs(q, pool[0], pool[4], pool[5], whole, L.DEFAULT_OPTIONS)["FULL_TILES"]
+    # uint8 pools take the whole-page loop (int8 scores, paired V pools) like fp16 ones
+    plan = L.chunk_constexprs(q, pool[0], pool[4], pool[5], whole, L.DEFAULT_OPTIONS)
+    assert (plan["FULL_TILES"], plan["KI8"], plan["VPAIR"]) == (whole, whole, paired)
     o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=whole)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < HALF_BOUND

@@ -9,6 +9,8 @@ their launcher live in `int2_decode/` (README.md there explains the bit tricks).
 - `merge_attention`: exact log-sum-exp merge of two partials
 - `decode_attention`: both segments with one shared split buffer and a single reduce (fewest launches)
 - `rotate_queries` / `unrotate_output`: apply R_K to queries and R_V^T to outputs per KV head.
+- `decode_plan`: which kernel and tile loop a call takes, and why (every call also logs it at DEBUG to
+  `runtime_kernels.attention.int2_decode.launch`).
 Queries must already be rotated by R_K; outputs are in the R_V basis. Launch choices: `DecodeOptions`.
 """
 
@@ -51,6 +53,7 @@ __all__ = [
     "DecodeOptions",
     "decode_attention",
     "decode_num_splits",
+    "decode_plan",
     "int2_decode_attention",
     "merge_attention",
     "naive",
@@ -218,6 +221,16 @@ def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     return _launch().decode_num_splits(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                        block_table, hist_len, k_win, v_win, slot_ids, win_len, whole_pages,
                                        _options(options, fused))
+
+
+def decode_plan(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win=None, whole_pages: bool = False,
+                fused: bool | None = None, window_splits: int | None = None, options=None, centered: bool = False):
+    """The `DecodePlan` of a Triton-path call with these inputs: `decode_attention` with windows `k_win`,
+    `int2_decode_attention` with k_win None. Fields: kernel ("grid" | "production" | "fallback"), launches,
+    whole_pages / int8_scores / paired_v (the production kernel's fast tile loop), scale_format, centered, and
+    reason: why each faster choice was not taken ("" on the fastest path). From shapes, dtypes and strides only."""
+    return _launch().plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages,
+                                 _options(options, fused), centered, window_splits)
 
 
 def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,

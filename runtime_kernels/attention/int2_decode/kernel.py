@@ -270,9 +270,11 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
-    # Scale vectors as whole [64] loads (16 B per lane: cp.async), split in registers.
-    ks0, ks1, ks2, ks3 = _split4(tl.load(ks_ptr + srow).to(tl.float32))  # fp16 pools only (launch.chunk_constexprs)
-    kz0, kz1, kz2, kz3 = _split4(tl.load(kz_ptr + srow).to(tl.float32))
+    # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
+    # fp16 pools: 4 B per lane, cp.async; uint8 pools: 2 B per lane, a plain load whose bytes Triton moves to the
+    # pieces' layout through shared memory (docs/kernels.md, "ue5m3 scale pools").
+    ks0, ks1, ks2, ks3 = _split4(_scale_f32(tl.load(ks_ptr + srow)))
+    kz0, kz1, kz2, kz3 = _split4(_zero_f32(tl.load(kz_ptr + srow)))
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -319,8 +321,8 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t
         vs64, vz64 = tl.split(sz)
     else:
         vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
-    vs0, vs1, vs2, vs3 = _split4(vs64.to(tl.float32))
-    vz0, vz1, vz2, vz3 = _split4(vz64.to(tl.float32))
+    vs0, vs1, vs2, vs3 = _split4(_scale_f32(vs64))
+    vz0, vz1, vz2, vz3 = _split4(_zero_f32(vz64))
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])

@@ -11,6 +11,7 @@ Nothing here reads a module-level switch: every choice is an input or a field of
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from runtime_kernels.attention.int2_decode.pools import paired_v_pools
 from runtime_kernels.launch_util import next_pow2
 
 TILE_TOKENS = 64  # the production kernel's whole-page tile: four 16-token MMA pieces
+
+LOG = logging.getLogger(__name__)  # DEBUG: the plan of every decode call (`DecodePlan`)
 
 
 @dataclass(frozen=True)
@@ -138,18 +141,40 @@ def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- kernel choice
+def production_declines(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> str:
+    """Why the production kernel does not take these inputs ("" when it does). It takes half queries, one
+    scale/zero group per row, int16-viewable code rows (even byte counts and strides) and pages made of whole
+    tiles."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{q.dtype} queries (the production kernel takes fp16/bf16)"
+    if k_scale.shape[3] != 1:
+        return f"{k_scale.shape[3]} scale groups per row (the production kernel takes one)"
+    if k_codes.shape[3] % 2:
+        return f"{k_codes.shape[3]} code bytes per row (odd: not int16-viewable)"
+    if k_codes.shape[2] % opts.block_n:
+        return f"page size {k_codes.shape[2]} is not a multiple of block_n {opts.block_n}"
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if t.stride(3) != 1 or any(st % 2 for st in t.stride()[:3]) or t.storage_offset() % 2:
+            return f"{name}: odd strides or offset {tuple(t.stride())}/{t.storage_offset()} (not int16-viewable)"
+    return ""
+
+
 def production_ok(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> bool:
-    """The production kernel takes half queries, one scale/zero group per row, int16-viewable code rows (even byte
-    counts and strides) and pages made of whole tiles."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and k_scale.shape[3] == 1 and k_codes.shape[3] % 2 == 0
-            and k_codes.shape[2] % opts.block_n == 0
-            and all(t.stride(3) == 1 and all(st % 2 == 0 for st in t.stride()[:3]) and t.storage_offset() % 2 == 0
-                    for t in (k_codes, v_codes)))
+    """The production kernel takes these inputs (`production_declines` says why not)."""
+    return not production_declines(q, k_codes, k_scale, v_codes, opts)
+
+
+def grid_declines(q, k_codes, k_scale, v_codes, k_win, opts: DecodeOptions) -> str:
+    """Why the production grid (history + window programs) does not take these inputs ("" when it does): it also
+    needs half-precision windows."""
+    if k_win.dtype not in (torch.float16, torch.bfloat16):
+        return f"{k_win.dtype} windows (the grid takes fp16/bf16)"
+    return production_declines(q, k_codes, k_scale, v_codes, opts)
 
 
 def grid_ok(q, k_codes, k_scale, v_codes, k_win, opts: DecodeOptions) -> bool:
-    """The production grid (history + window programs) also needs half-precision windows."""
-    return k_win.dtype in (torch.float16, torch.bfloat16) and production_ok(q, k_codes, k_scale, v_codes, opts)
+    """The production grid takes these inputs (`grid_declines` says why not)."""
+    return not grid_declines(q, k_codes, k_scale, v_codes, k_win, opts)
 
 
 def int16_views(k_codes, v_codes) -> tuple:
@@ -157,22 +182,86 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
+def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions) -> tuple[bool, bool, bool, list]:
+    """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
+    not taken). The scale format plays no part: fp16 and ue5m3 pools take the same loop."""
+    reasons = []
+    full = bool(whole_pages)
+    pieces = full and opts.block_n == TILE_TOKENS
+    if not full:
+        reasons.append("whole_pages not promised: masked tiles")
+    elif not pieces:
+        reasons.append(f"block_n {opts.block_n}: whole tiles in one step (16-token pieces need {TILE_TOKENS})")
+    u = k_codes.shape[3] // 2  # int16 words per row
+    # int8 score MMAs need 32 or 64 code bytes per row (head_dim 128 or 256)
+    ki8 = pieces and u == max(16, next_pow2(u)) and (2 * u) % 32 == 0 and 2 * u <= 64
+    if pieces and not ki8:
+        reasons.append(f"head_dim {4 * k_codes.shape[3]}: fp16 scores (int8 scores need head_dim 128 or 256)")
+    vpair = pieces and paired_v_pools(v_scale, v_zero)
+    if pieces and not vpair:
+        reasons.append("V scale and zero pools are not paired: a separate zero load per tile")
+    return full, ki8, vpair, reasons
+
+
 def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
                      centered: bool = False) -> dict:
     """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid)."""
     u = k_codes.shape[3] // 2  # int16 words per row
-    u_pad = max(16, next_pow2(u))
     group = q.shape[1] // k_codes.shape[1]
-    # uint8 (ue5m3) scale pools take the masked-tile loop even at whole pages: the whole-page piece loop returned
-    # wrong outputs for them on an H200 (Triton 3.6) though it matches the reference under the interpreter; the
-    # masked loop matches on both (tests/test_kernels_gpu.py::test_ue5m3_decode_on_gpu). Root cause not found yet.
-    full = bool(whole_pages) and v_scale.dtype == torch.float16
-    pieces = full and opts.block_n == TILE_TOKENS
-    return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=u_pad, P=k_codes.shape[2],
-                BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
-                VPAIR=pieces and paired_v_pools(v_scale, v_zero),
-                # int8 score MMAs need 32 or 64 code bytes per row (head_dim 128 or 256)
-                KI8=pieces and u == u_pad and (2 * u) % 32 == 0 and 2 * u <= 64, CENTER=bool(centered))
+    full, ki8, vpair, _ = tile_path(k_codes, v_scale, v_zero, whole_pages, opts)
+    return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
+                P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
+                VPAIR=vpair, KI8=ki8, CENTER=bool(centered))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a decode call runs, and why (`plan_decode`; logged at DEBUG by every call).
+
+    - kernel: "grid" (history and window programs in one grid), "production" (the production history kernel, then
+      the window kernel when there are windows) or "fallback" (the plain history kernel).
+    - launches: kernel launches of the call (1: grid with the in-kernel reduce; 2: grid + reduce; 3: history,
+      window, reduce; history-only calls: 2).
+    - whole_pages, int8_scores, paired_v: the production kernel's fast tile loop (16-token pieces without masks),
+      int8 score MMAs, one load for each V row's scale and zero (all False off the production kernel).
+    - scale_format: "float16" or "ue5m3" (the pools' dtype); centered: the pools hold x - mean.
+    - reason: why each faster choice was not taken ("; "-joined), "" when the call takes the fastest path.
+    """
+
+    kernel: str
+    launches: int
+    whole_pages: bool
+    int8_scores: bool
+    paired_v: bool
+    scale_format: str
+    centered: bool
+    reason: str
+
+
+def plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages: bool, opts: DecodeOptions,
+                centered: bool = False, window_splits: int | None = None) -> DecodePlan:
+    """The plan of a decode call on the Triton path: `decode` with windows `k_win`, `history` with k_win None."""
+    fmt = "ue5m3" if k_scale.dtype == torch.uint8 else "float16"
+    if k_win is None:
+        declined, kernel, launches = production_declines(q, k_codes, k_scale, v_codes, opts), "production", 2
+    else:
+        declined = grid_declines(q, k_codes, k_scale, v_codes, k_win, opts)
+        if not declined and window_splits and not opts.fused:
+            declined = "window_splits given without fused: three launches"
+        kernel, launches = ("grid", 1 if opts.fused else 2) if not declined else ("production", 3)
+    reasons = [declined] if declined else []
+    if production_ok(q, k_codes, k_scale, v_codes, opts):
+        full, ki8, vpair, why = tile_path(k_codes, v_scale, v_zero, whole_pages, opts)
+        reasons += why
+    else:
+        kernel, full, ki8, vpair = "fallback", False, False, False
+    return DecodePlan(kernel, launches, full, ki8, vpair, fmt, bool(centered), "; ".join(reasons))
+
+
+def _logged(plan: DecodePlan) -> DecodePlan:
+    if LOG.isEnabledFor(logging.DEBUG):
+        LOG.debug("decode plan: %s", plan)
+    return plan
 
 
 def pool_strides(q, kc, k_scale, vc, v_scale, block_table) -> tuple:
@@ -333,6 +422,7 @@ def grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block
 def history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, sm_scale: float,
             num_splits: int | None, whole_pages: bool, opts: DecodeOptions, k_mean=None, v_mean=None):
     """History-only decode attention -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
+    _logged(plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, None, whole_pages, opts, k_mean is not None))
     splits = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                               hist_len, whole_pages, opts)
     o_part, lse_part = _partials(q, splits)
@@ -356,7 +446,9 @@ def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, h
     """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
     b = q.shape[0]
     h_kv = k_codes.shape[1]
-    if (opts.fused or not window_splits) and grid_ok(q, k_codes, k_scale, v_codes, k_win, opts):
+    plan = _logged(plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages, opts,
+                               k_mean is not None, window_splits))
+    if plan.kernel == "grid":
         if not opts.fused:
             counters = None
         elif counters is None:
