@@ -311,8 +311,41 @@ def ensure_model(out: Path | None = None) -> Path:
     return out
 
 
+def write_gguf_slice(gguf: Path, layers: int, out: Path) -> Path:
+    """A GGUF `out` with only the first `layers` blocks of `gguf` (every metadata field copied, the block count
+    changed; tensors kept in their Q4_1 / Q8_0 / F32 encoding), for a fast `--model x.gguf` test."""
+    require_gguf()
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(gguf)
+    arch = reader.fields["general.architecture"].contents()
+    partial = out.with_suffix(".partial")
+    writer = GGUFWriter(partial, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # the writer adds these itself
+            continue
+        value = layers if name == f"{arch}.block_count" else field.contents()
+        vtype = field.types[0]
+        writer.add_key_value(name, value, vtype, sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(out)
+    return out
+
+
+def slice_gguf_path(slice_dir: Path, layers: int) -> Path:
+    return slice_dir / "gguf" / GGUF_NAME.replace(".gguf", f"-layers{layers}.gguf")
+
+
 def write_slice(model_dir: Path, layers: int, out: Path | None = None) -> Path:
-    """A copy of the converted model with only its first `layers` decoder layers (for CI), at `<model_dir>-layersN`."""
+    """A copy of the converted model with only its first `layers` decoder layers (for CI), at `<model_dir>-layersN`,
+    with the same cut of the GGUF in its `gguf/` folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -333,10 +366,14 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
+    sliced_gguf = slice_gguf_path(tmp, layers)
+    sliced_gguf.parent.mkdir()
+    write_gguf_slice(gguf_path(model_dir), layers, sliced_gguf)
     source = json.loads((model_dir / MARKER).read_text())
+    files = sorted(tmp.glob("*.safetensors")) + [sliced_gguf]
     marker = {**{k: source[k] for k in ("source", "wheel_sha256", "gguf", "gguf_sha256")}, "layers": layers,
               "sliced_from": str(model_dir),
-              "weights_sha256": {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}}
+              "weights_sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)
