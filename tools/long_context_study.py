@@ -82,6 +82,21 @@ def ppl_delta(a: list[float], b: list[float]) -> tuple[float, list[float]]:
     return pct(mean(a) - mean(b)), [pct(x) for x in paired_ci(a, b)]
 
 
+def compare(rows: dict[str, dict]) -> None:
+    """Add to every row its ppl and its deltas against BF16, BASELINE and HADAMARD_BASELINE (where present), with
+    paired intervals over the same windows, and its passkey change against BASELINE over the same needles."""
+    for name, row in rows.items():
+        mean_nll = sum(row["window_nll"]) / len(row["window_nll"])
+        row["ppl"] = float(torch.exp(torch.tensor(mean_nll, dtype=torch.float64)))
+        for ref, key in (("bf16", "vs_bf16"), (BASELINE, "vs_baseline"), (HADAMARD_BASELINE, "vs_hadamard")):
+            if ref in rows and ref != name:
+                delta, ci = ppl_delta(row["window_nll"], rows[ref]["window_nll"])
+                row[key] = {"ppl_delta_pct": delta, "ci95": ci}
+        if "needle_accuracy" in row and BASELINE in rows and name != BASELINE:
+            acc, base = row["needle_accuracy"], rows[BASELINE]["needle_accuracy"]
+            row["passkey_vs_baseline"] = {"delta": (sum(acc) - sum(base)) / len(acc), "ci95": paired_ci(acc, base)}
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -112,6 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recent", type=int, default=RECIPE_LAYOUT.recent_tokens)
     p.add_argument("--only", default=None, help="comma-separated names: evaluate only these variants/peers "
                                                  "(BF16 and the two baselines are always kept)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no new row after this many seconds (the rows done are written; the rest listed as "
+                        "skipped): keeps a run inside a device call's time limit")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: context 512, 2 windows, 2 needles, 4 calibration sequences, sink 32 / "
                         "recent 128, every calibration at the context")
@@ -234,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         eval_ids = torch.cat([windows.long, windows.packed])
         if eval_ids.shape[0] == 0:
             raise SystemExit(f"--heldout {args.heldout}: no full window of {context} tokens")
-        methods: list[KVMethod] = [KVMethod()]
-        methods += [peer_method(n, *spec, context) for n, spec in peers.items()]
-        for name, (overrides, spec) in variants.items():
-            art = calibrate(name, overrides, calib_len(spec, context))
-            methods.append(ArtifactInt2(name, f"OSCAR artifact: {name}", artifact=art))
+        # Built when their turn comes, so a run stopped by --max-seconds has spent nothing on what it skipped.
+        builders = [("bf16", KVMethod)]
+        builders += [(n, lambda n=n, spec=spec: peer_method(n, *spec, context)) for n, spec in peers.items()]
+        builders += [(n, lambda n=n, o=o, spec=spec: ArtifactInt2(n, f"OSCAR artifact: {n}",
+                                                                  artifact=calibrate(n, o, calib_len(spec, context))))
+                     for n, (o, spec) in variants.items()]
         needles = None
         if args.needles:
             filler = eval_ids[torch.arange(args.needles) % eval_ids.shape[0]]
@@ -246,8 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             needles = passkey_batch(tok, filler, [deepest], seed=context)
         bs = args.batch_size or (1 if context >= 8192 else 2 if context >= 4096 else 4)
         rows: dict[str, dict] = {}
-        for m in methods:
+        entry = result["contexts"][str(context)] = {
+            "windows": int(eval_ids.shape[0]), "long_windows": int(windows.long.shape[0]),
+            "needles": args.needles, "needle_position": None if needles is None else needles.needle_positions[0],
+            "batch_size": bs, "rows": rows, "skipped": []}
+        for name, build in builders:
+            if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
+                entry["skipped"].append(name)
+                continue
             t0 = time.perf_counter()
+            m = build()
             nll, _ = method_nll(model, m, eval_ids, bs, sink, recent, collect_stats=False)
             row = {"bits_128k": m.effective_bits(131072, d, sink, recent),
                    "bits_at_context": m.effective_bits(context, d, sink, recent),
@@ -257,25 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(passkey_accuracy=pk["key_token_accuracy"], passkey_keys_exact=pk["keys_exact"],
                            passkey_key_nll=pk["key_nll"], needle_accuracy=pk["per_needle"]["accuracy"],
                            needle_nll=pk["per_needle"]["nll"])
-            rows[m.name] = row
-            log(f"{context}: {m.name}: {time.perf_counter() - t0:.1f}s")
-        for name, row in rows.items():
-            mean_nll = sum(row["window_nll"]) / len(row["window_nll"])
-            row["ppl"] = float(torch.exp(torch.tensor(mean_nll, dtype=torch.float64)))
-            for ref, key in (("bf16", "vs_bf16"), (BASELINE, "vs_baseline"), (HADAMARD_BASELINE, "vs_hadamard")):
-                if ref in rows and ref != name:
-                    delta, ci = ppl_delta(row["window_nll"], rows[ref]["window_nll"])
-                    row[key] = {"ppl_delta_pct": delta, "ci95": ci}
-            if needles is not None and BASELINE in rows and name != BASELINE:
-                acc, base = row["needle_accuracy"], rows[BASELINE]["needle_accuracy"]
-                row["passkey_vs_baseline"] = {"delta": (sum(acc) - sum(base)) / len(acc), "ci95": paired_ci(acc, base)}
-        result["contexts"][str(context)] = {
-            "windows": int(eval_ids.shape[0]), "long_windows": int(windows.long.shape[0]),
-            "needles": args.needles, "needle_position": None if needles is None else needles.needle_positions[0],
-            "batch_size": bs, "rows": rows, "seconds": round(time.perf_counter() - t_ctx, 1)}
-        result["seconds"] = round(time.perf_counter() - t_start, 1)
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        (args.out / f"{stem}.md").write_text(markdown(result))
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows[name] = row
+            compare(rows)
+            entry["seconds"] = result["seconds"] = round(time.perf_counter() - t_start, 1)
+            (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every row: a cut run keeps it
+            (args.out / f"{stem}.md").write_text(markdown(result))
+            log(f"{context}: {name}: {row['seconds']}s")
+        if entry["skipped"]:
+            log(f"{context}: --max-seconds {args.max_seconds} reached; skipped {entry['skipped']}")
         log(f"context {context} done in {time.perf_counter() - t_ctx:.1f}s; wrote {args.out / stem}.json/.md")
     print(markdown(result))
     return 0
@@ -307,6 +324,8 @@ def markdown(result: dict) -> str:
                          + ("" if "passkey_accuracy" not in r else f"{100 * r['passkey_accuracy']:.1f} %") + " | "
                          + ("" if pk is None else f"{100 * pk['delta']:+.1f} [{100 * pk['ci95'][0]:+.1f}, "
                                                   f"{100 * pk['ci95'][1]:+.1f}]") + " |")
+        if c.get("skipped"):
+            lines += ["", f"Not evaluated (--max-seconds reached): {'; '.join(c['skipped'])}."]
         lines.append("")
     return "\n".join(lines)
 
