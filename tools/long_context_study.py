@@ -115,7 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, required=True, help="a model directory (bf16 or fp32 safetensors)")
     p.add_argument("--calib", type=Path, default=None, help="calibration text (default: <model>/calib.txt)")
     p.add_argument("--heldout", type=Path, default=None, help="held-out text (default: <model>/heldout.txt)")
-    p.add_argument("--contexts", default="2048,4096,8192", help="comma-separated window lengths, evaluated in order")
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated window lengths, evaluated in order (default 2048,4096,8192; --quick 512)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--max-windows", type=int, default=16, help="held-out windows per context (the same for all)")
     p.add_argument("--needles", type=int, default=16, help="passkey needles per context (0 = skip the probe)")
@@ -135,11 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "recent 128, every calibration at the context")
     args = p.parse_args(argv)
     if args.quick:
-        if "--contexts" not in " ".join(sys.argv if argv is None else argv):
-            args.contexts = "512"
         args.max_windows, args.needles, args.calib_samples = min(args.max_windows, 2), min(args.needles, 2), 4
         args.sink, args.recent = 32, 128
-    args.contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
+    args.contexts = [int(c) for c in (args.contexts or ("512" if args.quick else "2048,4096,8192")).split(",")
+                     if c.strip()]
     args.calib = args.calib or args.model / "calib.txt"
     args.heldout = args.heldout or args.model / "heldout.txt"
     for flag, path in (("--calib", args.calib), ("--heldout", args.heldout)):
