@@ -21,6 +21,7 @@ Texts: `python3 tools/real_model.py text --out T` (docutils docs to calibrate, t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -236,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
 
     heldout_docs = read_documents(args.heldout)
     result = {"model": str(args.model), "geometry": {"layers": n_layers, "heads": h_q, "kv_heads": h_kv, "head_dim": d},
-              "calib": str(args.calib), "heldout": str(args.heldout), "sink": sink, "recent": recent,
+              "calib": str(args.calib), "heldout": str(args.heldout),
+              "text_sha256": {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in (args.calib, args.heldout)},
+              "sink": sink, "recent": recent,
               "scale_format": SCALE_FORMAT, "peer_clips": list(PEER_CLIPS), "baseline": BASELINE,
               "hadamard_baseline": HADAMARD_BASELINE, "variants": {n: [o, s] for n, (o, s) in variants.items()},
               "peers": {n: list(v) for n, v in peers.items()}, "run_calib_len": run_len, "calib_samples": samples,
@@ -246,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
               "commit": git_commit(), "command": [sys.executable, *sys.argv] if argv is None else argv}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"long_context_{args.model.name}_{'-'.join(str(c) for c in args.contexts)}"  # one file per split run
+
+    def save() -> None:
+        result["seconds"] = round(time.perf_counter() - t_start, 1)
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"{stem}.md").write_text(markdown(result))
     for context in args.contexts:
         t_ctx = time.perf_counter()
         windows = make_windows(tok, heldout_docs, context, args.max_windows)
@@ -289,10 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows[name] = row
             compare(rows)
-            entry["seconds"] = result["seconds"] = round(time.perf_counter() - t_start, 1)
-            (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every row: a cut run keeps it
-            (args.out / f"{stem}.md").write_text(markdown(result))
+            save()  # after every row: a cut run keeps it
             log(f"{context}: {name}: {row['seconds']}s")
+        entry["seconds"] = round(time.perf_counter() - t_ctx, 1)
+        save()
         if entry["skipped"]:
             log(f"{context}: --max-seconds {args.max_seconds} reached; skipped {entry['skipped']}")
         log(f"context {context} done in {time.perf_counter() - t_ctx:.1f}s; wrote {args.out / stem}.json/.md")
