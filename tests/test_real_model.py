@@ -150,7 +150,8 @@ def test_gguf_model_without_the_gguf_package_is_exit_7(tmp_path, monkeypatch, ca
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     for args in (["run", "--model", str(model), "--dataset", str(FIXTURE / "calib.txt"), "--out", str(tmp_path / "a")],
-                 ["eval", "--model", str(model), "--context", "512"]):
+                 ["eval", "--model", str(model), "--context", "512"],
+                 ["audit", str(tmp_path), "--model", str(model)]):
         code, _, err = run_cli(args, monkeypatch, capsys)
         assert code == 7, err
         assert "pip install 'oscar-calib[gguf]'" in err and f"--model {model}" in err
@@ -165,3 +166,16 @@ def test_missing_gguf_file_is_exit_2(tmp_path, monkeypatch, capsys):
                             "--out", str(tmp_path / "a")], monkeypatch, capsys)
     assert code == 2
     assert f"--model {missing}: no such file" in err and "Traceback" not in err
+
+
+def test_a_gguf_file_stands_for_its_path_in_the_identity_check(tmp_path):
+    """What `run --model x.gguf` records is what `eval`/`audit --model x.gguf` check against (not the config's
+    folder), and two spellings of the same file are the same model."""
+    from oscar_calib.cli.checks import local_model_id
+    from runtime_kernels.artifact import same_model
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert local_model_id(str(model)) == str(model)
+    assert same_model(str(model), local_model_id(str(tmp_path / "." / "m.gguf")))
+    assert local_model_id(str(tmp_path)) is None  # a plain local directory keeps its config's identity

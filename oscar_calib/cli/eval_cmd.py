@@ -143,7 +143,7 @@ def eval_cmd(
         require("matplotlib", "plot", "--plot")
     import torch
 
-    from oscar_calib.cli.checks import check_model
+    from oscar_calib.cli.checks import check_model, local_model_id
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
@@ -161,7 +161,7 @@ def eval_cmd(
         _log(f"model={model} (the trained fixture: no --model given)")
     elif is_gguf(model):
         require("gguf", "gguf", f"--model {model}")
-        model_id = model  # what `run --model x.gguf` names in the artifact (a GGUF's config names its folder)
+        model_id = local_model_id(model)  # what `run --model x.gguf` names in the artifact
     if data is None:
         data = FIXTURE_DIR / "heldout.txt"
         _log(f"data={data} (the fixture's held-out text: no --data given)")
