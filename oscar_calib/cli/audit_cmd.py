@@ -83,6 +83,8 @@ def audit_cmd(
     """
     if plots is not None:
         require("matplotlib", "plot", "--plots")
+    if model is not None and model.lower().endswith(".gguf"):  # transformers reads GGUF through `gguf`
+        require("gguf", "gguf", f"--model {model}")
     import torch
 
     from oscar_calib.audit import audit_artifact, capture_activations, load_raw

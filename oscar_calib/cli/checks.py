@@ -24,10 +24,15 @@ def check_model(artifact: Any, config: Any, model_id: str | None = None, allow_o
 
 def local_model_id(model: Any) -> str | None:
     """The Hub id a local model directory stands for, where the package knows it: the trained fixture's
-    directory is `oscar-calib/tiny-qwen3` (the id the demo's artifacts name). None otherwise."""
+    directory is `oscar-calib/tiny-qwen3` (the id the demo's artifacts name). A `.gguf` file stands for its path
+    as given (what `run --model x.gguf` records; its config would name the folder). None otherwise."""
     from pathlib import Path
 
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID
+    from oscar_calib.loading import is_gguf
+
+    if isinstance(model, str) and is_gguf(model):
+        return model
 
     try:
         same = Path(model).resolve() == FIXTURE_DIR.resolve()

@@ -115,7 +115,7 @@ def write_plot(result: dict, path: Path) -> None:
 
 @app.command("eval", epilog=_EXAMPLES)
 def eval_cmd(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Hub model id or local directory (default: the trained fixture).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Hub model id, local directory or .gguf file (default: the trained fixture).")] = None,
     revision: RevisionOpt = None,
     artifact: Annotated[list[Path] | None, typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
@@ -143,11 +143,11 @@ def eval_cmd(
         require("matplotlib", "plot", "--plot")
     import torch
 
-    from oscar_calib.cli.checks import check_model
+    from oscar_calib.cli.checks import check_model, local_model_id
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
-    from oscar_calib.loading import load_model, load_tokenizer
+    from oscar_calib.loading import is_gguf, load_model, load_tokenizer
     from oscar_calib.methods import standard_methods
     from oscar_calib.progress import Stages
     from runtime_kernels.artifact import model_geometry, read_artifact
@@ -159,6 +159,9 @@ def eval_cmd(
             raise InputError("--model is required: the trained fixture is not installed with this package")
         model, model_id = str(FIXTURE_DIR), FIXTURE_MODEL_ID  # the id the demo's artifacts name
         _log(f"model={model} (the trained fixture: no --model given)")
+    elif is_gguf(model):
+        require("gguf", "gguf", f"--model {model}")
+        model_id = local_model_id(model)  # what `run --model x.gguf` names in the artifact
     if data is None:
         data = FIXTURE_DIR / "heldout.txt"
         _log(f"data={data} (the fixture's held-out text: no --data given)")

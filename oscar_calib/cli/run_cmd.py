@@ -10,6 +10,7 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
+from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import (
     CenterKeysOpt,
     CenterValuesOpt,
@@ -76,7 +77,7 @@ def _default_samples(demo: bool) -> int:
 
 @app.command("run", epilog=_EXAMPLES)
 def run(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id or local directory (default: demo).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id, local directory or .gguf file (default: demo).")] = None,
     revision: RevisionOpt = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="Hub dataset id, or a local .jsonl/.txt file.")] = None,
     dataset_revision: Annotated[Optional[str], typer.Option("--dataset-revision", help="Pinned dataset revision.")] = None,
@@ -118,7 +119,11 @@ def run(
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
     from oscar_calib.job import RunOptions, run_calibration
+    from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
+
+    if is_gguf(model):  # transformers reads GGUF files through the optional `gguf` package
+        require("gguf", "gguf", f"--model {model}")
 
     demo = model is None
     try:
