@@ -77,7 +77,7 @@ class SolverSettings(_Strict):
         "uniform_minmax", description="How each INT2 group is encoded: min-max over the clipped group (the "
                                       "reference's `uniform_minmax`), or min-max then again with a gain that keeps "
                                       "the group's projection on the unclipped one (`uniform_unbiased`: better far-"
-                                      "token retrieval on the 4K fixtures, but +1.6 to +2.6 points of perplexity at "
+                                      "token retrieval on the 4K fixtures, but +1.6 to +3.1 points of perplexity at "
                                       "a real model's 8K context; docs/recipe.md).")
     sink_tokens: int = Field(RECIPE_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
     recent_tokens: int = Field(RECIPE_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
