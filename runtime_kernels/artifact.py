@@ -215,6 +215,14 @@ class OscarArtifact:
     def calibration(self) -> dict[str, Any]:
         return json.loads(self.metadata.get("calibration", "{}"))
 
+    @property
+    def fitted_context(self) -> int | None:
+        """Tokens of the held-out sequence the clips were fitted on (`calibration.holdout_len`; before it was
+        recorded, the held-out sequence was `seq_len` long), or None when the artifact does not say (an import)."""
+        calib = self.calibration
+        n = calib.get("holdout_len", calib.get("seq_len"))
+        return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
     def index_of_layer(self, layer_idx: int) -> int | None:
         """Position of global decoder layer `layer_idx` in the artifact, or None if it was skipped."""
         hits = (self.layer_ids == layer_idx).nonzero()

@@ -36,6 +36,8 @@ and `AttentionMaskInterface` are the same in both).
 
 from __future__ import annotations
 
+import warnings
+
 import os
 from pathlib import Path
 
@@ -156,6 +158,7 @@ class OscarCache(Cache):
         self.seq_ids: list[int] | None = None
         self._plan = None
         self._snapshots: list[tuple[int, list[int]]] = []
+        self._warned_context = False
 
         fallback = DynamicCache(config=cfg).layers  # transformers' own layer types for uncalibrated layers
         n_layers = int(cfg.num_hidden_layers)
@@ -293,8 +296,21 @@ class OscarCache(Cache):
                 past_k, past_v = self._dense_past(layer, key_states.dtype)
                 keys, values = torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)
         layer.columns += t
+        if layer.local_idx == 0:
+            self._warn_past_fitted_context(layer.columns)
         setattr(keys, _TAG, layer)
         return keys, values
+
+    def _warn_past_fitted_context(self, columns: int) -> None:
+        """Warn once when the sequences grow past the context the artifact's clips were fitted for: clips fitted
+        on short sequences were measured to hold worse at longer ones (docs/recipe.md)."""
+        fitted = self.artifact.fitted_context
+        if fitted is None or columns <= fitted or self._warned_context:
+            return
+        self._warned_context = True
+        warnings.warn(f"{self.artifact.source}: serving {columns} tokens, past the {fitted}-token context its clips "
+                      f"were fitted for (calibration.holdout_len); quality beyond it is unmeasured. Calibrate with "
+                      f"`oscar-calib run --holdout-len {columns}` (or more) for this context.", stacklevel=4)
 
     def _plan_append(self, seq_ids: list[int], counts: list[int]):
         """`PagedKVCache.plan_append`, growing the page pool first (doubling) when the step needs more pages."""

@@ -418,3 +418,30 @@ def test_readme_serving_example_on_gpu():
     ref = plain.generate(**prompt, max_new_tokens=16, do_sample=False)
     assert out.shape == ref.shape and out[0, n] == ref[0, n]
     assert cache.paged.hist_len(cache.seq_ids[0]) >= 64 * ((n - 64 - 256) // 64) > 0
+
+
+@torch.no_grad()
+def test_serving_past_the_fitted_context_warns_once():
+    """An artifact records the context its clips were fitted for; serving past it warns once, naming both lengths,
+    and serving within it is silent (an artifact that records nothing never warns)."""
+    import json
+    import warnings
+
+    m = enable_oscar_attention(model())
+    art = random_artifact()
+    art.metadata["calibration"] = json.dumps({"holdout_len": 20, "seq_len": 8})
+    assert art.fitted_context == 20
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_logits(m, make_cache(art, m), prompt, torch.arange(8))  # 20 tokens: within the fitted context
+    assert not [w for w in caught if "fitted for" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_logits(m, make_cache(art, m), prompt, torch.arange(12))  # 24 tokens: past it
+    hits = [str(w.message) for w in caught if "fitted for" in str(w.message)]
+    assert len(hits) == 1 and "serving 21 tokens, past the 20-token context" in hits[0], hits
+    art.metadata["calibration"] = json.dumps({"seq_len": 8})  # written before holdout_len was recorded
+    assert art.fitted_context == 8
+    art.metadata["calibration"] = "{}"
+    assert art.fitted_context is None
