@@ -36,9 +36,8 @@ and `AttentionMaskInterface` are the same in both).
 
 from __future__ import annotations
 
-import warnings
-
 import os
+import warnings
 from pathlib import Path
 
 import torch
