@@ -39,6 +39,56 @@ class OutputDirError(ValueError):
     """The output directory cannot be written (exists without overwrite, not a directory, not writable)."""
 
 
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskFullError(OSError):
+    """No space (or no quota) left where an output is written; the message names the path and the bytes needed."""
+
+    def __init__(self, message: str, code: int = errno.ENOSPC):
+        super().__init__(message)
+        self.errno = code
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes (for this user) on the filesystem that holds `path` or its nearest existing ancestor."""
+    probe = _absolute(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def disk_full_message(path: str | os.PathLike, needed: int | None, code: int = errno.ENOSPC,
+                      at_least: bool = False) -> str:
+    """`PATH: ENOSPC: no space left on device: needs N bytes, F are free there; ...` (one line)."""
+    name = "EDQUOT: disk quota exceeded" if code == errno.EDQUOT else "ENOSPC: no space left on device"
+    free = free_bytes(path)
+    need = f"needs {'more than ' if at_least else ''}{needed} bytes" if needed is not None else "needs more space"
+    have = f", {free} are free there" if free is not None else ""
+    return (f"{path}: {name}: {need}{have}; free space or choose another location (nothing was replaced; "
+            "temporaries removed)")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+@contextlib.contextmanager
+def disk_space_for(path: str | os.PathLike, needed: int | None) -> Iterator[None]:
+    """Turn ENOSPC / EDQUOT raised inside the block into one `DiskFullError` naming `path` and `needed` bytes."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno) from None
+
+
 def _checkpoint(stage: str) -> None:
     """No-op; tests replace it to stop or kill a process at a named stage of the commit."""
 
@@ -190,6 +240,15 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, name))
+    return total
+
+
 def _temp_name(target: Path, kind: str) -> Path:
     return target.parent / f".{target.name}.oscar-{kind}-{os.getpid()}-{time.time_ns()}"
 
@@ -229,13 +288,15 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field: str = "--out") -> Iterator[Path]:
+def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field: str = "--out",
+                      needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory beside `target`; on success it becomes `target` atomically.
 
     Before anything: `preflight` (refuses a target that cannot be written) and `recover` (repairs and
     cleans what interrupted runs left). On any exception, including KeyboardInterrupt (and SIGTERM through
     `oscar_calib.interrupts`),
-    the temporary directory is removed and `target` is untouched.
+    the temporary directory is removed and `target` is untouched. A full disk (ENOSPC / EDQUOT) raises one
+    `DiskFullError` naming `target` and the bytes needed (`needed_bytes`, else more than what was written).
     """
     target = preflight(target, overwrite, field)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -244,11 +305,21 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field:
     os.mkdir(tmp, 0o777)  # the usual directory mode under the umask (mkdtemp would make it 0700)
     try:
         _checkpoint("created")
-        yield tmp
-        _commit(tmp, target, overwrite, field)
+        try:
+            yield tmp
+            _commit(tmp, target, overwrite, field)
+        except DiskFullError:
+            raise
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            written = _tree_bytes(tmp)  # what fitted before the disk filled: the output needs more than that
+            raise DiskFullError(disk_full_message(target, needed_bytes or written, exc.errno,
+                                                  at_least=needed_bytes is None), exc.errno) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["OutputDirError", "atomic_output_dir", "exchange", "owner_alive", "preflight", "recover", "temporaries"]
+__all__ = ["DiskFullError", "OutputDirError", "atomic_output_dir", "disk_space_for", "exchange",
+           "free_bytes", "owner_alive", "preflight", "recover", "temporaries"]
