@@ -178,23 +178,24 @@ class OscarCache(Cache):
                         revision: str | None = None, calibration: str = "default",
                         expected_sha256: dict[str, str] | None = None, token: str | None = None,
                         cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
-                        repo_type: str = "model", **cache_kwargs) -> OscarCache:
+                        repo_type: str = "model", commit: str | None = None, **cache_kwargs) -> OscarCache:
         """One call from the Hub (or a local artifact) to a cache, through `runtime_kernels.load_artifact`.
 
         With `repo`, `model_id_or_path` is the model id and `revision` the release (a version tag or commit
         sha): the release is downloaded through the Hub cache, every sha256 verified, and the artifact checked
         against `model_config` (heads, head_dim, layers, model id). Without `repo` it is a local artifact
-        directory or file. `repo_type` is the kind of Hub repo `repo` is ("model" or "dataset").
+        directory or file. `repo_type` is the kind of Hub repo `repo` is ("model" or "dataset"). `commit` and
+        `expected_sha256` are the pins zoo_manifest.yaml records for the release: anything else is refused.
         `cache_kwargs` go to the constructor (device, dtype, backend, ...).
         """
         from runtime_kernels.loader import load_artifact
 
-        if repo is not None and revision is None:
+        if repo is not None and revision is None and commit is None:
             raise ValueError("revision: required with repo= (a version tag such as 'v1', or a commit sha) so the "
                              "release is pinned")
         artifact = load_artifact(model_id_or_path, repo=repo, revision=revision, model_config=model_config,
                                  expected_sha256=expected_sha256, token=token, cache_dir=cache_dir,
-                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type)
+                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit)
         return cls(artifact, model_config, **cache_kwargs)
 
     @classmethod
