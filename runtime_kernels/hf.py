@@ -49,6 +49,7 @@ from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
 from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.memory_budget import check_cache_fits
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"
@@ -152,6 +153,16 @@ class OscarCache(Cache):
             sink_tokens=artifact.sink_tokens if sink_tokens is None else int(sink_tokens),
             recent_tokens=artifact.recent_tokens if recent_tokens is None else int(recent_tokens),
             max_seqs=int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None))
+        kw = self._paged_kwargs
+        # The pools are allocated at the first update; windows the device cannot hold are refused now, with the
+        # size they would need (the model's device is not known yet without `device`: the host's memory is used).
+        check_cache_fits(self.device or torch.device("cpu"), sink=kw["sink_tokens"], recent=kw["recent_tokens"],
+                         num_layers=int(artifact.layer_ids.numel()), num_kv_heads=artifact.num_kv_heads,
+                         head_dim=artifact.head_dim, group_size=artifact.group_size,
+                         page_size=kw["page_size"],
+                         window_tokens=kw["sink_tokens"] + kw["recent_tokens"] + kw["page_size"] - 1, max_pages=1,
+                         max_seqs=kw["max_seqs"] or self.batch_rows, window_dtype=dtype or torch.bfloat16,
+                         scale_bytes=1 if artifact.scale_format == "ue5m3" else 2)
         self.paged: PagedKVCache | None = None  # allocated at the first update (device/dtype of the model)
         self.seq_ids: list[int] | None = None
         self._plan = None
