@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -42,7 +43,7 @@ from runtime_kernels.artifact import (
     text_config,
     write_artifact,
 )
-from runtime_kernels.atomic import OutputDirError, atomic_output_dir, preflight
+from runtime_kernels.atomic import OutputDirError, atomic_output_dir, output_lock, preflight
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -175,8 +176,12 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     """
     options = options or RunOptions()
     ctx = distributed.from_environment()
+    # One writer per output directory, from the start: a second run to the same --out is refused before it
+    # calibrates, naming the first (rank 0 writes, so only rank 0 locks).
+    lock = output_lock(out_dir) if ctx is None or ctx.is_main else contextlib.nullcontext()
     try:
-        return _run(config, Path(out_dir), overwrite, console, options, ctx)
+        with lock:
+            return _run(config, Path(out_dir), overwrite, console, options, ctx)
     finally:
         if ctx is not None:
             distributed.shutdown()
