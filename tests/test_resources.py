@@ -274,3 +274,17 @@ def test_no_traceback_for_a_bad_reference_through_python(tmp_path):
     with pytest.raises(ReferenceFormatError):
         load_reference(tmp_path / "k.pt")
 
+
+
+def test_full_disk_while_recording_a_release_leaves_the_manifest_unchanged(tmp_path, monkeypatch):
+    from oscar_calib.manifest import load_manifest, write_manifest
+
+    path = tmp_path / "zoo_manifest.yaml"
+    shutil.copyfile(Path(__file__).resolve().parents[1] / "zoo_manifest.yaml", path)
+    before = path.read_bytes()
+    zoo = load_manifest(path)
+    full_disk_after(monkeypatch, 0)
+    with pytest.raises(DiskFullError, match=r"zoo_manifest.yaml: ENOSPC: no space left on device: needs \d+ bytes"):
+        write_manifest(zoo, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["zoo_manifest.yaml"]
