@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_hub import MODEL, REPO, TOKEN, do_push, make_artifact, run_cli, sha
 from test_release_pinning import forge_release, move_tag
 from transformers import Qwen3Config
@@ -183,3 +186,41 @@ def test_local_artifact_pins_in_the_serve_config(tmp_path):
         load_checked_artifact(cfg, _hf_config())
     cfg = parse_oscar_config({"oscar": {"path": str(art), "expected_sha256": {ARTIFACT_FILENAME: sha(art / ARTIFACT_FILENAME)}}})
     assert load_checked_artifact(cfg, _hf_config()).layer_ids.tolist() == read_artifact(art).layer_ids.tolist()
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=12), st.sampled_from(["yes", "no", "1", "true", "main", "v1", "a" * 40, "NaN"]),
+                    st.lists(st.integers(-2, 5), max_size=3), st.dictionaries(st.text(max_size=4), st.text(max_size=4),
+                                                                              max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(["path", "repo", "revision", "commit", "expected_sha256", "allow_unpinned", "repo_type",
+                              "model_id", "calibration", "allow_other_model", "kernel_backend", "window_reserve",
+                              "layers", "unknown"]), value=_values, base=st.sampled_from(["path", "tag", "commit"]))
+def test_fuzz_serve_config_is_strict(field, value, base):
+    """Any value in any field: one line naming `additional_config.oscar.<field>`, or a config whose every field has
+    its exact type, finite numbers and a pinned source."""
+    raw = {"path": {"path": "zoo/x"}, "tag": {"repo": REPO, "revision": "v1"},
+           "commit": {"repo": REPO, "commit": "a" * 40}}[base]
+    raw = {**raw, field: value}
+    try:
+        cfg = parse_oscar_config({"oscar": raw})
+    except ValueError as exc:
+        assert str(exc).startswith("additional_config.oscar.") and "\n" not in str(exc)
+        return
+    assert type(cfg.allow_unpinned) is bool and type(cfg.allow_other_model) is bool
+    assert type(cfg.window_reserve) in (int, float) and cfg.window_reserve >= 1 and cfg.window_reserve < float("inf")
+    assert cfg.layers is None or all(type(i) is int for i in cfg.layers)
+    if cfg.repo is not None and cfg.revision is not None and not cfg.allow_unpinned:
+        assert re.fullmatch(r"v[1-9][0-9]*|[0-9a-f]{40}", cfg.revision)
+    assert cfg.commit is None or re.fullmatch(r"[0-9a-f]{40}", cfg.commit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(commit=st.text(max_size=50))
+def test_fuzz_commit_pins_are_checked_before_any_request(commit, tmp_path_factory):
+    if re.fullmatch(r"[0-9a-f]{40}", commit):
+        return
+    with pytest.raises(UnsafeNameError, match="field 'commit'"):
+        pull_release(MODEL, REPO, "v1", commit=commit, cache_dir=tmp_path_factory.mktemp("c"))
