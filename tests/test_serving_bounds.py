@@ -127,3 +127,21 @@ def test_windows_that_fit_are_accepted():
     art, config = _big_model(layers=2, h_kv=2, d=16)
     cache = OscarCache.from_artifact(art, config, sink_tokens=64, recent_tokens=256)
     assert cache.paged is None  # allocated at the first update, as before
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 3), h=st.integers(1, 3), d=st.sampled_from([8, 16, 32]), groups=st.sampled_from([1, 2]),
+       page=st.sampled_from([4, 16]), sink=st.integers(0, 8), recent=st.integers(0, 24), pages=st.integers(1, 6),
+       seqs=st.integers(1, 3), scale=st.sampled_from(["float16", "ue5m3"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_fuzz_the_size_in_the_refusal_is_what_the_cache_allocates(layers, h, d, groups, page, sink, recent, pages,
+                                                                 seqs, scale, dtype):
+    """`cache_bytes` (the number a refusal names) equals the pools PagedKVCache really allocates."""
+    art = identity_artifact(layers, h, h, d)
+    cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, group_size=d // groups,
+                         max_pages=pages, max_seqs=seqs, page_size=page, sink_tokens=sink, recent_tokens=recent,
+                         dtype=dtype, backend="torch", scale_format=scale)
+    total, _ = cache_bytes(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=d // groups, page_size=page,
+                           window_tokens=sink + recent + page - 1, max_pages=pages, max_seqs=seqs, window_dtype=dtype,
+                           scale_bytes=1 if scale == "ue5m3" else 2)
+    assert total == cache.memory_bytes()
