@@ -517,7 +517,8 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     is_tag = bool(VERSION_RE.fullmatch(revision))
     pinned_commit = commit
     commit = None if offline else resolve_commit(repo, revision, token=token, endpoint=endpoint, repo_type=repo_type)
-    earlier = cached_ref(repo, revision, cache_dir, repo_type) if is_tag else None
+    # What this cache recorded for a tag or branch name (None: a cold cache for it, or a commit sha).
+    earlier = None if COMMIT_RE.fullmatch(revision) else cached_ref(repo, revision, cache_dir, repo_type)
     if pinned_commit is not None and commit is not None and commit != pinned_commit:
         raise ArtifactError(
             f"{source}: field 'commit': '{revision}' names commit {commit} on the Hub, but the pinned commit (the "
