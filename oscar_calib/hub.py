@@ -421,7 +421,7 @@ def translate_errors() -> Iterator[None]:
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
          endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None,
-         repo_type: str = "model"):
+         repo_type: str = "model", commit: str | None = None):
     """Download and verify a release (runtime_kernels.loader.pull_release), read the artifact, check it
     against `model_config`, and only then copy the files to `local_dir`. Errors become OscarErrors."""
     from runtime_kernels.artifact import check_against_model
@@ -430,7 +430,7 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
     with translate_errors():
         pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
                               cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
-                              repo_type=repo_type)
+                              repo_type=repo_type, commit=commit)
         artifact = read_artifact(pulled.artifact_path)
         if artifact.metadata["model_id"] != model_id:
             raise ModelMismatchError(f"{artifact.source}: field 'model_id': artifact has "

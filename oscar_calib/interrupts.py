@@ -61,6 +61,12 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _committed() -> list[str]:
+    """Targets `runtime_kernels.atomic` replaced in this process (looked up, not imported: this module stays light)."""
+    atomic = sys.modules.get("runtime_kernels.atomic")
+    return list(getattr(atomic, "COMMITTED", []))
+
+
 @contextlib.contextmanager
 def handle_interrupts(message: str = "nothing was written or replaced (temporaries removed); run the command "
                                      "again", fast_exit: bool = True) -> Iterator[None]:
@@ -70,6 +76,7 @@ def handle_interrupts(message: str = "nothing was written or replaced (temporari
     otherwise (a caller running the CLI in-process, such as a test) it raises `SystemExit` so the caller goes on.
     """
     main = threading.current_thread() is threading.main_thread()
+    committed_before = len(_committed())
     previous = {}
     if main:
         _received.clear()
@@ -86,8 +93,15 @@ def handle_interrupts(message: str = "nothing was written or replaced (temporari
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code = TERMINATE_EXIT if isinstance(interrupt, Terminated) else INTERRUPT_EXIT
+        # What is on disk decides the words: an interrupt after (or during the end of) an output swap must not say
+        # that nothing was replaced.
+        said = getattr(interrupt, "outcome", None)
+        if said is None and len(_committed()) > committed_before:
+            said = (f"{', '.join(_committed()[committed_before:])} already holds the complete new content (written "
+                    "before the interrupt); temporaries removed")
         with contextlib.suppress(Exception):
-            print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; {message}", file=sys.stderr)
+            print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; {said or message}",
+                  file=sys.stderr)
         if signalled and fast_exit:
             exit_now(code)
         raise SystemExit(code) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -22,8 +23,10 @@ from oscar_calib.calibrate import (
     check_supported,
 )
 from oscar_calib.capture import sliding_window_layers
+from oscar_calib.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
 from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.data import load_calibration_data
+from oscar_calib.disk_budget import check_run_space, output_bytes, sums_bytes
 from oscar_calib.errors import InputError
 from oscar_calib.loading import load_config as _load_config
 from oscar_calib.loading import load_model as _load_model
@@ -40,7 +43,7 @@ from runtime_kernels.artifact import (
     text_config,
     write_artifact,
 )
-from runtime_kernels.atomic import OutputDirError, atomic_output_dir, preflight
+from runtime_kernels.atomic import OutputDirError, atomic_output_dir, output_lock, preflight
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -50,7 +53,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 class RunOptions:
     """How a run is carried out, not what it computes (so none of it is in the recipe).
 
-    - `checkpoint`: checkpoint file (default `<out>.checkpoint.safetensors` beside the output directory);
+    - `checkpoint`: checkpoint directory (default `<out>.checkpoint` beside the output directory; see
+      `oscar_calib.checkpoint`: a directory of its own kind, never an existing file or other directory);
     - `checkpoint_every`: samples between checkpoints (None: no checkpoints, unless resuming);
     - `resume`: continue from the checkpoint (refused if it was made with other settings);
     - `shard`: `(index, count)`: sum only that contiguous part of the samples (merge the statistics later);
@@ -62,9 +66,13 @@ class RunOptions:
     resume: bool = False
     shard: tuple[int, int] | None = None
     offload_folder: Path | None = None
+    keep_checkpoint_dir: bool = False  # set by the run: `checkpoint` was an empty directory the user made
 
     def checkpoint_path(self, out_dir: Path) -> Path:
-        return self.checkpoint or out_dir.resolve().parent / f"{out_dir.resolve().name}.checkpoint.safetensors"
+        return self.checkpoint or out_dir.resolve().parent / f"{out_dir.resolve().name}.checkpoint"
+
+    def checkpointing(self) -> bool:
+        return self.checkpoint_every is not None or self.resume
 
 
 def shard_range(samples: int, shard: tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
@@ -186,8 +194,12 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
     """
     options = options or RunOptions()
     ctx = distributed.from_environment()
+    # One writer per output directory, from the start: a second run to the same --out is refused before it
+    # calibrates, naming the first (rank 0 writes, so only rank 0 locks).
+    lock = output_lock(out_dir) if ctx is None or ctx.is_main else contextlib.nullcontext()
     try:
-        return _run(config, Path(out_dir), overwrite, console, options, ctx)
+        with lock:
+            return _run(config, Path(out_dir), overwrite, console, options, ctx)
     finally:
         if ctx is not None:
             distributed.shutdown()
@@ -200,7 +212,9 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     main_rank = ctx is None or ctx.is_main
     console = console or Console(stderr=True, quiet=not main_rank)
     check_output_dir(out_dir, overwrite)
-    if options.resume and not options.checkpoint_path(out_dir).exists():
+    if options.checkpointing() or options.checkpoint is not None:  # before the model loads: nothing is lost later
+        options.keep_checkpoint_dir = prepare_checkpoint_dir(options.checkpoint_path(out_dir), forbidden=out_dir)
+    if options.resume and not checkpoint_exists(options.checkpoint_path(out_dir)):
         raise InputError(f"--resume: no checkpoint at {options.checkpoint_path(out_dir)} (pass --checkpoint PATH)")
     if config.max_memory is not None and config.device_map is None:
         raise InputError("--max-memory needs --device-map (auto, balanced, balanced_low_0 or sequential)")
@@ -259,6 +273,11 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     check_holdout_length(config.solver, data_cfg.holdout_len)
     batch_size = resolve_batch_size(config.batch_size, device, data_cfg.seq_len, choices)
     sample_range = shard_range(data_cfg.samples, options.shard, batch_size)
+    out_bytes = output_bytes(model_config, dtype, data_cfg.holdout_len, data_cfg.holdout_samples, data_cfg.holdout_queries)
+    if main_rank:  # rank 0 writes: a full disk is refused now, not after the calibration
+        check_run_space(out_dir, out_bytes,
+                        options.checkpoint_path(out_dir) if options.checkpointing() else None,
+                        2 * sums_bytes(model_config))
     if config.device_map is not None:
         if model_ref is None:
             raise InputError("--device-map needs --model (the demo model is built in memory)")
@@ -291,7 +310,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     timings.update(report.timings)
 
     t0 = time.perf_counter()
-    with atomic_output_dir(out_dir, overwrite, "--out") as tmp:
+    with atomic_output_dir(out_dir, overwrite, "--out", needed_bytes=out_bytes) as tmp:
         write_artifact(artifact, tmp)
         save_statistics(statistics, tmp / STATS_FILENAME)
         log = build_log(config, choices, report, timings, artifact.metadata)
@@ -305,8 +324,9 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         timings["total_s"] = time.perf_counter() - t_start
         log["timings"] = timings
         (tmp / LOG_FILENAME).write_text(json.dumps(log, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    if plan.checkpoint_path is not None and plan.checkpoint_path.exists():
-        plan.checkpoint_path.unlink()  # the run is complete: its statistics file supersedes the checkpoint
+    if plan.checkpoint_path is not None:
+        # the statistics file supersedes it; only the run's files go (an empty directory the user made stays)
+        remove_checkpoint(plan.checkpoint_path, keep_dir=options.keep_checkpoint_dir)
     summary = report.summary()
     mem = log["memory"]
     console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
@@ -345,9 +365,8 @@ def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, d
     provenance = make_provenance(model.config, model.dtype, model_id=model_id, model_revision=revision,
                                  calibration_meta=calibration_meta, batch_size=batch_size,
                                  holdout_queries=data_cfg.holdout_queries, seed=data_cfg.seed)
-    checkpointing = options.checkpoint_every is not None or options.resume
     plan = CapturePlan(batch_size=batch_size, sample_range=sample_range, dist=ctx,
-                       checkpoint_path=options.checkpoint_path(out_dir) if checkpointing else None,
+                       checkpoint_path=options.checkpoint_path(out_dir) if options.checkpointing() else None,
                        checkpoint_every=options.checkpoint_every, resume=options.resume,
                        identity=checkpoint_identity(provenance.identity(), sample_range),
                        layers=[i for i in range(n_layers) if i not in skip], geometry=(h_kv, d))

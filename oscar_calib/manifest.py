@@ -389,9 +389,7 @@ def write_manifest(manifest: ZooManifest, path: str | Path) -> None:
     path = Path(path)
     text = dump_manifest(manifest)
     parse_manifest(text, str(path))  # what we write must read back
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    _replace_text(path, text)
 
 
 def append_release(path: str | Path, release: Release) -> ZooManifest:
@@ -430,10 +428,23 @@ def append_release(path: str | Path, release: Release) -> ZooManifest:
     if after != expected:
         raise ManifestError(f"{path}: editing the manifest in place changed more than the new release; "
                             "nothing was written")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    _replace_text(path, text)
     return after
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path` and rename it over `path`; a full disk is one DiskFullError
+    naming the path and the bytes (the temporary file is removed, the manifest unchanged)."""
+    from runtime_kernels.atomic import disk_space_for
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    data = text.encode("utf-8")
+    try:
+        with disk_space_for(path, len(data)):
+            tmp.write_bytes(data)
+            tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def json_schema() -> str:

@@ -57,6 +57,7 @@ import math
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -223,13 +224,49 @@ def load_reference(path: str | os.PathLike) -> dict[str, Any]:
         raise ReferenceFormatError(f"{path}: not a file")
     if path.stat().st_size > MAX_REFERENCE_BYTES:
         raise ReferenceFormatError(f"{path}: larger than {MAX_REFERENCE_BYTES} bytes")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not zipfile.is_zipfile(path):  # the legacy format reads storages of any declared size into memory
+        raise ReferenceFormatError(f"{path}: not a loadable reference file (weights_only): expected the zip format "
+                                   "of torch.save (torch >= 1.6); re-save it with torch.save")
+    try:  # mmap: storages stay in the file until a tensor is materialized, after the bounds below
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - unpickling raises many types; none may escape
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise ReferenceFormatError(f"{path}: not a loadable reference file (weights_only): {type(exc).__name__}: "
                                    f"{first}") from None
+    check_storage_bounds(obj, str(path), path.stat().st_size)
     return validate_reference(obj, str(path))
+
+
+def check_storage_bounds(obj: Any, source: str, file_bytes: int, field: str = "<root>", depth: int = 0,
+                         total: list[int] | None = None) -> None:
+    """Refuse tensors that would allocate more than the file holds, before anything is materialized.
+
+    A tensor's elements must be backed by its own storage bytes (`numel x element size <= storage bytes`): a view
+    with stride 0 or overlapping strides (4.6 MB of storage presented as a 16 GiB tensor) is refused, and all
+    tensors together may not exceed the file's size (many views of one storage). Walks dicts, lists and tuples.
+    """
+    total = [0] if total is None else total
+    if depth > 16:
+        _fail(source, field, "nested more than 16 levels deep")
+    if isinstance(obj, torch.Tensor):
+        need = obj.numel() * obj.element_size()
+        try:
+            have = obj.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            have = 0
+        if need > have:
+            _fail(source, field, f"a tensor of shape {list(obj.shape)} and strides {list(obj.stride())} would "
+                                 f"allocate {need} bytes from a storage of {have} (stride 0 or overlapping views); "
+                                 "expected a dense tensor backed by its own bytes")
+        total[0] += need
+        if total[0] > file_bytes:
+            _fail(source, field, f"the tensors would allocate more than the file's {file_bytes} bytes "
+                                 "(views sharing one storage); expected each tensor stored once")
+        return
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        check_storage_bounds(value, source, file_bytes, f"{key}" if field == "<root>" else f"{field}.{key}",
+                             depth + 1, total)
 
 
 def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_config: Any, model_id: str,

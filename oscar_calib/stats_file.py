@@ -89,6 +89,8 @@ class StatsProvenance:
     skipped_layers: list[int] = field(default_factory=list)
     created_at: str = ""
     tool_version: str = field(default_factory=tool_version)
+    # A merge records its inputs: [{"sample_ranges": [[a, b]], "sums_sha256": hex}] (empty for one capture).
+    parts: list[dict] = field(default_factory=list)
 
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in IDENTITY_FIELDS}
@@ -101,6 +103,8 @@ class StatsProvenance:
                 for name, v in self.identity().items()}
         meta.update(sample_ranges=json.dumps(self.sample_ranges), skipped_layers=json.dumps(self.skipped_layers),
                     created_at=self.created_at, config_hash=self.config_hash())
+        if self.parts:
+            meta["parts"] = json.dumps(self.parts, sort_keys=True)
         return meta
 
     @classmethod
@@ -119,7 +123,7 @@ class StatsProvenance:
                    model_config_hash=get("model_config_hash", False), geometry=get("geometry", True),
                    data=get("data", True), capture=get("capture", True), sample_ranges=get("sample_ranges", True),
                    skipped_layers=get("skipped_layers", True), created_at=get("created_at", False),
-                   tool_version=get("tool_version", False))
+                   tool_version=get("tool_version", False), parts=get("parts", True) if "parts" in meta else [])
 
 
 def make_provenance(config, dtype: torch.dtype, *, model_id: str | None = None, model_revision: str | None = None,
@@ -272,22 +276,36 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str
     A reader (or a run killed at any point) sees the old file or the new one, never part of one. The header's
     keys are sorted (`canonical_safetensors_bytes`), so equal content gives equal bytes.
     """
-    from runtime_kernels.artifact import canonical_safetensors_bytes, current_umask
+    from runtime_kernels.artifact import canonical_safetensors_bytes
 
     payload = canonical_safetensors_bytes({n: t.contiguous() for n, t in tensors.items()}, metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_bytes(payload, path)
+
+
+def atomic_write_bytes(payload: bytes, path: Path) -> None:
+    """Write `payload` to `path` through a fsynced temporary file in the same directory and `os.replace`.
+
+    A full disk (ENOSPC / EDQUOT) becomes `DiskFullError` naming the path and the bytes needed; the temporary
+    file is removed and the old file stays, whatever fails.
+    """
+    from runtime_kernels.artifact import current_umask
+    from runtime_kernels.atomic import disk_space_for
+
+    path = Path(path)
+    with disk_space_for(path, len(payload)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o666 & ~current_umask())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def save_statistics(statistics: CalibrationStatistics, path: str | os.PathLike) -> Path:
@@ -347,10 +365,53 @@ def load_statistics(path: str | os.PathLike) -> CalibrationStatistics:
         raise InputError(f"{where}: metadata field 'geometry' says {geometry}, but 'key_sum' holds {h_kv} KV heads "
                          f"of head_dim {d}")
     holdout = _holdout_from_tensors(tensors, sorted(stats), where)
-    o_weights = {int(n[len(_O_PROJ_PREFIX):]): t for n, t in tensors.items() if n.startswith(_O_PROJ_PREFIX)}
+    o_weights = {}
+    for name, t in tensors.items():
+        if name.startswith(_O_PROJ_PREFIX):
+            suffix = name[len(_O_PROJ_PREFIX):]
+            if not suffix.isdigit():
+                raise InputError(f"{where}: tensor '{name}': expected 'o_proj.<layer index>'")
+            o_weights[int(suffix)] = t
     if o_weights and sorted(o_weights) != sorted(stats):
         raise InputError(f"{where}: o_proj weights for layers {sorted(o_weights)}, expected {sorted(stats)}")
+    check_values(stats, holdout, scaling, provenance, o_weights, where)
     return CalibrationStatistics(stats, holdout, scaling, provenance, o_weights=o_weights or None)
+
+
+def check_values(stats: dict[int, LayerStats], holdout: dict, scaling: float, provenance: StatsProvenance,
+                 o_weights: dict, where: str) -> None:
+    """Values a real capture can produce (oscar_calib.stats_checks): finite, non-negative sums of squares, counts
+    consistent with the recorded sample ranges, a finite held-out capture, complete o_proj weights."""
+    from oscar_calib.stats_checks import (
+        check_counts_match_samples,
+        check_holdout,
+        check_o_weights,
+        check_ranges,
+        check_scaling,
+    )
+
+    check_scaling(scaling, where)
+    samples = provenance.data.get("samples") if isinstance(provenance.data, dict) else None
+    total = samples if type(samples) is int and samples > 0 else None
+    ranges = check_ranges(provenance.sample_ranges, where, total)
+    try:
+        normalise_ranges(ranges)
+    except ValueError as exc:
+        raise InputError(f"{where}: field 'sample_ranges': {exc}") from None
+    check_counts_match_samples(stats, provenance.identity(), ranges, where)
+    if provenance.parts:  # a merge: its recorded inputs must cover exactly its sample ranges
+        try:
+            covered = normalise_ranges([r for p in provenance.parts for r in p["sample_ranges"]])
+        except (TypeError, KeyError, ValueError):
+            covered = None
+        if covered != normalise_ranges(ranges):
+            raise InputError(f"{where}: field 'parts': the merged inputs cover {covered}, but 'sample_ranges' says "
+                             f"{ranges}")
+    if not isinstance(provenance.geometry, dict):
+        raise InputError(f"{where}: field 'geometry': expected a JSON object")
+    check_holdout(holdout, provenance.geometry, where)
+    if o_weights:
+        check_o_weights(o_weights, provenance.geometry, where)
 
 
 # -- merge -----------------------------------------------------------------------------------------------------------
@@ -361,6 +422,32 @@ def check_same_identity(expected: StatsProvenance, got: StatsProvenance, expecte
     if diff:
         name, a, b = diff
         raise InputError(f"cannot {action}: field '{name}' differs ({expected_name}: {a!r}; {got_name}: {b!r})")
+
+
+def _merge_parts(items: list[tuple[str, CalibrationStatistics]]) -> list[dict]:
+    """The inputs of a merge, as the merged file records them: each capture's sample ranges and sums digest.
+
+    Two inputs (or parts of earlier merges) with bit-identical sums hold the same samples: a shard copied and
+    relabelled with another sample range would be counted twice, so that is refused naming both.
+    """
+    from oscar_calib.stats_checks import sums_digest
+
+    parts: list[dict] = []
+    seen: dict[str, str] = {}
+    for name, s in items:
+        own = s.provenance.parts or [{"sample_ranges": s.provenance.sample_ranges, "sums_sha256": sums_digest(s.stats)}]
+        for part in own:
+            digest = part.get("sums_sha256") if isinstance(part, dict) else None
+            if not isinstance(digest, str):
+                raise InputError(f"cannot merge statistics: {name}: field 'parts': expected objects with "
+                                 "'sample_ranges' and 'sums_sha256'")
+            if digest in seen:
+                raise InputError(f"cannot merge statistics: field 'sample_ranges': {seen[digest]} and {name} hold "
+                                 f"bit-identical sums (samples {part.get('sample_ranges')}), so the same samples "
+                                 "would be counted twice (a shard copied or relabelled with another sample range)")
+            seen[digest] = name
+            parts.append({"sample_ranges": part.get("sample_ranges"), "sums_sha256": digest})
+    return parts
 
 
 def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: str) -> CalibrationStatistics:
@@ -381,6 +468,7 @@ def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: st
         ranges = normalise_ranges([r for _, s in items for r in s.provenance.sample_ranges])
     except ValueError as exc:
         raise InputError(f"cannot merge statistics: field 'sample_ranges': {exc} (each sample may be summed once)") from exc
+    parts = _merge_parts(items)
     holdout, holdout_name = {}, None
     for name, s in items:
         if not s.holdout:
@@ -398,6 +486,6 @@ def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: st
     for _, other in items[1:]:
         for layer in stats:
             stats[layer].merge_(other.stats[layer])
-    provenance = replace(first.provenance, sample_ranges=ranges, created_at=created)
+    provenance = replace(first.provenance, sample_ranges=ranges, created_at=created, parts=parts)
     o_weights = next((s.o_weights for _, s in items if s.o_weights), None)
     return CalibrationStatistics(stats, holdout, first.scaling, provenance, o_weights=o_weights)

@@ -39,6 +39,56 @@ class OutputDirError(ValueError):
     """The output directory cannot be written (exists without overwrite, not a directory, not writable)."""
 
 
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskFullError(OSError):
+    """No space (or no quota) left where an output is written; the message names the path and the bytes needed."""
+
+    def __init__(self, message: str, code: int = errno.ENOSPC):
+        super().__init__(message)
+        self.errno = code
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes (for this user) on the filesystem that holds `path` or its nearest existing ancestor."""
+    probe = _absolute(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def disk_full_message(path: str | os.PathLike, needed: int | None, code: int = errno.ENOSPC,
+                      at_least: bool = False) -> str:
+    """`PATH: ENOSPC: no space left on device: needs N bytes, F are free there; ...` (one line)."""
+    name = "EDQUOT: disk quota exceeded" if code == errno.EDQUOT else "ENOSPC: no space left on device"
+    free = free_bytes(path)
+    need = f"needs {'more than ' if at_least else ''}{needed} bytes" if needed is not None else "needs more space"
+    have = f", {free} are free there" if free is not None else ""
+    return (f"{path}: {name}: {need}{have}; free space or choose another location (nothing was replaced; "
+            "temporaries removed)")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+@contextlib.contextmanager
+def disk_space_for(path: str | os.PathLike, needed: int | None) -> Iterator[None]:
+    """Turn ENOSPC / EDQUOT raised inside the block into one `DiskFullError` naming `path` and `needed` bytes."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno) from None
+
+
 def _checkpoint(stage: str) -> None:
     """No-op; tests replace it to stop or kill a process at a named stage of the commit."""
 
@@ -190,37 +240,82 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, name))
+    return total
+
+
 def _temp_name(target: Path, kind: str) -> Path:
     return target.parent / f".{target.name}.oscar-{kind}-{os.getpid()}-{time.time_ns()}"
 
 
-def _commit(tmp: Path, target: Path, overwrite: bool, field: str) -> None:
+class _Swap:
+    """Where a commit stands, so that every failure says what is on disk: `replaced` once the new content is at
+    the target, `moved_aside` (fallback only) while the old content sits at `old` and the target is missing."""
+
+    def __init__(self) -> None:
+        self.replaced = False
+        self.moved_aside: Path | None = None
+
+
+def _commit(tmp: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -> None:
     _fsync_tree(tmp)
     _checkpoint("before-commit")
     if not target.exists():
         try:
             os.rename(tmp, target)  # replaces an empty directory that appeared meanwhile, refuses a full one
         except OSError as exc:
-            raise OutputDirError(f"{field} {target}: appeared while the job ran ({exc.strerror}); "
-                                 "pass --overwrite to replace it") from None
+            if target.exists():
+                raise OutputDirError(f"{field} {target}: appeared while the job ran ({exc.strerror}); nothing was "
+                                     "replaced; pass --overwrite to replace it") from None
+            raise OutputDirError(f"{field} {target}: could not be created ({exc.strerror}); nothing was written "
+                                 "(temporaries removed)") from None
+        swap.replaced = True
     else:
         if target.is_symlink() or not target.is_dir():
             raise OutputDirError(f"{field} {target}: became a file while the job ran; nothing was replaced")
         if not overwrite and any(target.iterdir()):
             raise OutputDirError(f"{field} {target}: appeared while the job ran; pass --overwrite to replace it")
-        if exchange(tmp, target):  # tmp now holds the old content
+        try:
+            exchanged = exchange(tmp, target)
+        except OSError as exc:  # renameat2 is one step: it failed as a whole, the target is as it was
+            raise OutputDirError(f"{field} {target}: the new content could not be swapped in ({exc.strerror}); "
+                                 f"{target} keeps its old content, nothing was replaced") from None
+        if exchanged:  # tmp now holds the old content (removed by the caller's clean-up)
+            swap.replaced = True
             _checkpoint("after-exchange")
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             old = _temp_name(target, "old")
-            os.rename(target, old)
+            try:
+                os.rename(target, old)
+            except OSError as exc:
+                raise OutputDirError(f"{field} {target}: could not move the old content aside ({exc.strerror}); "
+                                     "nothing was replaced") from None
+            swap.moved_aside = old
             try:
                 _checkpoint("between-renames")
                 os.rename(tmp, target)
-            except BaseException:  # an interrupt between the renames: put the old content back at once
+            except BaseException as exc:  # an interrupt or error between the renames: put the old content back
                 if not target.exists():
-                    os.rename(old, target)
+                    try:
+                        os.rename(old, target)
+                        swap.moved_aside = None
+                    except OSError:
+                        pass  # the message below says where the old content is
+                if isinstance(exc, OSError):
+                    raise OutputDirError(
+                        f"{field} {target}: the new content could not be moved in ({exc.strerror}); "
+                        + (f"{target} keeps its old content, nothing was replaced" if swap.moved_aside is None else
+                           f"{target} is missing and its old content is at {old}; once this process has ended, the next "
+                           f"run (or runtime_kernels.atomic.recover('{target}')) puts it back")) from None
                 raise
+            swap.moved_aside = None
+            swap.replaced = True
             try:
                 _checkpoint("before-remove-old")
             finally:  # the new content is in place; an interrupt here must not leave the old copy behind
@@ -228,27 +323,133 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str) -> None:
     _fsync_dir(target.parent)
 
 
+def interrupt_outcome(target: Path, swap: _Swap) -> str | None:
+    """What an interrupt during the commit of `target` leaves, when it is not "nothing was replaced"."""
+    if swap.replaced:
+        return (f"{target} already holds the complete new content (the swap had finished); the old content and "
+                "temporaries are removed")
+    if swap.moved_aside is not None and not target.exists():
+        return (f"{target} is missing and its old content is at {swap.moved_aside}; the next run (or "
+                f"runtime_kernels.atomic.recover('{target}')) puts it back")
+    return None
+
+
+# Targets this process has replaced, in order (`oscar_calib.interrupts` reads it: an interrupt after a commit must
+# not claim that nothing was replaced).
+COMMITTED: list[str] = []
+
+
+# -- one writer per target ---------------------------------------------------------------------------------------
+_HELD: dict[str, int] = {}  # lock path -> fd, for locks this process holds (re-entrant within the process)
+
+
+def _lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.oscar-lock"
+
+
 @contextlib.contextmanager
-def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field: str = "--out") -> Iterator[Path]:
+def output_lock(target: str | os.PathLike, field: str = "--out") -> Iterator[None]:
+    """Hold the lock of `target` (an fcntl lock on `.<name>.oscar-lock` beside it, holding `pid host time`).
+
+    A second writer of the same target, in another process, is refused at once with OutputDirError naming the
+    holder. The lock file is removed on release (after which the inode is checked, so a waiter never holds a lock
+    on an unlinked file). Needs the parent directory to exist; where `fcntl` is missing, nothing is locked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    import socket
+
+    target = _absolute(target)
+    path = _lock_path(target)
+    key = str(path)
+    if key in _HELD:
+        yield
+        return
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no writable parent (yet): the preflight names that; nothing to lock
+            fd = None
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise OutputDirError(f"{field} {target}: another writer holds it ({holder}; lock file {path}); "
+                                 "wait for it to finish or choose another path; nothing was written") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file between our open and lock: take the new one
+    if fd is None:
+        yield
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+                  .encode(), 0)
+    _HELD[key] = fd
+    try:
+        yield
+    finally:
+        _HELD.pop(key, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field: str = "--out",
+                      needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory beside `target`; on success it becomes `target` atomically.
 
-    Before anything: `preflight` (refuses a target that cannot be written) and `recover` (repairs and
-    cleans what interrupted runs left). On any exception, including KeyboardInterrupt (and SIGTERM through
-    `oscar_calib.interrupts`),
-    the temporary directory is removed and `target` is untouched.
+    Before anything: `preflight` (refuses a target that cannot be written), the target's lock (`output_lock`: a
+    concurrent writer of the same target is refused, naming the holder) and `recover` (repairs and cleans what
+    interrupted runs left). On any exception, including KeyboardInterrupt (and SIGTERM through
+    `oscar_calib.interrupts`), the temporary directory is removed and `target` is untouched, except when the swap
+    had already happened: an interrupt then carries `outcome` (what is on disk), which the interrupt handler
+    prints instead of "nothing was replaced". A full disk (ENOSPC / EDQUOT) raises one `DiskFullError` naming
+    `target` and the bytes needed (`needed_bytes`, else more than what was written).
     """
     target = preflight(target, overwrite, field)
     target.parent.mkdir(parents=True, exist_ok=True)
-    recover(target)
-    tmp = _temp_name(target, "tmp")
-    os.mkdir(tmp, 0o777)  # the usual directory mode under the umask (mkdtemp would make it 0700)
-    try:
-        _checkpoint("created")
-        yield tmp
-        _commit(tmp, target, overwrite, field)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with output_lock(target, field):
+        recover(target)
+        tmp = _temp_name(target, "tmp")
+        os.mkdir(tmp, 0o777)  # the usual directory mode under the umask (mkdtemp would make it 0700)
+        swap = _Swap()
+        try:
+            _checkpoint("created")
+            try:
+                yield tmp
+                _commit(tmp, target, overwrite, field, swap)
+                COMMITTED.append(str(target))
+                _checkpoint("after-commit")
+            except DiskFullError:
+                raise
+            except KeyboardInterrupt as exc:
+                outcome = interrupt_outcome(target, swap)
+                if outcome is not None:
+                    exc.outcome = outcome
+                raise
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                written = _tree_bytes(tmp)  # what fitted before the disk filled: the output needs more than that
+                raise DiskFullError(disk_full_message(target, needed_bytes or written, exc.errno,
+                                                      at_least=needed_bytes is None), exc.errno) from None
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["OutputDirError", "atomic_output_dir", "exchange", "owner_alive", "preflight", "recover", "temporaries"]
+__all__ = ["COMMITTED", "DiskFullError", "OutputDirError", "atomic_output_dir", "disk_space_for", "exchange",
+           "free_bytes", "interrupt_outcome", "output_lock", "owner_alive", "preflight", "recover", "temporaries"]

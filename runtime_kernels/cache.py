@@ -40,6 +40,7 @@ from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
 from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.memory_budget import check_cache_fits
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -294,6 +295,10 @@ class PagedKVCache:
         self._version = 0
 
         n_pages, p, w, s = int(max_pages), self.page_size, self.window, self.max_seqs
+        # Refused here, with the size the windows would need, rather than by the allocator half-way through.
+        check_cache_fits(self.device, sink=self.sink, recent=self.recent, num_layers=a, num_kv_heads=h, head_dim=d,
+                         group_size=g, page_size=p, window_tokens=w, max_pages=n_pages, max_seqs=s,
+                         window_dtype=dtype, scale_bytes=torch.empty((), dtype=sdt).element_size())
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)

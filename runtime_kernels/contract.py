@@ -68,7 +68,23 @@ MAX_HEAD_DIM = 1024
 MAX_METADATA_VALUE_CHARS = 1 << 18  # the calibration recipe JSON is a few KB
 MIN_CLIP_RATIO = 0.5  # below half the order statistic a 2-bit code spends its levels on nothing useful
 MAX_CLIP_RATIO = 1.0
-MAX_MEAN_ABS = 1e6  # a post-norm, post-RoPE activation mean is O(10); 1e6 means a broken file
+# Centering means, bounded by what serving decodes (checked per (layer, KV head), as the L2 norm of the mean, which is
+# the same in every basis):
+# - MAX_MEAN_ABS: the INT2 pages quantize `x_rot - mean_rot` with scale and zero in fp16 (or an 8-bit scale of fp16's
+#   range) and the write path refuses rotated elements beyond fp16's 65504 (`cache.MAX_KV_MAGNITUDE`); a mean of rows
+#   that serving stores cannot exceed it, and a larger one gives infinite page scales. (It was 1e6: a mean of 9.9e5
+#   passed and greedy decoding repeated one token.)
+# - MEAN_SPREAD_RATIO: relative to the data. The eigenvalues recorded with each side are those of an uncentered second
+#   moment of the calibration data (queries for K, attention outputs or logit-weighted values for V), so their sum is
+#   E|x|^2 of that data, and by Jensen |E[x]| <= sqrt(E|x|^2) for the same data. The mean is of the keys / values
+#   themselves, so the ratio can exceed 1: measured max |mean| / sqrt(sum eigenvalues) = 0.43 (K) and 0.36 (V) on the
+#   tiny-qwen3 fixture, 1.8 (K) and 2.1 (V) on SmolLM2-135M. 256 leaves two orders of magnitude for models whose
+#   keys and queries differ in scale (k_proj biases), and refuses a mean so far from the data that the pages' INT2
+#   step (about |x - mean| / 3 under ue5m3, where a group's range includes 0) would be set by the mean, not the
+#   data: the "finite garbage" of a forged mean. tests/test_serving_bounds.py checks that an honest mean at the
+#   bound decodes as precisely as no mean.
+MAX_MEAN_ABS = float(torch.finfo(torch.float16).max)
+MEAN_SPREAD_RATIO = 256.0
 
 
 class ArtifactError(ValueError):
@@ -311,8 +327,8 @@ def _check_values(tensors: dict[str, torch.Tensor], source: str) -> None:
         if (t[..., 1:] > t[..., :-1] + 1e-6 * t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)).any():
             fail(source, name, "expected descending eigenvalues")
     for name in MEAN_TENSOR_NAMES:
-        if name in tensors and (tensors[name].abs() > MAX_MEAN_ABS).any():
-            fail(source, name, f"expected |mean| <= {MAX_MEAN_ABS:g}, got {float(tensors[name].abs().max())!r}")
+        if name in tensors:
+            _check_mean(tensors[name], tensors[f"{name[0]}_eigenvalues"], name, source)
     for name in CODEBOOK_TENSOR_NAMES:
         if name not in tensors:
             continue
@@ -322,6 +338,21 @@ def _check_values(tensors: dict[str, torch.Tensor], source: str) -> None:
         if (t < 0).any() or (t > CODEBOOK_LEVELS - 1).any():
             fail(source, name, f"expected levels in [0, {CODEBOOK_LEVELS - 1}] (units of the group scale above "
                                f"its zero), got min {float(t.min())!r}, max {float(t.max())!r}")
+
+
+def _check_mean(mean: torch.Tensor, eigenvalues: torch.Tensor, name: str, source: str) -> None:
+    """`mean` `[A, H, d]` within MAX_MEAN_ABS and MEAN_SPREAD_RATIO x sqrt(sum of that side's eigenvalues) per head."""
+    norm = mean.double().norm(dim=-1)  # [A, H]
+    if (norm > MAX_MEAN_ABS).any():
+        fail(source, name, f"expected |mean| <= {MAX_MEAN_ABS:g} (the fp16 range of the INT2 pages), got "
+                           f"{float(norm.max())!r}")
+    spread = eigenvalues.double().clamp_min(0).sum(dim=-1).sqrt()  # [A, H]
+    bad = norm > MEAN_SPREAD_RATIO * spread
+    if bad.any():
+        a, h = (int(i) for i in bad.nonzero()[0])
+        fail(source, name, f"|mean| = {float(norm[a, h]):.4g} at layer row {a}, KV head {h} is more than "
+                           f"{MEAN_SPREAD_RATIO:g} x the data's spread sqrt(sum {name[0]}_eigenvalues) = "
+                           f"{float(spread[a, h]):.4g}; serving would quantize the mean, not the data")
 
 
 def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:

@@ -50,6 +50,7 @@ from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
 from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.memory_budget import check_cache_fits
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"
@@ -153,6 +154,16 @@ class OscarCache(Cache):
             sink_tokens=artifact.sink_tokens if sink_tokens is None else int(sink_tokens),
             recent_tokens=artifact.recent_tokens if recent_tokens is None else int(recent_tokens),
             max_seqs=int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None))
+        kw = self._paged_kwargs
+        # The pools are allocated at the first update; windows the device cannot hold are refused now, with the
+        # size they would need (the model's device is not known yet without `device`: the host's memory is used).
+        check_cache_fits(self.device or torch.device("cpu"), sink=kw["sink_tokens"], recent=kw["recent_tokens"],
+                         num_layers=int(artifact.layer_ids.numel()), num_kv_heads=artifact.num_kv_heads,
+                         head_dim=artifact.head_dim, group_size=artifact.group_size,
+                         page_size=kw["page_size"],
+                         window_tokens=kw["sink_tokens"] + kw["recent_tokens"] + kw["page_size"] - 1, max_pages=1,
+                         max_seqs=kw["max_seqs"] or self.batch_rows, window_dtype=dtype or torch.bfloat16,
+                         scale_bytes=1 if artifact.scale_format == "ue5m3" else 2)
         self.paged: PagedKVCache | None = None  # allocated at the first update (device/dtype of the model)
         self.seq_ids: list[int] | None = None
         self._plan = None
@@ -180,23 +191,24 @@ class OscarCache(Cache):
                         revision: str | None = None, calibration: str = "default",
                         expected_sha256: dict[str, str] | None = None, token: str | None = None,
                         cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
-                        repo_type: str = "model", **cache_kwargs) -> OscarCache:
+                        repo_type: str = "model", commit: str | None = None, **cache_kwargs) -> OscarCache:
         """One call from the Hub (or a local artifact) to a cache, through `runtime_kernels.load_artifact`.
 
         With `repo`, `model_id_or_path` is the model id and `revision` the release (a version tag or commit
         sha): the release is downloaded through the Hub cache, every sha256 verified, and the artifact checked
         against `model_config` (heads, head_dim, layers, model id). Without `repo` it is a local artifact
-        directory or file. `repo_type` is the kind of Hub repo `repo` is ("model" or "dataset").
+        directory or file. `repo_type` is the kind of Hub repo `repo` is ("model" or "dataset"). `commit` and
+        `expected_sha256` are the pins zoo_manifest.yaml records for the release: anything else is refused.
         `cache_kwargs` go to the constructor (device, dtype, backend, ...).
         """
         from runtime_kernels.loader import load_artifact
 
-        if repo is not None and revision is None:
+        if repo is not None and revision is None and commit is None:
             raise ValueError("revision: required with repo= (a version tag such as 'v1', or a commit sha) so the "
                              "release is pinned")
         artifact = load_artifact(model_id_or_path, repo=repo, revision=revision, model_config=model_config,
                                  expected_sha256=expected_sha256, token=token, cache_dir=cache_dir,
-                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type)
+                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit)
         return cls(artifact, model_config, **cache_kwargs)
 
     @classmethod

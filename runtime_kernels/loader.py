@@ -474,7 +474,8 @@ def cached_ref(repo: str, revision: str, cache_dir: str | os.PathLike | None,
 def pull_release(model_id: str, repo: str, revision: str | None = None, *, calibration: str = "default",
                  expected_sha256: dict[str, str] | None = None, token: str | None = None,
                  cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
-                 local_dir: str | os.PathLike | None = None, repo_type: str = "model") -> PulledRelease:
+                 local_dir: str | os.PathLike | None = None, repo_type: str = "model",
+                 commit: str | None = None) -> PulledRelease:
     """Resolve, download and verify one release directory. Returns where the verified files are.
 
     `expected_sha256` maps file names inside the release directory (e.g. 'oscar_kv.safetensors',
@@ -482,11 +483,21 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     checked in addition to the release record. With `local_dir`, the verified files are also copied
     there (atomically: a temporary directory renamed into place). `repo_type` is the kind of Hub repo
     that holds the zoo ("model" or "dataset"); a repo of the other kind raises WrongRepoTypeError.
+
+    `commit` is the commit the caller trusts for this release (zoo_manifest.yaml's `releases[].commit`): the
+    revision must name it (online: resolved now; offline: as the cache recorded it), else nothing is used.
+    Given only a tag on a cold cache (no `commit`, no `expected_sha256`), the commit the tag names is logged
+    (WARNING) and, when the zoo repo holds a `zoo_manifest.yaml` at that commit that records this release, the
+    release record must agree with it (commit and every hash): a tag moved to a forged commit is refused there.
     """
     check_model_id(model_id)
     check_repo_id(repo)
     check_repo_type(repo_type)
     check_component(calibration, "calibration")
+    if commit is not None and (not isinstance(commit, str) or not COMMIT_RE.fullmatch(commit)):
+        raise UnsafeNameError(f"field 'commit': expected a 40-hex commit sha, got {_describe(commit)}")
+    if revision is None and commit is not None:
+        revision = commit
     if revision is None:
         logger.warning("revision not given: using 'main', which can change; pin a version tag or commit sha")
         revision = "main"
@@ -504,9 +515,16 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
               offline=offline, repo_type=repo_type)
 
     is_tag = bool(VERSION_RE.fullmatch(revision))
+    pinned_commit = commit
     commit = None if offline else resolve_commit(repo, revision, token=token, endpoint=endpoint, repo_type=repo_type)
+    # What this cache recorded for a tag or branch name (None: a cold cache for it, or a commit sha).
+    earlier = None if COMMIT_RE.fullmatch(revision) else cached_ref(repo, revision, cache_dir, repo_type)
+    if pinned_commit is not None and commit is not None and commit != pinned_commit:
+        raise ArtifactError(
+            f"{source}: field 'commit': '{revision}' names commit {commit} on the Hub, but the pinned commit (the "
+            f"manifest's record of this release) is {pinned_commit}; the tag was moved or the pin is stale; nothing "
+            "was used")
     if commit is not None and is_tag:
-        earlier = cached_ref(repo, revision, cache_dir, repo_type)
         if earlier is not None and earlier != commit:
             raise ArtifactError(
                 f"{source}: field 'revision': release tag '{revision}' now names commit {commit}, but this cache "
@@ -518,7 +536,11 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     if commit is not None and cached_commit != commit:
         raise ArtifactError(f"{source}: field 'revision': moved from {commit} to {cached_commit} during the pull; retry")
     commit = cached_commit
-    if offline and not COMMIT_RE.fullmatch(revision):
+    if pinned_commit is not None and commit != pinned_commit:
+        raise ArtifactError(
+            f"{source}: field 'commit': the local cache has '{revision}' at commit {commit}, but the pinned commit "
+            f"is {pinned_commit}; nothing was used")
+    if offline and not COMMIT_RE.fullmatch(revision) and pinned_commit is None:
         kind = "tag" if is_tag else "branch or tag"
         logger.warning("offline (HF_HUB_OFFLINE): serving commit %s, which the local cache recorded for %s '%s' of "
                        "%s; a %s can move on the Hub, so this may not be what it names now; pin a commit sha for a "
@@ -537,6 +559,13 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     unknown_pins = sorted(set(pins) - set(record["files"]) - {RELEASE_FILENAME})
     if unknown_pins:
         raise ArtifactError(f"{source}: field 'expected_sha256.{unknown_pins[0]}': not a file of this release")
+    if not offline and not COMMIT_RE.fullmatch(revision) and pinned_commit is None and not pins and earlier is None:
+        # Nothing pins this release and the cache has never seen the tag: say which commit is served, and
+        # check the record against the zoo's own manifest at that commit when there is one.
+        logger.warning("%s: '%s' resolved to commit %s on a cold cache; nothing pins it (pass the manifest's commit "
+                       "and sha256: commit=..., expected_sha256=...)", base, revision, commit)
+        check_against_repo_manifest(record, repo, commit, model_id, calibration, revision, source,
+                                    lambda name: _download(repo, name, commit, **kw), sha256_file(record_path))
 
     files: dict[str, Path] = {RELEASE_FILENAME: Path(record_path)}
     for name in record["files"]:
@@ -562,6 +591,58 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     if local_dir is not None:
         pulled.files = copy_release_files(files, Path(local_dir))
     return pulled
+
+
+MANIFEST_FILENAME = "zoo_manifest.yaml"
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def manifest_release(manifest: Any, repo: str, model_id: str, calibration: str, version: str) -> dict | None:
+    """The `releases[]` entry of a parsed zoo manifest for this release (repo, model, calibration, version)."""
+    releases = manifest.get("releases") if isinstance(manifest, dict) else None
+    for entry in releases if isinstance(releases, list) else []:
+        if isinstance(entry, dict) and entry.get("repo", manifest.get("repo")) == repo \
+                and entry.get("model_id") == model_id and entry.get("calibration", "default") == calibration \
+                and entry.get("version") == version:
+            return entry
+    return None
+
+
+def check_against_repo_manifest(record: dict, repo: str, commit: str, model_id: str, calibration: str,
+                                revision: str, source: str, download, record_sha256: str | None = None) -> None:
+    """Refuse a release record that disagrees with the `zoo_manifest.yaml` committed in the zoo repo at `commit`
+    (when there is one and it records this version): the recorded commit and every recorded sha256 must match.
+    `download(name)` returns the local path of a repo file at `commit` or raises ReleaseNotFoundError."""
+    import yaml
+
+    try:
+        path = Path(download(MANIFEST_FILENAME))
+    except ReleaseNotFoundError:
+        return  # a zoo without a committed manifest: nothing to compare
+    where = f"{repo}@{commit[:12]}:{MANIFEST_FILENAME}"
+    raw = path.read_bytes()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes; cannot check the release against it")
+    try:
+        manifest = yaml.safe_load(raw.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise ArtifactError(f"{where}: not a readable manifest ({type(exc).__name__}); cannot check release "
+                            f"'{revision}' against it; nothing was used") from None
+    entry = manifest_release(manifest, repo, model_id, calibration, record["version"])
+    if entry is None:
+        return
+    if entry.get("commit") != commit:
+        raise ArtifactError(
+            f"{source}: field 'commit': the zoo manifest at commit {commit[:12]} records release "
+            f"'{record['version']}' at commit {entry.get('commit')!s:.40}, but '{revision}' names {commit} (a moved "
+            "tag); nothing was used")
+    files = entry.get("files") if isinstance(entry.get("files"), list) else []
+    recorded = {f.get("name"): f.get("sha256") for f in files if isinstance(f, dict)}
+    for name, want in sorted(recorded.items()):
+        got = record_sha256 if name == RELEASE_FILENAME else record["files"].get(name, {}).get("sha256")
+        if got != want and (name != RELEASE_FILENAME or record_sha256 is not None):
+            raise ArtifactError(f"{source}: field 'files.{name}.sha256': the release record has {got}, the zoo "
+                                f"manifest at commit {commit[:12]} records {want}; nothing was used")
 
 
 def copy_release_files(files: dict[str, Path], local_dir: Path, overwrite: bool = False) -> dict[str, Path]:
@@ -594,7 +675,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
                   model_config: Any = None, expected_sha256: dict[str, str] | None = None,
                   token: str | None = None, cache_dir: str | os.PathLike | None = None, *,
                   calibration: str = "default", endpoint: str | None = None,
-                  allow_other_model: bool = False, repo_type: str = "model") -> OscarArtifact:
+                  allow_other_model: bool = False, repo_type: str = "model", commit: str | None = None) -> OscarArtifact:
     """Load a validated artifact from a local path or from a zoo repo on the Hub.
 
     - `repo` is None: `path_or_model_id` is a local directory or `.safetensors` file (read_artifact);
@@ -603,6 +684,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
       branch or commit sha: see `pull_release` (resolve to a commit, download through the cache,
       verify sha256 against the release record and `expected_sha256`; offline from a warm cache).
       `repo_type` says which kind of Hub repo `repo` is ("model", the default, or "dataset").
+      `commit` (the manifest's recorded commit) pins the release: a revision naming another commit is refused.
 
     With `model_config` (a transformers config), the artifact is checked against it (heads, head_dim,
     layer count, and the model identity: the requested model id, else the config's `_name_or_path`)
@@ -626,7 +708,7 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
         return artifact
     model_id = str(path_or_model_id)
     pulled = pull_release(model_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,
-                          token=token, cache_dir=cache_dir, endpoint=endpoint, repo_type=repo_type)
+                          token=token, cache_dir=cache_dir, endpoint=endpoint, repo_type=repo_type, commit=commit)
     artifact = read_artifact(pulled.artifact_path)
     if artifact.metadata.get("model_id") != model_id:
         raise ModelMismatchError(

@@ -262,7 +262,8 @@ def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(
                                                                                  monkeypatch, capsys, reference):
     import oscar_calib.sharded_capture as sc
 
-    out, ckpt = tmp_path / "art", tmp_path / "art.checkpoint.safetensors"
+    out, ckpt_dir = tmp_path / "art", tmp_path / "art.checkpoint"
+    ckpt = ckpt_dir / "oscar.checkpoint.safetensors"
     real, calls = sc.forward_batch, []
 
     def interrupted(*a, **k):
@@ -290,12 +291,13 @@ def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(
     code, _, stderr = run_cli(args(model_dir, text_file, out, "--resume"), monkeypatch, capsys)
     assert code == 0, stderr
     assert "resumed from the checkpoint at sample 2" in stderr
-    assert digests(out) == digests(reference) and not ckpt.exists()
+    assert digests(out) == digests(reference) and not ckpt_dir.exists()
 
 
 @pytest.mark.slow  # subprocesses (torch + transformers start-up each); still part of `make test`
 def test_sigkill_at_several_points_then_resume_gives_the_same_bytes(model_dir, text_file, tmp_path, reference):
-    out, ckpt = tmp_path / "art", tmp_path / "art.checkpoint.safetensors"
+    out, ckpt_dir = tmp_path / "art", tmp_path / "art.checkpoint"
+    ckpt = ckpt_dir / "oscar.checkpoint.safetensors"
     runner = [sys.executable, str(ROOT / "tests" / "fault_runner.py")]
     run_args = args(model_dir, text_file, out, "--checkpoint-every", "1")
     # 1: killed inside the second batch (one checkpoint on disk); 2: killed between writing the next checkpoint
@@ -311,7 +313,7 @@ def test_sigkill_at_several_points_then_resume_gives_the_same_bytes(model_dir, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from the checkpoint at sample 2" in proc.stderr
     assert digests(out) == digests(reference)
-    assert not ckpt.exists() and not list(tmp_path.glob(".art.checkpoint.safetensors.tmp-*"))
+    assert not ckpt_dir.exists() and not list(tmp_path.glob(".art.checkpoint*"))
 
 
 # -- placement -----------------------------------------------------------------------------------------------------
@@ -409,22 +411,24 @@ def test_artifact_bits_do_not_depend_on_the_thread_count():
 
 
 def test_checkpoint_file_round_trip_and_refusals(tmp_path, reference):
-    from oscar_calib.checkpoint import load_checkpoint, save_checkpoint
+    from oscar_calib.checkpoint import MARKER_FILENAME, load_checkpoint, save_checkpoint
     from oscar_calib.stats import LayerStats
 
     totals = {3: LayerStats.zeros(2, 4)}
-    totals[3].key_sum += torch.arange(32, dtype=torch.float64).reshape(2, 4, 4)
+    totals[3].key_sum += torch.eye(4, dtype=torch.float64) * torch.arange(1, 3, dtype=torch.float64)[:, None, None]
     totals[3].query_count, totals[3].token_count = 12, 6
-    identity = {"tool_version": "oscar-calib 1", "data": {"seed": 0, "samples": 8}, "sample_range": [0, 8]}
-    path = tmp_path / "c.checkpoint.safetensors"
-    save_checkpoint(path, totals, 6, identity)
+    identity = {"tool_version": "oscar-calib 1", "data": {"seed": 0, "samples": 8, "seq_len": 3},
+                "geometry": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4}, "sample_range": [0, 8]}
+    path = tmp_path / "c.checkpoint"
+    save_checkpoint(path, totals, 2, identity)
+    assert sorted(p.name for p in path.iterdir()) == [MARKER_FILENAME, "oscar.checkpoint.safetensors"]
     back = load_checkpoint(path, identity)
-    assert back.next_sample == 6 and torch.equal(back.totals[3].key_sum, totals[3].key_sum)
+    assert back.next_sample == 2 and torch.equal(back.totals[3].key_sum, totals[3].key_sum)
     assert (back.totals[3].query_count, back.totals[3].token_count) == (12, 6)
-    assert not list(tmp_path.glob(".c.checkpoint.safetensors.tmp-*"))
+    assert not list(path.glob(".*.tmp-*"))
     with pytest.raises(InputError, match=r"data\.samples=8.*data\.samples=16"):
-        load_checkpoint(path, {**identity, "data": {"seed": 0, "samples": 16}})
-    with pytest.raises(InputError, match="'format'"):
-        load_checkpoint(reference / STATS_FILENAME, identity)
-    with pytest.raises(InputError, match="file not found"):
-        load_checkpoint(tmp_path / "missing.safetensors", identity)
+        load_checkpoint(path, {**identity, "data": {"seed": 0, "samples": 16, "seq_len": 3}})
+    with pytest.raises(InputError, match="not a checkpoint directory"):
+        load_checkpoint(reference, identity)
+    with pytest.raises(InputError, match="not a checkpoint directory"):
+        load_checkpoint(tmp_path / "missing", identity)

@@ -10,6 +10,7 @@ looking a code up imports nothing: `oscar-calib --help` stays free of torch.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 SUCCESS = 0
@@ -63,6 +64,7 @@ EXCEPTION_CODES: dict[str, int] = {
     "runtime_kernels.loader.ReleaseNotFoundError": HUB_REFUSED,
     "runtime_kernels.loader.HubUnreachableError": HUB_REFUSED,
     "runtime_kernels.atomic.OutputDirError": BAD_INPUT,
+    "runtime_kernels.atomic.DiskFullError": OTHER,  # a full disk / quota: the path and the bytes needed
     "runtime_kernels.cache.NonFiniteKVError": BAD_INPUT,
 }
 
@@ -81,7 +83,12 @@ def exit_code_for(exc: BaseException) -> int | None:
         code = EXCEPTION_CODES.get(f"{cls.__module__}.{cls.__qualname__}")
         if code is not None:
             return code
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:  # a write site without its own DiskFullError
+        return OTHER
     return None
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def require(module: str, extra: str, flag: str) -> None:

@@ -166,6 +166,9 @@ def pull_cmd(
     local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Also copy the verified files here.")] = None,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Hub cache (default: HF_HOME's).")] = None,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Local model dir or config.json to check the artifact against.")] = None,
+    commit: Annotated[str | None, typer.Option("--commit", help="The commit this release must be at (the manifest's record); anything else is refused.")] = None,
+    expected_sha256: Annotated[list[str] | None, typer.Option("--expected-sha256", help="NAME=HEX, repeatable: a file of the release must have this sha256.")] = None,
+    manifest: Annotated[Path | None, typer.Option("--manifest", help="zoo_manifest.yaml: take --commit and every file's sha256 from its record of this release.")] = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -175,16 +178,55 @@ def pull_cmd(
     check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
                 revision=("--revision", revision))
     config = _load_config(model_config)
-    if revision is None:
+    if revision is None and commit is None and manifest is None:
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
+    pins = _parse_pins(expected_sha256)
+    if manifest is not None:
+        commit, pins = _manifest_pins(manifest, model, repo, calibration, revision, commit, pins)
     with translate_errors():
         pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
-                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value)
+                      cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value,
+                      commit=commit, expected_sha256=pins or None)
     folder = pulled.artifact_path.parent
     if as_json:
         print(json.dumps({"repo": repo, "repo_type": repo_type.value, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
                           "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True))
     else:
         print(folder)
-        print(f"verified {len(pulled.record['files'])} file(s) of {repo}@{revision} (commit {pulled.commit})",
+        print(f"verified {len(pulled.record['files'])} file(s) of {repo}@{revision or commit} (commit {pulled.commit})",
               file=sys.stderr)
+
+
+def _parse_pins(items: list[str] | None) -> dict[str, str]:
+    """`--expected-sha256 NAME=HEX` items as a dict (checked by the loader, named by the flag here)."""
+    import re
+
+    pins: dict[str, str] = {}
+    for item in items or []:
+        name, sep, digest = item.partition("=")
+        if not sep or not name or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise InputError(f"--expected-sha256 {item!r}: expected NAME=HEX (a file name of the release, '=', 64 "
+                             "lowercase hex digits)")
+        if name in pins and pins[name] != digest:
+            raise InputError(f"--expected-sha256: two different digests for '{name}'")
+        pins[name] = digest
+    return pins
+
+
+def _manifest_pins(path: Path, model: str, repo: str, calibration: str, revision: str | None, commit: str | None,
+                   pins: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The manifest's commit and hashes of the release asked for; flags given as well must agree with them."""
+    from oscar_calib.manifest import load_manifest
+
+    zoo = load_manifest(path)
+    hits = [r for r in zoo.releases if (r.model_id, r.calibration, r.repo) == (model, calibration, repo)
+            and (revision is None or revision in (r.version, r.commit)) and (commit is None or r.commit == commit)]
+    if not hits:
+        raise InputError(f"--manifest {path}: no release of {model} ({calibration}) in {repo} matching "
+                         f"--revision {revision} / --commit {commit}")
+    release = max(hits, key=lambda r: int(r.version[1:]))
+    recorded = release.sha256s()
+    clash = next((n for n, d in pins.items() if recorded.get(n, d) != d), None)
+    if clash:
+        raise InputError(f"--expected-sha256 {clash}: differs from the manifest's {recorded[clash]}")
+    return release.commit, {**recorded, **pins}

@@ -109,7 +109,7 @@ def run(
     max_memory: Annotated[Optional[list[str]], typer.Option("--max-memory", help="Per-device limit for --device-map, repeatable: 0=70GiB, cpu=200GiB, disk=1TiB (or one JSON object); layers beyond it are offloaded.")] = None,
     offload_folder: Annotated[Optional[Path], typer.Option("--offload-folder", help="Where disk-offloaded weights go (default: a temporary directory).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option("--checkpoint-every", min=1, help="Checkpoint the statistics every K samples (atomic write).")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Checkpoint file (default: <out>.checkpoint.safetensors beside --out).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Checkpoint directory (default: <out>.checkpoint beside --out); an existing path must be a checkpoint directory.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint; refused if it was made with other settings.")] = False,
     shard: Annotated[Optional[str], typer.Option("--shard", help="INDEX/COUNT: sum only that contiguous part of the samples (merge with `oscar-calib stats merge`).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
@@ -151,8 +151,10 @@ def run(
     try:
         written = run_calibration(config, out, overwrite=overwrite, options=options)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
+        from oscar_calib.checkpoint import checkpoint_exists
+
         kept = options.checkpoint_path(out)
-        if (checkpoint_every or resume) and kept.exists():
+        if options.checkpointing() and checkpoint_exists(kept):
             typer.echo(f"the checkpoint {kept} is kept for --resume", err=True)
         raise
     if written is None:  # ranks other than 0 of a data-parallel run write nothing

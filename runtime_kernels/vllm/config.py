@@ -13,13 +13,13 @@ transformers config.
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from runtime_kernels.artifact import ArtifactError, OscarArtifact, check_against_model
-from runtime_kernels.loader import load_artifact
+from runtime_kernels.loader import COMMIT_RE, VERSION_RE, load_artifact
 
 CONFIG_KEY = "oscar"
 
@@ -28,13 +28,21 @@ class OscarServeConfig(BaseModel):
     """What the server loads. Exactly one of `path` (local directory or .safetensors) and `repo` (zoo repo on the
     Hub, with `revision`: a tag, branch or commit). `model_id` is the served model's Hub id (default: its name as
     vLLM was given it): the release pulled, and the identity the artifact must name; a model served from a local
-    copy names its Hub id here. `allow_other_model` accepts an artifact of another model with the same shapes."""
+    copy names its Hub id here. `allow_other_model` accepts an artifact of another model with the same shapes.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Pins (zoo_manifest.yaml's record of the release): `commit` (the revision must name it) and `expected_sha256`
+    (file name -> sha256). A branch name as `revision` is refused unless `allow_unpinned` is set: a branch moves.
+    Parsed strictly (pydantic strict mode): `"yes"` is not a boolean, `"2"` not a number, NaN and infinities are
+    refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     path: str | None = None
     repo: str | None = None
     revision: str | None = None
+    commit: str | None = Field(None, pattern=r"^[0-9a-f]{40}$")
+    expected_sha256: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = None
+    allow_unpinned: bool = False
     repo_type: Literal["model", "dataset"] = "model"  # the Hub keeps model and dataset repos apart
     model_id: str | None = None
     calibration: str = "default"
@@ -47,8 +55,15 @@ class OscarServeConfig(BaseModel):
     def _one_source(self) -> OscarServeConfig:
         if (self.path is None) == (self.repo is None):
             raise ValueError("give exactly one of 'path' (local artifact) and 'repo' (zoo repo on the Hub)")
-        if self.repo is not None and not self.revision:
+        if self.repo is not None and not self.revision and not self.commit:
             raise ValueError("'revision' is required with 'repo' (a release tag or commit: serving pins it)")
+        if self.repo is not None and self.revision and not self.allow_unpinned \
+                and not (VERSION_RE.fullmatch(self.revision) or COMMIT_RE.fullmatch(self.revision)):
+            raise ValueError(f"'revision' {self.revision!r} is a branch (it moves, so what is served could change "
+                             "under the server); give a release tag vN or a commit sha, with 'commit' and "
+                             "'expected_sha256' from zoo_manifest.yaml, or set 'allow_unpinned': true")
+        if self.path is not None and self.commit is not None:
+            raise ValueError("'commit' pins a Hub release; a local 'path' is pinned with 'expected_sha256'")
         if self.window_reserve < 1:
             raise ValueError(f"'window_reserve' must be >= 1, got {self.window_reserve}")
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
@@ -79,14 +94,14 @@ def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: s
     HF_HUB_OFFLINE=1) and check it against the served model's config. Mismatches raise ArtifactError /
     ModelMismatchError naming the field."""
     if cfg.path is not None:
-        artifact = load_artifact(cfg.path)
+        artifact = load_artifact(cfg.path, expected_sha256=cfg.expected_sha256)
     else:
         model_id = cfg.model_id or served_model
         if not model_id:
             raise ValueError(f"additional_config.{CONFIG_KEY}.model_id: needed to pull from '{cfg.repo}' "
                              f"when the served model has no Hub name")
         artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration,
-                                 repo_type=cfg.repo_type)
+                                 repo_type=cfg.repo_type, commit=cfg.commit, expected_sha256=cfg.expected_sha256)
     check_against_model(artifact, hf_config, model_id=cfg.model_id, allow_other_model=cfg.allow_other_model)
     if cfg.layers is not None:
         try:

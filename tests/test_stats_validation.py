@@ -1,0 +1,171 @@
+"""Issue 33 class 4: statistics files and merges are validated like artifacts.
+
+Real shard files come from `oscar-calib run --shard`; each hostile file is one of them with one field edited the
+way a careless script or a forger would (tensors and metadata rewritten with safetensors). `refit` and
+`stats merge` must refuse every one with exit 2, one line naming the field, and write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from test_scale import EPOCH, SAMPLES, args, model_dir, text_file  # noqa: F401  (module-scoped fixtures)
+
+from oscar_calib.cli import main
+from oscar_calib.errors import InputError
+from oscar_calib.stats_file import load_statistics, merge_statistics, read_safetensors, save_statistics
+
+
+@pytest.fixture(scope="module")
+def shards(model_dir, text_file, tmp_path_factory):  # noqa: F811
+    """Statistics files of shards 0/2 (samples [0, 2)) and 1/2 ([2, 5)) of one run."""
+    root = tmp_path_factory.mktemp("shards")
+    for i in range(2):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
+            mp.setattr(sys, "argv", ["oscar-calib", *args(model_dir, text_file, root / f"s{i}", "--shard", f"{i}/2")])
+            with pytest.raises(SystemExit) as exc:
+                main()
+        assert exc.value.code == 0
+    return [root / f"s{i}" / "oscar_stats.safetensors" for i in range(2)]
+
+
+def edited(src: Path, dst: Path, tensors=None, meta=None) -> Path:
+    """`src` with some tensors (name -> function of the old tensor, or None to drop it) and metadata replaced."""
+    old, old_meta = read_safetensors(src, "statistics")
+    new = dict(old)
+    for name, fn in (tensors or {}).items():
+        if fn is None:
+            new.pop(name)
+        else:
+            new[name] = fn(old[name].clone()).contiguous()
+    save_file(new, str(dst), metadata={**old_meta, **(meta or {})})
+    return dst
+
+
+def _set(index, value):
+    def fn(t):
+        t[index] = value
+        return t
+    return fn
+
+
+CASES = {
+    "NaN scaling": ({}, {"scaling": "nan"}, "scaling"),
+    "negative scaling": ({}, {"scaling": "-0.125"}, "scaling"),
+    "infinite scaling": ({}, {"scaling": "inf"}, "scaling"),
+    "NaN key sum": ({"key_sum": _set((0, 0, 1, 1), float("nan"))}, {}, "key_sum"),
+    "Inf value mean sum": ({"value_vec_sum": _set((1, 0, 0), float("inf"))}, {}, "value_vec_sum"),
+    "negative second moment": ({"attn_out_sum": _set((0, 1, 3, 3), -5.0)}, {}, "attn_out_sum"),
+    "negative logit weight": ({"logit_w_sum": _set((0, 0), -1.0)}, {}, "logit_w_sum"),
+    "zero counts": ({"token_count": lambda t: t * 0, "query_count": lambda t: t * 0}, {}, "token_count"),
+    "queries not tokens x group": ({"query_count": lambda t: t + 1}, {}, "query_count"),
+    "counts of another sample count": ({"token_count": lambda t: t * 2, "query_count": lambda t: t * 2}, {},
+                                       "sample_ranges"),
+    "relabelled range (count)": ({}, {"sample_ranges": "[[0, 3]]"}, "sample_ranges"),
+    "range past the data": ({}, {"sample_ranges": "[[4, 6]]"}, "sample_ranges"),
+    "range malformed": ({}, {"sample_ranges": "[[2]]"}, "sample_ranges"),
+    "ranges overlapping": ({}, {"sample_ranges": "[[0, 2], [1, 2]]"}, "sample_ranges"),
+    "NaN held-out key": ({"holdout_keys": _set((0, 0, 0, 3, 5), float("nan"))}, {}, "holdout_keys"),
+    "held-out position outside": ({"holdout_positions": lambda t: t + 10**6}, {}, "holdout_positions"),
+    "truncated o_proj": ({"o_proj.0": lambda t: t[:, :-8]}, {}, "o_proj.0"),
+    "o_proj of another hidden size": ({"o_proj.1": lambda t: t[:-4]}, {}, "o_proj.1"),
+    "NaN o_proj": ({"o_proj.0": _set((0, 0), float("nan"))}, {}, "o_proj.0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_statistics_are_refused_naming_the_field(case, shards, tmp_path, monkeypatch, capsys):
+    tensors, meta, field = CASES[case]
+    bad = edited(shards[0], tmp_path / "bad.safetensors", tensors, meta)
+    with pytest.raises(InputError, match=f"field '{field}'|tensor '{field}'"):
+        load_statistics(bad)
+    code, out, err = run_cli(["refit", str(bad), "--out", str(tmp_path / "o"), "--sink", "4", "--recent", "8"],
+                             monkeypatch, capsys)
+    assert code == 2 and field in err and "Traceback" not in err and out == "", err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+    code, _, err = run_cli(["stats", "merge", str(bad), str(shards[1]), "--out", str(tmp_path / "m.safetensors")],
+                           monkeypatch, capsys)
+    assert code == 2 and field in err and not (tmp_path / "m.safetensors").exists(), err
+
+
+def test_the_real_shards_load_and_merge(shards, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(["stats", "merge", *map(str, shards), "--out", str(tmp_path / "m.safetensors")],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    merged = load_statistics(tmp_path / "m.safetensors")
+    assert merged.provenance.sample_ranges == [[0, SAMPLES]]
+    # The merge records its inputs: each capture's sample ranges and the digest of its sums.
+    assert [p["sample_ranges"] for p in merged.provenance.parts] == [[[0, 2]], [[2, 5]]]
+
+
+def test_a_shard_relabelled_with_another_range_is_not_counted_twice(shards, tmp_path, monkeypatch, capsys):
+    # The regression: shard 0's sums, relabelled [3, 5) (same length, so the counts agree), merged with shard 0.
+    relabelled = edited(shards[0], tmp_path / "relabelled.safetensors", meta={"sample_ranges": "[[3, 5]]"})
+    assert load_statistics(relabelled).provenance.sample_ranges == [[3, 5]]  # alone it is consistent
+    code, _, err = run_cli(["stats", "merge", str(shards[0]), str(relabelled), "--out", str(tmp_path / "m.safetensors")],
+                           monkeypatch, capsys)
+    assert code == 2 and "bit-identical sums" in err and "counted twice" in err, err
+    assert not (tmp_path / "m.safetensors").exists()
+    # Nor through an earlier merge: the merged file records the digests of its parts.
+    merged = merge_statistics([(str(p), load_statistics(p)) for p in shards], "2023-11-14T22:13:20Z")
+    save_statistics(merged, tmp_path / "m01.safetensors")
+    twice = edited(shards[1], tmp_path / "s1-as-5-8.safetensors", meta={"sample_ranges": "[[5, 8]]",
+                                                                         "data": _data_with_samples(shards[1], 8)})
+    with pytest.raises(InputError):  # another 'samples' in the data identity is refused first
+        merge_statistics([("m01", load_statistics(tmp_path / "m01.safetensors")), ("s1", load_statistics(twice))], "")
+
+
+def _data_with_samples(path: Path, samples: int) -> str:
+    _, meta = read_safetensors(path, "statistics")
+    data = json.loads(meta["data"])
+    data["samples"] = samples
+    return json.dumps(data, sort_keys=True)
+
+
+def test_tampered_merge_record_is_refused(shards, tmp_path):
+    merged = merge_statistics([(str(p), load_statistics(p)) for p in shards], "2023-11-14T22:13:20Z")
+    path = save_statistics(merged, tmp_path / "m.safetensors")
+    _, meta = read_safetensors(path, "statistics")
+    parts = json.loads(meta["parts"])[:1]
+    bad = edited(path, tmp_path / "bad.safetensors", meta={"parts": json.dumps(parts)})
+    with pytest.raises(InputError, match="field 'parts'"):
+        load_statistics(bad)
+
+
+_TENSORS = ["key_sum", "attn_out_sum", "logit_v_sum", "logit_w_sum", "key_vec_sum", "value_vec_sum", "holdout_keys",
+            "holdout_values", "holdout_queries"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(_TENSORS), position=st.integers(0, 10**9),
+       value=st.sampled_from([float("nan"), float("inf"), float("-inf"), -3e38, -1.0, 0.0, 3e38]))
+def test_fuzz_one_element_of_any_tensor(name, position, value, shards, tmp_path_factory):
+    """Any element set to anything: refused naming the tensor, or accepted with every invariant the solver needs."""
+    path = tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+
+    def poke(t):
+        flat = t.reshape(-1)
+        flat[position % flat.numel()] = value
+        return flat.reshape(t.shape)
+
+    edited(shards[0], path, {name: poke})
+    try:
+        stats = load_statistics(path)
+    except InputError as exc:
+        assert name in str(exc) and "\n" not in str(exc)
+        return
+    for s in stats.stats.values():
+        for t in (s.key_sum, s.attn_out_sum, s.logit_v_sum, s.logit_w_sum, s.key_vec_sum, s.value_vec_sum):
+            assert torch.isfinite(t).all()
+        assert (s.key_sum.diagonal(dim1=-2, dim2=-1) >= 0).all() and (s.logit_w_sum >= 0).all()
+    for rows in stats.holdout.values():
+        assert all(torch.isfinite(t).all() for t in rows.stacked()[:3])
