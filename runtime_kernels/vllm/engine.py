@@ -29,6 +29,7 @@ from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.cache import check_served_quantizer, rotate_rows
 from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.memory_budget import CacheTooLargeError, available_bytes
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
 
@@ -43,6 +44,21 @@ def window_blocks_per_request(layout: CacheLayout) -> int:
     tokens, which may straddle one more block."""
     p = layout.page_size
     return layout.sink_tokens // p + -(-(layout.recent_tokens + p - 1) // p) + 1
+
+
+def check_window_store_fits(device: torch.device, layout: CacheLayout, *, num_layers: int, capacity: int,
+                            num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Refuse (CacheTooLargeError, naming the windows and the bytes) a `WindowStore` the device cannot hold, before
+    allocating it: windows near the contract's 2^20-token maximum would otherwise fail in the allocator."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    need = num_layers * 2 * (capacity + 1) * num_kv_heads * layout.page_size * head_dim * elem
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise CacheTooLargeError(
+            f"field 'sink_tokens'/'recent_tokens': windows of {layout.sink_tokens} + {layout.recent_tokens} tokens "
+            f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
+            f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
+            "sequences (max_num_seqs)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -279,6 +295,8 @@ class OscarEngine:
         self.v_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.value_mean("rotated")] \
             if centered else [None] * len(self.v_rotation)
         capacity = window_capacity or 2 * int(max_seqs) * window_blocks_per_request(self.layout)
+        check_window_store_fits(self.device, self.layout, num_layers=len(self.local_of), capacity=capacity,
+                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
 

@@ -19,6 +19,7 @@ from runtime_kernels.vllm.engine import (
     StaticStep,
     _causal_attention,
     history_tokens,
+    window_blocks_per_request,
 )
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
@@ -243,6 +244,27 @@ def test_engine_refuses_bad_geometry():
         engine.plan([RequestStep(0, 20, 0, [0])])
     with pytest.raises(KeyError, match="layer 7: not calibrated"):
         engine.local_index(7)
+
+
+def test_engine_refuses_windows_the_device_cannot_hold_before_allocating(monkeypatch):
+    """Windows near the contract's 2^20-token maximum: one line naming the windows and the bytes, before any window
+    store is allocated; the bytes named are what the store would allocate."""
+    import runtime_kernels.vllm.engine as engine_mod
+    from runtime_kernels.memory_budget import CacheTooLargeError
+
+    art = random_artifact()
+    big = CacheLayout(sink_tokens=2**20, recent_tokens=2**20, page_size=P)
+    allocated = []
+    monkeypatch.setattr(engine_mod, "WindowStore", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 16 * 2**30)  # a 16 GiB device
+    with pytest.raises(CacheTooLargeError, match=r"windows of 1048576 \+ 1048576 tokens need a window store of (\d+) bytes") as exc:
+        OscarEngine(art, max_seqs=64, dtype=torch.bfloat16, layout=big)
+    assert not allocated
+    capacity = 2 * 64 * window_blocks_per_request(big)
+    want = 2 * 2 * (capacity + 1) * H * P * D * 2  # layers x (K, V) x slots x heads x block x d x bf16 bytes
+    assert f"need a window store of {want} bytes" in str(exc.value)
+    OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, layout=LAYOUT)  # the test layout fits and is built
+    assert allocated
 
 
 def static_vs_eager(backend: str, dtype=torch.bfloat16, decode_steps: int = 20):
