@@ -12,7 +12,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
 
 _EXAMPLES = """
 Examples:
@@ -73,6 +73,7 @@ def audit_cmd(
     plots: Annotated[Path | None, typer.Option("--plots", help="Write heatmap PNGs into this directory.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    model_id: ModelIdOpt = None,
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model: audit an artifact "
                                                     "calibrated for another model id (shapes must still match).")] = False,
     as_json: JsonOpt = False,
@@ -94,7 +95,7 @@ def audit_cmd(
         _log(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
-        from oscar_calib.cli.checks import check_model, local_model_id
+        from oscar_calib.cli.checks import check_model
         from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.evaluate import make_windows, read_documents
         from oscar_calib.job import Choices, resolve_device, resolve_dtype
@@ -107,7 +108,7 @@ def audit_cmd(
         tok = load_tokenizer(model, revision, False)
         lm = load_model(model, revision, torch_dtype, dev, False)
         if raw.contract_error is None:
-            check_model(read_artifact(artifact), lm.config, model_id=local_model_id(model),
+            check_model(read_artifact(artifact), lm.config, model=model, model_id=model_id,
                         allow_other_model=allow_other_model)
         data = data or FIXTURE_DIR / "heldout.txt"
         w = make_windows(tok, read_documents(data), seq_len)

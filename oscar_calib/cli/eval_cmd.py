@@ -12,7 +12,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
 from oscar_calib.errors import InputError
 
 _EXAMPLES = """
@@ -117,6 +117,7 @@ def write_plot(result: dict, path: Path) -> None:
 def eval_cmd(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Hub model id or local directory (default: the trained fixture).")] = None,
     revision: RevisionOpt = None,
+    model_id: ModelIdOpt = None,
     artifact: Annotated[list[Path] | None, typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
     calib_data: Annotated[Path | None, typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
@@ -153,11 +154,10 @@ def eval_cmd(
     from runtime_kernels.artifact import model_geometry, read_artifact
     from runtime_kernels.layout import RECIPE_LAYOUT
 
-    model_id = None  # the model's identity for the artifact check (default: its config's path)
     if model is None:
         if not fixture_available():
             raise InputError("--model is required: the trained fixture is not installed with this package")
-        model, model_id = str(FIXTURE_DIR), FIXTURE_MODEL_ID  # the id the demo's artifacts name
+        model, model_id = str(FIXTURE_DIR), model_id or FIXTURE_MODEL_ID  # the id the demo's artifacts name
         _log(f"model={model} (the trained fixture: no --model given)")
     if data is None:
         data = FIXTURE_DIR / "heldout.txt"
@@ -187,7 +187,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_model(art, lm.config, model_id=model_id, allow_other_model=allow_other_model)
+        check_model(art, lm.config, model=model, model_id=model_id, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"

@@ -105,10 +105,16 @@ def push_cmd(
                                                   "content is already released as another version (exit 0).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the directory and list what would be "
                                                             "uploaded; contact no Hub.")] = False,
+    include_stats: Annotated[bool, typer.Option("--include-stats", help="Also upload oscar_stats.safetensors: "
+                                                "statistics of your calibration data and the model's o_proj "
+                                                "weights (off by default).")] = False,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Publish an artifact directory as one atomic, tagged release of a zoo repo.
+
+    Uploads the artifact, its eval*.json receipts, a model card and release.json. The statistics file goes up
+    only with --include-stats (a warning says what it holds); calibration_log.json stays local.
 
     Content that is already released creates nothing and names that version. With `--version vN`, that is
     an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
@@ -118,12 +124,19 @@ def push_cmd(
 
     check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
     if not directory.is_dir():
-        raise InputError(f"DIR {directory}: not a directory (expected an artifact directory)")
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise InputError(f"DIR {directory}: {what} (expected an artifact directory)")
+    from oscar_calib.hub import STATS_FILENAME, STATS_WARNING
+
+    stats = directory / STATS_FILENAME
+    if include_stats and stats.is_file():
+        print(f"Warning: --include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}",
+              file=sys.stderr)
     if dry_run:
         from oscar_calib.cli.zoo_cmd import _push_plan
 
-        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN",
-                                                            "repo_type": repo_type.value}
+        plan = _push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
+                                                                           "repo_type": repo_type.value}
         if as_json:
             print(json.dumps(plan, indent=2, sort_keys=True))
         else:
@@ -131,10 +144,14 @@ def push_cmd(
                   f"{plan['version']}:")
             for name, rec in plan["files"].items():
                 print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
+            print("  + README.md (model card) and release.json, generated")
+            if plan["local_only"]:
+                print(f"kept local: {', '.join(plan['local_only'])}")
         return
     with translate_errors():
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value)
+                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value,
+                      include_stats=include_stats)
     if version is not None and result.version != version and not result.created and not allow_unchanged:
         raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "

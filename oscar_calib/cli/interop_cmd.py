@@ -99,7 +99,7 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
-    from oscar_calib.cli.checks import check_model, local_model_id
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.reference_format import export_reference
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
@@ -110,7 +110,7 @@ def export_cmd(
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
-        check_model(artifact, _load_config(model_config), model_id=local_model_id(model_config),
+        check_model(artifact, _load_config(model_config), model=model_config,
                     allow_other_model=allow_other_model)
     with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         written = export_reference(artifact, tmp, head_reduce=getattr(head_reduce, "value", head_reduce),

@@ -263,18 +263,19 @@ def publish_cmd(
         print(json.dumps({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True))
 
 
-def _push_plan(directory: Path, repo: str, calibration: str) -> dict:
+def _push_plan(directory: Path, repo: str, calibration: str, include_stats: bool = False) -> dict:
     """What `push` would upload from `directory` (checked locally: names, contract), without the Hub."""
-    from oscar_calib.hub import collect_files
+    from oscar_calib.hub import collect_files, local_only
     from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
     from runtime_kernels.loader import file_record, release_dir
 
     with translate_errors():
-        files = collect_files(directory)
+        files = collect_files(directory, include_stats)
         meta = read_artifact(files[ARTIFACT_FILENAME]).metadata
         base = release_dir(meta["model_id"], calibration)
     return {"repo": repo, "path_in_repo": base, "model_id": meta["model_id"],
-            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()}}
+            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()},
+            "local_only": local_only(directory, files)}
 
 
 # --- list ----------------------------------------------------------------------------------------
