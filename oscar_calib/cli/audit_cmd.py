@@ -88,8 +88,13 @@ def audit_cmd(
 
     from oscar_calib.audit import audit_artifact, capture_activations, load_raw
     from oscar_calib.audit_plots import write_audit_plots
+    from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.errors import InputError, IntegrityError
 
+    if not Path(artifact).exists():
+        raise InputError(f"ARTIFACT {artifact}: no such file or directory (expected an artifact directory or "
+                         "oscar_kv.safetensors file)")
+    check_model_ref(model)
     raw = load_raw(artifact)
     if raw.contract_error:
         _log(f"the artifact breaks the contract: {raw.contract_error}")

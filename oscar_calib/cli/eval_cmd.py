@@ -145,6 +145,7 @@ def eval_cmd(
     import torch
 
     from oscar_calib.cli.checks import check_model
+    from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
@@ -154,6 +155,11 @@ def eval_cmd(
     from runtime_kernels.artifact import model_geometry, read_artifact
     from runtime_kernels.layout import RECIPE_LAYOUT
 
+    check_model_ref(model)  # a missing path (exit 2) or an unreachable Hub (exit 5) before anything loads
+    for path in artifact or []:
+        if not path.exists():
+            raise InputError(f"--artifact {path}: no such directory (expected an artifact directory or "
+                             "oscar_kv.safetensors file)")
     if model is None:
         if not fixture_available():
             raise InputError("--model is required: the trained fixture is not installed with this package")

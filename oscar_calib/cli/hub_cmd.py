@@ -26,13 +26,31 @@ CalibrationOpt = Annotated[
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
 
 
+# The runtime names its Python arguments (`field 'revision'`); on the command line the same input is a flag.
+_FLAG_OF_ARGUMENT = {"repo": "--repo", "revision": "--revision", "repo_type": "--repo-type",
+                     "calibration": "--calibration", "version": "--version", "local_dir": "--local-dir"}
+
+
+def flag_words(message: str) -> str:
+    """`field 'revision': ...` -> `--revision: ...` for the arguments that are flags of the hub commands."""
+    for name, flag in _FLAG_OF_ARGUMENT.items():
+        message = message.replace(f"field '{name}':", f"{flag}:")
+    return message
+
+
 @contextlib.contextmanager
 def translate_errors():
-    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch)."""
+    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch), with the runtime's argument
+    names turned into the flags the user typed."""
+    from oscar_calib.errors import OscarError
     from oscar_calib.hub import translate_errors as translate
 
-    with translate():
-        yield
+    try:
+        with translate():
+            yield
+    except OscarError as exc:
+        exc.args = (flag_words(str(exc)),)
+        raise
 
 
 def check_flags(**values: tuple[str, object]) -> None:

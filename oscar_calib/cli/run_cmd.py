@@ -116,10 +116,13 @@ def run(
     as_json: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
+    from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
     from oscar_calib.job import RunOptions, run_calibration
     from oscar_calib.placement import parse_max_memory
 
     demo = model is None
+    check_model_ref(model)  # before anything loads: a missing path (2), an unreachable Hub (5), no `datasets` (7)
+    check_dataset_ref(dataset)
     try:
         config = CalibrationConfig(
             model=model,
