@@ -81,6 +81,9 @@ def test_readme_snippets_run_as_printed(tmp_path):
     demo = subprocess.run([sys.executable, "-m", "oscar_calib", "run", "--out", "zoo/demo", "--overwrite"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-2000:]
+    card = (work / "zoo" / "demo" / "README.md").read_text()  # the model card: commands, no timings, no empty fields
+    assert "OscarCache.from_pretrained" in card and "--additional-config" in card
+    assert "Timings" not in card and "None" not in card
     r = subprocess.run(["bash", "-c", script(README)], cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stderr[-4000:]}\n{r.stdout[-2000:]}"
     assert (work / "pulled").is_dir() and (work / "fake-hub").is_dir()
