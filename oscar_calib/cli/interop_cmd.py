@@ -38,7 +38,7 @@ def import_cmd(
     v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
     sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens the reference served with (default: the layout's).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens the reference served with (default: the layout's).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out directory.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
@@ -90,7 +90,7 @@ def export_cmd(
     head_reduce: Annotated[HeadReduce, typer.Option("--head-reduce", help="none: refuse differing per-head "
                                                     "rotations; first: use KV head 0's rotation per layer.")
                            ] = HeadReduce.none,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out directory.")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
     reference_version: Annotated[int, typer.Option("--reference-version", help="2: per KV head (v3 when keys are centred); "
                                                                                "1: one rotation per layer.")] = 2,

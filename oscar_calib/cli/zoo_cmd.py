@@ -21,12 +21,13 @@ from typing import Annotated, Any
 import typer
 
 from oscar_calib.cli.app import CONTEXT, app
+from oscar_calib.cli.help_layout import UserOrderGroup
 from oscar_calib.cli.hub_cmd import check_flags, endpoint, translate_errors
 from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
 zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
-                      no_args_is_help=True, context_settings=CONTEXT)
+                      no_args_is_help=True, context_settings=CONTEXT, cls=UserOrderGroup)
 app.add_typer(zoo_app, name="zoo")
 
 ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
