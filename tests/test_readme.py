@@ -81,6 +81,7 @@ def test_readme_snippets_run_as_printed(tmp_path):
     demo = subprocess.run([sys.executable, "-m", "oscar_calib", "run", "--out", "zoo/demo", "--overwrite"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-2000:]
+    assert "wrote zoo/demo/:" in demo.stderr and "oscar-calib eval --artifact zoo/demo" in demo.stderr
     card = (work / "zoo" / "demo" / "README.md").read_text()  # the model card: commands, no timings, no empty fields
     assert "OscarCache.from_pretrained" in card and "--additional-config" in card
     assert "Timings" not in card and "None" not in card

@@ -157,7 +157,31 @@ def run(
     if as_json:
         typer.echo(json.dumps(_run_result(Path(out)), indent=2, sort_keys=True))
     else:
+        typer.echo(written_summary(Path(out), model), err=True)
         typer.echo(str(out))
+
+
+# What each file of an output directory is, for the summary a run ends with (push uploads only the first two).
+_WHAT = {"oscar_kv.safetensors": "artifact (what serving loads)",
+         "README.md": "model card",
+         "calibration_log.json": "run log (stays local)",
+         "oscar_stats.safetensors": "statistics (stays local)"}
+
+
+def written_summary(out: Path, model: str | None) -> str:
+    """A few lines on stderr: what was written (paths, sizes) and the next two commands."""
+    lines = [f"wrote {out}/:"]
+    for name, what in _WHAT.items():
+        path = out / name
+        if path.is_file():
+            size = path.stat().st_size
+            shown = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 2**10:.0f} KB"
+            lines.append(f"  {name:<24} {shown:>7}  {what}")
+    model_flag = "" if model is None else f" --model {model}"
+    lines += ["next:",
+              f"  oscar-calib eval{model_flag} --artifact {out}      # vs BF16 and the baselines",
+              f"  oscar-calib push {out} --repo ORG/NAME --dry-run   # what push would upload"]
+    return "\n".join(lines)
 
 
 def _run_result(out: Path) -> dict:
