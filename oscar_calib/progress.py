@@ -25,7 +25,6 @@ class Stages:
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
-
         from rich.table import Column
 
         self.console = console or Console(stderr=True)
