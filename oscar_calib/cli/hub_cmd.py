@@ -39,9 +39,9 @@ def flag_words(message: str) -> str:
 
 
 @contextlib.contextmanager
-def translate_errors():
-    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch), with the runtime's argument
-    names turned into the flags the user typed."""
+def translate_errors(flags: bool = False):
+    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch); with `flags` (push, pull)
+    the runtime's argument names are turned into the flags the user typed (`zoo` reads them from the manifest)."""
     from oscar_calib.errors import OscarError
     from oscar_calib.hub import translate_errors as translate
 
@@ -49,7 +49,8 @@ def translate_errors():
         with translate():
             yield
     except OscarError as exc:
-        exc.args = (flag_words(str(exc)),)
+        if flags:
+            exc.args = (flag_words(str(exc)),)
         raise
 
 
@@ -166,7 +167,7 @@ def push_cmd(
             if plan["local_only"]:
                 print(f"kept local: {', '.join(plan['local_only'])}")
         return
-    with translate_errors():
+    with translate_errors(flags=True):
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
                       endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value,
                       include_stats=include_stats)
@@ -212,7 +213,7 @@ def pull_cmd(
     config = _load_config(model_config)
     if revision is None:
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
-    with translate_errors():
+    with translate_errors(flags=True):
         pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
                       cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value)
     folder = pulled.artifact_path.parent

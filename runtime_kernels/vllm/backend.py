@@ -79,7 +79,7 @@ class _PluginState:
         self.artifact = artifact
         self.calibrated = frozenset(int(i) for i in artifact.layer_ids.tolist())
         n_layers = model_geometry(model_config.hf_config)[0]
-        dtype = model_config.dtype
+        dtype = getattr(model_config, "dtype", None) or torch.bfloat16  # for the log line only (vLLM sets it)
         dense = 2 * artifact.head_dim * torch.empty((), dtype=dtype).element_size()
         logger.info("%s", startup_line(str(artifact.source), artifact.metadata.get("model_id", "?"),
                                        sorted(self.calibrated), n_layers, self.packed.bytes_per_token_head, dense,
