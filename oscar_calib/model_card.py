@@ -77,7 +77,8 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         "",
         "| field | value |",
         "|---|---|",
-        f"| model revision | `{meta['model_revision']}` |",
+        *([f"| model revision | `{meta['model_revision']}` |"] if meta.get("model_revision") not in (None, "", "None")
+          else []),
         f"| dataset | `{calib.get('dataset')}`"
         f"{f' (revision `{rev}`)' if (rev := calib.get('dataset_revision')) else ''}, split `{calib.get('split')}` |",
         f"| samples x seq_len | {calib.get('samples')} x {calib.get('seq_len')} ({calib.get('tokens')} tokens), "

@@ -46,3 +46,29 @@ def test_plugin_logger_is_printed_by_vllms_handler():
     finally:
         vllm_logger.handlers, vllm_logger.level, vllm_logger.propagate = old
     assert "OSCAR INT2 KV cache on: test" in stream.getvalue()
+
+
+def test_vllm_refusal_names_the_config_keys(tmp_path):
+    """Through the plugin's loader (no vLLM needed): a local copy of the model is refused with advice in
+    `additional_config.oscar` words, accepted with `model_id` or `allow_other_model`; the exception keeps its type."""
+    import pytest
+    from transformers import AutoConfig, Qwen3Config
+
+    from runtime_kernels.artifact import ModelMismatchError, identity_artifact, write_artifact
+    from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact
+
+    Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                hidden_size=128).save_pretrained(tmp_path / "model")
+    config = AutoConfig.from_pretrained(tmp_path / "model")
+    write_artifact(identity_artifact(2, 2, 4, 32, model_id="org/model"), tmp_path / "art")
+    path = str(tmp_path / "art")
+    with pytest.raises(ModelMismatchError) as info:
+        load_checked_artifact(OscarServeConfig(path=path), config)
+    text = str(info.value)
+    assert text.startswith("OSCAR: additional_config.oscar.path: ") and "\n" not in text
+    assert '"model_id": "org/model" in additional_config.oscar' in text
+    assert '"allow_other_model": true in additional_config.oscar' in text and "--allow-other-model" not in text
+    assert load_checked_artifact(OscarServeConfig(path=path, model_id="org/model"), config).num_layers == 2
+    assert load_checked_artifact(OscarServeConfig(path=path, allow_other_model=True), config).num_layers == 2
+    with pytest.raises(Exception, match=r"additional_config\.oscar\.path: .*no such file or directory"):
+        load_checked_artifact(OscarServeConfig(path=str(tmp_path / "missing")), config)
