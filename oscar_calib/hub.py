@@ -1,6 +1,6 @@
 """Publish an artifact directory as a versioned release of a zoo repo on the Hugging Face Hub.
 
-One release = one commit that writes `<model_id>/<calibration>/` (artifact, stats files, model card,
+One release = one commit that writes `<model_id>/<calibration>/` (artifact, eval receipts, model card,
 `release.json` with every file's sha256 and size) + one git tag `vN` on that commit's sha.
 
 Guarantees:

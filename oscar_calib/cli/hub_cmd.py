@@ -112,7 +112,7 @@ Examples:
 
 @app.command("push", epilog=_PUSH_EXAMPLES)
 def push_cmd(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory, as `run --out` writes it (statistics stay local unless --include-stats).")],
     repo: RepoOpt,
     repo_type: RepoTypeOpt = RepoType.model,
     version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
