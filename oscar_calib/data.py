@@ -88,8 +88,12 @@ def _text_of(row: dict, cfg: DataConfig, where: str) -> str | list:
 def _hub_texts(cfg: DataConfig) -> Iterator[str | list]:
     try:
         import datasets
-    except ImportError as exc:  # pragma: no cover - optional dependency
-        raise InputError("Hub datasets need the 'datasets' package: pip install 'oscar-calib[data]'") from exc
+    except ImportError:
+        from oscar_calib.errors import MissingDependencyError
+
+        kind = "the local dataset folder" if Path(cfg.dataset).is_dir() else "the Hub dataset"
+        raise MissingDependencyError(f"--dataset: reading {kind} '{cfg.dataset}' needs the 'datasets' package, which "
+                                     "is not installed; install it with `pip install 'oscar-calib[data]'`") from None
     try:
         stream = datasets.load_dataset(cfg.dataset, cfg.dataset_config, revision=cfg.dataset_revision,
                                        split=cfg.split, streaming=True)

@@ -25,3 +25,8 @@ class IntegrityError(OscarError):
 
 class HubError(OscarError):
     """A Hub operation was refused (moving a tag, racing publisher, missing release)."""
+
+
+class MissingDependencyError(OscarError):
+    """An optional package needed by the requested input or option is not installed (the message gives the pip
+    command); raised before any work."""

@@ -355,18 +355,27 @@ def runtime_available() -> str | None:
     return None
 
 
+def cache_kw(model, cache) -> dict:
+    """`{name: cache}` for a forward call: `cache=` where the model's forward takes it (transformers 5.2x, which
+    deprecates `past_key_values=` with a FutureWarning), else `past_key_values=` (5.17 knows only that)."""
+    import inspect
+
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    return {"cache" if takes_cache else "past_key_values": cache}
+
+
 @torch.no_grad()
 def greedy_continuation(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     """BF16 (plain cache) greedy continuation: `prompt [1, P]` -> `[1, steps]` token ids."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids=prompt, **cache_kw(model, cache), use_cache=True).logits[:, -1]
     out = []
     for _ in range(steps):
         tok = logits.argmax(dim=-1, keepdim=True)
         out.append(tok)
-        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok, **cache_kw(model, cache), use_cache=True).logits[:, -1]
     return torch.cat(out, dim=1)
 
 
@@ -385,9 +394,9 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
                                          page_size=page_size, sink_tokens=sink, recent_tokens=recent,
                                          backend=backend, allow_other_model=True)  # identity: checked by the caller
-        logits = [model(input_ids=tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
+        logits = [model(input_ids=tokens[:, :prompt_len], **cache_kw(model, cache), use_cache=True).logits[:, -1:]]
         for pos in range(prompt_len, tokens.shape[1] - 1):
-            logits.append(model(input_ids=tokens[:, pos:pos + 1], past_key_values=cache, use_cache=True).logits)
+            logits.append(model(input_ids=tokens[:, pos:pos + 1], **cache_kw(model, cache), use_cache=True).logits)
         return torch.cat(logits, dim=1).float()
 
 
@@ -428,6 +437,7 @@ def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: i
 __all__ = [
     "EvalSession",
     "bootstrap_delta_ci",
+    "cache_kw",
     "Windows",
     "evaluate_methods",
     "evaluating",

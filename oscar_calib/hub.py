@@ -1,6 +1,6 @@
 """Publish an artifact directory as a versioned release of a zoo repo on the Hugging Face Hub.
 
-One release = one commit that writes `<model_id>/<calibration>/` (artifact, stats files, model card,
+One release = one commit that writes `<model_id>/<calibration>/` (artifact, eval receipts, model card,
 `release.json` with every file's sha256 and size) + one git tag `vN` on that commit's sha.
 
 Guarantees:
@@ -82,29 +82,51 @@ def next_version(tags: list[str]) -> str:
     return f"v{max(numbers, default=0) + 1}"
 
 
-def collect_files(directory: Path) -> dict[str, Path]:
-    """The files of an artifact directory to publish: regular top-level files, generated ones excluded.
+STATS_FILENAME = "oscar_stats.safetensors"  # oscar_calib.stats_file's name (not imported: that brings torch)
+STATS_WARNING = ("{name} ({size:.1f} MB) holds statistics computed from your calibration data (second moments of "
+                 "its keys, values and queries, the held-out sequence's captured keys, values and queries) and every "
+                 "layer's o_proj weight of the model: publish it only if both may be public")
+
+
+def is_receipt(name: str) -> bool:
+    """Evaluation receipts (`eval*.json`): measured results the model card cites, published with the artifact."""
+    return name.startswith("eval") and name.endswith(".json")
+
+
+def collect_files(directory: Path, include_stats: bool = False) -> dict[str, Path]:
+    """The files of an artifact directory to publish: the artifact and its evaluation receipts, plus the
+    statistics file only with `include_stats` (it carries calibration data and model weights). Everything else
+    (`calibration_log.json`: local paths, timings, environment) stays local: `local_only` lists it.
 
     Refuses symlinks, sub-directories and unsafe names, so nothing outside the directory is uploaded.
     """
     if not directory.is_dir():
-        raise InputError(f"field 'DIR': '{directory}' is not a directory (expected an artifact directory)")
+        raise InputError(f"DIR {directory}: no such directory (expected an artifact directory)")
     files: dict[str, Path] = {}
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith(".") or entry.name in GENERATED:
             continue
         if entry.is_symlink() or not entry.is_file():
-            raise InputError(f"field 'DIR': '{entry}' is not a regular file (symlinks and sub-directories are not published)")
+            raise InputError(f"DIR {directory}: '{entry.name}' is not a regular file (symlinks and sub-directories "
+                             "are not published)")
         try:
             check_component(entry.name, "file name")
         except UnsafeNameError as exc:
             raise InputError(f"{directory}: {exc}") from None
-        files[entry.name] = entry
+        if entry.name == ARTIFACT_FILENAME or is_receipt(entry.name) or (include_stats and entry.name == STATS_FILENAME):
+            files[entry.name] = entry
     if ARTIFACT_FILENAME not in files:
-        raise InputError(f"field 'DIR': '{directory}' has no '{ARTIFACT_FILENAME}'")
+        raise InputError(f"DIR {directory}: has no '{ARTIFACT_FILENAME}' (expected an artifact directory, as "
+                         "`oscar-calib run --out DIR` writes it)")
     if len(files) > MAX_FILES:
-        raise InputError(f"field 'DIR': {len(files)} files, at most {MAX_FILES} are published")
+        raise InputError(f"DIR {directory}: {len(files)} files, at most {MAX_FILES} are published")
     return files
+
+
+def local_only(directory: Path, files: dict[str, Path]) -> list[str]:
+    """The regular files of `directory` that a push leaves out (generated ones aside)."""
+    return sorted(e.name for e in directory.iterdir() if e.is_file() and not e.name.startswith(".")
+                  and e.name not in files and e.name not in GENERATED)
 
 
 def _receipts(files: dict[str, Path]) -> dict[str, Any]:
@@ -276,10 +298,13 @@ class _Remote:
 def push(directory: str | Path, repo: str, *, version: str | None = None, calibration: str = "default",
          private: bool = False, token: str | None = None, endpoint: str | None = None,
          recipe: dict[str, Any] | None = None, commit_message: str | None = None,
-         repo_type: str = "model") -> PushResult:
+         repo_type: str = "model", include_stats: bool = False) -> PushResult:
     """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN).
     `commit_message` replaces the default '<model_id>/<calibration>: release vN'. `repo_type` is the kind
-    of Hub repo the zoo is ("model" or "dataset"); a repo of that name and the other kind is refused."""
+    of Hub repo the zoo is ("model" or "dataset"); a repo of that name and the other kind is refused.
+    Uploaded: the artifact, its `eval*.json` receipts, the model card and `release.json`; the statistics
+    (`oscar_stats.safetensors`: calibration data and o_proj weights) only with `include_stats=True`. Files are
+    streamed from disk by huggingface_hub (a path per `CommitOperationAdd`, never read whole here)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.utils import HfHubHTTPError
 
@@ -292,7 +317,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
         raise InputError(str(exc)) from None
     if version is not None:
         check_version(version)
-    files = collect_files(directory)
+    files = collect_files(directory, include_stats)
     artifact = read_artifact(files[ARTIFACT_FILENAME])  # the contract is checked before anything is sent
     meta = artifact.metadata
     try:
@@ -300,9 +325,11 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     except UnsafeNameError as exc:
         raise InputError(f"{artifact.source}: {exc}") from None
     base = release_dir(meta["model_id"], calibration)
-    # Read each file once: the bytes hashed are the bytes uploaded, even if the directory changes meanwhile.
-    contents = {name: path.read_bytes() for name, path in files.items()}
-    hashes = {name: {"sha256": _sha256(data), "size": len(data)} for name, data in contents.items()}
+    # huggingface_hub hashes each file in chunks when the operation is built and uploads from the path: the
+    # record's sha256 is the client's own, so a file changed after this point fails the pull's verification.
+    uploads = {name: CommitOperationAdd(f"{base}/{name}", str(path)) for name, path in files.items()}
+    hashes = {name: {"sha256": op.upload_info.sha256.hex(), "size": op.upload_info.size}
+              for name, op in uploads.items()}
     receipts = _receipts(files)
     local_card = directory / CARD_FILENAME
     run_report = local_card.read_text(encoding="utf-8", errors="replace") if local_card.is_file() else None
@@ -345,7 +372,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             listed = {**hashes, CARD_FILENAME: {"sha256": _sha256(card), "size": len(card)}}
             record = release_record(meta["model_id"], meta["model_revision"], calibration, version, listed)
             record_bytes = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
-            ops: list[Any] = [CommitOperationAdd(f"{base}/{n}", data) for n, data in contents.items()]
+            ops: list[Any] = list(uploads.values())
             ops += [CommitOperationAdd(f"{base}/{CARD_FILENAME}", card),
                     CommitOperationAdd(f"{base}/{RELEASE_FILENAME}", record_bytes)]
             keep = {f"{base}/{n}" for n in [*files, CARD_FILENAME, RELEASE_FILENAME]}

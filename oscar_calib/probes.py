@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_calib.errors import InputError
-from oscar_calib.evaluate import EvalSession, evaluating
+from oscar_calib.evaluate import EvalSession, cache_kw, evaluating
 from oscar_calib.methods import KVMethod
 from runtime_kernels.layout import DEFAULT_LAYOUT
 
@@ -111,16 +111,16 @@ def verbatim_recall(model, window: torch.Tensor, passage_start: int, passage_len
     total = prompt.shape[1] + generate + passage_len + 1
 
     def run(cache) -> float:
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt, **cache_kw(model, cache), use_cache=True).logits[:, -1]
         for _ in range(generate):
             tok = logits.argmax(dim=-1, keepdim=True)
-            logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
-        logits = model(input_ids=passage[None, :cue], past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=tok, **cache_kw(model, cache), use_cache=True).logits[:, -1]
+        logits = model(input_ids=passage[None, :cue], **cache_kw(model, cache), use_cache=True).logits[:, -1]
         out = []
         for _ in range(passage_len - cue):
             tok = logits.argmax(dim=-1, keepdim=True)
             out.append(tok)
-            logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=tok, **cache_kw(model, cache), use_cache=True).logits[:, -1]
         got = torch.cat(out, dim=1)[0]
         return float((got == passage[cue:]).float().mean())
 

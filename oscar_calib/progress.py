@@ -25,12 +25,22 @@ class Stages:
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
+        from rich.table import Column
 
         self.console = console or Console(stderr=True)
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[unit]}"), TextColumn("{task.fields[note]}"),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 console=self.console, transient=False)
+
+        def fixed() -> Column:
+            return Column(no_wrap=True)
+
+        # Under 100 columns (an 80-column terminal) the free-text note (tokens per second, the layer being fitted)
+        # is left out so that the counter and the times are never cut (the counter used to read "10240/102…").
+        columns = [TextColumn("[bold]{task.description}", table_column=fixed()), BarColumn(bar_width=10),
+                   MofNCompleteColumn(table_column=fixed()), TextColumn("{task.fields[unit]}", table_column=fixed()),
+                   TimeElapsedColumn(table_column=fixed()), TextColumn("ETA"),
+                   TimeRemainingColumn(table_column=fixed())]
+        if self.console.width >= 100:
+            columns.append(TextColumn("{task.fields[note]}", table_column=Column(no_wrap=True, overflow="ellipsis")))
+        self.progress = Progress(*columns, console=self.console, transient=False)
 
     def __enter__(self) -> Stages:
         self.progress.__enter__()

@@ -415,14 +415,26 @@ def same_model(artifact_model_id: str, identity: str) -> bool:
     return False
 
 
+# How each caller is told to fix an identity refusal, in its own words (flag, keyword or config key): the rule is
+# one (`check_against_model`), the advice names the option the caller really has.
+IDENTITY_ADVICE = {
+    "python": ("model_id='{id}'", "allow_other_model=True"),
+    "cli": ("--model-id {id}", "--allow-other-model"),
+    "vllm": ('"model_id": "{id}" in additional_config.oscar', '"allow_other_model": true in additional_config.oscar'),
+}
+
+
 def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | None = None,
-                        model_revision: str | None = None, *, allow_other_model: bool = False) -> None:
+                        model_revision: str | None = None, *, allow_other_model: bool = False,
+                        advice: str = "python") -> None:
     """Refuse an artifact that does not fit the model (`config`: a transformers PretrainedConfig or its text config).
 
-    Shapes (heads, head_dim, layer count) must always match. The artifact's `model_id` must name the
-    model (`model_id` if given, else `config._name_or_path`; see `same_model`) unless
-    `allow_other_model=True`; a model whose identity is unknown (a config built in memory) is checked
-    on shapes only. Raises ModelMismatchError naming the field, the artifact's value and the model's.
+    The one identity rule of the project: `load_artifact`, `OscarCache`, `eval`, `audit`, `export` and the vLLM
+    plugin all call it. Shapes (heads, head_dim, layer count) must always match. The artifact's `model_id` must
+    name the model (`model_id` if given: the Hub id a local copy stands for; else `config._name_or_path`; see
+    `same_model`) unless `allow_other_model=True`; a model whose identity is unknown (a config built in memory)
+    is checked on shapes only. Raises ModelMismatchError naming the field, the artifact's value and the model's,
+    with advice in the words of `advice` ("python", "cli" or "vllm": `IDENTITY_ADVICE`).
     """
     n_layers, h_q, h_kv, d = model_geometry(config)
     meta = artifact.metadata
@@ -436,9 +448,11 @@ def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | No
             f"the model has {n_layers} layers")
     identity = model_identity(config, model_id)
     if identity is not None and not allow_other_model and not same_model(meta["model_id"], identity):
+        name_it, waive = IDENTITY_ADVICE[advice]
         raise ModelMismatchError(
             f"{src}: field 'model_id': artifact was calibrated for '{meta['model_id']}', the model is '{identity}'; "
-            "pass allow_other_model=True (CLI: --allow-other-model) to use it anyway (shapes still must match)")
+            f"if that is a local copy of '{meta['model_id']}' pass {name_it.format(id=meta['model_id'])}, "
+            f"or {waive} to use it with another model (shapes still must match)")
     if model_revision is not None and meta["model_revision"] != model_revision:
         raise ModelMismatchError(
             f"{src}: field 'model_revision': artifact has '{meta['model_revision']}', expected '{model_revision}'")
@@ -468,6 +482,7 @@ __all__ = [
     "ORTHOGONALITY_TOL",
     "SCHEMA_VERSION",
     "ArtifactError",
+    "IDENTITY_ADVICE",
     "ModelMismatchError",
     "OscarArtifact",
     "build_metadata",

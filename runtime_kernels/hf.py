@@ -132,11 +132,11 @@ class OscarCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int | None = None,
                  recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None,
-                 allow_other_model: bool = False):
+                 allow_other_model: bool = False, model_id: str | None = None):
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact (or a path to one), got {type(artifact).__name__}")
         artifact.validate()
-        check_against_model(artifact, model_config, allow_other_model=allow_other_model)
+        check_against_model(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model)
         cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         if batch_size is not None and int(batch_size) < 1:
             raise ValueError(f"batch_size: expected a positive integer or None (= the first prompt's), got {batch_size}")
@@ -191,7 +191,8 @@ class OscarCache(Cache):
                         revision: str | None = None, calibration: str = "default",
                         expected_sha256: dict[str, str] | None = None, token: str | None = None,
                         cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
-                        repo_type: str = "model", commit: str | None = None, **cache_kwargs) -> OscarCache:
+                        repo_type: str = "model", commit: str | None = None, model_id: str | None = None,
+                        allow_other_model: bool = False, **cache_kwargs) -> OscarCache:
         """One call from the Hub (or a local artifact) to a cache, through `runtime_kernels.load_artifact`.
 
         With `repo`, `model_id_or_path` is the model id and `revision` the release (a version tag or commit
@@ -206,10 +207,13 @@ class OscarCache(Cache):
         if repo is not None and revision is None and commit is None:
             raise ValueError("revision: required with repo= (a version tag such as 'v1', or a commit sha) so the "
                              "release is pinned")
+        if model_id is None and repo is not None:
+            model_id = str(model_id_or_path)  # the Hub id the release was asked for is the model's identity
         artifact = load_artifact(model_id_or_path, repo=repo, revision=revision, model_config=model_config,
                                  expected_sha256=expected_sha256, token=token, cache_dir=cache_dir,
-                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit)
-        return cls(artifact, model_config, **cache_kwargs)
+                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit,
+                                 model_id=model_id, allow_other_model=allow_other_model)
+        return cls(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model, **cache_kwargs)
 
     @classmethod
     def from_artifact(cls, artifact: OscarArtifact | str | os.PathLike, model_config, *,
@@ -217,7 +221,8 @@ class OscarCache(Cache):
                       device: torch.device | str | None = None,
                       dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size,
                       sink_tokens: int | None = None, recent_tokens: int | None = None, clip: bool = True,
-                      max_seqs: int | None = None, allow_other_model: bool = False) -> OscarCache:
+                      max_seqs: int | None = None, allow_other_model: bool = False,
+                      model_id: str | None = None) -> OscarCache:
         """Build a cache for `model_config` from an artifact (object or path); refuses a mismatched artifact.
 
         Args:
@@ -229,12 +234,15 @@ class OscarCache(Cache):
             clip: False turns clipping off (for exactness checks).
             max_seqs: window slots (default: batch_size, or the first prompt's batch).
             allow_other_model: use an artifact whose model_id names another model (shapes must still match).
+            model_id: the Hub id of the model when it was loaded from a local copy (the artifact must name it;
+                default: `model_config._name_or_path`).
         """
         if isinstance(artifact, (str, os.PathLike, Path)):
             artifact = read_artifact(artifact)
         return cls(artifact, model_config, batch_size=batch_size, max_tokens=max_tokens, device=device,
                    dtype=dtype, backend=backend, page_size=page_size, sink_tokens=sink_tokens,
-                   recent_tokens=recent_tokens, clip=clip, max_seqs=max_seqs, allow_other_model=allow_other_model)
+                   recent_tokens=recent_tokens, clip=clip, max_seqs=max_seqs, allow_other_model=allow_other_model,
+                   model_id=model_id)
 
     # -- internals ------------------------------------------------------------------------------------------
     def _ensure_paged(self, key_states: torch.Tensor) -> PagedKVCache:

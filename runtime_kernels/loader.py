@@ -664,7 +664,7 @@ def copy_release_files(files: dict[str, Path], local_dir: Path, overwrite: bool 
 
 def _check_model(artifact: OscarArtifact, model_config: Any, model_id: str | None,
                  allow_other_model: bool = False) -> None:
-    """check_against_model with its ArtifactError turned into ModelMismatchError (another model)."""
+    """check_against_model (the one identity rule) with any ArtifactError turned into ModelMismatchError."""
     try:
         check_against_model(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model)
     except ArtifactError as exc:
@@ -675,7 +675,8 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
                   model_config: Any = None, expected_sha256: dict[str, str] | None = None,
                   token: str | None = None, cache_dir: str | os.PathLike | None = None, *,
                   calibration: str = "default", endpoint: str | None = None,
-                  allow_other_model: bool = False, repo_type: str = "model", commit: str | None = None) -> OscarArtifact:
+                  allow_other_model: bool = False, repo_type: str = "model", commit: str | None = None,
+                  model_id: str | None = None) -> OscarArtifact:
     """Load a validated artifact from a local path or from a zoo repo on the Hub.
 
     - `repo` is None: `path_or_model_id` is a local directory or `.safetensors` file (read_artifact);
@@ -687,14 +688,17 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
       `commit` (the manifest's recorded commit) pins the release: a revision naming another commit is refused.
 
     With `model_config` (a transformers config), the artifact is checked against it (heads, head_dim,
-    layer count, and the model identity: the requested model id, else the config's `_name_or_path`)
-    and a mismatch raises ModelMismatchError; `allow_other_model=True` waives the identity check only.
+    layer count, and the model identity) and a mismatch raises ModelMismatchError. The model's identity is
+    `model_id` when given (the Hub id a local copy of a model stands for: `model_id="Qwen/Qwen3-8B"` for a
+    model loaded from `./qwen3-8b`), else the requested Hub id with `repo`, else the config's `_name_or_path`.
+    `allow_other_model=True` waives the identity check only (shapes must still match).
     """
     if repo is None:
         path = Path(path_or_model_id)
         if not path.exists():
             raise ReleaseNotFoundError(
-                f"field 'path_or_model_id': no local artifact at '{path}'; to pull from the Hub pass repo= and revision=")
+                f"{path}: no such file or directory (expected a local artifact directory or .safetensors file); "
+                f"to pull a release from the Hub pass repo= and revision=")
         if expected_sha256:
             folder = path if path.is_dir() else path.parent
             paths = {name: folder / check_relative_file(name, "expected_sha256") for name in expected_sha256}
@@ -704,21 +708,21 @@ def load_artifact(path_or_model_id: str | os.PathLike, repo: str | None = None, 
             verify_files(paths, {n: {"sha256": d} for n, d in expected_sha256.items()}, str(folder))
         artifact = read_artifact(path)
         if model_config is not None:
-            _check_model(artifact, model_config, None, allow_other_model)
+            _check_model(artifact, model_config, model_id, allow_other_model)
         return artifact
-    model_id = str(path_or_model_id)
-    pulled = pull_release(model_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,
+    hub_id = str(path_or_model_id)
+    pulled = pull_release(hub_id, repo, revision, calibration=calibration, expected_sha256=expected_sha256,
                           token=token, cache_dir=cache_dir, endpoint=endpoint, repo_type=repo_type, commit=commit)
     artifact = read_artifact(pulled.artifact_path)
-    if artifact.metadata.get("model_id") != model_id:
+    if artifact.metadata.get("model_id") != hub_id:  # the release holds what it was asked for (not the model check)
         raise ModelMismatchError(
-            f"{artifact.source}: field 'model_id': artifact has '{artifact.metadata.get('model_id')}', expected '{model_id}'")
+            f"{artifact.source}: field 'model_id': artifact has '{artifact.metadata.get('model_id')}', expected '{hub_id}'")
     if pulled.record["model_revision"] != artifact.metadata.get("model_revision"):
         raise ArtifactError(
             f"{artifact.source}: field 'model_revision': artifact has '{artifact.metadata.get('model_revision')}', "
             f"release record has '{pulled.record['model_revision']}'")
     if model_config is not None:
-        _check_model(artifact, model_config, model_id)
+        _check_model(artifact, model_config, model_id or hub_id, allow_other_model)
     return artifact
 
 

@@ -92,7 +92,7 @@ def test_run_jsonl_and_dataset_folder(model_dir, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "case,expected_code,message",
     [
-        ("unknown_model", 2, "--model /nonexistent/model: cannot load its config"),
+        ("unknown_model", 2, "--model /nonexistent/model: no such directory"),
         ("no_text_column", 2, "no text column 'text'"),
         ("folder_no_text_column", 2, "no text column 'text'"),
         ("too_few_tokens", 2, "needs"),

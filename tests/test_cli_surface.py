@@ -56,8 +56,10 @@ def test_every_hub_facing_command_has_repo_type_and_token():
 def test_readme_serving_section_shows_the_one_call_hub_path_and_cache_kwarg():
     readme = (REPO_ROOT / "README.md").read_text()
     section = readme.partition("## Serving with a 2-bit KV cache (transformers)")[2].partition("\n## ")[0]
-    code = section.partition("```python\n")[2].partition("```")[0]
-    compile(code, "README serving snippet", "exec")  # valid Python
+    blocks = [part.partition("```")[0] for part in section.split("```python\n")[1:]]
+    for block in blocks:
+        compile(block, "README serving snippet", "exec")  # valid Python (tests/test_readme.py runs them)
+    code = "\n".join(blocks)
     assert re.search(r"OscarCache\.from_pretrained\([^)]*repo=[^)]*revision=", code), code
     assert re.search(r"\.generate\([^)]*\bcache=cache\b", code), code
     assert not re.search(r"\.generate\([^)]*past_key_values=", code)  # the old, deprecated spelling is not the call

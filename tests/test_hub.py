@@ -125,12 +125,12 @@ def test_repush_identical_is_a_noop_and_names_the_version(hub, tmp_path):
 
 
 def test_new_content_is_next_version_old_tag_keeps_old_content(hub, tmp_path):
-    a = make_artifact(tmp_path / "a", seed=0, extra={"stats.json": "{}"})
+    a = make_artifact(tmp_path / "a", seed=0, extra={"eval_old.json": "{}"})
     b = make_artifact(tmp_path / "b", seed=1)
     r1, r2 = do_push(hub, a), do_push(hub, b)
     assert (r1.version, r2.version) == ("v1", "v2") and r1.commit != r2.commit
-    assert f"{MODEL}/default/stats.json" in tree(hub, "v1")
-    assert f"{MODEL}/default/stats.json" not in tree(hub, "v2")  # stale files of the release dir are removed
+    assert f"{MODEL}/default/eval_old.json" in tree(hub, "v1")
+    assert f"{MODEL}/default/eval_old.json" not in tree(hub, "v2")  # stale files of the release dir are removed
     assert torch.equal(do_load(hub, tmp_path, "v1").k_rotation, read_artifact(a).k_rotation)
     assert torch.equal(do_load(hub, tmp_path, "v2").k_rotation, read_artifact(b).k_rotation)
     # Pushing the v1 content again: nothing new, and it says v1 has it.

@@ -161,7 +161,7 @@ def test_push_dry_run_contacts_no_hub(tmp_path, monkeypatch, capsys):
     assert plan["files"]["oscar_kv.safetensors"]["sha256"] == hashlib.sha256(
         (art / "oscar_kv.safetensors").read_bytes()).hexdigest()
     code, _, err = run_cli(["push", str(tmp_path / "missing"), "--repo", REPO, "--dry-run"], monkeypatch, capsys)
-    assert code == exit_codes.BAD_INPUT and "not a directory" in err
+    assert code == exit_codes.BAD_INPUT and "no such directory" in err
 
 
 def test_validate_json(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from oscar_calib import __version__
+from oscar_calib.cli.help_layout import UserOrderGroup
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -19,6 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     context_settings=CONTEXT,
+    cls=UserOrderGroup,  # commands in the order a user meets them, options in panels (help_layout.py)
 )
 
 

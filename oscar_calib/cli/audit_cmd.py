@@ -12,7 +12,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
 
 _EXAMPLES = """
 Examples:
@@ -73,6 +73,7 @@ def audit_cmd(
     plots: Annotated[Path | None, typer.Option("--plots", help="Write heatmap PNGs into this directory.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    model_id: ModelIdOpt = None,
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="With --model: audit an artifact "
                                                     "calibrated for another model id (shapes must still match).")] = False,
     as_json: JsonOpt = False,
@@ -89,14 +90,19 @@ def audit_cmd(
 
     from oscar_calib.audit import audit_artifact, capture_activations, load_raw
     from oscar_calib.audit_plots import write_audit_plots
+    from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.errors import InputError, IntegrityError
 
+    if not Path(artifact).exists():
+        raise InputError(f"ARTIFACT {artifact}: no such file or directory (expected an artifact directory or "
+                         "oscar_kv.safetensors file)")
+    check_model_ref(model)
     raw = load_raw(artifact)
     if raw.contract_error:
         _log(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
-        from oscar_calib.cli.checks import check_model, local_model_id
+        from oscar_calib.cli.checks import check_model
         from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.evaluate import make_windows, read_documents
         from oscar_calib.job import Choices, resolve_device, resolve_dtype
@@ -109,7 +115,7 @@ def audit_cmd(
         tok = load_tokenizer(model, revision, False)
         lm = load_model(model, revision, torch_dtype, dev, False)
         if raw.contract_error is None:
-            check_model(read_artifact(artifact), lm.config, model_id=local_model_id(model),
+            check_model(read_artifact(artifact), lm.config, model=model, model_id=model_id,
                         allow_other_model=allow_other_model)
         data = data or FIXTURE_DIR / "heldout.txt"
         w = make_windows(tok, read_documents(data), seq_len)

@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 
-def check_model(artifact: Any, config: Any, model_id: str | None = None, allow_other_model: bool = False) -> None:
+def check_model(artifact: Any, config: Any, model: Any = None, model_id: str | None = None,
+                allow_other_model: bool = False) -> None:
     """Refuse an artifact made for another model as `ModelMismatchError` (exit 2 in every command).
 
-    `runtime_kernels.artifact.check_against_model` raises the contract's generic `ArtifactError` (exit 4);
-    a shape or id that disagrees with the *model* is a wrong input, not a corrupt file.
+    The rule is the runtime's (`runtime_kernels.artifact.check_against_model`, shared with `OscarCache`,
+    `load_artifact` and the vLLM plugin); this only picks the model's identity the CLI way (`--model-id`, else the
+    Hub id the package knows for `model`'s directory, else the config's path) and words the advice as flags. A
+    shape or id that disagrees with the *model* is a wrong input (exit 2), not a corrupt file (exit 4).
     """
     from runtime_kernels.artifact import ArtifactError, check_against_model
     from runtime_kernels.loader import ModelMismatchError
 
+    identity = model_id or (local_model_id(model) if model is not None else None)
     try:
-        check_against_model(artifact, config, model_id=model_id, allow_other_model=allow_other_model)
+        check_against_model(artifact, config, model_id=identity, allow_other_model=allow_other_model, advice="cli")
     except ModelMismatchError:
         raise
     except ArtifactError as exc:

@@ -12,7 +12,7 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
 from oscar_calib.errors import InputError
 
 _EXAMPLES = """
@@ -69,19 +69,54 @@ def _pct(x) -> str:
     return "n/a" if not isinstance(x, float) else f"{100 * x:.0f}%"
 
 
+def _ci(ci) -> str:
+    return "" if not ci or any(x != x for x in ci) else f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def compare_to_best_peer(result: dict, oscar_names: list[str]) -> dict:
+    """Each OSCAR row against the best non-OSCAR INT2 row of no more bits at 128K (lowest perplexity): the paired
+    bootstrap interval of the perplexity change over the same windows, and a verdict that a reader can trust (a tie
+    when the interval holds 0)."""
+    import torch
+
+    from oscar_calib.evaluate import bootstrap_delta_ci
+
+    rows = {r["name"]: r for r in result["methods"]}
+    out = {}
+    for name in oscar_names:
+        r = rows.get(name)
+        if r is None:
+            continue
+        # a peer of no more bits at 128K (KIVI with 32-token groups spends 2.74 bits: not a peer of a 2.25-bit cache)
+        peers = [p for p in result["methods"] if p["name"] not in oscar_names and p["name"] != "bf16"
+                 and p["effective_bits_128k"] <= r["effective_bits_128k"] + 1e-9]
+        if not peers:
+            continue
+        best = min(peers, key=lambda p: p["ppl"])
+        lo, hi = bootstrap_delta_ci(torch.tensor(r["window_nll"]), torch.tensor(best["window_nll"]))
+        delta = 100.0 * (r["ppl"] / best["ppl"] - 1.0)
+        verdict = "tie" if lo != lo or lo <= 0 <= hi else ("better" if hi < 0 else "worse")
+        out[name] = {"peer": best["name"], "delta_pct": delta, "ci95": [lo, hi], "verdict": verdict}
+    return out
+
+
 def _table(result: dict):
     from rich.table import Table
 
+    vs = result.get("vs_best_peer", {})
     t = Table(title=f"KV methods at context {result['context']} (sink {result['sink']}, recent {result['recent']}; "
-                    f"{result['windows']['long']} long + {result['windows']['packed']} packed windows)")
-    for col in ("method", "bits/elem", "bits@128K", "ppl", "Δ vs BF16", "ppl 2nd half", "ppl long", "ppl packed",
-                "attn KL", "out err"):
+                    f"{result['windows']['long']} long + {result['windows']['packed']} packed windows)",
+              caption="Intervals: 95 % paired bootstrap over the windows; a change whose interval holds 0 is a tie.")
+    for col in ("method", "bits@128K", "ppl", "Δ vs BF16 [95 % CI]", "vs best peer [95 % CI]", "attn KL", "out err"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for r in result["methods"]:
         delta = r["ppl_delta_pct"]
-        t.add_row(r["name"], f"{r['effective_bits']:.2f}", f"{r['effective_bits_128k']:.2f}", f"{r['ppl']:.3f}",
-                  "" if delta is None else f"{delta:+.2f}%", f"{r['ppl_second_half']:.3f}", f"{r['ppl_long']:.3f}",
-                  f"{r['ppl_packed']:.3f}", f"{r['mean_attn_kl']:.4f}", f"{r['mean_out_rel_err']:.4f}")
+        peer = vs.get(r["name"])
+        peer_text = (f"{peer['delta_pct']:+.2f}%{_ci(peer['ci95'])} vs {peer['peer']}: {peer['verdict']}"
+                     if peer else "")
+        t.add_row(r["name"], f"{r['effective_bits_128k']:.2f}", f"{r['ppl']:.3f}",
+                  "" if delta is None else f"{delta:+.2f}%{_ci(r.get('ppl_delta_ci95'))}", peer_text,
+                  f"{r['mean_attn_kl']:.4f}", f"{r['mean_out_rel_err']:.4f}")
     return t
 
 
@@ -104,6 +139,9 @@ def write_plot(result: dict, path: Path) -> None:
             b.plot([x["layer"] for x in r["layers"]], [max(x["attn_kl"], 1e-12) for x in r["layers"]], marker="o",
                    label=r["name"])
     b.set_yscale("log")
+    from matplotlib.ticker import MaxNLocator
+
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
     b.set_xlabel("layer")
     b.set_ylabel("attention KL to BF16")
     b.legend(fontsize=8)
@@ -117,6 +155,7 @@ def write_plot(result: dict, path: Path) -> None:
 def eval_cmd(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Hub model id, local directory or .gguf file (default: the trained fixture).")] = None,
     revision: RevisionOpt = None,
+    model_id: ModelIdOpt = None,
     artifact: Annotated[list[Path] | None, typer.Option("--artifact", "-a", help="OSCAR artifact (repeatable). Default: calibrate per-head and per-layer on --calib-data.")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file; documents separated by lines '<|endoftext|>' (default: the fixture's heldout.txt).")] = None,
     calib_data: Annotated[Path | None, typer.Option("--calib-data", help="Calibration text when no --artifact is given (default: the fixture's calib.txt).")] = None,
@@ -144,6 +183,7 @@ def eval_cmd(
     import torch
 
     from oscar_calib.cli.checks import check_model, local_model_id
+    from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
@@ -153,11 +193,15 @@ def eval_cmd(
     from runtime_kernels.artifact import model_geometry, read_artifact
     from runtime_kernels.layout import RECIPE_LAYOUT
 
-    model_id = None  # the model's identity for the artifact check (default: its config's path)
+    check_model_ref(model)  # a missing path (exit 2) or an unreachable Hub (exit 5) before anything loads
+    for path in artifact or []:
+        if not path.exists():
+            raise InputError(f"--artifact {path}: no such directory (expected an artifact directory or "
+                             "oscar_kv.safetensors file)")
     if model is None:
         if not fixture_available():
             raise InputError("--model is required: the trained fixture is not installed with this package")
-        model, model_id = str(FIXTURE_DIR), FIXTURE_MODEL_ID  # the id the demo's artifacts name
+        model, model_id = str(FIXTURE_DIR), model_id or FIXTURE_MODEL_ID  # the id the demo's artifacts name
         _log(f"model={model} (the trained fixture: no --model given)")
     elif is_gguf(model):
         require("gguf", "gguf", f"--model {model}")
@@ -190,7 +234,7 @@ def eval_cmd(
     arts = {}
     for path in artifact or []:
         art = read_artifact(path)
-        check_model(art, lm.config, model_id=model_id, allow_other_model=allow_other_model)
+        check_model(art, lm.config, model=model, model_id=model_id, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"
@@ -210,7 +254,11 @@ def eval_cmd(
     if not windows.all():
         raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
     head_dim = model_geometry(lm.config)[3]
+    from oscar_calib.peers import centered_peer
+
     all_methods = standard_methods(head_dim, arts)
+    first_oscar = next((i for i, m in enumerate(all_methods) if m.name in arts), len(all_methods))
+    all_methods[first_oscar:first_oscar] = centered_peer(arts)  # the strongest simple peer, next to OSCAR
     if methods:
         wanted = [m.strip() for m in methods.split(",") if m.strip()]
         known = [m.name for m in all_methods]
@@ -238,7 +286,6 @@ def eval_cmd(
         gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
         result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps,
                                                               sink=sink, recent=recent)
-        _log(f"generation agreement: {result['generation_agreement']}")
     if probes > 0:
         from oscar_calib.probes import run_probes
 
@@ -246,6 +293,7 @@ def eval_cmd(
                                       probes, sink, recent)
         brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in result["probes"]["passkey"].items()}
         _log(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
+    result["vs_best_peer"] = compare_to_best_peer(result, list(arts))
     result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                    "seconds": round(time.perf_counter() - t0, 1)})

@@ -54,6 +54,7 @@ EXCEPTION_CODES: dict[str, int] = {
     "oscar_calib.errors.CaptureError": CAPTURE,
     "oscar_calib.errors.IntegrityError": INTEGRITY,
     "oscar_calib.errors.HubError": HUB_REFUSED,
+    "oscar_calib.errors.MissingDependencyError": MISSING_DEPENDENCY,
     "oscar_calib.cli.exit_codes.UnchangedRelease": UNCHANGED,
     "oscar_calib.cli.exit_codes.MissingDependency": MISSING_DEPENDENCY,
     "runtime_kernels.contract.ArtifactError": INTEGRITY,

@@ -26,13 +26,32 @@ CalibrationOpt = Annotated[
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
 
 
+# The runtime names its Python arguments (`field 'revision'`); on the command line the same input is a flag.
+_FLAG_OF_ARGUMENT = {"repo": "--repo", "revision": "--revision", "repo_type": "--repo-type",
+                     "calibration": "--calibration", "version": "--version", "local_dir": "--local-dir"}
+
+
+def flag_words(message: str) -> str:
+    """`field 'revision': ...` -> `--revision: ...` for the arguments that are flags of the hub commands."""
+    for name, flag in _FLAG_OF_ARGUMENT.items():
+        message = message.replace(f"field '{name}':", f"{flag}:")
+    return message
+
+
 @contextlib.contextmanager
-def translate_errors():
-    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch)."""
+def translate_errors(flags: bool = False):
+    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch); with `flags` (push, pull)
+    the runtime's argument names are turned into the flags the user typed (`zoo` reads them from the manifest)."""
+    from oscar_calib.errors import OscarError
     from oscar_calib.hub import translate_errors as translate
 
-    with translate():
-        yield
+    try:
+        with translate():
+            yield
+    except OscarError as exc:
+        if flags:
+            exc.args = (flag_words(str(exc)),)
+        raise
 
 
 def check_flags(**values: tuple[str, object]) -> None:
@@ -93,7 +112,7 @@ Examples:
 
 @app.command("push", epilog=_PUSH_EXAMPLES)
 def push_cmd(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory (oscar_kv.safetensors + stats).")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Artifact directory, as `run --out` writes it (statistics stay local unless --include-stats).")],
     repo: RepoOpt,
     repo_type: RepoTypeOpt = RepoType.model,
     version: Annotated[str | None, typer.Option("--version", help="Version tag vN (default: next free vN).")] = None,
@@ -105,10 +124,16 @@ def push_cmd(
                                                   "content is already released as another version (exit 0).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the directory and list what would be "
                                                             "uploaded; contact no Hub.")] = False,
+    include_stats: Annotated[bool, typer.Option("--include-stats", help="Also upload oscar_stats.safetensors: "
+                                                "statistics of your calibration data and the model's o_proj "
+                                                "weights (off by default).")] = False,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Publish an artifact directory as one atomic, tagged release of a zoo repo.
+
+    Uploads the artifact, its eval*.json receipts, a model card and release.json. The statistics file goes up
+    only with --include-stats (a warning says what it holds); calibration_log.json stays local.
 
     Content that is already released creates nothing and names that version. With `--version vN`, that is
     an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
@@ -118,12 +143,19 @@ def push_cmd(
 
     check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
     if not directory.is_dir():
-        raise InputError(f"DIR {directory}: not a directory (expected an artifact directory)")
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise InputError(f"DIR {directory}: {what} (expected an artifact directory)")
+    from oscar_calib.hub import STATS_FILENAME, STATS_WARNING
+
+    stats = directory / STATS_FILENAME
+    if include_stats and stats.is_file():
+        print(f"Warning: --include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}",
+              file=sys.stderr)
     if dry_run:
         from oscar_calib.cli.zoo_cmd import _push_plan
 
-        plan = _push_plan(directory, repo, calibration) | {"version": version or "next free vN",
-                                                            "repo_type": repo_type.value}
+        plan = _push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
+                                                                           "repo_type": repo_type.value}
         if as_json:
             print(json.dumps(plan, indent=2, sort_keys=True))
         else:
@@ -131,10 +163,14 @@ def push_cmd(
                   f"{plan['version']}:")
             for name, rec in plan["files"].items():
                 print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
+            print("  + README.md (model card) and release.json, generated")
+            if plan["local_only"]:
+                print(f"kept local: {', '.join(plan['local_only'])}")
         return
-    with translate_errors():
+    with translate_errors(flags=True):
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value)
+                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value,
+                      include_stats=include_stats)
     if version is not None and result.version != version and not result.created and not allow_unchanged:
         raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "
@@ -183,7 +219,7 @@ def pull_cmd(
     pins = _parse_pins(expected_sha256)
     if manifest is not None:
         commit, pins = _manifest_pins(manifest, model, repo, calibration, revision, commit, pins)
-    with translate_errors():
+    with translate_errors(flags=True):
         pulled = pull(model, repo, revision, calibration=calibration, local_dir=local_dir, token=token,
                       cache_dir=cache_dir, endpoint=endpoint(), model_config=config, repo_type=repo_type.value,
                       commit=commit, expected_sha256=pins or None)

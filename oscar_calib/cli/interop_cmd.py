@@ -38,7 +38,7 @@ def import_cmd(
     v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
     sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens the reference served with (default: the layout's).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens the reference served with (default: the layout's).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out directory.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
@@ -90,7 +90,7 @@ def export_cmd(
     head_reduce: Annotated[HeadReduce, typer.Option("--head-reduce", help="none: refuse differing per-head "
                                                     "rotations; first: use KV head 0's rotation per layer.")
                            ] = HeadReduce.none,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out directory.")] = False,
     model_config: Annotated[Path | None, typer.Option("--model-config", help="Check the artifact against this model first.")] = None,
     reference_version: Annotated[int, typer.Option("--reference-version", help="2: per KV head (v3 when keys are centred); "
                                                                                "1: one rotation per layer.")] = 2,
@@ -99,7 +99,7 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
-    from oscar_calib.cli.checks import check_model, local_model_id
+    from oscar_calib.cli.checks import check_model
     from oscar_calib.reference_format import export_reference
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
@@ -110,7 +110,7 @@ def export_cmd(
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
-        check_model(artifact, _load_config(model_config), model_id=local_model_id(model_config),
+        check_model(artifact, _load_config(model_config), model=model_config,
                     allow_other_model=allow_other_model)
     with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         written = export_reference(artifact, tmp, head_reduce=getattr(head_reduce, "value", head_reduce),

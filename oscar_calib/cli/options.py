@@ -21,6 +21,8 @@ DtypeOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
+ModelIdOpt = Annotated[Optional[str], typer.Option(
+    "--model-id", help="The Hub id --model is a local copy of (e.g. Qwen/Qwen3-8B): the artifact must name it.")]
 
 
 

@@ -82,13 +82,13 @@ def run(
     dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="Hub dataset id, or a local .jsonl/.txt file.")] = None,
     dataset_revision: Annotated[Optional[str], typer.Option("--dataset-revision", help="Pinned dataset revision.")] = None,
     dataset_config: Annotated[Optional[str], typer.Option("--dataset-config", help="Dataset configuration name.")] = None,
-    split: Annotated[str, typer.Option("--split")] = "train",
-    text_column: Annotated[str, typer.Option("--text-column")] = "text",
-    samples: Annotated[Optional[int], typer.Option("--samples", help="Packed sequences for statistics (default 32; demo 8).")] = None,
+    split: Annotated[str, typer.Option("--split", help="Split of a Hub dataset or dataset folder.")] = "train",
+    text_column: Annotated[str, typer.Option("--text-column", help="Field holding the text in .jsonl rows and datasets.")] = "text",
+    samples: Annotated[Optional[int], typer.Option("--samples", help="Packed sequences for statistics (default 32; the demo: 4 on the trained fixture, 1 on the random fallback).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per statistics sequence (default 2048).")] = None,
     holdout_len: Annotated[Optional[int], typer.Option("--holdout-len", help="Tokens of the held-out sequence the clips are fitted on: the context the artifact is fitted for (default: the model's context, at most 8192; must exceed sink + recent).")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Shuffles the documents (local files) or the stream's buffer (Hub) before sampling.")] = 0,
+    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Render `messages` rows (or each text as a user turn) with the tokenizer's chat template.")] = False,
     granularity: GranularityOpt = Granularity.head,
     value_target: ValueTargetOpt = ValueTarget.attn_output,
     k_clip_grid: KGridOpt = None,
@@ -104,7 +104,7 @@ def run(
     group_size: GroupSizeOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass (default: ~16K tokens per forward on a GPU, 1 on a CPU).")] = None,
     device_map: Annotated[Optional[str], typer.Option("--device-map", help="auto, balanced, balanced_low_0 or sequential: spread a large model over all visible devices with accelerate.")] = None,
     max_memory: Annotated[Optional[list[str]], typer.Option("--max-memory", help="Per-device limit for --device-map, repeatable: 0=70GiB, cpu=200GiB, disk=1TiB (or one JSON object); layers beyond it are offloaded.")] = None,
     offload_folder: Annotated[Optional[Path], typer.Option("--offload-folder", help="Where disk-offloaded weights go (default: a temporary directory).")] = None,
@@ -114,10 +114,11 @@ def run(
     shard: Annotated[Optional[str], typer.Option("--shard", help="INDEX/COUNT: sum only that contiguous part of the samples (merge with `oscar-calib stats merge`).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: zoo/demo for the demo).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (only for repos you trust).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
+    from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
     from oscar_calib.job import RunOptions, run_calibration
     from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
@@ -126,6 +127,8 @@ def run(
         require("gguf", "gguf", f"--model {model}")
 
     demo = model is None
+    check_model_ref(model)  # before anything loads: a missing path (2), an unreachable Hub (5), no `datasets` (7)
+    check_dataset_ref(dataset)
     try:
         config = CalibrationConfig(
             model=model,
@@ -162,7 +165,31 @@ def run(
     if as_json:
         typer.echo(json.dumps(_run_result(Path(out)), indent=2, sort_keys=True))
     else:
+        typer.echo(written_summary(Path(out), model), err=True)
         typer.echo(str(out))
+
+
+# What each file of an output directory is, for the summary a run ends with (push uploads only the first two).
+_WHAT = {"oscar_kv.safetensors": "artifact (what serving loads)",
+         "README.md": "model card",
+         "calibration_log.json": "run log (stays local)",
+         "oscar_stats.safetensors": "statistics (stays local)"}
+
+
+def written_summary(out: Path, model: str | None) -> str:
+    """A few lines on stderr: what was written (paths, sizes) and the next two commands."""
+    lines = [f"wrote {out}/:"]
+    for name, what in _WHAT.items():
+        path = out / name
+        if path.is_file():
+            size = path.stat().st_size
+            shown = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 2**10:.0f} KB"
+            lines.append(f"  {name:<24} {shown:>7}  {what}")
+    model_flag = "" if model is None else f" --model {model}"
+    lines += ["next:",
+              f"  oscar-calib eval{model_flag} --artifact {out}      # vs BF16 and the baselines",
+              f"  oscar-calib push {out} --repo ORG/NAME --dry-run   # what push would upload"]
+    return "\n".join(lines)
 
 
 def _run_result(out: Path) -> dict:

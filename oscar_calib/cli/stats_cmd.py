@@ -10,6 +10,7 @@ import typer
 from pydantic import ValidationError
 
 from oscar_calib.cli.app import app
+from oscar_calib.cli.help_layout import UserOrderGroup
 from oscar_calib.cli.options import (
     CenterKeysOpt,
     CenterValuesOpt,
@@ -37,7 +38,8 @@ from oscar_calib.cli.options import (
 )
 from oscar_calib.errors import InputError
 
-stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True)
+stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True,
+                        cls=UserOrderGroup)
 app.add_typer(stats_app, name="stats")
 
 _REFIT_EXAMPLES = """

@@ -21,12 +21,13 @@ from typing import Annotated, Any
 import typer
 
 from oscar_calib.cli.app import CONTEXT, app
+from oscar_calib.cli.help_layout import UserOrderGroup
 from oscar_calib.cli.hub_cmd import check_flags, endpoint, translate_errors
 from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
 zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
-                      no_args_is_help=True, context_settings=CONTEXT)
+                      no_args_is_help=True, context_settings=CONTEXT, cls=UserOrderGroup)
 app.add_typer(zoo_app, name="zoo")
 
 ManifestOpt = Annotated[Path, typer.Option("--manifest", help="Path of zoo_manifest.yaml.")]
@@ -263,18 +264,19 @@ def publish_cmd(
         print(json.dumps({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True))
 
 
-def _push_plan(directory: Path, repo: str, calibration: str) -> dict:
+def _push_plan(directory: Path, repo: str, calibration: str, include_stats: bool = False) -> dict:
     """What `push` would upload from `directory` (checked locally: names, contract), without the Hub."""
-    from oscar_calib.hub import collect_files
+    from oscar_calib.hub import collect_files, local_only
     from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
     from runtime_kernels.loader import file_record, release_dir
 
     with translate_errors():
-        files = collect_files(directory)
+        files = collect_files(directory, include_stats)
         meta = read_artifact(files[ARTIFACT_FILENAME]).metadata
         base = release_dir(meta["model_id"], calibration)
     return {"repo": repo, "path_in_repo": base, "model_id": meta["model_id"],
-            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()}}
+            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()},
+            "local_only": local_only(directory, files)}
 
 
 # --- list ----------------------------------------------------------------------------------------

@@ -17,12 +17,12 @@ vLLM behaves as without the plugin. With one:
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, replace
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import (
@@ -37,8 +37,9 @@ from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact,
 from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
 from runtime_kernels.vllm.layout import PackedLayout
 from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
+from runtime_kernels.vllm.report import LOGGER_NAME, startup_line
 
-logger = logging.getLogger(__name__)
+logger = init_logger(LOGGER_NAME)  # a child of vLLM's `vllm` logger: printed at vLLM's level (report.py says why)
 
 
 class _PluginState:
@@ -70,17 +71,20 @@ class _PluginState:
         model_config = vllm_config.model_config
         try:
             artifact = load_checked_artifact(cfg, model_config.hf_config, served_model=model_config.model)
-        except Exception:
+        except Exception as exc:
             self.vllm_config, self.cfg = None, None  # a retry re-checks instead of serving half-configured
+            # vLLM buries the cause in a long engine traceback: say it once, on one line, before raising it.
+            logger.error("%s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             raise
         self.artifact = artifact
         self.calibrated = frozenset(int(i) for i in artifact.layer_ids.tolist())
         n_layers = model_geometry(model_config.hf_config)[0]
-        plain = sorted(set(range(n_layers)) - self.calibrated)
-        logger.info("OSCAR INT2 KV cache: artifact %s (model %s, %d layers, sink %d, recent %d, group %d); "
-                    "layers keeping vLLM's own cache: %s", artifact.source, artifact.metadata.get("model_id"),
-                    artifact.num_layers, artifact.sink_tokens, artifact.recent_tokens, artifact.group_size,
-                    plain or "none")
+        dtype = getattr(model_config, "dtype", None) or torch.bfloat16  # for the log line only (vLLM sets it)
+        dense = 2 * artifact.head_dim * torch.empty((), dtype=dtype).element_size()
+        logger.info("%s", startup_line(str(artifact.source), artifact.metadata.get("model_id", "?"),
+                                       sorted(self.calibrated), n_layers, self.packed.bytes_per_token_head, dense,
+                                       str(dtype).replace("torch.", ""), artifact.sink_tokens,
+                                       artifact.recent_tokens))
 
     @property
     def packed(self) -> PackedLayout:

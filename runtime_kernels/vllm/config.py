@@ -18,8 +18,14 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from runtime_kernels.artifact import ArtifactError, OscarArtifact, check_against_model
-from runtime_kernels.loader import COMMIT_RE, VERSION_RE, load_artifact
+from runtime_kernels.artifact import ArtifactError, ModelMismatchError, OscarArtifact, check_against_model
+from runtime_kernels.loader import (
+    COMMIT_RE,
+    VERSION_RE,
+    ReleaseNotFoundError,
+    WrongRepoTypeError,
+    load_artifact,
+)
 
 CONFIG_KEY = "oscar"
 
@@ -91,23 +97,36 @@ def parse_oscar_config(additional_config: Any) -> OscarServeConfig | None:
 
 def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: str | None = None) -> OscarArtifact:
     """Load the artifact (local path, or a pinned, sha256-verified zoo release; offline from a warm cache with
-    HF_HUB_OFFLINE=1) and check it against the served model's config. Mismatches raise ArtifactError /
-    ModelMismatchError naming the field."""
-    if cfg.path is not None:
-        artifact = load_artifact(cfg.path, expected_sha256=cfg.expected_sha256)
-    else:
-        model_id = cfg.model_id or served_model
-        if not model_id:
-            raise ValueError(f"additional_config.{CONFIG_KEY}.model_id: needed to pull from '{cfg.repo}' "
-                             f"when the served model has no Hub name")
-        artifact = load_artifact(model_id, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration,
-                                 repo_type=cfg.repo_type, commit=cfg.commit, expected_sha256=cfg.expected_sha256)
-    check_against_model(artifact, hf_config, model_id=cfg.model_id, allow_other_model=cfg.allow_other_model)
+    HF_HUB_OFFLINE=1) and check it against the served model's config (the project's one identity rule,
+    `check_against_model`). Every refusal is one `ValueError` line naming the `additional_config.oscar` key to
+    change (vLLM prints the cause of a failed startup; its options are the config's keys, not our CLI flags); the
+    exception keeps its type (ModelMismatchError, ReleaseNotFoundError, ArtifactError: all ValueErrors)."""
+    key = f"additional_config.{CONFIG_KEY}"
+    try:
+        if cfg.path is not None:
+            artifact = load_artifact(cfg.path, expected_sha256=cfg.expected_sha256)
+            identity = cfg.model_id
+        else:
+            identity = cfg.model_id or served_model
+            if not identity:
+                raise ValueError(f"{key}.model_id: needed to pull from '{cfg.repo}' when the served model has no Hub "
+                                 "name (e.g. \"model_id\": \"Qwen/Qwen3-8B\")")
+            artifact = load_artifact(identity, repo=cfg.repo, revision=cfg.revision, calibration=cfg.calibration,
+                                     repo_type=cfg.repo_type, commit=cfg.commit, expected_sha256=cfg.expected_sha256)
+        check_against_model(artifact, hf_config, model_id=identity, allow_other_model=cfg.allow_other_model,
+                            advice="vllm")
+    except WrongRepoTypeError as exc:
+        raise ValueError(f"OSCAR: {key}.repo_type: '{exc.repo}' is a {exc.actual} repo, not a {exc.repo_type} repo; "
+                         f"set \"repo_type\": \"{exc.actual}\"") from None
+    except (ModelMismatchError, ReleaseNotFoundError, ArtifactError) as exc:
+        # Same type (callers and tests catch it), one line that says which config key holds the bad input.
+        where = f"{key}.path" if cfg.path is not None else f"{key}.repo"
+        raise type(exc)(f"OSCAR: {where}: {exc}") from None
     if cfg.layers is not None:
         try:
             artifact = restrict_layers(artifact, cfg.layers)
         except ArtifactError as exc:
-            raise ValueError(f"additional_config.{CONFIG_KEY}.layers: {exc}") from None
+            raise ValueError(f"{key}.layers: {exc}") from None
     return artifact
 
 

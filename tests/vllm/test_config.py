@@ -56,7 +56,7 @@ def test_artifact_checked_against_the_model(tmp_path):
     write_artifact(identity_artifact(2, 2, 4, 64), tmp_path / "bad")
     with pytest.raises(ArtifactError, match="field 'head_dim': artifact has 64, the model has 32"):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "bad")), model)
-    with pytest.raises(Exception, match="no local artifact"):
+    with pytest.raises(Exception, match="no such file or directory"):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "missing")), model)
 
 

@@ -1,0 +1,30 @@
+"""What the plugin says at startup, and where it says it (no vLLM import: tested without vLLM).
+
+vLLM configures one logger, `vllm`, with its handler at INFO and `propagate=False` under it; a logger outside that
+tree (`runtime_kernels.vllm.backend`) reaches only the root logger, which has no handler, so Python's last-resort
+handler prints WARNING and above and our INFO lines were never seen. `LOGGER_NAME` is a child of `vllm`: its
+records go through vLLM's handler, at vLLM's level (`VLLM_LOGGING_LEVEL`), formatted like vLLM's own.
+"""
+
+from __future__ import annotations
+
+LOGGER_NAME = "vllm.oscar"
+
+
+def capacity_gain(n_layers: int, int2_layers: int, packed_bytes: int, dense_bytes: int) -> float:
+    """KV tokens per byte with INT2 on `int2_layers` of `n_layers` layers, relative to `dense_bytes` on all of them
+    (per token and KV head: `packed_bytes` for an INT2 cell, `dense_bytes` for the model dtype's K + V)."""
+    used = int2_layers * packed_bytes + (n_layers - int2_layers) * dense_bytes
+    return n_layers * dense_bytes / used
+
+
+def startup_line(source: str, model_id: str, int2_layers: list[int], n_layers: int, packed_bytes: int,
+                 dense_bytes: int, dtype_name: str, sink: int, recent: int) -> str:
+    """One line: what runs in INT2, on which layers, with which windows, and the capacity gained."""
+    plain = sorted(set(range(n_layers)) - set(int2_layers))
+    kept = f" (layers {plain} keep vLLM's {dtype_name} cache)" if plain else ""
+    gain = capacity_gain(n_layers, len(int2_layers), packed_bytes, dense_bytes)
+    return (f"OSCAR INT2 KV cache on: layers {sorted(int2_layers)} of {n_layers}{kept}; artifact {source} for "
+            f"{model_id}; keys and values rotated, 2-bit codes + scales in vLLM's blocks ({packed_bytes} B per "
+            f"token and KV head instead of {dense_bytes} in {dtype_name}), BF16 sink {sink} + recent {recent} "
+            f"tokens per request outside vLLM's budget; {gain:.2f}x the KV tokens per byte of KV cache")
