@@ -9,7 +9,8 @@ start=$(date +%s)
 [ -f zoo/demo/oscar_kv.safetensors ] || make demo          # the recipe serves the demo's artifact
 recipe="${TMPDIR:-/tmp}/oscar-vllm-recipe-$$.sh"
 python3 tests/readme_snippets.py README.md --tag vllm-cpu > "$recipe"
-bash "$recipe" 2>&1 | tee "${TMPDIR:-/tmp}/oscar-vllm-recipe.log"
+# bounded: a server that neither answers nor dies must fail the lane, not hang CI (measured 8 + 7 min under load)
+timeout 2400 bash "$recipe" 2>&1 | tee "${TMPDIR:-/tmp}/oscar-vllm-recipe.log"
 grep -q "OSCAR INT2 KV cache on" "${TMPDIR:-/tmp}/oscar-vllm-recipe.log"   # the plugin said so at vLLM's INFO level
 rm -f "$recipe"
 served=$(date +%s)
