@@ -34,9 +34,11 @@ TOKEN = "hf_e2e_TOKEN_not_for_printing"
 REPO, MODEL, REV = "org/zoo", "tiny/qwen3-fixture", "b" * 40
 S, R, P = 4, 8, 64  # small windows, so a short prompt already has whole 64-token INT2 pages
 NEW_TOKENS = 6
-# fp32 windows: the runtime then matches the fp32 reference to rounding (measured 6e-6). With bf16 windows the rows
-# are rounded before quantization, and an 8-bit scale can round a row's range to the next code (0.41 measured).
-LOGIT_ATOL = 1e-4
+# fp32 windows: the runtime matches the fp32 reference to rounding: measured 6e-6 with the unbiased quantizer and with
+# min-max on fp16 scales, 4.7e-4 with the default (min-max, ue5m3): the kernels' rotation differs from torch's in the
+# last bits, and with 3 mantissa bits a scale at a rounding boundary can round the other way for a group. With bf16
+# windows the rows are rounded before quantization, and an 8-bit scale can round a row's range to the next code (0.41).
+LOGIT_ATOL = 1e-3
 
 
 def cache_kw(model, cache):

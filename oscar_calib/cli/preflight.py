@@ -32,6 +32,8 @@ def check_model_ref(ref: str | None, flag: str = "--model") -> None:
     path = Path(ref).expanduser()
     if path.exists():
         return
+    if ref.lower().endswith(".gguf"):
+        raise InputError(f"{flag} {ref}: no such file (expected a .gguf checkpoint)")
     if looks_like_path(ref):
         raise InputError(f"{flag} {ref}: no such directory (expected a local model directory with config.json, "
                          "or a Hub model id ORG/NAME)")
