@@ -74,18 +74,22 @@ CHECK_TEXT = (
 
 class FetchError(Exception):
     """The model or the text could not be fetched (no network, pip or apt failed): exit 1."""
+    exit_code = 1
 
 
 class IntegrityError(Exception):
     """A sha256 or the converted model's geometry is not what is pinned here: exit 4."""
+    exit_code = 4
 
 
 class UsageError(Exception):
     """A bad option value: exit 2."""
+    exit_code = 2
 
 
 class MissingDependencyError(Exception):
     """The `gguf` package is not installed: exit 7."""
+    exit_code = 7
 
 
 def log(msg: str) -> None:
@@ -519,18 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.slice is not None:
             print(write_slice(model_dir, args.slice))
         return 0
-    except FetchError as exc:
+    except (FetchError, UsageError, IntegrityError, MissingDependencyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except IntegrityError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 4
-    except MissingDependencyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 7
+        return exc.exit_code
 
 
 if __name__ == "__main__":
