@@ -10,7 +10,7 @@ import io
 import logging
 
 from runtime_kernels.vllm.layout import PackedLayout
-from runtime_kernels.vllm.report import LOGGER_NAME, capacity_gain, startup_line
+from runtime_kernels.vllm.report import LOGGER_NAME, capacity_gain, past_fitted_context_line, startup_line
 
 
 def test_capacity_gain_matches_the_byte_count():
@@ -30,6 +30,13 @@ def test_startup_line_names_layers_windows_and_gain():
     assert "\n" not in line
     for part in ("layers [1, 3] of 4", "layers [0, 2] keep vLLM's bfloat16 cache", "oscar-calib/tiny-qwen3",
                  "68 B per token and KV head instead of 512", "sink 128 + recent 1024", "1.77x"):
+        assert part in line, part
+
+
+def test_past_fitted_context_line_names_both_lengths_and_both_remedies():
+    line = past_fitted_context_line("zoo/demo/oscar_kv.safetensors", 4096, 32768)
+    assert "\n" not in line
+    for part in ("max_model_len 32768 is past the 4096-token context", "--holdout-len 32768", "--max-model-len 4096"):
         assert part in line, part
 
 

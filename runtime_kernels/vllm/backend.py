@@ -37,7 +37,7 @@ from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact,
 from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
 from runtime_kernels.vllm.layout import PackedLayout
 from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
-from runtime_kernels.vllm.report import LOGGER_NAME, startup_line
+from runtime_kernels.vllm.report import LOGGER_NAME, past_fitted_context_line, startup_line
 
 logger = init_logger(LOGGER_NAME)  # a child of vLLM's `vllm` logger: printed at vLLM's level (report.py says why)
 
@@ -85,6 +85,9 @@ class _PluginState:
                                        sorted(self.calibrated), n_layers, self.packed.bytes_per_token_head, dense,
                                        str(dtype).replace("torch.", ""), artifact.sink_tokens,
                                        artifact.recent_tokens))
+        fitted, served = artifact.fitted_context, getattr(model_config, "max_model_len", None)
+        if fitted is not None and isinstance(served, int) and served > fitted:
+            logger.warning("%s", past_fitted_context_line(str(artifact.source), fitted, served))
 
     @property
     def packed(self) -> PackedLayout:

@@ -18,6 +18,13 @@ def capacity_gain(n_layers: int, int2_layers: int, packed_bytes: int, dense_byte
     return n_layers * dense_bytes / used
 
 
+def past_fitted_context_line(source: str, fitted: int, max_model_len: int) -> str:
+    """The warning when vLLM may serve sequences longer than the context the artifact's clips were fitted for."""
+    return (f"OSCAR: max_model_len {max_model_len} is past the {fitted}-token context {source} was fitted for "
+            f"(calibration.holdout_len); quality beyond it is unmeasured: calibrate with `oscar-calib run "
+            f"--holdout-len {max_model_len}` or serve with --max-model-len {fitted}")
+
+
 def startup_line(source: str, model_id: str, int2_layers: list[int], n_layers: int, packed_bytes: int,
                  dense_bytes: int, dtype_name: str, sink: int, recent: int) -> str:
     """One line: what runs in INT2, on which layers, with which windows, and the capacity gained."""
