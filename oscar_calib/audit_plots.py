@@ -215,9 +215,7 @@ def _summary_figure(report: dict, layers: list[int], heads: list[int], worst: in
     fig.colorbar(image, ax=left, label="number of flags", ticks=range(top + 1),  # short on a tall map only
                  shrink=0.9 if len(layers) <= 8 else 0.6, aspect=20 if len(layers) <= 8 else 25)
 
-    from oscar_calib.audit import _badness
-
-    bad = sorted(rows, key=_badness, reverse=True)[:worst]  # worst first, as the audit table
+    bad = rows[:worst]  # the report lists heads worst first (the audit sorts them), as its table does
     which = f"all {len(bad)} heads, worst first" if len(bad) == len(rows) else f"the {len(bad)} worst heads"
     names = [f"L{r['layer']} H{r['head']}" for r in bad]
     x = np.arange(len(bad))

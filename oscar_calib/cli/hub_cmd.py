@@ -8,15 +8,14 @@ refused (tag exists with other content, concurrent publisher, unknown repo/revis
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from oscar_calib.cli._common import check_flags, endpoint, load_config, push_plan, translate_errors
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import JsonOpt, RepoType, RepoTypeOpt, RevisionOpt, TokenOpt
 from oscar_calib.errors import InputError
@@ -24,81 +23,6 @@ from oscar_calib.errors import InputError
 CalibrationOpt = Annotated[
     str, typer.Option("--calibration", help="Calibration name: the release lives in '<model_id>/<calibration>/'.")]
 RepoOpt = Annotated[str, typer.Option("--repo", help="Zoo repo id ORG/NAME on the Hub.")]
-
-
-# The runtime names its Python arguments (`field 'revision'`); on the command line the same input is a flag.
-_FLAG_OF_ARGUMENT = {"repo": "--repo", "revision": "--revision", "repo_type": "--repo-type",
-                     "calibration": "--calibration", "version": "--version", "local_dir": "--local-dir"}
-
-
-def flag_words(message: str) -> str:
-    """`field 'revision': ...` -> `--revision: ...` for the arguments that are flags of the hub commands."""
-    for name, flag in _FLAG_OF_ARGUMENT.items():
-        message = message.replace(f"field '{name}':", f"{flag}:")
-    return message
-
-
-@contextlib.contextmanager
-def translate_errors(flags: bool = False):
-    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch); with `flags` (push, pull)
-    the runtime's argument names are turned into the flags the user typed (`zoo` reads them from the manifest)."""
-    from oscar_calib.errors import OscarError
-    from oscar_calib.hub import translate_errors as translate
-
-    try:
-        with translate():
-            yield
-    except OscarError as exc:
-        if flags:
-            exc.args = (flag_words(str(exc)),)
-        raise
-
-
-def check_flags(**values: tuple[str, object]) -> None:
-    """Check names the user typed, naming the flag: `check_flags(repo=("--repo", "org/x"))`.
-
-    The runtime's checks name their argument (`field 'repo'`), which is right in Python; on the command line
-    the error should say `--repo`. Kinds: repo, model (MODEL argument), calibration, revision, version."""
-    from runtime_kernels.loader import (
-        UnsafeNameError,
-        check_component,
-        check_model_id,
-        check_repo_id,
-        check_revision,
-    )
-
-    checks = {"repo": check_repo_id, "model": check_model_id, "calibration": check_component,
-              "revision": check_revision}
-    for kind, (flag, value) in values.items():
-        if value is None:
-            continue
-        try:
-            if kind == "version":
-                from oscar_calib.hub import check_version
-
-                check_version(value)
-            else:
-                checks[kind](value, flag)
-        except (UnsafeNameError, InputError) as exc:
-            text = str(exc).replace(f"field '{flag}'", flag, 1).replace("field 'version'", flag, 1)
-            raise InputError(text) from None
-
-
-def endpoint() -> str | None:
-    """HF_ENDPOINT read now (the client reads it once at import)."""
-    return os.environ.get("HF_ENDPOINT") or None
-
-
-def _load_config(path: Path | None):
-    if path is None:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types
-        raise InputError(f"--model-config {path}: cannot load a config (expected a local directory with config.json "
-                         f"or a config.json file): {type(exc).__name__}") from None
 
 
 _PUSH_EXAMPLES = """
@@ -152,9 +76,8 @@ def push_cmd(
         print(f"Warning: --include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}",
               file=sys.stderr)
     if dry_run:
-        from oscar_calib.cli.zoo_cmd import _push_plan
 
-        plan = _push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
+        plan = push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
                                                                            "repo_type": repo_type.value}
         if as_json:
             print(json.dumps(plan, indent=2, sort_keys=True))
@@ -213,7 +136,7 @@ def pull_cmd(
 
     check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
                 revision=("--revision", revision))
-    config = _load_config(model_config)
+    config = load_config(model_config)
     if revision is None and commit is None and manifest is None:
         raise InputError("--revision: required (a version tag such as v3, or a commit sha) so the pull is pinned")
     pins = _parse_pins(expected_sha256)

@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
+from oscar_calib.cli._common import load_config, translate_errors
 from oscar_calib.cli.app import app
-from oscar_calib.cli.hub_cmd import _load_config, translate_errors
 from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt
 from oscar_calib.errors import InputError
 
@@ -56,7 +56,7 @@ def import_cmd(
     for name, value in (("--sink", sink), ("--recent", recent)):
         if value is not None and not 0 <= value <= MAX_WINDOW_TOKENS:
             raise InputError(f"{name} {value}: expected an integer in [0, {MAX_WINDOW_TOKENS}]")
-    config = _load_config(model_config)
+    config = load_config(model_config)
     k_ref = load_reference(keys)
     v_ref = load_reference(values)
     artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
@@ -110,7 +110,7 @@ def export_cmd(
     with translate_errors():
         artifact = read_artifact(directory)
     if model_config is not None:
-        check_model(artifact, _load_config(model_config), model=model_config,
+        check_model(artifact, load_config(model_config), model=model_config,
                     allow_other_model=allow_other_model)
     with atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         written = export_reference(artifact, tmp, head_reduce=getattr(head_reduce, "value", head_reduce),

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
+from oscar_calib.cli._common import run_result
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import (
@@ -163,7 +164,7 @@ def run(
     if written is None:  # ranks other than 0 of a data-parallel run write nothing
         return
     if as_json:
-        typer.echo(json.dumps(_run_result(Path(out)), indent=2, sort_keys=True))
+        typer.echo(json.dumps(run_result(Path(out)), indent=2, sort_keys=True))
     else:
         typer.echo(written_summary(Path(out), model), err=True)
         typer.echo(str(out))
@@ -190,18 +191,3 @@ def written_summary(out: Path, model: str | None) -> str:
               f"  oscar-calib eval{model_flag} --artifact {out}      # vs BF16 and the baselines",
               f"  oscar-calib push {out} --repo ORG/NAME --dry-run   # what push would upload"]
     return "\n".join(lines)
-
-
-def _run_result(out: Path) -> dict:
-    """What `run --json` prints: the files written and the headline numbers of the calibration log."""
-    import hashlib
-
-    from oscar_calib.job import LOG_FILENAME
-    from runtime_kernels.artifact import ARTIFACT_FILENAME
-
-    artifact = out / ARTIFACT_FILENAME
-    log = json.loads((out / LOG_FILENAME).read_text(encoding="utf-8"))
-    return {"out": str(out), "artifact": str(artifact),
-            "artifact_sha256": hashlib.sha256(artifact.read_bytes()).hexdigest(),
-            "model_id": log.get("metadata", {}).get("model_id"), "layer_ids": log.get("layer_ids"),
-            "summary": log.get("summary"), "timings": log.get("timings")}

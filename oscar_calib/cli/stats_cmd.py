@@ -89,9 +89,9 @@ def refit_cmd(
             raise InputError(f"--device {device}: no CUDA device is visible (expected cpu, or a machine with a GPU)")
     refit(stats, out, settings, overwrite=overwrite, device=device or "cpu")
     if as_json:
-        from oscar_calib.cli.run_cmd import _run_result  # the same result as `run --json`: a refit is a run
+        from oscar_calib.cli._common import run_result  # the same result as `run --json`: a refit is a run
 
-        typer.echo(json.dumps(_run_result(out), indent=2, sort_keys=True))
+        typer.echo(json.dumps(run_result(out), indent=2, sort_keys=True))
     else:
         typer.echo(str(out))
 

@@ -20,9 +20,9 @@ from typing import Annotated, Any
 
 import typer
 
+from oscar_calib.cli._common import check_flags, endpoint, push_plan, translate_errors
 from oscar_calib.cli.app import CONTEXT, app
 from oscar_calib.cli.help_layout import UserOrderGroup
-from oscar_calib.cli.hub_cmd import check_flags, endpoint, translate_errors
 from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
@@ -233,7 +233,7 @@ def publish_cmd(
                 raise InputError(f"{directory}: field '{key}': artifact has '{meta[key]}', the recipe pins "
                                  f"'{getattr(recipe, key)}'; nothing was published")
         if dry_run:
-            plan = _push_plan(directory, target, recipe.calibration) | {"repo_type": kind}
+            plan = push_plan(directory, target, recipe.calibration) | {"repo_type": kind}
             published.append(plan)
             if not as_json:
                 print(f"would publish {directory} -> {kind} repo {target} {plan['path_in_repo']} (next free version): "
@@ -262,21 +262,6 @@ def publish_cmd(
         print("every recipe has a release; nothing to publish", file=sys.stderr)
     if as_json:
         print(json.dumps({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True))
-
-
-def _push_plan(directory: Path, repo: str, calibration: str, include_stats: bool = False) -> dict:
-    """What `push` would upload from `directory` (checked locally: names, contract), without the Hub."""
-    from oscar_calib.hub import collect_files, local_only
-    from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
-    from runtime_kernels.loader import file_record, release_dir
-
-    with translate_errors():
-        files = collect_files(directory, include_stats)
-        meta = read_artifact(files[ARTIFACT_FILENAME]).metadata
-        base = release_dir(meta["model_id"], calibration)
-    return {"repo": repo, "path_in_repo": base, "model_id": meta["model_id"],
-            "model_revision": meta["model_revision"], "files": {n: file_record(p) for n, p in files.items()},
-            "local_only": local_only(directory, files)}
 
 
 # --- list ----------------------------------------------------------------------------------------
