@@ -61,6 +61,8 @@ class OscarServeConfig(BaseModel):
     def _one_source(self) -> OscarServeConfig:
         if (self.path is None) == (self.repo is None):
             raise ValueError("give exactly one of 'path' (local artifact) and 'repo' (zoo repo on the Hub)")
+        if self.revision is not None and not self.revision.strip():
+            raise ValueError("'revision' is empty: give a release tag vN or a commit sha, or leave it out with 'commit'")
         if self.repo is not None and not self.revision and not self.commit:
             raise ValueError("'revision' is required with 'repo' (a release tag or commit: serving pins it)")
         if self.repo is not None and self.revision and not self.allow_unpinned \
