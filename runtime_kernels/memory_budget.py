@@ -46,18 +46,23 @@ def cache_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, group_size
     return window + num_layers * max_pages * per_page, window
 
 
+def check_fits(device: torch.device, need: int, describe) -> None:
+    """Raise CacheTooLargeError(`describe(free)`) when `need` bytes exceed what `device` has available (unknown:
+    nothing is refused)."""
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise CacheTooLargeError(describe(free))
+
+
 def check_cache_fits(device: torch.device, *, sink: int, recent: int, **shape) -> None:
     """Raise CacheTooLargeError when the pools of a cache of `shape` (see `cache_bytes`) exceed what `device` has."""
     total, window = cache_bytes(**shape)
-    free = available_bytes(device)
-    if free is None or total <= free:
-        return
-    raise CacheTooLargeError(
+    check_fits(device, total, lambda free: (
         f"field 'sink_tokens'/'recent_tokens': windows of {sink} + {recent} tokens need {window} bytes "
         f"({window / 2**30:.2f} GiB) of {str(shape['window_dtype']).replace('torch.', '')} windows for "
         f"{shape['max_seqs']} sequence slot(s) x {shape['num_layers']} layers, {total} bytes with the INT2 pages, but "
         f"{device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller sink_tokens/recent_tokens "
-        "or fewer sequences")
+        "or fewer sequences"))
 
 
-__all__ = ["CacheTooLargeError", "available_bytes", "cache_bytes", "check_cache_fits"]
+__all__ = ["CacheTooLargeError", "available_bytes", "cache_bytes", "check_cache_fits", "check_fits"]

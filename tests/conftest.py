@@ -91,3 +91,15 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if `run` gets as far as loading the weights or the data (a refusal must come before)."""
+    import oscar_calib.job as job
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the run went on to load the model or the data")
+
+    monkeypatch.setattr(job, "_load_model", boom)
+    monkeypatch.setattr(job, "load_calibration_data", boom)

@@ -40,17 +40,6 @@ def snapshot(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*"))}
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import oscar_calib.job as job
-
-    def boom(*a, **k):
-        raise AssertionError("the run went on to load the model or the data")
-
-    monkeypatch.setattr(job, "_load_model", boom)
-    monkeypatch.setattr(job, "load_calibration_data", boom)
-
-
 @pytest.fixture(autouse=True)
 def _epoch(monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)

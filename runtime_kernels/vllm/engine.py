@@ -29,7 +29,7 @@ from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.cache import check_served_quantizer, rotate_rows
 from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
-from runtime_kernels.memory_budget import CacheTooLargeError, available_bytes
+from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
 
@@ -52,13 +52,11 @@ def check_window_store_fits(device: torch.device, layout: CacheLayout, *, num_la
     allocating it: windows near the contract's 2^20-token maximum would otherwise fail in the allocator."""
     elem = torch.empty((), dtype=dtype).element_size()
     need = num_layers * 2 * (capacity + 1) * num_kv_heads * layout.page_size * head_dim * elem
-    free = available_bytes(device)
-    if free is not None and need > free:
-        raise CacheTooLargeError(
-            f"field 'sink_tokens'/'recent_tokens': windows of {layout.sink_tokens} + {layout.recent_tokens} tokens "
-            f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
-            f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
-            "sequences (max_num_seqs)")
+    check_fits(device, need, lambda free: (
+        f"field 'sink_tokens'/'recent_tokens': windows of {layout.sink_tokens} + {layout.recent_tokens} tokens "
+        f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
+        f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
+        "sequences (max_num_seqs)"))
 
 
 # ----------------------------------------------------------------------------------------------------------

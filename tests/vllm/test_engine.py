@@ -249,6 +249,7 @@ def test_engine_refuses_bad_geometry():
 def test_engine_refuses_windows_the_device_cannot_hold_before_allocating(monkeypatch):
     """Windows near the contract's 2^20-token maximum: one line naming the windows and the bytes, before any window
     store is allocated; the bytes named are what the store would allocate."""
+    import runtime_kernels.memory_budget as memory_budget
     import runtime_kernels.vllm.engine as engine_mod
     from runtime_kernels.memory_budget import CacheTooLargeError
 
@@ -256,7 +257,7 @@ def test_engine_refuses_windows_the_device_cannot_hold_before_allocating(monkeyp
     big = CacheLayout(sink_tokens=2**20, recent_tokens=2**20, page_size=P)
     allocated = []
     monkeypatch.setattr(engine_mod, "WindowStore", lambda *a, **k: allocated.append(a))
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda device: 16 * 2**30)  # a 16 GiB device
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda device: 16 * 2**30)  # a 16 GiB device
     with pytest.raises(CacheTooLargeError, match=r"windows of 1048576 \+ 1048576 tokens need a window store of (\d+) bytes") as exc:
         OscarEngine(art, max_seqs=64, dtype=torch.bfloat16, layout=big)
     assert not allocated
