@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         def fake_quantize(self, layer_idx, keys, values, sink=0):
             if layer_idx not in self.tables:
                 return keys.float(), values.float()
-            t = self.tables[layer_idx].to(keys.device)
+            key = (layer_idx, keys.device)  # moved once per layer and device, as TableInt2 does
+            if key not in self._cache:
+                self._cache[key] = self.tables[layer_idx].to(keys.device)
+            t = self._cache[key]
             clip = lambda r: None if bool((r >= 1.0).all()) else r  # noqa: E731
             return (centered_fake_quantize(keys, t.k_rotation, clip(t.k_clip), t.k_mean, None, "ue5m3", self.quantizer),
                     centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean, None, "ue5m3",
