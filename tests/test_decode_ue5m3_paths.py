@@ -149,6 +149,25 @@ def test_the_default_recipe_takes_the_fastest_path_at_the_bench_shapes():
                                         reason="")
 
 
+def test_unaligned_ue5m3_pools_take_the_masked_tiles_and_say_why():
+    """The whole-page loop reads uint8 pools as 32-bit words, so a pool view that does not start 4-byte aligned is
+    sent to the masked tiles (with the reason in the plan), and gives the bits the aligned pool gives there."""
+    lens = [128, 64]
+    pool = make_pool(lens, 2, 128, 64, seed=4, scale_format="ue5m3", paired_v=True)
+    q = make_q(2, 8, 128, torch.bfloat16, seed=3)
+    shifted = list(pool)
+    buf = torch.zeros(pool[1].numel() + 4, dtype=torch.uint8)
+    shifted[1] = buf[1:1 + pool[1].numel()].view(pool[1].shape)
+    shifted[1].copy_(pool[1])
+    assert shifted[1].data_ptr() % 4
+    plan = L.plan_decode(q, shifted[0], shifted[1], shifted[3], shifted[4], shifted[5], None, True,
+                         L.DEFAULT_OPTIONS)
+    assert not plan.whole_pages and "not 4-byte aligned" in plan.reason
+    o, lse = run_history(q, shifted, True, None)
+    om, lsem = run_history(q, pool, False, None)
+    assert torch.equal(o, om) and torch.equal(lse, lsem)
+
+
 def test_the_plan_says_why_a_fast_path_is_not_taken():
     pool = make_pool([64], 2, 64, 64, group_size=32, seed=1)
     q = make_q(1, 4, 64, torch.bfloat16)

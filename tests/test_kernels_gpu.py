@@ -427,7 +427,9 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     oh, lh = A.int2_decode_attention(q, *pool, whole_pages=True, num_splits=s_h, k_mean=km, v_mean=vm)
     om, lm = A.int2_decode_attention(q, *pool, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
     om16, lm16 = A.int2_decode_attention(q, *twin, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
-    assert torch.equal(om, om16) and torch.equal(lm, lm16)
+    # The masked loop decodes the bytes as loaded (not `_u8_words`); compiled, it differs from its fp16 twin in the
+    # last bits (relative RMSE <= 6.5e-7 on an H200: bench/results/decode_ue5m3_masked_vs_fp16_NVIDIA_H200.log).
+    assert rel_rmse(om, om16) < 5e-6 and torch.equal(lm, lm16), rel_rmse(om, om16)
     assert rel_rmse(oh, om) < 1e-3 and torch.allclose(lh, lm, atol=2e-3), rel_rmse(oh, om)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
     assert rel_rmse(oh, o_ref) < 2e-2 and torch.allclose(lh, lse_ref, atol=2e-2)

@@ -52,19 +52,31 @@ def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _u8_words(ptr, offs):
+    """The uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer -> int32 codes (0-255), read as
+    the 32-bit words that hold them (lanes sharing a word load the same address). The whole-page loop reads ue5m3
+    pools this way: compiled 8-bit vectors that the register split moved between layouts gave wrong outputs on an
+    H200 (Triton 3.6) while the interpreter matched (docs/kernels.md, "ue5m3 scale pools")."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2))
+    return (w >> ((offs & 3) * 8).to(tl.int32)) & 255
+
+
+@triton.jit
 def _scale_f32(raw):
     """A stored scale -> fp32. Its dtype is the format (`runtime_kernels.quant.naive.SCALE_FORMATS`): fp16 as is,
-    uint8 a ue5m3 code (5 exponent bits with bias 15, 3 mantissa bits), decoded exactly through the fp32 bits."""
+    uint8 (or int32 from `_u8_words`) a ue5m3 code (5 exponent bits with bias 15, 3 mantissa bits), decoded exactly through the fp32 bits."""
     if raw.dtype == tl.uint8:
         return ((raw.to(tl.int32) + 896) << 20).to(tl.float32, bitcast=True)  # 896 = (127 - 15) << 3
+    elif raw.dtype == tl.int32:  # a ue5m3 code already widened (`_u8_words`)
+        return ((raw + 896) << 20).to(tl.float32, bitcast=True)
     else:
         return raw.to(tl.float32)
 
 
 @triton.jit
 def _zero_f32(raw):
-    """A stored zero point -> fp32 codes: fp16 as is, uint8 in 1/64 of a code."""
-    if raw.dtype == tl.uint8:
+    """A stored zero point -> fp32 codes: fp16 as is, uint8 (or its int32 widening) in 1/64 of a code."""
+    if raw.dtype == tl.uint8 or raw.dtype == tl.int32:
         return raw.to(tl.float32) * 0.015625
     else:
         return raw.to(tl.float32)

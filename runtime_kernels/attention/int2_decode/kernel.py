@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _scale_f32, _softmax_finish, _zero_f32
+from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _scale_f32, _softmax_finish, _u8_words, _zero_f32
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
 _ASM_SUBN = tl.constexpr(
@@ -271,10 +271,15 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
-    # fp16 pools: 4 B per lane, cp.async; uint8 pools: 2 B per lane, a plain load whose bytes Triton moves to the
-    # pieces' layout through shared memory (docs/kernels.md, "ue5m3 scale pools").
-    ks0, ks1, ks2, ks3 = _split4(_scale_f32(tl.load(ks_ptr + srow)))
-    kz0, kz1, kz2, kz3 = _split4(_zero_f32(tl.load(kz_ptr + srow)))
+    # fp16 pools: 4 B per lane, cp.async; uint8 pools: their 32-bit words (`_u8_words`: no 8-bit vector to move).
+    if ks_ptr.dtype.element_ty == tl.uint8:
+        ks_raw = _u8_words(ks_ptr, srow)
+        kz_raw = _u8_words(kz_ptr, srow)
+    else:
+        ks_raw = tl.load(ks_ptr + srow)
+        kz_raw = tl.load(kz_ptr + srow)
+    ks0, ks1, ks2, ks3 = _split4(_scale_f32(ks_raw))
+    kz0, kz1, kz2, kz3 = _split4(_zero_f32(kz_raw))
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -313,12 +318,22 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    if VPAIR:
+    if VPAIR and vs_ptr.dtype.element_ty == tl.uint8:
+        # Paired uint8 pools: a row's scale and zero are adjacent bytes at an even offset, so one 32-bit word holds
+        # both (`_u8_words`).
+        o_s = page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr
+        w = tl.load(vs_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (o_s >> 2))
+        sh = ((o_s & 3) * 8).to(tl.int32)
+        vs64 = (w >> sh) & 255
+        vz64 = (w >> (sh + 8)) & 255
+    elif VPAIR:
         # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
         # dots, brings the zeros along.
         sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
                      + tl.arange(0, 2)[None, :])
         vs64, vz64 = tl.split(sz)
+    elif vs_ptr.dtype.element_ty == tl.uint8:
+        vs64 = _u8_words(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
     else:
         vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
     vs0, vs1, vs2, vs3 = _split4(_scale_f32(vs64))
@@ -403,10 +418,14 @@ def _page_tile_loads(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride
 
 @triton.jit
 def _tile_zeros(vz_ptr, page, h, t0, offs_n, stride_vsp, stride_vsh, stride_vsr, P: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The V zeros `[BLOCK_N]` (as stored: fp16 or uint8) of the tile at token t0 (tile-aligned) in page `page`, KV head h."""
-    return tl.load(vz_ptr + page * stride_vsp + h * stride_vsh + tl.multiple_of(t0 % P, BLOCK_N) * stride_vsr
-                   + offs_n * stride_vsr)
+                BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """The V zeros `[BLOCK_N]` (as stored: fp16 or uint8; int32 codes for uint8 with WORDS, the whole-page loop's
+    `_u8_words` reads) of the tile at token t0 (tile-aligned) in page `page`, KV head h."""
+    offs = page * stride_vsp + h * stride_vsh + tl.multiple_of(t0 % P, BLOCK_N) * stride_vsr + offs_n * stride_vsr
+    if WORDS and vz_ptr.dtype.element_ty == tl.uint8:
+        return _u8_words(vz_ptr, offs)
+    else:
+        return tl.load(vz_ptr + offs)
 
 
 @triton.jit
@@ -526,7 +545,7 @@ def _int2_chunk(
         pg0 = _pick_page(pg, offs_pv, 0)
         if not VPAIR:
             vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
-                                  stride_vsr, P, BLOCK_N)
+                                  stride_vsr, P, BLOCK_N, FULL_TILES and BLOCK_N == 64)
         # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two.
         page_n = pg0
         for jj in range(0, n_in):
@@ -540,7 +559,7 @@ def _int2_chunk(
             else:
                 vz_cur = vz_next
                 vz_next = _tile_zeros(vz_ptr, pgn, h, start + (jb + jn) * BLOCK_N, offs_n, stride_vsp,
-                                      stride_vsh, stride_vsr, P, BLOCK_N)
+                                      stride_vsh, stride_vsr, P, BLOCK_N, FULL_TILES and BLOCK_N == 64)
             page_n = pgn
             if FULL_TILES and BLOCK_N == 64:
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(

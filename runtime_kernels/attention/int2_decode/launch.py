@@ -182,18 +182,20 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions) -> tuple[bool, bool, bool, list]:
+def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions, k_scale=None,
+              k_zero=None) -> tuple[bool, bool, bool, list]:
     """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
-    not taken). fp16 and ue5m3 pools share the loop; compiled launches hold ue5m3 back for now (below)."""
+    not taken). fp16 and ue5m3 pools share the loop; the loop reads uint8 pools as 32-bit words, so their buffers
+    must start 4-byte aligned (torch allocations do; a view at an odd offset takes the masked tiles)."""
     reasons = []
     full = bool(whole_pages)
-    if full and v_scale.dtype == torch.uint8 and not interpreting():
-        # The whole-page loop now decodes ue5m3 (it read the bytes with a plain cast before, which matches the wrong
-        # outputs an H200 gave) and equals the masked loop bit for bit under the interpreter
-        # (tests/test_decode_ue5m3_paths.py); until tests/test_kernels_gpu.py confirms that on a GPU, compiled
-        # launches keep the masked loop for uint8 pools.
-        full = False
-        reasons.append("ue5m3 pools: masked tiles until the whole-page loop is verified on a GPU")
+    if full and v_scale.dtype == torch.uint8:
+        pools = [p for p in (k_scale, k_zero, v_scale) if p is not None]
+        if not paired_v_pools(v_scale, v_zero):
+            pools.append(v_zero)
+        if any(p.data_ptr() % 4 for p in pools):
+            full = False
+            reasons.append("ue5m3 pools not 4-byte aligned: masked tiles")
     pieces = full and opts.block_n == TILE_TOKENS
     if not full and not reasons:
         reasons.append("whole_pages not promised: masked tiles")
@@ -211,11 +213,11 @@ def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions) 
 
 
 def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
-                     centered: bool = False) -> dict:
+                     centered: bool = False, k_scale=None, k_zero=None) -> dict:
     """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid)."""
     u = k_codes.shape[3] // 2  # int16 words per row
     group = q.shape[1] // k_codes.shape[1]
-    full, ki8, vpair, _ = tile_path(k_codes, v_scale, v_zero, whole_pages, opts)
+    full, ki8, vpair, _ = tile_path(k_codes, v_scale, v_zero, whole_pages, opts, k_scale, k_zero)
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
                 P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
                 VPAIR=vpair, KI8=ki8, CENTER=bool(centered))
@@ -258,7 +260,7 @@ def plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_page
         kernel, launches = ("grid", 1 if opts.fused else 2) if not declined else ("production", 3)
     reasons = [declined] if declined else []
     if production_ok(q, k_codes, k_scale, v_codes, opts):
-        full, ki8, vpair, why = tile_path(k_codes, v_scale, v_zero, whole_pages, opts)
+        full, ki8, vpair, why = tile_path(k_codes, v_scale, v_zero, whole_pages, opts, k_scale)
         reasons += why
     else:
         kernel, full, ki8, vpair = "fallback", False, False, False
@@ -304,7 +306,7 @@ def chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_l
               opts: DecodeOptions, centered: bool = False) -> tuple:
     """Everything that selects a different compiled history chunk: constexprs, pool strides (the code pools' in
     bytes), options, dtypes and Triton's specialisation of the block-table stride."""
-    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, centered)
+    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, centered, k_scale)
     return (q.device.index, q.dtype, opts, block_table.dtype, hist_len.dtype, block_table.stride(0) % 16 == 0,
             pool_strides(q, k_codes, k_scale, v_codes, v_scale, block_table)[2:14], tuple(constexprs.values()))
 
@@ -324,7 +326,8 @@ def launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_
         kc, vc = int16_views(k_codes, v_codes)
         args = _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
                              sm_scale, split_offset, k_mean, v_mean)
-        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
+        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None, k_scale,
+                                     k_zero),
                   num_warps=opts.num_warps,
                   num_stages=opts.num_stages)
         if warmup:
@@ -398,7 +401,8 @@ def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tab
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *partial_strides(o_part, lse_part))
-    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None),
+    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None, k_scale,
+                                 k_zero),
               NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=next_pow2(total), MERGE=bool(opts.fused),
