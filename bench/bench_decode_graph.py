@@ -3,7 +3,7 @@
     python bench/bench_decode_graph.py --out DIR [--points 131072x8,32768x1] [--formats recipe,fp16_64_256]
 
 Formats (`FORMATS`): `recipe` is what `oscar-calib run` ships (ue5m3 scales, centered K/V, 128/1024 BF16 windows) and
-gives the headline rows; `fp16_64_256` is the layout the README's first table timed (fp16 scales, uncentered,
+gives the headline rows; `fp16_64_256` is the layout of docs/kernels.md's decode table (fp16 scales, uncentered,
 64/256); `ue5m3_64_256` and `fp16_128_1024` separate the scale format from the windows. Every OSCAR row records the
 `DecodePlan` its calls took (kernel, whole pages, int8 scores, paired V pools, and why a faster choice was declined).
 
@@ -12,7 +12,7 @@ holds calls over distinct per-layer caches (at least 3x the L2 of bytes per pass
 call reads its history from HBM as a real decode step does; ms per call = replay time / calls. Rows follow the
 `bench/common.py` schema (op, variant, shape, p50/p20/p80 ms) with the speed-up over the best BF16 backend, the
 bytes one call reads and the bandwidth that makes, and the relative RMSE of OSCAR's first call against a float64
-reference of the same pools. Also writes `decode_graph_<GPU>.md`, the README's table.
+reference of the same pools. Also writes `decode_graph_<GPU>.md`, docs/kernels.md's table.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ FORMATS = {
     "fp16_128_1024": ("float16", True, 128, 1024),
 }
 DEFAULT_FORMATS = ("recipe", "fp16_64_256")
-# 8K/32K/128K (the README's points) and 64K (the issue's), batches 1, 8, 32
+# 8K/32K/128K (docs/kernels.md's points) and 64K (the issue's), batches 1, 8, 32
 DEFAULT_POINTS = [(c, b) for c in (131072, 65536, 32768, 8192) for b in (1, 8, 32)]
 
 
@@ -181,7 +181,7 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
 
 
 def table(rows: list[dict], formats) -> str:
-    """The README's table: per point, the best BF16 time and each format's best launch form (ms, speed-up)."""
+    """docs/kernels.md's table: per point, the best BF16 time and each format's best launch form (ms, speed-up)."""
     head = ["context", "batch", "BF16 best (ms)"] + [c for f in formats for c in (f"{f} ms", f"{f} vs BF16",
                                                                                     f"{f} GB/s")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -23,7 +23,7 @@ H_KV, H_Q, D = 8, 32, 128  # Qwen3-8B attention geometry
 PAGE = DEFAULT_LAYOUT.page_size
 WIN = DEFAULT_LAYOUT.window_tokens  # BF16 sink + recent rows of a long sequence
 QUANTILES = [0.5, 0.2, 0.8]
-# The README's decode table: context x batch.
+# docs/kernels.md's decode table: context x batch.
 DECODE_POINTS = [(c, b) for c in (131072, 32768, 8192) for b in (1, 8, 32)]
 
 

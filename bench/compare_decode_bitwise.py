@@ -1,5 +1,5 @@
 """Bit-for-bit comparison of this tree's decode kernels with a reference tree's (default: main at 90430f9, the
-kernel before the int2_decode/ folder) at the README's nine decode points, on a GPU.
+kernel before the int2_decode/ folder) at docs/kernels.md's nine decode points, on a GPU.
 
     python bench/compare_decode_bitwise.py --out OUT [--old-commit 90430f9 | --old-tree DIR]
 

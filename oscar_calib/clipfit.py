@@ -18,7 +18,7 @@ Why the output errors: a clip trades the rounding noise of every entry against a
 entries. The KL of each query's distribution counts both the same, so it keeps asking for more clipping, while
 the bias moves outputs coherently across tokens and layers (perplexity). The output error sees that bias in
 the attention output itself. `tools/clip_objective_study.py` measures how well each objective ranks methods by
-held-out perplexity (README, "Which defaults, and why").
+held-out perplexity (docs/quality.md, "Which defaults, and why").
 
 A fit extends its grid below the lowest candidate while the error still falls there, so that no fitted ratio
 sits at the edge of what was searched (unless the floor `MIN_RATIO` is reached; `edge` says so).

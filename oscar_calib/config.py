@@ -64,8 +64,8 @@ class SolverSettings(_Strict):
                                "attention-output error (`out_err`, `block_out` = after o_proj; values then too).")
     clip: bool = Field(True, description="Fit per-head clip ratios. False: no clipping (the grids are not searched); "
                                          "with the unbiased quantizer it retrieves far tokens about as well as the "
-                                         "default at +0.4-0.5 % perplexity on the fixtures (README, far-token "
-                                         "retrieval).")
+                                         "default at +0.4-0.5 % perplexity on the fixtures (docs/quality.md, "
+                                         "far-token retrieval).")
     center_keys: bool = Field(True, description="Subtract the calibrated per-(layer, KV head) key mean before "
                                                  "quantizing (exact for attention: q . mu is added back).")
     center_values: bool = Field(True, description="Subtract the calibrated value mean before quantizing.")

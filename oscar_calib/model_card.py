@@ -49,7 +49,7 @@ def _why_the_default(alternatives: dict, granularity: str, value_target: str) ->
             "metric at a time, and differences of this size are within the noise of one sequence. The default was "
             "chosen on held-out perplexity and far-token retrieval over 16 windows of two models, where per head "
             "and per layer tie within their intervals and per head matters more on models with few KV heads "
-            "(README, \"Which defaults, and why\"). `oscar-calib eval --artifact DIR` compares rotations end to "
+            "(docs/quality.md, \"Which defaults, and why\"). `oscar-calib eval --artifact DIR` compares rotations end to "
             "end, with confidence intervals.")
 
 

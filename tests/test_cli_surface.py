@@ -55,7 +55,8 @@ def test_every_hub_facing_command_has_repo_type_and_token():
 
 def test_readme_serving_section_shows_the_one_call_hub_path_and_cache_kwarg():
     readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.partition("## Serving with a 2-bit KV cache (transformers)")[2].partition("\n## ")[0]
+    section = readme.partition("## Serve in transformers")[2].partition("\n## ")[0]
+    assert section, "the README has no section '## Serve in transformers'"
     blocks = [part.partition("```")[0] for part in section.split("```python\n")[1:]]
     for block in blocks:
         compile(block, "README serving snippet", "exec")  # valid Python (tests/test_readme.py runs them)

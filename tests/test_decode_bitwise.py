@@ -5,7 +5,7 @@ script (`git show b5e2c6b:tests/data/make_decode_reference.py`), run at commit b
 main at 90430f9, i.e. before the kernel folder was rebuilt. The cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8 and fp16 scores,
 paired and separate V pools) and a masked tail, one and several splits, the one- and two-launch grid, history-only
 calls, empty histories and the fallback kernel (fp32 queries, 32-channel scale groups). On the GPU the same claim
-is checked by `bench/compare_decode_bitwise.py` at the README's decode points.
+is checked by `bench/compare_decode_bitwise.py` at docs/kernels.md's decode points.
 """
 
 from __future__ import annotations

@@ -263,8 +263,8 @@ def test_quality_regression_on_the_trained_fixture():
 
     Reduced for CPU CI (~15 s): 4 windows of 512 tokens (2 single-document + 2 packed) of the held-out
     text, BF16 sink 16 + recent 64 so that most positions read a quantized history; OSCAR calibrated on
-    8 x 512 tokens of the fixture's calibration text with the same windows. The README table is the
-    full-size run (4K contexts, sink 64 + recent 256) on the GPU.
+    8 x 512 tokens of the fixture's calibration text with the same windows. docs/quality.md's fp16 table is
+    the full-size run (4K contexts, sink 64 + recent 256) on the GPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

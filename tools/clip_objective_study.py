@@ -10,7 +10,7 @@ Then it ranks: the Spearman correlation of every objective with held-out perplex
 
     python3 tools/clip_objective_study.py --model oscar_calib/fixtures/tiny-qwen3 --context 4096 --out OUT
 
-Writes `clip_study_<model>_<context>.json`. The README's "Which defaults, and why" quotes it.
+Writes `clip_study_<model>_<context>.json`. docs/quality.md ("Which defaults, and why") quotes it.
 """
 
 from __future__ import annotations

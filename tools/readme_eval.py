@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's quality table: calibrate OSCAR (per head and per layer) and compare every KV method.
+"""The fixtures' quality tables (docs/quality.md): calibrate OSCAR (per head and per layer) and compare every KV method.
 
 Same computation as `oscar-calib eval` (it calls the same functions), without the Typer CLI, so it also
 runs where only torch + transformers (+ pydantic) are installed. Writes `eval_<context>.json`,

@@ -11,7 +11,7 @@ Every cache here costs the same bits (ue5m3 scales, 128/1024 windows).
 
     python3 tools/retrieval_study.py --model oscar_calib/fixtures/tiny-qwen3 --context 4096 --needles 256 --out OUT
 
-Writes `retrieval_study_<model>_<context>.json` and `.md`. The README's "Far-token retrieval" quotes them.
+Writes `retrieval_study_<model>_<context>.json` and `.md`. docs/quality.md ("Far-token retrieval") quotes them.
 """
 
 from __future__ import annotations
