@@ -187,13 +187,12 @@ def int16_views(k_codes, v_codes) -> tuple:
 def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
               compiled: bool) -> tuple[bool, bool, bool, list]:
     """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
-    not taken) on the target: a compiled launch (`compiled`) or the interpreter. fp16 and ue5m3 pools share the
-    loop; compiled launches hold ue5m3 back for now (below)."""
-
-    def interpreting() -> bool:  # the target's, not this process's: a compiled launch's plan is computable on a CPU
-        return not compiled
-
+    not taken). fp16 and ue5m3 pools share the loop; compiled launches hold ue5m3 back for now (below)."""
     reasons = []
+
+    def interpreting() -> bool:  # the target's (`compiled`: a GPU launch), not this process's: a plan for a GPU
+        return not compiled  # launch is computable on a CPU
+
     full = bool(whole_pages)
     if full and v_scale.dtype == torch.uint8 and not interpreting():
         # The whole-page loop now decodes ue5m3 (it read the bytes with a plain cast before, which matches the wrong
