@@ -126,11 +126,15 @@ def oscar_calls(context: int, batch: int, fused: bool, fmt: str, options=None) -
     layers = [common.decode_inputs(batch, context, seed=context + batch + i, scale_format=scale_format,
                                    window=window) for i in range(layers_for(int2_bytes))]
     means = common.decode_means(context + batch) if centered else None
-    km, vm = means if centered else (None, None)
+    records = [common.decode_records(a, means) for a in layers]
     counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device=a[0].device) for a in layers]
-    return [lambda a=a, c=c: A.decode_attention(*a, whole_pages=True, validate=False, fused=fused, counters=c,
-                                                k_mean=km, v_mean=vm, options=options)
-            for a, c in zip(layers, counters)], layers, means
+    return [lambda r=r, c=c: A.decode_attention(*r, validate=False, fused=fused, counters=c, options=options)
+            for r, c in zip(records, counters)], layers, means
+
+
+def plan_fields(plan) -> dict:
+    """The plan's fields for a result row (its constexprs are the kernel's business, not the row's)."""
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.repr}
 
 
 def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
@@ -167,14 +171,15 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
         t = graph_times(calls)
         o, _ = calls[0]()
         a = layers[0]
-        plan = A.decode_plan(a[0], a[1], a[2], a[4], a[5], a[6], a[9], whole_pages=True, fused=fused,
-                             centered=centered, options=opts)
+        q, pages, batch, windows = common.decode_records(a, means)
+        plan = A.decode_plan(q, pages, windows, whole_pages=batch.whole_pages, fused=fused, options=opts)
         nbytes = call_bytes(a)
         rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),
                                speedup_vs_best_bf16=best / t[0], bytes_per_call=nbytes,
-                               gbps=nbytes / t[0] / 1e6, plan=dataclasses.asdict(plan),
+                               gbps=nbytes / t[0] / 1e6, plan=plan_fields(plan),
                                rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
-                               splits=list(A.decode_num_splits(*a, whole_pages=True, fused=fused, options=opts))))
+                               splits=list(A.decode_num_splits(q, pages, batch, windows, fused=fused,
+                                                               options=opts))))
         del calls, layers
         torch.cuda.empty_cache()
     return rows

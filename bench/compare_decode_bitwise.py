@@ -25,6 +25,20 @@ HERE = Path(__file__).resolve().parent
 FORMS = {"two_launch": False, "one_launch": True}  # decode_attention(fused=...)
 
 
+def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = None) -> tuple:
+    """(splits, (o, lse)) of one decode call on `decode_inputs`' tensors, through whichever API the imported tree
+    has: the records (`PagePools`, `BatchMetadata`, `Windows`) or the older loose tensors. num_splits None: the
+    tree's default history splits."""
+    if hasattr(A, "PagePools"):
+        rec = common.decode_records(args)
+        splits = A.decode_num_splits(*rec, fused=fused)
+        out = A.decode_attention(*rec, fused=fused, num_splits=num_splits or splits[0])
+    else:
+        splits = A.decode_num_splits(*args, whole_pages=True, fused=fused)
+        out = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=num_splits or splits[0])
+    return tuple(splits), out
+
+
 def child(old_tree: str, out_dir: str) -> None:
     """Runs in the reference tree's interpreter: record (splits, o, lse) of every point and launch form."""
     import torch
@@ -41,9 +55,8 @@ def child(old_tree: str, out_dir: str) -> None:
     for context, batch in common.DECODE_POINTS:
         args = common.decode_inputs(batch, context, seed=context + batch)
         for form, fused in FORMS.items():
-            s_h, s_w = A.decode_num_splits(*args, whole_pages=True, fused=fused)
-            o, lse = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
-            torch.save({"splits": (s_h, s_w), "o": o.cpu(), "lse": lse.cpu()},
+            splits, (o, lse) = run_decode(A, common, args, fused)
+            torch.save({"splits": splits, "o": o.cpu(), "lse": lse.cpu()},
                        os.path.join(out_dir, f"{context}_{batch}_{form}.pt"))
         del args
         torch.cuda.empty_cache()
@@ -97,8 +110,7 @@ def main() -> int:
             inputs = common.decode_inputs(batch, context, seed=context + batch)
             for form, fused in FORMS.items():
                 want = torch.load(os.path.join(rec, f"{context}_{batch}_{form}.pt"))
-                splits = A.decode_num_splits(*inputs, whole_pages=True, fused=fused)
-                o, lse = A.decode_attention(*inputs, whole_pages=True, fused=fused, num_splits=want["splits"][0])
+                splits, (o, lse) = run_decode(A, common, inputs, fused, num_splits=want["splits"][0])
                 equal = torch.equal(o.cpu(), want["o"]) and torch.equal(lse.cpu(), want["lse"])
                 same &= equal
                 rows.append({"op": "decode_attention", "variant": form,

@@ -39,6 +39,7 @@ from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
+from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.memory_budget import check_cache_fits
 
@@ -194,19 +195,6 @@ class AppendPlan:
     first_positions: list[int] = field(default_factory=list)  # position of each sequence's first new token
 
 
-@dataclass
-class BatchMetadata:
-    """Kernel metadata for a batch of B sequences (int32 on the cache's device).
-
-    block_table `[B, max_pages]`, hist_len `[B]`, slot_ids `[B]`, win_len `[B]`.
-    """
-
-    block_table: torch.Tensor
-    hist_len: torch.Tensor
-    slot_ids: torch.Tensor
-    win_len: torch.Tensor
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The cache
 # ----------------------------------------------------------------------------------------------------------
@@ -225,7 +213,7 @@ class PagedKVCache:
         backend: kernel backend, "auto" | "torch" | "triton".
         k_mean, v_mean: float `[A, H, d]` per-(layer, KV head) means in the rotated basis (a centered artifact,
             contract v2 `k_mean`/`v_mean`), or None (uncentered). The pages then hold quant(x_rot - mu) and decode
-            adds the means back exactly (`attention.decode_attention(k_mean=, v_mean=)`); windows stay uncentered.
+            adds the means back exactly (`attention.PagePools.k_mean`, `v_mean`); windows stay uncentered.
         check_finite: refuse NaN/Inf (and elements beyond the fp16 scale range) at every write with
             `NonFiniteKVError` (docs/errors.md, "Non-finite keys and values"). Costs one reduction and one
             device-to-host sync per layer write; skipped while a CUDA graph is being captured. False trusts the
@@ -702,7 +690,8 @@ class PagedKVCache:
                 + [len(st.pages) * self.page_size, st.slot, self.window_len(st.length)] for st in states]
         packed = torch.tensor(rows, dtype=torch.int32).to(self.device)
         meta = BatchMetadata(block_table=packed[:, :width].contiguous(), hist_len=packed[:, width].contiguous(),
-                             slot_ids=packed[:, width + 1].contiguous(), win_len=packed[:, width + 2].contiguous())
+                             slot_ids=packed[:, width + 1].contiguous(), win_len=packed[:, width + 2].contiguous(),
+                             whole_pages=True)
         self._meta_cache = (key, meta)
         return meta
 
@@ -740,12 +729,11 @@ class PagedKVCache:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
         meta = self.batch_metadata(seq_ids)
         q_rot = attn_api.rotate_queries(q.float(), pool.k_rotation).to(pool.k_win.dtype)
-        o, lse = attn_api.decode_attention(q_rot, pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes,
-                                           pool.v_scale, pool.v_zero, meta.block_table, meta.hist_len,
-                                           pool.k_win, pool.v_win, meta.slot_ids, meta.win_len,
-                                           sm_scale=sm_scale, backend=self.backend, validate=False,
-                                           whole_pages=True, counters=self._attn_counters, fused=fused,
-                                           k_mean=pool.k_mean, v_mean=pool.v_mean)
+        pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
+                          v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
+        o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
+                                           backend=self.backend, validate=False, counters=self._attn_counters,
+                                           fused=fused)
         o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 

@@ -6,6 +6,7 @@ import torch
 
 from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.quant import naive as qnaive
 
 
@@ -53,6 +54,30 @@ def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, devic
     table = torch.randperm(n_pages, generator=gen)[: len(lens) * max_pages].reshape(len(lens), max_pages)
     return (kc, ks, kz, vc, vs, vz, table.to(torch.int32).to(device),
             torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def pages_of(pool, means=None) -> PagePools:
+    """`make_pool`'s pools as the decode API's record; means: (k_mean, v_mean) `[H_kv, d]` of a centered cache."""
+    kc, ks, kz, vc, vs, vz = pool[:6]
+    km, vm = means if means is not None else (None, None)
+    return PagePools(k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, k_mean=km, v_mean=vm)
+
+
+def batch_of(pool, slot_ids=None, win_len=None, whole_pages=False) -> BatchMetadata:
+    """`make_pool`'s block table and history lengths (and a window's slots and lengths) as the decode API's record."""
+    return BatchMetadata(block_table=pool[6], hist_len=pool[7], slot_ids=slot_ids, win_len=win_len,
+                         whole_pages=whole_pages)
+
+
+def decode_inputs(pool, k_win, v_win, slot_ids, win_len, whole_pages=False, means=None) -> tuple:
+    """(pages, batch, windows): what `decode_attention` takes after q."""
+    return (pages_of(pool, means), batch_of(pool, slot_ids, win_len, whole_pages), Windows(k_win, v_win))
+
+
+def decode_records(args, whole_pages=False, means=None) -> tuple:
+    """A decode call's 13 loose tensors (q, the 8 of `make_pool`, k_win, v_win, slot_ids, win_len) -> (q, pages,
+    batch, windows), what `decode_attention` takes."""
+    return (args[0], *decode_inputs(args[1:9], *args[9:13], whole_pages=whole_pages, means=means))
 
 
 def make_q(b, h_q, d, dtype, seed=1, device="cpu"):

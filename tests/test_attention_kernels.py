@@ -10,6 +10,7 @@ A history that drops its last token moves the output by >= 1.2e-3 at these shape
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,12 +19,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime_kernels import attention as A
+from runtime_kernels.attention import BatchMetadata, PagePools, Windows
 from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import merge as M
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.quant import naive as qnaive
-from tests.kernel_helpers import assert_lse_close, dense_reference, make_pool, make_q, make_window, rel_rmse
+from tests.kernel_helpers import (
+    assert_lse_close,
+    batch_of,
+    decode_inputs,
+    dense_reference,
+    make_pool,
+    make_q,
+    make_window,
+    pages_of,
+    rel_rmse,
+)
 
 pytestmark = pytest.mark.interpreter  # Triton kernels on CPU tensors (see conftest)
 
@@ -40,8 +52,9 @@ def test_production_history_kernel_matches_the_reference(d, group, whole):
     lens = [256, 0, 128] if whole else [130, 0, 71]
     pool = make_pool(lens, 2, d, 64, seed=d + group)
     q = make_q(3, 2 * group, d, torch.bfloat16)
-    assert L.production_ok(q, pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=whole)
+    assert A.decode_plan(q, pages_of(pool), whole_pages=whole).kernel == "production"
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole), backend="triton",
+                                     num_splits=2)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < HALF_BOUND
     assert_lse_close(lse, want_lse, HALF_LSE)
@@ -55,7 +68,8 @@ def test_production_kernel_with_fp16_queries_and_one_split():
     lens = [192, 64]
     pool = make_pool(lens, 2, 128, 64, seed=5)
     q = make_q(2, 8, 128, torch.float16)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=1, whole_pages=True)
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=True), backend="triton",
+                                     num_splits=1)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < HALF_BOUND
     assert_lse_close(lse, want_lse, HALF_LSE)
@@ -68,8 +82,9 @@ def test_int8_scores_equal_the_reference_of_their_query():
     lens = [256, 128]
     pool = make_pool(lens, 2, 128, 64, seed=9)
     q = make_q(2, 8, 128, torch.bfloat16, seed=3)
-    assert L.chunk_constexprs(q, pool[0], pool[4], pool[5], True, L.DEFAULT_OPTIONS)["KI8"]
-    o, _ = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=True)
+    assert A.decode_plan(q, pages_of(pool), whole_pages=True).int8_scores
+    o, _ = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=True), backend="triton",
+                                   num_splits=2)
     want, _ = dense_reference(paged_ref.hilo_query_ref(q), pool, lens)
     assert rel_rmse(o, want) < HALF_BOUND
 
@@ -91,8 +106,8 @@ def test_fallback_kernel_matches_the_reference(case):
                                                  "page16": (None, 16, torch.bfloat16, HALF_BOUND, HALF_LSE)}[case]
     pool = make_pool(lens, 2, 128, page, group_size=group_size, seed=3)
     q = make_q(3, 8, 128, dtype)
-    assert not L.production_ok(q, pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2)
+    assert A.decode_plan(q, pages_of(pool)).kernel == "fallback"
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool), backend="triton", num_splits=2)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < bound
     assert_lse_close(lse, want_lse, lse_bound)
@@ -107,7 +122,8 @@ def test_production_kernel_ignores_garbage_past_the_end_of_a_page():
     for i in (1, 2, 4, 5):
         pool[i] = pool[i].clone()
         pool[i][last, :, 6:] = float("nan")
-    o, lse = A.int2_decode_attention(make_q(1, 4, 64, torch.bfloat16), *pool, backend="triton")
+    o, lse = A.int2_decode_attention(make_q(1, 4, 64, torch.bfloat16), pages_of(pool), batch_of(pool),
+                                     backend="triton")
     assert torch.isfinite(o).all()
     assert rel_rmse(o, want_o) < HALF_BOUND
 
@@ -118,7 +134,7 @@ def test_production_kernel_reads_more_than_one_block_of_page_ids():
     lens = [65 * 64]
     pool = make_pool(lens, 1, 32, 64, seed=8, extra_pages=0)
     q = make_q(1, 4, 32, torch.bfloat16)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=1)
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool), backend="triton", num_splits=1)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < HALF_BOUND
 
@@ -145,7 +161,8 @@ def test_window_attention(dtype, group, d):
     slot_ids = torch.tensor([3, 0, 4, 1], dtype=torch.int32)
     win_len = torch.tensor([80, 0, 1, 63], dtype=torch.int32)
     q = make_q(4, 2 * group, d, dtype)
-    o, lse = A.window_attention(q, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2)
+    o, lse = A.window_attention(q, Windows(k_win, v_win), BatchMetadata(slot_ids=slot_ids, win_len=win_len),
+                                backend="triton", num_splits=2)
     o_ref, lse_ref = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len)
     assert rel_rmse(o, o_ref) < (FP32_BOUND if dtype == torch.float32 else WINDOW_BOUND)
     assert_lse_close(lse, lse_ref, 1e-3)
@@ -167,8 +184,8 @@ def test_decode_grid_matches_the_concatenated_softmax(fused, d, group, whole):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(L, "launch_history", None)
         m.setattr(L.window, "launch_window_decode", None)
-        o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2,
-                                    whole_pages=whole, fused=fused, counters=counters)
+        o, lse = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slot_ids, win_len, whole),
+                                    backend="triton", num_splits=2, fused=fused, counters=counters)
     want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
     assert rel_rmse(o, want_o) < WINDOW_BOUND
     assert_lse_close(lse, want_lse, HALF_LSE)
@@ -184,7 +201,7 @@ def test_three_launch_decode_matches_the_concatenated_softmax(dtype):
     slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
     win_len = torch.tensor([12, 40, 0], dtype=torch.int32)
     q = make_q(3, 8, 64, dtype)
-    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton",
+    o, lse = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slot_ids, win_len), backend="triton",
                                 num_splits=3, window_splits=2)
     want_o, want_lse = dense_reference(q, pool, lens, k_win, v_win, slot_ids, win_len)
     assert rel_rmse(o, want_o) < (FP32_BOUND if dtype == torch.float32 else WINDOW_BOUND)
@@ -194,8 +211,8 @@ def test_three_launch_decode_matches_the_concatenated_softmax(dtype):
 def test_decode_rejects_a_bad_counters_buffer():
     pool = make_pool([64], h_kv=2, d=64, page=64, seed=71)
     k_win, v_win = make_window(1, 2, 8, 64, torch.bfloat16)
-    args = (make_q(1, 4, 64, torch.bfloat16), *pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
-            torch.tensor([8], dtype=torch.int32))
+    args = (make_q(1, 4, 64, torch.bfloat16), *decode_inputs(pool, k_win, v_win, torch.tensor([0], dtype=torch.int32),
+                                                              torch.tensor([8], dtype=torch.int32)))
     with pytest.raises(ValueError, match=r"counters: .*at least B \* H_kv = 2"):
         A.decode_attention(*args, backend="triton", counters=torch.zeros(1, dtype=torch.int32), fused=True)
     with pytest.raises(TypeError, match="counters"):
@@ -269,31 +286,68 @@ def test_programs_per_sm_limit_matches_the_occupancy_ncu_reported():
     assert L.programs_per_sm_limit(64, 100_000, 1) == 2
 
 
-def test_splits_fill_whole_waves(monkeypatch):
-    """With the occupancy known: floor(waves * slots * SMs / (B * H_kv)), capped by min_split_tokens chunks."""
-    pool = make_pool([4000, 100], h_kv=2, d=64, page=64, seed=3)
-    q = make_q(2, 4, 64, torch.bfloat16)
+def shape_only_inputs(b, h_kv, max_pages, page=64, d=64, group=2):
+    """Empty pools and tables of the given shapes (split counts read shapes only)."""
+    pages = PagePools(*(torch.empty(1, h_kv, page, d // 4, dtype=torch.uint8) for _ in range(2)),
+                      *(torch.empty(1, h_kv, page, 1, dtype=torch.float16) for _ in range(4)))
+    batch = BatchMetadata(block_table=torch.zeros(b, max_pages, dtype=torch.int32),
+                          hist_len=torch.zeros(b, dtype=torch.int32))
+    return torch.empty(b, group * h_kv, d, dtype=torch.bfloat16), pages, batch
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=st.integers(1, 64), h_kv=st.integers(1, 8), max_pages=st.integers(1, 2048), slots=st.integers(1, 32),
+       sms=st.integers(1, 200), waves=st.integers(1, 3))
+def test_splits_fill_whole_waves(b, h_kv, max_pages, slots, sms, waves):
+    """With the occupancy known (`slots` programs per SM), the history splits are the most whose programs fit in
+    `waves` whole waves, never more chunks than a `min_split_tokens` cut of the longest history makes, and never
+    fewer than one. (Properties of the count, not its formula.)"""
+    q, pages, batch = shape_only_inputs(b, h_kv, max_pages)
+    opts = L.DecodeOptions(waves=waves)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(L, "sm_count", lambda device: sms)
+        n = L.splits_for_slots(q, pages, batch, slots, opts)
+    programs, capacity = b * h_kv, waves * slots * sms
+    tokens = max_pages * 64
+    # the chunks a min_split_tokens cut makes: every one but the last at least min_split_tokens long
+    cut = next(c for c in range(1, tokens + 1) if c * opts.min_split_tokens >= tokens)
+    assert 1 <= n <= cut
+    if n > 1:
+        assert n * programs <= capacity  # the splits fit in the waves
+    assert n == cut or (n + 1) * programs > capacity  # and one more would not (unless the cut stops it)
+
+
+@settings(max_examples=100, deadline=None)
+@given(b=st.integers(1, 64), h_kv=st.integers(1, 8), max_pages=st.integers(1, 2048))
+def test_splits_without_the_occupancy_aim_at_programs_per_sm(b, h_kv, max_pages):
+    """Where the compiled kernel's occupancy is unknown (interpreter, fallback), the fewest splits that reach
+    `programs_per_sm` programs per SM (sm_count is 4 off a GPU), again within the min_split_tokens cut."""
+    q, pages, batch = shape_only_inputs(b, h_kv, max_pages)
     opts = L.DEFAULT_OPTIONS
-    monkeypatch.setattr(L, "sm_count", lambda device: 5)
-    assert L.splits_for_slots(q, pool[0], pool[6], 3, opts) == (3 * 5) // (2 * 2)
-    assert L.splits_for_slots(q, pool[0], pool[6], 3, L.DecodeOptions(waves=2)) == (2 * 3 * 5) // (2 * 2)
-    monkeypatch.setattr(L, "sm_count", lambda device: 1000)
-    assert L.splits_for_slots(q, pool[0], pool[6], 3, opts) == -(-pool[6].shape[1] * 64 // opts.min_split_tokens)
-    assert L.splits_for_slots(q, pool[0], pool[6], None, opts) == L.default_num_splits(
-        2, 2, pool[6].shape[1] * 64, q.device, opts.programs_per_sm, opts.block_n, opts.min_split_tokens)
+    n = L.splits_for_slots(q, pages, batch, None, opts)
+    want = opts.programs_per_sm * L.sm_count(q.device)
+    tokens = max_pages * 64
+    cut = next(c for c in range(1, tokens + 1) if c * opts.min_split_tokens >= tokens)
+    assert 1 <= n <= cut
+    assert n == cut or n * b * h_kv >= want
+    assert n == 1 or (n - 1) * b * h_kv < want
 
 
 def test_occupancy_cache_key_follows_what_selects_a_kernel():
     pool = make_pool([300, 64], h_kv=2, d=64, page=64)
     q = make_q(2, 8, 64, torch.bfloat16)
-    kc, ks, kz, vc, vs, vz, table, lens = pool
-    masked = L.chunk_key(q, kc, ks, vc, vs, vz, table, lens, False, L.DEFAULT_OPTIONS)
-    assert masked != L.chunk_key(q, kc, ks, vc, vs, vz, table, lens, True, L.DEFAULT_OPTIONS)
-    assert masked != L.chunk_key(q, kc, ks, vc, vs, vz, table, lens, False, L.DecodeOptions(num_stages=2))
+    pages, batch = pages_of(pool), batch_of(pool)
+
+    def key(pages, whole=False, opts=L.DEFAULT_OPTIONS):
+        return L.chunk_key(q, pages, batch, L.plan_decode(q, pages, None, whole, opts), opts)
+
+    masked = key(pages)
+    assert masked != key(pages, whole=True)
+    assert masked != key(pages, opts=L.DecodeOptions(num_stages=2))
+    kc, ks = pool[0], pool[1]
     more_pages = torch.zeros(kc.shape[0] + 5, *kc.shape[1:], dtype=kc.dtype)
     more_scales = torch.zeros(ks.shape[0] + 5, *ks.shape[1:], dtype=ks.dtype)
-    assert L.chunk_key(q, more_pages, more_scales, more_pages, more_scales, more_scales, table, lens, False,
-                       L.DEFAULT_OPTIONS) == masked
+    assert key(PagePools(more_pages, more_pages, more_scales, more_scales, more_scales, more_scales)) == masked
 
 
 def test_decode_options_reject_bad_values():
@@ -303,33 +357,51 @@ def test_decode_options_reject_bad_values():
         L.DecodeOptions(num_warps=0)
     pool = make_pool([10], h_kv=2, d=64, page=16)
     with pytest.raises(TypeError, match="options: expected a DecodeOptions"):
-        A.int2_decode_attention(make_q(1, 8, 64, torch.float32), *pool, backend="triton", options={"fused": True})
+        A.int2_decode_attention(make_q(1, 8, 64, torch.float32), pages_of(pool), batch_of(pool), backend="triton",
+                                options={"fused": True})
 
 
-def test_bad_inputs_name_the_tensor():
-    pool = list(make_pool([10], h_kv=2, d=64, page=16))
+def test_bad_inputs_name_the_record_and_the_tensor():
+    pool = make_pool([10], h_kv=2, d=64, page=16)
     q = make_q(1, 8, 64, torch.float32)
+    pages, batch = pages_of(pool), batch_of(pool)
     kc, ks, kz, vc, vs, vz, table, lens = pool
+    replace = dataclasses.replace
     with pytest.raises(TypeError, match="q: dtype"):
-        A.int2_decode_attention(q.to(torch.int32), *pool)
+        A.int2_decode_attention(q.to(torch.int32), pages, batch)
     with pytest.raises(ValueError, match="q: head_dim must be a multiple of 4"):
-        A.int2_decode_attention(torch.randn(1, 8, 66), *pool)
-    with pytest.raises(TypeError, match="k_codes: dtype must be uint8"):
-        A.int2_decode_attention(q, kc.to(torch.int16), *pool[1:])
-    with pytest.raises(ValueError, match="v_codes: .*head_dim // 4"):
-        A.int2_decode_attention(q, kc, ks, kz, vc[..., :8], vs, vz, table, lens)
-    with pytest.raises(TypeError, match="k_scale: dtype must be float16"):
-        A.int2_decode_attention(q, kc, ks.float(), kz, vc, vs, vz, table, lens)
+        A.int2_decode_attention(torch.randn(1, 8, 66), pages, batch)
+    with pytest.raises(TypeError, match="pages: expected a PagePools .*got tuple"):
+        A.int2_decode_attention(q, tuple(pool[:6]), batch)
+    with pytest.raises(TypeError, match="batch: expected a BatchMetadata"):
+        A.int2_decode_attention(q, pages, (table, lens))
+    with pytest.raises(TypeError, match="pages.k_codes: dtype must be uint8"):
+        A.int2_decode_attention(q, replace(pages, k_codes=kc.to(torch.int16)), batch)
+    with pytest.raises(ValueError, match="pages.v_codes: .*head_dim // 4"):
+        A.int2_decode_attention(q, replace(pages, v_codes=vc[..., :8]), batch)
+    with pytest.raises(TypeError, match="pages.k_scale: dtype must be float16"):
+        A.int2_decode_attention(q, replace(pages, k_scale=ks.float()), batch)
+    with pytest.raises(ValueError, match="pages.v_zero: must have the same shape and strides as pages.v_scale"):
+        A.int2_decode_attention(q, replace(pages, v_zero=torch.zeros(*vz.shape[:3], 2, dtype=vz.dtype)[..., :1]),
+                                batch)
+    with pytest.raises(ValueError, match="pages.v_mean: a centered cache needs both"):
+        A.int2_decode_attention(q, replace(pages, k_mean=torch.zeros(2, 64)), batch)
     with pytest.raises(ValueError, match="q: 5 query heads is not a multiple"):
-        A.int2_decode_attention(make_q(1, 5, 64, torch.float32), *pool)
-    with pytest.raises(ValueError, match="block_table: .*batch size of q"):
-        A.int2_decode_attention(q, kc, ks, kz, vc, vs, vz, table.expand(2, -1), lens)
-    with pytest.raises(ValueError, match="hist_len: expected device"):
-        A.int2_decode_attention(q, kc, ks, kz, vc, vs, vz, table, lens.to("meta"))
+        A.int2_decode_attention(make_q(1, 5, 64, torch.float32), pages, batch)
+    with pytest.raises(ValueError, match="batch.block_table: .*batch size of q"):
+        A.int2_decode_attention(q, pages, replace(batch, block_table=table.expand(2, -1)))
+    with pytest.raises(ValueError, match="batch.hist_len: expected device"):
+        A.int2_decode_attention(q, pages, replace(batch, hist_len=lens.to("meta")))
     k_win, v_win = make_window(2, 2, 8, 64, torch.float32)
-    with pytest.raises(ValueError, match="k_win: .*head_dim of q"):
-        A.window_attention(q, k_win[..., :32], v_win, torch.tensor([0]), torch.tensor([3]))
-    with pytest.raises(TypeError, match="win_len: dtype"):
-        A.window_attention(q, k_win, v_win, torch.tensor([0]), torch.tensor([3.0]))
+    slots = BatchMetadata(slot_ids=torch.tensor([0]), win_len=torch.tensor([3]))
+    with pytest.raises(ValueError, match="windows.k_win: .*head_dim of q"):
+        A.window_attention(q, Windows(k_win[..., :32], v_win), slots)
+    with pytest.raises(TypeError, match="batch.win_len: dtype"):
+        A.window_attention(q, Windows(k_win, v_win), replace(slots, win_len=torch.tensor([3.0])))
+    with pytest.raises(ValueError, match="batch.slot_ids: decode_attention needs it, got None"):
+        A.decode_attention(q, pages, batch, Windows(k_win, v_win))
+    with pytest.raises(ValueError, match="windows.k_win: 1 KV heads, but pages.k_codes has 2"):
+        A.decode_attention(q, pages, replace(batch, slot_ids=slots.slot_ids, win_len=slots.win_len),
+                           Windows(k_win[:, :1], v_win[:, :1]))
     with pytest.raises(ValueError, match="lse_b: expected shape"):
         A.merge_attention(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2, 4), torch.zeros(3))

@@ -13,7 +13,16 @@ from runtime_kernels import attention as A
 from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.quant import naive as qnaive
-from tests.kernel_helpers import assert_lse_close, make_pool, make_q, make_window, rel_rmse
+from tests.kernel_helpers import (
+    assert_lse_close,
+    batch_of,
+    decode_inputs,
+    make_pool,
+    make_q,
+    make_window,
+    pages_of,
+    rel_rmse,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -57,14 +66,14 @@ def test_centered_history_kernel_matches_attention_over_dequantized_plus_mean(ca
     dtype = torch.float32 if case == "fallback_fp32" else torch.bfloat16
     q = make_q(3, 8, d, dtype)
     k_mean, v_mean = means(2, d)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=whole,
-                                     k_mean=k_mean, v_mean=v_mean)
+    pages = pages_of(pool, (k_mean, v_mean))
+    o, lse = A.int2_decode_attention(q, pages, batch_of(pool, whole_pages=whole), backend="triton", num_splits=2)
     want_o, want_lse = centered_reference(q, pool, lens, k_mean, v_mean)
     assert rel_rmse(o, want_o) < (FP32_BOUND if dtype == torch.float32 else HALF_BOUND)
     assert_lse_close(lse, want_lse, 2e-3)
     assert (o[1] == 0).all() and torch.isneginf(lse[1]).all()  # an empty history stays empty
     # The torch path is the same definition.
-    o_t, lse_t = A.int2_decode_attention(q, *pool, backend="torch", k_mean=k_mean, v_mean=v_mean)
+    o_t, lse_t = A.int2_decode_attention(q, pages, batch_of(pool), backend="torch")
     assert rel_rmse(o_t, want_o) < FP32_BOUND
 
 
@@ -77,14 +86,14 @@ def test_centered_decode_grid_keeps_the_merge_with_the_window_exact(fused):
     win_len = torch.tensor([40, 17, 0], dtype=torch.int32)
     q = make_q(3, 8, 64, torch.bfloat16)
     k_mean, v_mean = means(2, 64)
-    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2,
-                                whole_pages=True, fused=fused, k_mean=k_mean, v_mean=v_mean)
+    o, lse = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slot_ids, win_len, True, (k_mean, v_mean)),
+                                backend="triton", num_splits=2, fused=fused)
     want_o, want_lse = centered_reference(q, pool, lens, k_mean, v_mean, (k_win, v_win, slot_ids, win_len))
     assert rel_rmse(o, want_o) < 2e-2  # bf16 window operands, as uncentered
     assert_lse_close(lse, want_lse, 2e-3)
     # The means matter: the uncentered call is far from this reference.
-    o_u, _ = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2,
-                                whole_pages=True, fused=fused)
+    o_u, _ = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slot_ids, win_len, True), backend="triton",
+                                num_splits=2, fused=fused)
     assert rel_rmse(o_u, want_o) > 0.1
 
 
@@ -93,12 +102,13 @@ def test_zero_means_are_bit_identical_to_the_uncentered_path(whole, dtype):
     lens = [192, 0, 64] if whole else [130, 0, 71]
     pool = make_pool(lens, 2, 128, 64, seed=33)
     k_win, v_win = make_window(4, 2, 40, 128, dtype, seed=5)
-    args = (make_q(3, 8, 128, dtype), *pool, k_win, v_win, torch.tensor([1, 0, 2], dtype=torch.int32),
-            torch.tensor([40, 3, 0], dtype=torch.int32))
+    q = make_q(3, 8, 128, dtype)
+    slots, win_len = torch.tensor([1, 0, 2], dtype=torch.int32), torch.tensor([40, 3, 0], dtype=torch.int32)
     zeros = torch.zeros(2, 128)
-    o, lse = A.decode_attention(*args, backend="triton", num_splits=2, whole_pages=whole)
-    oc, lsec = A.decode_attention(*args, backend="triton", num_splits=2, whole_pages=whole, k_mean=zeros,
-                                  v_mean=zeros)
+    o, lse = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slots, win_len, whole), backend="triton",
+                                num_splits=2)
+    oc, lsec = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slots, win_len, whole, (zeros, zeros)),
+                                  backend="triton", num_splits=2)
     assert torch.equal(o, oc) and torch.equal(lse, lsec)
 
 
@@ -165,10 +175,11 @@ def test_centered_cache_decodes_the_centered_history():
 def test_bad_means_name_the_input():
     pool = make_pool([64], 2, 64, 64)
     q = make_q(1, 8, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="v_mean: a centered cache needs both"):
-        A.int2_decode_attention(q, *pool, backend="torch", k_mean=torch.zeros(2, 64))
-    with pytest.raises(ValueError, match=r"k_mean: expected shape \(2, 64\)"):
-        A.int2_decode_attention(q, *pool, backend="torch", k_mean=torch.zeros(2, 32), v_mean=torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="pages.v_mean: a centered cache needs both"):
+        A.int2_decode_attention(q, pages_of(pool, (torch.zeros(2, 64), None)), batch_of(pool), backend="torch")
+    with pytest.raises(ValueError, match=r"pages.k_mean: expected shape \(2, 64\)"):
+        A.int2_decode_attention(q, pages_of(pool, (torch.zeros(2, 32), torch.zeros(2, 32))), batch_of(pool),
+                                backend="torch")
     art = identity_artifact(1, 2, 8, 64)
     with pytest.raises(ValueError, match=r"k_mean: expected a float tensor of shape \[1, 2, 64\]"):
         PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=2, max_seqs=1,

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
+from tests.kernel_helpers import batch_of, decode_inputs, pages_of
 
 pytestmark = pytest.mark.interpreter
 
@@ -46,11 +47,11 @@ def run_case(name: str, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
         t["v_scale"], t["v_zero"] = vs, vz
     pool = [t[k] for k in POOL]
     if meta["mode"] == "history":
-        return A.int2_decode_attention(t["q"], *pool, backend="triton", num_splits=meta["splits"],
-                                       whole_pages=meta["whole_pages"])
-    return A.decode_attention(t["q"], *pool, t["k_win"], t["v_win"], t["slot_ids"], t["win_len"], backend="triton",
-                              num_splits=meta["splits"], whole_pages=meta["whole_pages"],
-                              fused=meta["mode"] == "fused")
+        return A.int2_decode_attention(t["q"], pages_of(pool), batch_of(pool, whole_pages=meta["whole_pages"]),
+                                       backend="triton", num_splits=meta["splits"])
+    return A.decode_attention(t["q"], *decode_inputs(pool, t["k_win"], t["v_win"], t["slot_ids"], t["win_len"],
+                                                     meta["whole_pages"]),
+                              backend="triton", num_splits=meta["splits"], fused=meta["mode"] == "fused")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -16,6 +16,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from tests.kernel_helpers import batch_of, pages_of
 
 
 def bench_like_pool(lens, h_kv, d, page, device, seed=0):
@@ -69,7 +70,7 @@ def test_split_count_does_not_change_the_answer_cpu():
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     o_ex, lse_ex = exact_reference(q, *pool)
     for splits in (5, 9, 17):
-        o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=splits)
+        o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool), backend="triton", num_splits=splits)
         assert rel(o, o_ex) < 2e-3, splits  # fp16 rounding of p * scale only
         assert (lse.double() - lse_ex).abs().max().item() < 2e-4, splits
 
@@ -86,7 +87,7 @@ def test_long_chunks_stay_accurate_on_gpu(whole):
     o_ex, lse_ex = exact_reference(q, *pool)
     errs = {}
     for splits in (5, 9, 17):
-        o, lse = A.int2_decode_attention(q, *pool, num_splits=splits, whole_pages=whole)
+        o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole), num_splits=splits)
         errs[splits] = rel(o, o_ex)
         assert (lse.double() - lse_ex).abs().max().item() < 1e-3
     assert max(errs.values()) < 2e-3, errs

@@ -15,11 +15,20 @@ import pytest
 import torch
 
 from runtime_kernels import attention as A
-from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
 from runtime_kernels.quant import naive as qnaive
-from tests.kernel_helpers import assert_lse_close, dense_reference, make_pool, make_q, make_window, rel_rmse
+from tests.kernel_helpers import (
+    assert_lse_close,
+    batch_of,
+    decode_inputs,
+    dense_reference,
+    make_pool,
+    make_q,
+    make_window,
+    pages_of,
+    rel_rmse,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -50,9 +59,8 @@ def centered_means(h_kv, d, seed=5):
 
 
 def run_history(q, pool, whole, means):
-    km, vm = means if means is not None else (None, None)
-    return A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=whole, k_mean=km,
-                                   v_mean=vm)
+    return A.int2_decode_attention(q, pages_of(pool, means), batch_of(pool, whole_pages=whole), backend="triton",
+                                   num_splits=2)
 
 
 def reference(q, pool, lens, means):
@@ -68,7 +76,7 @@ def test_ue5m3_pools_take_the_whole_page_path_and_equal_their_fp16_transcription
     pool = make_pool(lens, 2, d, 64, seed=d + paired, scale_format="ue5m3", paired_v=paired)
     q = make_q(3, 8, d, torch.bfloat16, seed=2)
     means = centered_means(2, d) if centered else None
-    plan = L.plan_decode(q, pool[0], pool[1], pool[3], pool[4], pool[5], None, True, L.DEFAULT_OPTIONS, centered)
+    plan = A.decode_plan(q, pages_of(pool, means), whole_pages=True)
     assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v) == ("production", True, d == 128, paired)
     assert plan.scale_format == "ue5m3"
     o, lse = run_history(q, pool, True, means)
@@ -111,42 +119,16 @@ def test_ue5m3_grid_decode_with_windows_equals_its_fp16_transcription(fused):
     km, vm = centered_means(2, 128, seed=9)
 
     def run(p):
-        return A.decode_attention(q, *p, k_win, v_win, slot_ids, win_len, backend="triton", num_splits=2,
-                                  whole_pages=True, fused=fused, k_mean=km, v_mean=vm)
+        return A.decode_attention(q, *decode_inputs(p, k_win, v_win, slot_ids, win_len, True, (km, vm)),
+                                  backend="triton", num_splits=2, fused=fused)
 
     o, lse = run(pool)
     o16, lse16 = run(as_fp16_pool(pool))
     assert torch.equal(o, o16) and torch.equal(lse, lse16)
-    o_ref, lse_ref = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="torch", k_mean=km,
-                                        v_mean=vm)
+    o_ref, lse_ref = A.decode_attention(q, *decode_inputs(pool, k_win, v_win, slot_ids, win_len, means=(km, vm)),
+                                        backend="torch")
     assert rel_rmse(o, o_ref) < 2e-2  # bf16 window operands and probabilities (test_attention_kernels)
     assert_lse_close(lse, lse_ref, HALF_LSE)
-
-
-# -------------------------------------------------------------------------------------- the plan
-def test_the_default_recipe_takes_the_fastest_path_at_the_bench_shapes():
-    """PagedKVCache with the shipped layout (ue5m3 scales, centered, 128/1024 windows, page 64, head_dim 128, bf16
-    windows) and Qwen3-8B heads: every decode call of the bench's batches takes the production grid with whole
-    pages, int8 scores and paired V pools, and nothing declined."""
-    from runtime_kernels.cache import PagedKVCache
-    from runtime_kernels.layout import RECIPE_LAYOUT
-
-    h, d = 8, 128
-    rot = torch.eye(d).expand(1, h, d, d)
-    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), max_pages=4, max_seqs=2,
-                         page_size=RECIPE_LAYOUT.page_size, sink_tokens=RECIPE_LAYOUT.sink_tokens,
-                         recent_tokens=RECIPE_LAYOUT.recent_tokens, k_mean=torch.zeros(1, h, d),
-                         v_mean=torch.zeros(1, h, d), scale_format="ue5m3")
-    pool = cache.pools[0]
-    assert (cache.page_size, cache.sink, cache.recent) == (64, 128, 1024)
-    for batch in (1, 8, 32):
-        q = torch.zeros(batch, 32, d, dtype=torch.bfloat16)
-        for fused in (False, True):
-            plan = A.decode_plan(q, pool.k_codes, pool.k_scale, pool.v_codes, pool.v_scale, pool.v_zero, pool.k_win,
-                                 whole_pages=True, fused=fused, centered=pool.k_mean is not None)
-            assert plan == L.DecodePlan(kernel="grid", launches=1 if fused else 2, whole_pages=True,
-                                        int8_scores=True, paired_v=True, scale_format="ue5m3", centered=True,
-                                        reason="")
 
 
 def test_unaligned_ue5m3_pools_take_the_masked_tiles_and_say_why():
@@ -160,37 +142,9 @@ def test_unaligned_ue5m3_pools_take_the_masked_tiles_and_say_why():
     shifted[1] = buf[1:1 + pool[1].numel()].view(pool[1].shape)
     shifted[1].copy_(pool[1])
     assert shifted[1].data_ptr() % 4
-    plan = L.plan_decode(q, shifted[0], shifted[1], shifted[3], shifted[4], shifted[5], None, True,
-                         L.DEFAULT_OPTIONS)
-    assert not plan.whole_pages and "not 4-byte aligned" in plan.reason
+    for compiled in (False, True):
+        plan = A.decode_plan(q, pages_of(shifted), whole_pages=True, compiled=compiled)
+        assert not plan.whole_pages and "not 4-byte aligned" in plan.reason
     o, lse = run_history(q, shifted, True, None)
     om, lsem = run_history(q, pool, False, None)
     assert torch.equal(o, om) and torch.equal(lse, lsem)
-
-
-def test_the_plan_says_why_a_fast_path_is_not_taken():
-    pool = make_pool([64], 2, 64, 64, group_size=32, seed=1)
-    q = make_q(1, 4, 64, torch.bfloat16)
-    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], whole_pages=True)
-    assert (plan.kernel, plan.whole_pages) == ("fallback", False) and "2 scale groups per row" in plan.reason
-    pool = make_pool([64], 2, 64, 64, seed=1)
-    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], whole_pages=False)
-    assert plan.kernel == "production" and not plan.whole_pages and "whole_pages not promised" in plan.reason
-    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], whole_pages=True)
-    assert (plan.whole_pages, plan.int8_scores, plan.paired_v) == (True, False, False)
-    assert "head_dim 64: fp16 scores" in plan.reason and "not paired" in plan.reason
-    k_win = torch.zeros(1, 2, 8, 64)
-    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], k_win, whole_pages=True)
-    assert (plan.kernel, plan.launches) == ("production", 3) and "torch.float32 windows" in plan.reason
-    assert not L.production_ok(q.float(), pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    assert "torch.float32 queries" in L.production_declines(q.float(), pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-
-
-def test_every_call_logs_its_plan_at_debug(caplog):
-    pool = make_pool([64, 0], 2, 128, 64, seed=2, scale_format="ue5m3", paired_v=True)
-    q = make_q(2, 8, 128, torch.bfloat16)
-    with caplog.at_level("DEBUG", logger="runtime_kernels.attention.int2_decode.launch"):
-        A.int2_decode_attention(q, *pool, backend="triton", num_splits=1, whole_pages=True)
-    [rec] = [r for r in caplog.records if r.name == "runtime_kernels.attention.int2_decode.launch"]
-    assert "kernel='production'" in rec.getMessage() and "int8_scores=True" in rec.getMessage()
-    assert "scale_format='ue5m3'" in rec.getMessage()

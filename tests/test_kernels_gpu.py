@@ -11,6 +11,7 @@ from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
 from runtime_kernels.quant import naive
+from tests.kernel_helpers import batch_of, decode_inputs, decode_records, pages_of
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -67,20 +68,20 @@ def test_int2_decode_on_gpu(group, d):
     lens = [0, 1, 7, 8, 63, 257, 4099, 20000]
     pool = make_pool(lens, 2, d, seed=d + group)
     q = torch.randn(len(lens), 2 * group, d, device=DEV, dtype=torch.bfloat16)
-    o, lse = A.int2_decode_attention(q, *pool)
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool))
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 2e-2
     fin = torch.isfinite(lse_ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     assert torch.allclose(lse[fin], lse_ref[fin], atol=2e-2)
-    o32, _ = A.int2_decode_attention(q.float(), *pool)  # fp32 queries: ieee dots
+    o32, _ = A.int2_decode_attention(q.float(), pages_of(pool), batch_of(pool))  # fp32 queries: ieee dots
     assert rel_rmse(o32, o_ref) < 1e-4
 
 
 def test_int2_group_scales_on_gpu():
     pool = make_pool([3000, 70], 8, 128, group_size=32, seed=5)
     q = torch.randn(2, 32, 128, device=DEV, dtype=torch.bfloat16)
-    o, _ = A.int2_decode_attention(q, *pool)
+    o, _ = A.int2_decode_attention(q, pages_of(pool), batch_of(pool))
     o_ref, _ = paged_ref.int2_decode_attention_ref(q, *pool)
     assert rel_rmse(o, o_ref) < 2e-2
 
@@ -94,13 +95,14 @@ def test_full_decode_on_gpu_qwen3_8b_geometry():
     slot_ids = torch.tensor([5, 0, 2, 3], dtype=torch.int32, device=DEV)
     win_len = torch.tensor([40, 320, 320, 0], dtype=torch.int32, device=DEV)
     q = torch.randn(4, 32, 128, device=DEV, dtype=torch.bfloat16)
-    o, lse = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, fused=True)
-    o_ref, lse_ref = A.decode_attention(q, *pool, k_win, v_win, slot_ids, win_len, backend="torch")
+    rec = decode_inputs(pool, k_win, v_win, slot_ids, win_len)
+    o, lse = A.decode_attention(q, *rec, fused=True)
+    o_ref, lse_ref = A.decode_attention(q, *rec, backend="torch")
     assert rel_rmse(o, o_ref) < 2e-2
     assert torch.allclose(lse, lse_ref, atol=2e-2)
     # The fused launch (window programs shaped for one warp, reduce by the last program) vs the separate kernels.
-    o_w, lse_w = A.window_attention(q, k_win, v_win, slot_ids, win_len)
-    o_h, lse_h = A.int2_decode_attention(q, *pool)
+    o_w, lse_w = A.window_attention(q, rec[2], rec[1])
+    o_h, lse_h = A.int2_decode_attention(q, rec[0], rec[1])
     o_m, lse_m = A.merge_attention(o_h, lse_h, o_w, lse_w)
     assert rel_rmse(o_m, o) < 1e-3
     fin = torch.isfinite(lse_m)
@@ -140,14 +142,15 @@ def test_shared_grid_decode_on_gpu_under_graph_replay():
     Qwen3-8B geometry with mixed lengths, eager and replayed from a CUDA graph, against the three-launch path and the
     torch reference."""
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0], pool_seed=12, seed=5, min_window=0)
-    o3, lse3 = A.decode_attention(*args, window_splits=10)  # an explicit window split count: three launches
-    o_ref, lse_ref = A.decode_attention(*args, backend="torch")
+    rec, whole = decode_records(args), decode_records(args, whole_pages=True)
+    o3, lse3 = A.decode_attention(*rec, window_splits=10)  # an explicit window split count: three launches
+    o_ref, lse_ref = A.decode_attention(*rec, backend="torch")
     # The same split counts for both forms: their kernels compile separately, and their register counts (so the
     # splits that fill the SMs) may differ.
     # (An explicit window_splits would select the three-launch path: the grid derives its own.)
-    s_h, _ = A.decode_num_splits(args[0], *args[1:], whole_pages=True)
-    o2, lse2 = A.decode_attention(*args, whole_pages=True, num_splits=s_h)
-    o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=True, num_splits=s_h)  # same code, in-kernel reduce
+    s_h, _ = A.decode_num_splits(*whole)
+    o2, lse2 = A.decode_attention(*whole, num_splits=s_h)
+    o1, lse1 = A.decode_attention(*whole, fused=True, num_splits=s_h)  # same code, in-kernel reduce
     assert rel_rmse(o2, o_ref) < 2e-2
     assert rel_rmse(o2, o1) < 1e-5
     # The three-launch window kernel rounds its bf16 probabilities differently (1.4e-3 here on 0-320-token windows).
@@ -155,8 +158,7 @@ def test_shared_grid_decode_on_gpu_under_graph_replay():
     fin = torch.isfinite(lse3)
     assert torch.equal(fin, torch.isfinite(lse2)) and torch.allclose(lse2[fin], lse3[fin], atol=1e-3)
     assert torch.allclose(lse2[fin], lse1[fin], atol=1e-5)
-    for o, _ in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, validate=False, num_splits=s_h),
-                              3):
+    for o, _ in graph_replays(lambda: A.decode_attention(*whole, validate=False, num_splits=s_h), 3):
         assert torch.equal(o, o2)
 
 
@@ -166,10 +168,10 @@ def test_fused_decode_under_graph_replay_on_gpu():
     three-launch path; whole_pages as PagedKVCache passes it."""
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(32)], pool_seed=9, seed=4, min_window=1)
     counters = torch.zeros(32 * 8, dtype=torch.int32, device=DEV)
-    o3, lse3 = A.decode_attention(*args, whole_pages=True, window_splits=10)  # three launches, same history kernel
-    A.decode_attention(*args, whole_pages=True, counters=counters, fused=True)  # compile outside the capture
-    for o, lse in graph_replays(lambda: A.decode_attention(*args, whole_pages=True, counters=counters, validate=False,
-                                                           fused=True), 5):
+    whole = decode_records(args, whole_pages=True)
+    o3, lse3 = A.decode_attention(*whole, window_splits=10)  # three launches, same history kernel
+    A.decode_attention(*whole, counters=counters, fused=True)  # compile outside the capture
+    for o, lse in graph_replays(lambda: A.decode_attention(*whole, counters=counters, validate=False, fused=True), 5):
         assert (counters == 0).all()
         assert rel_rmse(o, o3) < 1e-3
         assert torch.allclose(lse, lse3, atol=1e-4)
@@ -188,20 +190,20 @@ def test_paired_v_scale_and_zero_pools_on_gpu():
     for fused in (True, False):  # the two-launch result (the last) is what the graph replays
         # The same split counts for both layouts: each compiles its own kernel, whose registers set the splits.
         # (An explicit window_splits would select the three-launch path: the grid derives its own.)
-        s_h, _ = A.decode_num_splits(*paired, whole_pages=True, options=L.DecodeOptions(fused=fused))
-        o1, lse1 = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
-        o2, lse2 = A.decode_attention(*paired, whole_pages=True, fused=fused, num_splits=s_h)
+        s_h, _ = A.decode_num_splits(*decode_records(paired, True), options=L.DecodeOptions(fused=fused))
+        o1, lse1 = A.decode_attention(*decode_records(args, True), fused=fused, num_splits=s_h)
+        o2, lse2 = A.decode_attention(*decode_records(paired, True), fused=fused, num_splits=s_h)
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
-    for o, _ in graph_replays(lambda: A.decode_attention(*paired, whole_pages=True, validate=False, num_splits=s_h),
-                              2):
+    for o, _ in graph_replays(lambda: A.decode_attention(*decode_records(paired, True), validate=False,
+                                                         num_splits=s_h), 2):
         assert torch.equal(o, o1)
 
 
 def int8_scores_match_their_reference(q, pool) -> tuple:
     """Assert that the whole-page INT2 kernel scores these pools with int8 MMAs and agrees with the float reference
     on the hi/lo query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding -> (o, lse, finite-lse mask)."""
-    assert L.chunk_constexprs(q, pool[0], pool[4], pool[5], True, L.DEFAULT_OPTIONS)["KI8"]
-    o, lse = A.int2_decode_attention(q, *pool, whole_pages=True)
+    assert A.decode_plan(q, pages_of(pool), whole_pages=True).int8_scores
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=True))
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
     assert rel_rmse(o, o_ref) < 3e-4
     fin = torch.isfinite(lse_ref)
@@ -215,7 +217,7 @@ def test_int8_scores_on_gpu():
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0, 64], pool_seed=22, seed=15, min_window=1)
     q, pool = args[0], args[1:9]
     o, lse, fin = int8_scores_match_their_reference(q, pool)
-    o16, lse16 = A.int2_decode_attention(q, *pool, whole_pages=False)
+    o16, lse16 = A.int2_decode_attention(q, pages_of(pool), batch_of(pool))
     assert rel_rmse(o, o16) < 2e-3
     assert torch.allclose(lse[fin], lse16[fin], atol=2e-3)
 
@@ -286,16 +288,15 @@ def test_centered_decode_on_gpu():
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)] + [0], pool_seed=30, seed=21, min_window=1)
     gen = torch.Generator(device=DEV).manual_seed(5)
     k_mean, v_mean = (torch.randn(8, 128, generator=gen, device=DEV) * 3 for _ in range(2))
-    o_ref, lse_ref = A.decode_attention(*args, backend="torch", k_mean=k_mean, v_mean=v_mean)
+    o_ref, lse_ref = A.decode_attention(*decode_records(args, means=(k_mean, v_mean)), backend="torch")
     zeros = torch.zeros(8, 128, device=DEV)
     for fused in (False, True):
-        o, lse = A.decode_attention(*args, whole_pages=True, fused=fused, k_mean=k_mean, v_mean=v_mean)
+        o, lse = A.decode_attention(*decode_records(args, True, (k_mean, v_mean)), fused=fused)
         assert rel_rmse(o, o_ref) < 2e-2
         assert torch.allclose(lse, lse_ref, atol=2e-2)
-        s_h, _ = A.decode_num_splits(*args, whole_pages=True, fused=fused)
-        o0, l0 = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h)
-        oz, lz = A.decode_attention(*args, whole_pages=True, fused=fused, num_splits=s_h, k_mean=zeros,
-                                    v_mean=zeros)
+        s_h, _ = A.decode_num_splits(*decode_records(args, True), fused=fused)
+        o0, l0 = A.decode_attention(*decode_records(args, True), fused=fused, num_splits=s_h)
+        oz, lz = A.decode_attention(*decode_records(args, True, (zeros, zeros)), fused=fused, num_splits=s_h)
         assert torch.equal(o0, oz) and torch.equal(l0, lz)
 
 
@@ -366,7 +367,7 @@ def test_ue5m3_decode_on_gpu(d, group_size, paired, whole):
         assert paired_v_pools(pool[4], pool[5])
     q = torch.randn(len(lens), 8, d, device=DEV, dtype=torch.bfloat16)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
-    o, lse = A.int2_decode_attention(q, *pool, whole_pages=whole)
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole))
     assert rel_rmse(o, o_ref) < 2e-2
     fin = torch.isfinite(lse_ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
@@ -410,23 +411,23 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     slot_ids = torch.randperm(batch, generator=gen, device=DEV).to(torch.int32)
     win_len = torch.full((batch,), win, dtype=torch.int32, device=DEV)
     q = torch.randn(batch, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    windows = (k_win, v_win, slot_ids, win_len)
-    plan = A.decode_plan(q, pool[0], pool[1], pool[3], pool[4], pool[5], k_win, whole_pages=True, centered=True)
+    rec = decode_inputs(pool, k_win, v_win, slot_ids, win_len, True, (km, vm))
+    rec16 = decode_inputs(twin, k_win, v_win, slot_ids, win_len, True, (km, vm))
+    plan = A.decode_plan(q, rec[0], rec[2], whole_pages=True)
     assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v, plan.reason) == \
         ("grid", True, True, True, "")
-    s_h, _ = A.decode_num_splits(q, *pool, *windows, whole_pages=True)  # the same splits for both pools
+    s_h, _ = A.decode_num_splits(q, *rec)  # the same splits for both pools
     for fused in (False, True):
-        o, lse = A.decode_attention(q, *pool, *windows, whole_pages=True, fused=fused, num_splits=s_h, k_mean=km,
-                                    v_mean=vm)
-        o16, lse16 = A.decode_attention(q, *twin, *windows, whole_pages=True, fused=fused, num_splits=s_h,
-                                        k_mean=km, v_mean=vm)
+        o, lse = A.decode_attention(q, *rec, fused=fused, num_splits=s_h)
+        o16, lse16 = A.decode_attention(q, *rec16, fused=fused, num_splits=s_h)
         assert torch.equal(o, o16) and torch.equal(lse, lse16), (fused, rel_rmse(o, o16))
-        o_ref, lse_ref = A.decode_attention(q, *pool, *windows, backend="torch", k_mean=km, v_mean=vm)
+        o_ref, lse_ref = A.decode_attention(q, *rec, backend="torch")
         assert rel_rmse(o, o_ref) < 2e-2 and torch.allclose(lse, lse_ref, atol=2e-2)
     # History only: the whole-page loop against the masked-tile loop on the same ue5m3 pools.
-    oh, lh = A.int2_decode_attention(q, *pool, whole_pages=True, num_splits=s_h, k_mean=km, v_mean=vm)
-    om, lm = A.int2_decode_attention(q, *pool, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
-    om16, lm16 = A.int2_decode_attention(q, *twin, whole_pages=False, num_splits=s_h, k_mean=km, v_mean=vm)
+    pages, pages16 = pages_of(pool, (km, vm)), pages_of(twin, (km, vm))
+    oh, lh = A.int2_decode_attention(q, pages, batch_of(pool, whole_pages=True), num_splits=s_h)
+    om, lm = A.int2_decode_attention(q, pages, batch_of(pool), num_splits=s_h)
+    om16, lm16 = A.int2_decode_attention(q, pages16, batch_of(twin), num_splits=s_h)
     # The masked loop decodes the bytes as loaded (not `_u8_words`); compiled, it differs from its fp16 twin in the
     # last bits (relative RMSE <= 6.5e-7 on an H200: bench/results/decode_ue5m3_masked_vs_fp16_NVIDIA_H200.log).
     assert rel_rmse(om, om16) < 5e-6 and torch.equal(lm, lm16), rel_rmse(om, om16)

@@ -11,10 +11,17 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant as Q
-from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode.pools import paired_v_pools
 from runtime_kernels.quant import naive
-from tests.kernel_helpers import assert_lse_close, dense_reference, make_pool, make_q, rel_rmse
+from tests.kernel_helpers import (
+    assert_lse_close,
+    batch_of,
+    dense_reference,
+    make_pool,
+    make_q,
+    pages_of,
+    rel_rmse,
+)
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
 
@@ -110,11 +117,11 @@ def test_production_kernel_on_ue5m3_pools_matches_the_reference(whole, paired):
     pool = make_pool(lens, 2, 128, 64, seed=11, scale_format="ue5m3", paired_v=paired)
     assert pool[1].dtype == torch.uint8 and paired_v_pools(pool[4], pool[5]) == paired
     q = make_q(3, 8, 128, torch.bfloat16)
-    assert L.production_ok(q, pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    # uint8 pools take the whole-page loop (int8 scores, paired V pools) like fp16 ones
-    plan = L.chunk_constexprs(q, pool[0], pool[4], pool[5], whole, L.DEFAULT_OPTIONS)
-    assert (plan["FULL_TILES"], plan["KI8"], plan["VPAIR"]) == (whole, whole, paired)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2, whole_pages=whole)
+    # uint8 pools take the whole-page loop (int8 scores, paired V pools) like fp16 ones (under the interpreter)
+    plan = A.decode_plan(q, pages_of(pool), whole_pages=whole)
+    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v) == ("production", whole, whole, paired)
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole), backend="triton",
+                                     num_splits=2)
     want_o, want_lse = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < HALF_BOUND
     assert_lse_close(lse, want_lse, HALF_LSE)
@@ -129,8 +136,8 @@ def test_fallback_kernel_on_ue5m3_pools_matches_the_reference(group_size, dtype,
     lens = [130, 0, 71]
     pool = make_pool(lens, 2, 128, 64, group_size=group_size, seed=12, scale_format="ue5m3")
     q = make_q(3, 8, 128, dtype)
-    assert not L.production_ok(q, pool[0], pool[1], pool[3], L.DEFAULT_OPTIONS)
-    o, lse = A.int2_decode_attention(q, *pool, backend="triton", num_splits=2)
+    assert A.decode_plan(q, pages_of(pool)).kernel == "fallback"
+    o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool), backend="triton", num_splits=2)
     want_o, _ = dense_reference(q, pool, lens)
     assert rel_rmse(o, want_o) < bound
 
@@ -138,5 +145,5 @@ def test_fallback_kernel_on_ue5m3_pools_matches_the_reference(group_size, dtype,
 def test_mixed_scale_formats_are_refused_naming_the_pool():
     pool = list(make_pool([64], 1, 64, 64, scale_format="ue5m3"))
     pool[5] = pool[5].half()
-    with pytest.raises(TypeError, match="v_zero"):
-        A.int2_decode_attention(make_q(1, 2, 64, torch.float32), *pool, backend="torch")
+    with pytest.raises(TypeError, match="pages.v_zero: dtype must be uint8"):
+        A.int2_decode_attention(make_q(1, 2, 64, torch.float32), pages_of(pool), batch_of(pool), backend="torch")

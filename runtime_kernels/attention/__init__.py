@@ -4,6 +4,10 @@
 of `int2_decode.naive`. Layout of the pools, windows and tables: see that module's docstring; the kernels and
 their launcher live in `int2_decode/` (README.md there explains the bit tricks).
 
+Inputs travel as three records (`int2_decode/records.py`, no Triton needed to build them): `PagePools` (one layer's
+INT2 pages, and the means of a centered cache), `Windows` (its full-precision windows) and `BatchMetadata` (block
+table, history and window lengths, window slots, the whole-pages promise).
+
 - `int2_decode_attention`: split-K over the paged INT2 history -> (o, lse)
 - `window_attention`: over the BF16 sink + recent window -> (o, lse)
 - `merge_attention`: exact log-sum-exp merge of two partials
@@ -31,6 +35,7 @@ from runtime_kernels._validate import (
 )
 from runtime_kernels.attention import naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.quant.naive import SCALE_STORAGE
 
 
@@ -42,15 +47,19 @@ def _launch():
 
 
 def __getattr__(name: str):
-    # `DecodeOptions` / `DEFAULT_OPTIONS` live with the launcher (which needs Triton): resolved on first use.
-    if name in ("DecodeOptions", "DEFAULT_OPTIONS"):
+    # `DecodeOptions` / `DEFAULT_OPTIONS` / `DecodePlan` live with the launcher (which needs Triton): resolved on first use.
+    if name in ("DecodeOptions", "DEFAULT_OPTIONS", "DecodePlan"):
         return getattr(_launch(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "BatchMetadata",
     "DecodeOptions",
+    "DecodePlan",
+    "PagePools",
+    "Windows",
     "decode_attention",
     "decode_num_splits",
     "decode_plan",
@@ -79,123 +88,156 @@ def _check_q(q: torch.Tensor) -> None:
     check_head_dim("q", q.shape[2])
 
 
-def _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len) -> None:
+def _check_record(name: str, value, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name}: expected a {kind.__name__} (runtime_kernels.attention.{kind.__name__}), got "
+                        f"{type(value).__name__}")
+
+
+def _check_pages(q, pages: PagePools) -> PagePools:
+    """The INT2 pools against q `[B, H_q, d]`. Returns them with the means of a centered cache as fp32 contiguous
+    `[H_kv, d]` tensors (the same record when they already are)."""
+    _check_record("pages", pages, PagePools)
     b, h_q, d = q.shape
     dev = q.device
+    k_codes, v_codes = pages.k_codes, pages.v_codes
     for name, c in (("k_codes", k_codes), ("v_codes", v_codes)):
-        check_tensor(name, c, dtypes=(torch.uint8,), ndim=4, device=dev)
-        check_dim(name, c, 3, d // 4, "head_dim // 4 packed bytes per row")
+        check_tensor(f"pages.{name}", c, dtypes=(torch.uint8,), ndim=4, device=dev)
+        check_dim(f"pages.{name}", c, 3, d // 4, "head_dim // 4 packed bytes per row")
         if c.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
+            raise ValueError(f"pages.{name}: last dim must be contiguous")
     if tuple(v_codes.shape) != tuple(k_codes.shape):
-        raise ValueError(f"v_codes: shape {tuple(v_codes.shape)} differs from k_codes {tuple(k_codes.shape)}")
+        raise ValueError(f"pages.v_codes: shape {tuple(v_codes.shape)} differs from pages.k_codes "
+                         f"{tuple(k_codes.shape)}")
     h_kv = k_codes.shape[1]
     if h_q % h_kv:
-        raise ValueError(f"q: {h_q} query heads is not a multiple of the {h_kv} KV heads of k_codes")
+        raise ValueError(f"q: {h_q} query heads is not a multiple of the {h_kv} KV heads of pages.k_codes")
     # The scale format is the pools' dtype: fp16 scale/zero, or uint8 (ue5m3 scale, zero in 1/64 code); one for all.
-    for name, s in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
-        check_tensor(name, s, dtypes=(k_scale.dtype,) if name != "k_scale" else tuple(SCALE_STORAGE.values()),
-                     ndim=4, device=dev)
+    k_scale = pages.k_scale
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        s = getattr(pages, name)
+        check_tensor(f"pages.{name}", s,
+                     dtypes=(k_scale.dtype,) if name != "k_scale" else tuple(SCALE_STORAGE.values()), ndim=4,
+                     device=dev)
         if tuple(s.shape[:3]) != tuple(k_codes.shape[:3]) or s.shape[3] < 1 or d % s.shape[3]:
-            raise ValueError(f"{name}: expected shape {tuple(k_codes.shape[:3])} + (head_dim // group_size,), "
+            raise ValueError(f"pages.{name}: expected shape {tuple(k_codes.shape[:3])} + (head_dim // group_size,), "
                              f"got {tuple(s.shape)}")
         if s.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
-    for a, bn in (("k_zero", "k_scale"), ("v_zero", "v_scale")):
-        za, sb = {"k_zero": k_zero, "v_zero": v_zero}[a], {"k_scale": k_scale, "v_scale": v_scale}[bn]
-        if za.shape != sb.shape or za.stride() != sb.stride():
-            raise ValueError(f"{a}: must have the same shape and strides as {bn}")
-    check_tensor("block_table", block_table, dtypes=INT_DTYPES, ndim=2, device=dev)
-    check_dim("block_table", block_table, 0, b, "batch size of q")
-    check_tensor("hist_len", hist_len, dtypes=INT_DTYPES, ndim=1, device=dev)
-    check_dim("hist_len", hist_len, 0, b, "batch size of q")
+            raise ValueError(f"pages.{name}: last dim must be contiguous")
+    for zero, scale in (("k_zero", "k_scale"), ("v_zero", "v_scale")):
+        z, sc = getattr(pages, zero), getattr(pages, scale)
+        if z.shape != sc.shape or z.stride() != sc.stride():
+            raise ValueError(f"pages.{zero}: must have the same shape and strides as pages.{scale}")
+    return _checked_means(pages, q)
 
 
-def _check_window(q, k_win, v_win, slot_ids, win_len) -> None:
-    b, h_q, d = q.shape
-    dev = q.device
-    for name, w in (("k_win", k_win), ("v_win", v_win)):
-        check_tensor(name, w, dtypes=FLOAT_DTYPES, ndim=4, device=dev)
-        check_dim(name, w, 3, d, "head_dim of q")
-        if w.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
-    if k_win.shape != v_win.shape or k_win.dtype != v_win.dtype:
-        raise ValueError(f"v_win: shape/dtype {tuple(v_win.shape)}/{v_win.dtype} differ from k_win "
-                         f"{tuple(k_win.shape)}/{k_win.dtype}")
-    if h_q % k_win.shape[1]:
-        raise ValueError(f"q: {h_q} query heads is not a multiple of the {k_win.shape[1]} KV heads of k_win")
-    for name, ix in (("slot_ids", slot_ids), ("win_len", win_len)):
-        check_tensor(name, ix, dtypes=INT_DTYPES, ndim=1, device=dev)
-        check_dim(name, ix, 0, b, "batch size of q")
-
-
-def _check_means(k_mean, v_mean, q, k_codes) -> tuple:
-    """A centered cache's means: both fp32-castable `[H_kv, d]` tensors on q's device, or both None. Returns them
-    fp32 and contiguous (no copy when they already are)."""
+def _checked_means(pages: PagePools, q) -> PagePools:
+    """A centered cache's means: both fp32-castable `[H_kv, d]` tensors on q's device, or both None. Returns the
+    record with them fp32 and contiguous (no copy when they already are)."""
+    k_mean, v_mean = pages.k_mean, pages.v_mean
     if k_mean is None and v_mean is None:
-        return None, None
+        return pages
     if k_mean is None or v_mean is None:
-        raise ValueError(f"{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
+        raise ValueError(f"pages.{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
                          f"v_mean (or neither)")
-    want = (k_codes.shape[1], q.shape[2])
+    want = (pages.kv_heads, q.shape[2])
     out = []
     for name, m in (("k_mean", k_mean), ("v_mean", v_mean)):
-        check_tensor(name, m, dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
+        check_tensor(f"pages.{name}", m, dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
         if tuple(m.shape) != want:
-            raise ValueError(f"{name}: expected shape {want} (KV heads, head_dim), got {tuple(m.shape)}")
+            raise ValueError(f"pages.{name}: expected shape {want} (KV heads, head_dim), got {tuple(m.shape)}")
         out.append(m if m.dtype == torch.float32 and m.is_contiguous() else m.float().contiguous())
-    return tuple(out)
+    if out[0] is k_mean and out[1] is v_mean:
+        return pages
+    return dataclasses.replace(pages, k_mean=out[0], v_mean=out[1])
+
+
+def _check_batch(q, batch: BatchMetadata, fields: tuple[str, ...], used_by: str) -> None:
+    """The batch's `fields` (of block_table, hist_len, slot_ids, win_len) against q `[B, H_q, d]`."""
+    _check_record("batch", batch, BatchMetadata)
+    b, dev = q.shape[0], q.device
+    for name in fields:
+        t = getattr(batch, name)
+        if t is None:
+            raise ValueError(f"batch.{name}: {used_by} needs it, got None")
+        check_tensor(f"batch.{name}", t, dtypes=INT_DTYPES, ndim=2 if name == "block_table" else 1, device=dev)
+        check_dim(f"batch.{name}", t, 0, b, "batch size of q")
+
+
+def _check_windows(q, windows: Windows) -> None:
+    _check_record("windows", windows, Windows)
+    h_q, d = q.shape[1], q.shape[2]
+    k_win, v_win = windows.k_win, windows.v_win
+    for name, w in (("k_win", k_win), ("v_win", v_win)):
+        check_tensor(f"windows.{name}", w, dtypes=FLOAT_DTYPES, ndim=4, device=q.device)
+        check_dim(f"windows.{name}", w, 3, d, "head_dim of q")
+        if w.stride(-1) != 1:
+            raise ValueError(f"windows.{name}: last dim must be contiguous")
+    if k_win.shape != v_win.shape or k_win.dtype != v_win.dtype:
+        raise ValueError(f"windows.v_win: shape/dtype {tuple(v_win.shape)}/{v_win.dtype} differ from windows.k_win "
+                         f"{tuple(k_win.shape)}/{k_win.dtype}")
+    if h_q % k_win.shape[1]:
+        raise ValueError(f"q: {h_q} query heads is not a multiple of the {k_win.shape[1]} KV heads of windows.k_win")
 
 
 def _scale(sm_scale: float | None, d: int) -> float:
     return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
 
 
+def _history_ref(q, pages: PagePools, batch: BatchMetadata, scale: float):
+    return paged_ref.int2_decode_attention_ref(q, pages.k_codes, pages.k_scale, pages.k_zero, pages.v_codes,
+                                               pages.v_scale, pages.v_zero, batch.block_table, batch.hist_len, scale,
+                                               pages.k_mean, pages.v_mean)
+
+
+def _window_ref(q, windows: Windows, batch: BatchMetadata, scale: float):
+    return paged_ref.window_attention_ref(q, windows.k_win, windows.v_win, batch.slot_ids, batch.win_len, scale)
+
+
 # ------------------------------------------------------------------------------------------------- API
-def int2_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                          sm_scale: float | None = None, num_splits: int | None = None, backend: str = "auto",
-                          whole_pages: bool = False, options=None, k_mean=None, v_mean=None):
+def int2_decode_attention(q, pages: PagePools, batch: BatchMetadata, *, sm_scale: float | None = None,
+                          num_splits: int | None = None, backend: str = "auto", options=None):
     """Decode attention over the paged INT2 history.
 
     Args:
-        q: `[B, H_q, d]` (rotated by R_K). k/v_codes: uint8 `[num_pages, H_kv, P, d // 4]`;
-        k/v_scale, k/v_zero: fp16 `[num_pages, H_kv, P, d // G]`; block_table: int `[B, max_pages]`;
-        hist_len: int `[B]`. num_splits: split-K factor (default from shapes and the compiled kernel).
-        whole_pages: promise that every hist_len is a multiple of the page size (as PagedKVCache keeps it); the
-        production kernel then skips all masking (tokens of a partial last page would be ignored).
+        q: `[B, H_q, d]` (rotated by R_K).
+        pages: `PagePools` (codes uint8 `[num_pages, H_kv, P, d // 4]`; scale/zero fp16 or uint8
+            `[num_pages, H_kv, P, d // G]`; k_mean, v_mean `[H_kv, d]` of a centered cache, or None). A centered
+            cache's history logits get + q.mu_k * sm_scale, the history output + mu_v.
+        batch: `BatchMetadata` with block_table int `[B, max_pages]` and hist_len int `[B]`; `batch.whole_pages`
+            promises that every hist_len is a multiple of the page size (the production kernel then skips all
+            masking; tokens of a partial last page would be ignored).
+        num_splits: split-K factor (default from shapes and the compiled kernel).
         options: `DecodeOptions` (None: `DEFAULT_OPTIONS`).
-        k_mean, v_mean: `[H_kv, d]` means of a centered cache (rotated basis; the pools hold quant(x - mu)), or
-        None (uncentered, no extra work): history logits get + q.mu_k * sm_scale, the history output + mu_v.
     Returns:
         o fp32 `[B, H_q, d]` (0 where hist_len == 0), lse fp32 `[B, H_q]` (-inf where hist_len == 0).
     """
     _check_q(q)
-    _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
-    k_mean, v_mean = _check_means(k_mean, v_mean, q, k_codes)
+    pages = _check_pages(q, pages)
+    _check_batch(q, batch, ("block_table", "hist_len"), "int2_decode_attention")
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
-        return paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                   block_table, hist_len, scale, k_mean, v_mean)
-    return _launch().history(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                             hist_len, scale, num_splits, whole_pages, _options(options, None), k_mean, v_mean)
+        return _history_ref(q, pages, batch, scale)
+    return _launch().history(q.contiguous(), pages, batch, scale, num_splits, _options(options, None))
 
 
-def window_attention(q, k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, backend: str = "auto",
-                     num_splits: int | None = None, options=None):
+def window_attention(q, windows: Windows, batch: BatchMetadata, *, sm_scale: float | None = None,
+                     backend: str = "auto", num_splits: int | None = None, options=None):
     """Decode attention over the full-precision window of each sequence.
 
     Args:
-        q: `[B, H_q, d]`; k_win, v_win: `[num_slots, H_kv, W, d]`; slot_ids, win_len: int `[B]`.
+        q: `[B, H_q, d]`; windows: `Windows` (k_win, v_win `[num_slots, H_kv, W, d]`); batch: `BatchMetadata` with
+        slot_ids and win_len int `[B]` (block_table and hist_len unused).
     Returns:
         o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]` (0 / -inf where win_len == 0).
     """
     _check_q(q)
-    _check_window(q, k_win, v_win, slot_ids, win_len)
+    _check_windows(q, windows)
+    _check_batch(q, batch, ("slot_ids", "win_len"), "window_attention")
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
-        return paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
-    return _launch().windows(q.contiguous(), k_win, v_win, slot_ids, win_len, scale, num_splits,
-                             _options(options, None))
+        return _window_ref(q, windows, batch, scale)
+    return _launch().windows_only(q.contiguous(), windows, batch, scale, num_splits, _options(options, None))
 
 
 def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
@@ -213,72 +255,67 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return paged_ref.merge_pair(o_a, lse_a, o_b, lse_b)
 
 
-def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                      slot_ids, win_len, whole_pages: bool = False, fused: bool | None = None,
+def decode_num_splits(q, pages: PagePools, batch: BatchMetadata, windows: Windows, *, fused: bool | None = None,
                       options=None) -> tuple[int, int]:
     """(history splits, window splits) that `decode_attention` launches by default on the Triton path (whole waves
     of the compiled kernel that runs on a GPU; a fixed rule under the interpreter), from shapes only."""
-    return _launch().decode_num_splits(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                       block_table, hist_len, k_win, v_win, slot_ids, win_len, whole_pages,
-                                       _options(options, fused))
+    return _launch().decode_num_splits(q.contiguous(), pages, batch, windows, _options(options, fused))
 
 
-def decode_plan(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win=None, whole_pages: bool = False,
-                fused: bool | None = None, window_splits: int | None = None, options=None, centered: bool = False):
-    """The `DecodePlan` of a Triton-path call with these inputs: `decode_attention` with windows `k_win`,
-    `int2_decode_attention` with k_win None. Fields: kernel ("grid" | "production" | "fallback"), launches,
-    whole_pages / int8_scores / paired_v (the production kernel's fast tile loop), scale_format, centered, and
-    reason: why each faster choice was not taken ("" on the fastest path). From shapes, dtypes and strides only."""
-    return _launch().plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages,
-                                 _options(options, fused), centered, window_splits)
+def decode_plan(q, pages: PagePools, windows: Windows | None = None, *, whole_pages: bool = False,
+                fused: bool | None = None, window_splits: int | None = None, options=None,
+                compiled: bool | None = None):
+    """The `DecodePlan` of a Triton-path call with these inputs: `decode_attention` with `windows`,
+    `int2_decode_attention` with windows None; `whole_pages` as `BatchMetadata.whole_pages`. Fields: kernel
+    ("grid" | "production" | "fallback"), launches, whole_pages / int8_scores / paired_v (the production kernel's
+    fast tile loop), scale_format, centered, compiled, and reason: why each faster choice was not taken ("" on the
+    fastest path). From shapes, dtypes and strides only: no GPU needed. compiled: the target (True: a compiled GPU
+    launch; False: the Triton interpreter; None: this process's, which every call logs at DEBUG)."""
+    return _launch().plan_decode(q, pages, windows, whole_pages, _options(options, fused), window_splits, compiled)
 
 
-def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                     k_win, v_win, slot_ids, win_len, sm_scale: float | None = None, num_splits: int | None = None,
-                     window_splits: int | None = None, backend: str = "auto", validate: bool = True,
-                     whole_pages: bool = False, counters: torch.Tensor | None = None, fused: bool | None = None,
-                     options=None, k_mean=None, v_mean=None):
-    """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention`
-    and `window_attention`. Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32 `[B, H_q]`.
+def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows, *, sm_scale: float | None = None,
+                     num_splits: int | None = None, window_splits: int | None = None, backend: str = "auto",
+                     validate: bool = True, counters: torch.Tensor | None = None, fused: bool | None = None,
+                     options=None):
+    """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention` and
+    `window_attention` (`batch` needs all four tensors). Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32
+    `[B, H_q]`.
 
     Triton path, for the inputs the production kernel takes with half windows: two launches (history and window
     programs in one grid, then the split reduce; the faster form under CUDA graphs), or one with `fused=True`
     (`DecodeOptions.fused`: the split reduce by the last program of each KV head; fewer host microseconds for eager
     callers). Other inputs, or an explicit `window_splits` without `fused`, take three launches (history kernel,
-    window kernel, reduce). `counters`: int32 `[>= B * H_kv]`, zero, for the one-launch form's arrival counts (it
-    leaves them zero); None allocates a fresh one per call. Calls that may run concurrently must not share one.
+    window kernel, reduce). Every call builds one `DecodePlan` (see `decode_plan`) and logs it at DEBUG to
+    `runtime_kernels.attention.int2_decode.launch`. `counters`: int32 `[>= B * H_kv]`, zero, for the one-launch
+    form's arrival counts (it leaves them zero); None allocates a fresh one per call. Calls that may run
+    concurrently must not share one.
 
-    `whole_pages=True` promises that every hist_len is a multiple of the page size (PagedKVCache's invariant),
-    which lets the production kernel skip all masking.
-
-    `k_mean`, `v_mean`: `[H_kv, d]` means of a centered cache (see `int2_decode_attention`); only the history
-    segment is corrected, so the merge with the windows stays exact. With `validate=False` they must already be
-    fp32 and contiguous.
+    A centered cache (`pages.k_mean`, `pages.v_mean`): only the history segment is corrected, so the merge with the
+    windows stays exact. With `validate=False` the means must already be fp32 and contiguous.
 
     `validate=False` skips the argument checks: only for callers that built the pools and tables themselves,
     like `PagedKVCache`, which checks them once."""
     if validate:
         _check_q(q)
-        _check_int2(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len)
-        _check_window(q, k_win, v_win, slot_ids, win_len)
-        if k_win.shape[1] != k_codes.shape[1]:
-            raise ValueError(f"k_win: {k_win.shape[1]} KV heads, but k_codes has {k_codes.shape[1]}")
-        k_mean, v_mean = _check_means(k_mean, v_mean, q, k_codes)
+        pages = _check_pages(q, pages)
+        _check_batch(q, batch, ("block_table", "hist_len", "slot_ids", "win_len"), "decode_attention")
+        _check_windows(q, windows)
+        if windows.k_win.shape[1] != pages.kv_heads:
+            raise ValueError(f"windows.k_win: {windows.k_win.shape[1]} KV heads, but pages.k_codes has "
+                             f"{pages.kv_heads}")
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
-        o_h, l_h = paged_ref.int2_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                       block_table, hist_len, scale, k_mean, v_mean)
-        o_w, l_w = paged_ref.window_attention_ref(q, k_win, v_win, slot_ids, win_len, scale)
+        o_h, l_h = _history_ref(q, pages, batch, scale)
+        o_w, l_w = _window_ref(q, windows, batch, scale)
         return paged_ref.merge_pair(o_h, l_h, o_w, l_w)
     opts = _options(options, fused)
     if opts.fused and counters is not None and validate:
         check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)
-        if counters.numel() < q.shape[0] * k_codes.shape[1] or not counters.is_contiguous():
+        if counters.numel() < q.shape[0] * pages.kv_heads or not counters.is_contiguous():
             raise ValueError(f"counters: expected a contiguous int32 tensor of at least B * H_kv = "
-                             f"{q.shape[0] * k_codes.shape[1]} elements, got shape {tuple(counters.shape)}")
-    return _launch().decode(q.contiguous(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                            hist_len, k_win, v_win, slot_ids, win_len, scale, num_splits, window_splits,
-                            whole_pages, counters, opts, k_mean, v_mean)
+                             f"{q.shape[0] * pages.kv_heads} elements, got shape {tuple(counters.shape)}")
+    return _launch().decode(q.contiguous(), pages, batch, windows, scale, num_splits, window_splits, counters, opts)
 
 
 def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ tokens and the cached tokens as cached (`OscarCache`'s prefill and chunked prefi
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -494,11 +494,11 @@ class OscarEngine:
         q_rot = attn_api.rotate_queries(q.float(), self.k_rotation[li]).to(self.dtype)
         slots = plan.slot_ids if plan.slot_ids is not None else torch.arange(bd, dtype=torch.int32,
                                                                              device=q.device)
-        o, _ = attn_api.decode_attention(q_rot, pools.k_codes, pools.k_scale, pools.k_zero, pools.v_codes,
-                                         pools.v_scale, pools.v_zero, plan.block_table, plan.hist_len, kw, vw,
-                                         slots, plan.win_len, sm_scale=sm_scale, backend=self.backend,
-                                         whole_pages=plan.whole_pages, k_mean=self.k_mean[li],
-                                         v_mean=self.v_mean[li])
+        pages = replace(pools, k_mean=self.k_mean[li], v_mean=self.v_mean[li])
+        batch = attn_api.BatchMetadata(block_table=plan.block_table, hist_len=plan.hist_len, slot_ids=slots,
+                                       win_len=plan.win_len, whole_pages=plan.whole_pages)
+        o, _ = attn_api.decode_attention(q_rot, pages, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
+                                         backend=self.backend)
         return attn_api.unrotate_output(o.float(), self.v_rotation[li])
 
     def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime_kernels.attention.int2_decode.records import PagePools
 from runtime_kernels.quant.naive import SCALE_STORAGE
 
 
@@ -62,23 +63,9 @@ class PackedLayout:
         return 2 * head_dim * 2
 
 
-@dataclass
-class PagePools:
-    """The kernels' INT2 pools as views of one vLLM layer cache (no copy).
-
-    codes: uint8 `[num_blocks, H, P, d // 4]`; scale/zero: fp16 or uint8 (ue5m3) `[num_blocks, H, P, d // G]`.
-    """
-
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
-    k_scale: torch.Tensor
-    k_zero: torch.Tensor
-    v_scale: torch.Tensor
-    v_zero: torch.Tensor
-
-
 def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
-    """Views of a vLLM layer cache `[num_blocks, H, P, C]` (any dtype, C * itemsize = bytes_per_token_head).
+    """Views of a vLLM layer cache `[num_blocks, H, P, C]` (any dtype, C * itemsize = bytes_per_token_head) as the
+    decode kernels' `PagePools` (no copy; no means: the engine adds a centered layer's with `dataclasses.replace`).
 
     Raises ValueError naming `kv_cache` when its shape or strides do not match the layout.
     """

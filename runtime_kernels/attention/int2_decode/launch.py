@@ -1,5 +1,9 @@
 """Host side of the INT2 decode kernels: the options object, which kernel takes a call, split counts, launches.
 
+Every call takes its inputs as records (`records.PagePools`, `records.BatchMetadata`, `records.Windows`) and builds
+one `DecodePlan` (`plan_decode`: which kernel runs and why, and its compile-time arguments), logged at DEBUG; split
+counts, compiled-kernel keys and launches read that plan, so the kernel choice is made once per call.
+
 Paths (`decode`):
 - production grid (`fused.py`): fp16/bf16 queries and windows, one scale group per row, int16-viewable code rows,
   page size a multiple of the tile. Two launches (history + window programs, then `merge.reduce_splits_triton`),
@@ -12,13 +16,14 @@ Nothing here reads a module-level switch: every choice is an input or a field of
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime_kernels.attention.int2_decode import fallback, fused, kernel, merge, window
 from runtime_kernels.attention.int2_decode.common import interpreting
 from runtime_kernels.attention.int2_decode.pools import paired_v_pools
+from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.launch_util import next_pow2
 
 TILE_TOKENS = 64  # the production kernel's whole-page tile: four 16-token MMA pieces
@@ -90,9 +95,9 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     return max(1, min(max_chunks(max_tokens, block_n, min_tokens), want))
 
 
-def splits_for_slots(q, k_codes, block_table, slots: int | None, opts: DecodeOptions) -> int:
+def splits_for_slots(q, pages: PagePools, batch: BatchMetadata, slots: int | None, opts: DecodeOptions) -> int:
     """History splits: `opts.waves` whole waves of `slots` programs per SM, or the fixed rule where slots is None."""
-    b, h_kv, max_tokens = q.shape[0], k_codes.shape[1], block_table.shape[1] * k_codes.shape[2]
+    b, h_kv, max_tokens = q.shape[0], pages.kv_heads, batch.block_table.shape[1] * pages.page_size
     if slots is None:
         return default_num_splits(b, h_kv, max_tokens, q.device, opts.programs_per_sm, opts.block_n,
                                   opts.min_split_tokens)
@@ -100,8 +105,9 @@ def splits_for_slots(q, k_codes, block_table, slots: int | None, opts: DecodeOpt
     return max(1, min(max_chunks(max_tokens, opts.block_n, opts.min_split_tokens), waves))
 
 
-def window_num_splits(q, k_win, opts: DecodeOptions) -> int:
+def window_num_splits(q, windows: Windows, opts: DecodeOptions) -> int:
     """Window splits of the three-launch path (tiles of block_n rows)."""
+    k_win = windows.k_win
     return default_num_splits(q.shape[0], k_win.shape[1], k_win.shape[2], q.device, 8, opts.block_n, opts.block_n)
 
 
@@ -141,10 +147,11 @@ def cached_slots(key: tuple, compile_only, num_warps: int, device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- kernel choice
-def production_declines(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> str:
+def production_declines(q, pages: PagePools, opts: DecodeOptions) -> str:
     """Why the production kernel does not take these inputs ("" when it does). It takes half queries, one
     scale/zero group per row, int16-viewable code rows (even byte counts and strides) and pages made of whole
     tiles."""
+    k_codes, k_scale = pages.k_codes, pages.k_scale
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{q.dtype} queries (the production kernel takes fp16/bf16)"
     if k_scale.shape[3] != 1:
@@ -153,28 +160,23 @@ def production_declines(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> st
         return f"{k_codes.shape[3]} code bytes per row (odd: not int16-viewable)"
     if k_codes.shape[2] % opts.block_n:
         return f"page size {k_codes.shape[2]} is not a multiple of block_n {opts.block_n}"
-    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+    for name, t in (("k_codes", k_codes), ("v_codes", pages.v_codes)):
         if t.stride(3) != 1 or any(st % 2 for st in t.stride()[:3]) or t.storage_offset() % 2:
             return f"{name}: odd strides or offset {tuple(t.stride())}/{t.storage_offset()} (not int16-viewable)"
     return ""
 
 
-def production_ok(q, k_codes, k_scale, v_codes, opts: DecodeOptions) -> bool:
-    """The production kernel takes these inputs (`production_declines` says why not)."""
-    return not production_declines(q, k_codes, k_scale, v_codes, opts)
+def window_declines(windows: Windows) -> str:
+    """Why the production grid does not take these windows ("" when it does): it needs half precision."""
+    if windows.k_win.dtype not in (torch.float16, torch.bfloat16):
+        return f"{windows.k_win.dtype} windows (the grid takes fp16/bf16)"
+    return ""
 
 
-def grid_declines(q, k_codes, k_scale, v_codes, k_win, opts: DecodeOptions) -> str:
-    """Why the production grid (history + window programs) does not take these inputs ("" when it does): it also
-    needs half-precision windows."""
-    if k_win.dtype not in (torch.float16, torch.bfloat16):
-        return f"{k_win.dtype} windows (the grid takes fp16/bf16)"
-    return production_declines(q, k_codes, k_scale, v_codes, opts)
-
-
-def grid_ok(q, k_codes, k_scale, v_codes, k_win, opts: DecodeOptions) -> bool:
-    """The production grid takes these inputs (`grid_declines` says why not)."""
-    return not grid_declines(q, k_codes, k_scale, v_codes, k_win, opts)
+def grid_declines(q, pages: PagePools, windows: Windows, opts: DecodeOptions) -> str:
+    """Why the production grid (history + window programs) does not take these inputs ("" when it does): the
+    production kernel's inputs and half-precision windows."""
+    return window_declines(windows) or production_declines(q, pages, opts)
 
 
 def int16_views(k_codes, v_codes) -> tuple:
@@ -182,7 +184,7 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions, k_scale=None,
+def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions, compiled: bool, k_scale=None,
               k_zero=None) -> tuple[bool, bool, bool, list]:
     """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
     not taken). fp16 and ue5m3 pools share the loop; the loop reads uint8 pools as 32-bit words, so their buffers
@@ -212,15 +214,25 @@ def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions, 
     return full, ki8, vpair, reasons
 
 
-def chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions,
-                     centered: bool = False, k_scale=None, k_zero=None) -> dict:
-    """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid)."""
+def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, vpair: bool, opts: DecodeOptions,
+                     compiled: bool) -> dict:
+    """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid), for
+    the tile loop `tile_path` chose."""
+    k_codes = pages.k_codes
     u = k_codes.shape[3] // 2  # int16 words per row
     group = q.shape[1] // k_codes.shape[1]
-    full, ki8, vpair, _ = tile_path(k_codes, v_scale, v_zero, whole_pages, opts, k_scale, k_zero)
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
-                P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=interpreting(), NPV=64, FULL_TILES=full,
-                VPAIR=vpair, KI8=ki8, CENTER=bool(centered))
+                P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=not compiled, NPV=64, FULL_TILES=full,
+                VPAIR=vpair, KI8=ki8, CENTER=pages.centered)
+
+
+def fallback_constexprs(q, pages: PagePools, opts: DecodeOptions, compiled: bool) -> dict:
+    """Compile-time arguments of `fallback._int2_decode_fallback_kernel`."""
+    d, ng = q.shape[2], pages.k_scale.shape[3]
+    group = q.shape[1] // pages.kv_heads
+    return dict(GROUP=group, G_PAD=max(16, next_pow2(group)), Q=d // 4, Q_PAD=max(16, next_pow2(d // 4)),
+                GS=d // ng, NG=ng, P=pages.page_size, BLOCK_N=opts.block_n, FP32=q.dtype.itemsize == 4,
+                INTERP=not compiled, KFOLD=ng == 1 and q.dtype == torch.bfloat16, CENTER=pages.centered)
 
 
 @dataclass(frozen=True)
@@ -235,6 +247,9 @@ class DecodePlan:
       int8 score MMAs, one load for each V row's scale and zero (all False off the production kernel).
     - scale_format: "float16" or "ue5m3" (the pools' dtype); centered: the pools hold x - mean.
     - reason: why each faster choice was not taken ("; "-joined), "" when the call takes the fastest path.
+    - compiled: the target the plan is for: a compiled GPU launch (True) or the Triton interpreter (False).
+    - constexprs: the history kernel's compile-time arguments (`chunk_constexprs` for "grid" and "production",
+      `fallback_constexprs` for "fallback"); not part of the repr or of equality.
     """
 
     kernel: str
@@ -245,26 +260,40 @@ class DecodePlan:
     scale_format: str
     centered: bool
     reason: str
+    compiled: bool
+    constexprs: dict = field(repr=False, compare=False)
+
+    @property
+    def production(self) -> bool:
+        """The history runs the production kernel (alone, or in the grid)."""
+        return self.kernel != "fallback"
 
 
-def plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages: bool, opts: DecodeOptions,
-                centered: bool = False, window_splits: int | None = None) -> DecodePlan:
-    """The plan of a decode call on the Triton path: `decode` with windows `k_win`, `history` with k_win None."""
-    fmt = "ue5m3" if k_scale.dtype == torch.uint8 else "float16"
-    if k_win is None:
-        declined, kernel, launches = production_declines(q, k_codes, k_scale, v_codes, opts), "production", 2
+def plan_decode(q, pages: PagePools, windows: Windows | None, whole_pages: bool, opts: DecodeOptions,
+                window_splits: int | None = None, compiled: bool | None = None) -> DecodePlan:
+    """The plan of a decode call on the Triton path: `decode` with `windows`, `history` with windows None. From
+    shapes, dtypes and strides only (no GPU needed). compiled: the target (None: this process's, a compiled launch
+    unless TRITON_INTERPRET=1)."""
+    compiled = not interpreting() if compiled is None else bool(compiled)
+    production = production_declines(q, pages, opts)
+    if windows is None:
+        declined, kernel, launches = production, "production", 2
     else:
-        declined = grid_declines(q, k_codes, k_scale, v_codes, k_win, opts)
+        declined = window_declines(windows) or production  # grid_declines, with the production check done once
         if not declined and window_splits and not opts.fused:
             declined = "window_splits given without fused: three launches"
         kernel, launches = ("grid", 1 if opts.fused else 2) if not declined else ("production", 3)
     reasons = [declined] if declined else []
-    if production_ok(q, k_codes, k_scale, v_codes, opts):
-        full, ki8, vpair, why = tile_path(k_codes, v_scale, v_zero, whole_pages, opts, k_scale)
+    if not production:
+        full, ki8, vpair, why = tile_path(pages.k_codes, pages.v_scale, pages.v_zero, whole_pages, opts, compiled,
+                                          pages.k_scale, pages.k_zero)
         reasons += why
+        constexprs = chunk_constexprs(q, pages, full, ki8, vpair, opts, compiled)
     else:
         kernel, full, ki8, vpair = "fallback", False, False, False
-    return DecodePlan(kernel, launches, full, ki8, vpair, fmt, bool(centered), "; ".join(reasons))
+        constexprs = fallback_constexprs(q, pages, opts, compiled)
+    return DecodePlan(kernel, launches, full, ki8, vpair, pages.scale_format, pages.centered, "; ".join(reasons),
+                      compiled, constexprs)
 
 
 def _logged(plan: DecodePlan) -> DecodePlan:
@@ -273,15 +302,16 @@ def _logged(plan: DecodePlan) -> DecodePlan:
     return plan
 
 
-def pool_strides(q, kc, k_scale, vc, v_scale, block_table) -> tuple:
-    """Strides of q, the code pools (in units of the view passed: uint8 or int16), the scale pools (zeros share them)
-    and the block table, in the order of the INT2 kernels' arguments."""
+def pool_strides(q, codes: tuple, pages: PagePools, batch: BatchMetadata) -> tuple:
+    """Strides of q, the code pools `codes = (K, V)` (in units of the views passed: uint8 or int16), the scale pools
+    (zeros share them) and the block table, in the order of the INT2 kernels' arguments."""
+    (kc, vc), k_scale, v_scale = codes, pages.k_scale, pages.v_scale
     return (q.stride(0), q.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2),
             v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-            block_table.stride(0))
+            batch.block_table.stride(0))
 
 
 def partial_strides(o_part, lse_part) -> tuple:
@@ -289,78 +319,64 @@ def partial_strides(o_part, lse_part) -> tuple:
     return (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
 
 
-def _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                  sm_scale: float, split_offset: int, k_mean, v_mean) -> tuple:
-    k_mean, v_mean = _mean_ptrs(q, k_mean, v_mean)
-    return (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part, k_mean, v_mean,
-            sm_scale * 1.4426950408889634, split_offset,
-            *pool_strides(q, kc, k_scale, vc, v_scale, block_table), *partial_strides(o_part, lse_part))
+def _code_views(pages: PagePools, plan: DecodePlan) -> tuple:
+    """The code pools as the plan's history kernel reads them: int16 words (production) or bytes (fallback)."""
+    return int16_views(pages.k_codes, pages.v_codes) if plan.production else (pages.k_codes, pages.v_codes)
 
 
-def _mean_ptrs(q, k_mean, v_mean) -> tuple:
+def _mean_ptrs(q, pages: PagePools) -> tuple:
     """The centered cache's means as kernel arguments (q stands in as an unused pointer when uncentered)."""
-    return (q, q) if k_mean is None else (k_mean, v_mean)
+    return (q, q) if pages.k_mean is None else (pages.k_mean, pages.v_mean)
 
 
-def chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_len, whole_pages: bool,
-              opts: DecodeOptions, centered: bool = False) -> tuple:
+def _history_args(q, pages: PagePools, batch: BatchMetadata, plan: DecodePlan, o_part, lse_part, sm_scale: float,
+                  split_offset: int) -> tuple:
+    kc, vc = _code_views(pages, plan)
+    k_mean, v_mean = _mean_ptrs(q, pages)
+    return (q, kc, pages.k_scale, pages.k_zero, vc, pages.v_scale, pages.v_zero, batch.block_table, batch.hist_len,
+            o_part, lse_part, k_mean, v_mean, sm_scale * 1.4426950408889634, split_offset,
+            *pool_strides(q, (kc, vc), pages, batch), *partial_strides(o_part, lse_part))
+
+
+def chunk_key(q, pages: PagePools, batch: BatchMetadata, plan: DecodePlan, opts: DecodeOptions) -> tuple:
     """Everything that selects a different compiled history chunk: constexprs, pool strides (the code pools' in
     bytes), options, dtypes and Triton's specialisation of the block-table stride."""
-    constexprs = chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, centered, k_scale)
+    block_table, hist_len = batch.block_table, batch.hist_len
     return (q.device.index, q.dtype, opts, block_table.dtype, hist_len.dtype, block_table.stride(0) % 16 == 0,
-            pool_strides(q, k_codes, k_scale, v_codes, v_scale, block_table)[2:14], tuple(constexprs.values()))
+            pool_strides(q, (pages.k_codes, pages.v_codes), pages, batch)[2:14], tuple(plan.constexprs.values()))
 
 
 # ----------------------------------------------------------------------------------------------- launches
-def launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                   sm_scale: float, num_splits: int, split_offset: int, whole_pages: bool, opts: DecodeOptions,
-                   warmup: bool = False, k_mean=None, v_mean=None):
+def launch_history(q, pages: PagePools, batch: BatchMetadata, plan: DecodePlan, o_part, lse_part, sm_scale: float,
+                   num_splits: int, split_offset: int, opts: DecodeOptions, warmup: bool = False):
     """Write the history partials into splits `[split_offset, split_offset + num_splits)` of `o_part [B, H_q, S, d]`
-    and `lse_part [B, H_q, S]` (fp32): the production kernel where it applies, else the fallback. Inputs are
-    validated by the functional API. `whole_pages` promises hist_len % page_size == 0 (a partial last page would be
-    ignored by the production kernel). k_mean, v_mean: fp32 `[H_kv, d]` contiguous means of a centered cache, or
-    None. Returns Triton's compiled-kernel handle (`warmup`: compile only)."""
-    b, h_q, d = q.shape
-    grid = (b, k_codes.shape[1], num_splits)
-    if production_ok(q, k_codes, k_scale, v_codes, opts):
-        kc, vc = int16_views(k_codes, v_codes)
-        args = _history_args(q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                             sm_scale, split_offset, k_mean, v_mean)
-        kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None, k_scale,
-                                     k_zero),
-                  num_warps=opts.num_warps,
-                  num_stages=opts.num_stages)
+    and `lse_part [B, H_q, S]` (fp32) with the plan's history kernel (production or fallback) and constexprs.
+    Inputs are validated by the functional API (the means, if any, fp32 and contiguous). Returns Triton's
+    compiled-kernel handle (`warmup`: compile only)."""
+    grid = (q.shape[0], pages.kv_heads, num_splits)
+    args = _history_args(q, pages, batch, plan, o_part, lse_part, sm_scale, split_offset)
+    kw = dict(**plan.constexprs, num_warps=opts.num_warps, num_stages=opts.num_stages)
+    if plan.production:
         if warmup:
             return kernel._int2_decode_kernel.warmup(*args, grid=grid, **kw)
         return kernel._int2_decode_kernel[grid](*args, **kw)
     if warmup:
         raise ValueError("launch_history: warmup applies to the production kernel only")
-    group = h_q // k_codes.shape[1]
-    ng = k_scale.shape[3]
-    args = _history_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part,
-                         lse_part, sm_scale, split_offset, k_mean, v_mean)
-    return fallback._int2_decode_fallback_kernel[grid](
-        *args, GROUP=group, G_PAD=max(16, next_pow2(group)), Q=d // 4, Q_PAD=max(16, next_pow2(d // 4)),
-        GS=d // ng, NG=ng, P=k_codes.shape[2], BLOCK_N=opts.block_n, FP32=q.dtype.itemsize == 4,
-        INTERP=interpreting(), KFOLD=ng == 1 and q.dtype == torch.bfloat16, CENTER=k_mean is not None,
-        num_warps=opts.num_warps, num_stages=opts.num_stages)
+    return fallback._int2_decode_fallback_kernel[grid](*args, **kw)
 
 
-def history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                       whole_pages: bool, opts: DecodeOptions) -> int:
+def history_num_splits(q, pages: PagePools, batch: BatchMetadata, plan: DecodePlan, opts: DecodeOptions) -> int:
     """History splits of the three-launch path: whole waves of the production kernel's compiled occupancy on a GPU,
     the fixed rule elsewhere. From shapes and the compiled kernel only (no GPU sync)."""
     slots = None
-    if q.device.type == "cuda" and not interpreting() and production_ok(q, k_codes, k_scale, v_codes, opts):
+    if q.device.type == "cuda" and plan.compiled and plan.production:
         def compile_only():
             o_part, lse_part = _partials(q, 3)
-            return launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                  o_part, lse_part, 1.0, 3, 0, whole_pages, opts, warmup=True)
+            return launch_history(q, pages, batch, plan, o_part, lse_part, 1.0, 3, 0, opts, warmup=True)
 
-        slots = cached_slots(("int2",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table,
-                                                   hist_len, whole_pages, opts),
-                             compile_only, opts.num_warps, q.device)
-    return splits_for_slots(q, k_codes, block_table, slots, opts)
+        slots = cached_slots(("int2",) + chunk_key(q, pages, batch, plan, opts), compile_only, opts.num_warps,
+                             q.device)
+    return splits_for_slots(q, pages, batch, slots, opts)
 
 
 def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,33 +392,32 @@ def _reduce_block(group: int, d: int, total: int) -> int:
     return max(1, min(next_pow2(total), 2048 // (gp * max(16, next_pow2(d)))))
 
 
-def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                slot_ids, win_len, counters, sm_scale: float, s_hist: int, s_win: int, whole_pages: bool,
-                opts: DecodeOptions, warmup: bool = False, k_mean=None, v_mean=None):
-    """Run the production grid (`fused._decode_grid_kernel`; `grid_ok` must hold). opts.fused: one launch ->
-    (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`), counters int32 `[>= B * H_kv]`, all zero (left zero). Else
-    -> the partials (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`, S = s_hist + s_win) for
+def launch_grid(q, pages: PagePools, batch: BatchMetadata, windows: Windows, plan: DecodePlan, counters,
+                sm_scale: float, s_hist: int, s_win: int, opts: DecodeOptions, warmup: bool = False):
+    """Run the production grid (`fused._decode_grid_kernel`; the plan's kernel must be "grid"). opts.fused: one
+    launch -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`), counters int32 `[>= B * H_kv]`, all zero (left zero).
+    Else -> the partials (o_part `[B, H_q, S, d]`, lse_part `[B, H_q, S]`, S = s_hist + s_win) for
     `merge.reduce_splits_triton`; counters unused (may be None). `warmup`: compile only, return the kernel."""
     b, h_q, d = q.shape
-    h_kv = k_codes.shape[1]
+    h_kv = pages.kv_heads
     group = h_q // h_kv
     total = s_hist + s_win
     o_part, lse_part = _partials(q, total)
     o = torch.empty(b, h_q, d, dtype=torch.float32, device=q.device) if opts.fused else o_part
     lse = torch.empty(b, h_q, dtype=torch.float32, device=q.device) if opts.fused else lse_part
-    kc, vc = int16_views(k_codes, v_codes)
+    kc, vc = int16_views(pages.k_codes, pages.v_codes)
     if counters is None:  # the two-launch form never touches them
-        counters = hist_len
-    km, vm = _mean_ptrs(q, k_mean, v_mean)
-    args = (q, kc, k_scale, k_zero, vc, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids, win_len,
-            o_part, lse_part, o, lse, counters, km, vm,
+        counters = batch.hist_len
+    km, vm = _mean_ptrs(q, pages)
+    k_win, v_win = windows.k_win, windows.v_win
+    args = (q, kc, pages.k_scale, pages.k_zero, vc, pages.v_scale, pages.v_zero, batch.block_table, batch.hist_len,
+            k_win, v_win, batch.slot_ids, batch.win_len, o_part, lse_part, o, lse, counters, km, vm,
             sm_scale * 1.4426950408889634, s_hist,
-            *pool_strides(q, kc, k_scale, vc, v_scale, block_table),
+            *pool_strides(q, (kc, vc), pages, batch),
             k_win.stride(0), k_win.stride(1), k_win.stride(2),
             v_win.stride(0), v_win.stride(1), v_win.stride(2),
             *partial_strides(o_part, lse_part))
-    kw = dict(**chunk_constexprs(q, k_codes, v_scale, v_zero, whole_pages, opts, k_mean is not None, k_scale,
-                                 k_zero),
+    kw = dict(**plan.constexprs,
               NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
               S_MAX=next_pow2(total), MERGE=bool(opts.fused),
@@ -414,81 +429,70 @@ def launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tab
     return (o, lse) if opts.fused else (o_part, lse_part)
 
 
-def grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                    slot_ids, win_len, whole_pages: bool, opts: DecodeOptions) -> tuple[int, int]:
+def grid_num_splits(q, pages: PagePools, batch: BatchMetadata, windows: Windows, plan: DecodePlan,
+                    opts: DecodeOptions) -> tuple[int, int]:
     """(history, window) splits of the production grid: whole waves of its own compiled kernel on a GPU."""
     slots = None
-    if q.device.type == "cuda" and not interpreting():
+    if q.device.type == "cuda" and plan.compiled:
         def compile_only():
-            counters = torch.zeros(q.shape[0] * k_codes.shape[1], dtype=torch.int32, device=q.device)
-            return launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                               v_win, slot_ids, win_len, counters, 1.0, 3, 1, whole_pages, opts, warmup=True)
+            counters = torch.zeros(q.shape[0] * pages.kv_heads, dtype=torch.int32, device=q.device)
+            return launch_grid(q, pages, batch, windows, plan, counters, 1.0, 3, 1, opts, warmup=True)
 
-        key = (("grid",) + chunk_key(q, k_codes, k_scale, v_codes, v_scale, v_zero, block_table, hist_len,
-                                     whole_pages, opts) + (k_win.dtype, slot_ids.dtype, win_len.dtype))
+        key = (("grid",) + chunk_key(q, pages, batch, plan, opts)
+               + (windows.k_win.dtype, batch.slot_ids.dtype, batch.win_len.dtype))
         slots = cached_slots(key, compile_only, opts.num_warps, q.device)
-    return (splits_for_slots(q, k_codes, block_table, slots, opts), grid_window_splits(k_win.shape[2], opts))
+    return (splits_for_slots(q, pages, batch, slots, opts), grid_window_splits(windows.k_win.shape[2], opts))
 
 
-def history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, sm_scale: float,
-            num_splits: int | None, whole_pages: bool, opts: DecodeOptions, k_mean=None, v_mean=None):
+def history(q, pages: PagePools, batch: BatchMetadata, sm_scale: float, num_splits: int | None,
+            opts: DecodeOptions):
     """History-only decode attention -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
-    _logged(plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, None, whole_pages, opts, k_mean is not None))
-    splits = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                              hist_len, whole_pages, opts)
+    plan = _logged(plan_decode(q, pages, None, batch.whole_pages, opts))
+    splits = num_splits or history_num_splits(q, pages, batch, plan, opts)
     o_part, lse_part = _partials(q, splits)
-    launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                   sm_scale, splits, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
+    launch_history(q, pages, batch, plan, o_part, lse_part, sm_scale, splits, 0, opts)
     return merge.reduce_splits_triton(o_part, lse_part)
 
 
-def windows(q, k_win, v_win, slot_ids, win_len, sm_scale: float, num_splits: int | None, opts: DecodeOptions):
+def windows_only(q, windows: Windows, batch: BatchMetadata, sm_scale: float, num_splits: int | None,
+                 opts: DecodeOptions):
     """Window-only decode attention -> (o, lse)."""
-    splits = num_splits or window_num_splits(q, k_win, opts)
+    splits = num_splits or window_num_splits(q, windows, opts)
     o_part, lse_part = _partials(q, splits)
-    window.launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale, splits, 0,
-                                opts.block_n)
+    window.launch_window_decode(q, windows.k_win, windows.v_win, batch.slot_ids, batch.win_len, o_part, lse_part,
+                                sm_scale, splits, 0, opts.block_n)
     return merge.reduce_splits_triton(o_part, lse_part)
 
 
-def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win, slot_ids,
-           win_len, sm_scale: float, num_splits: int | None, window_splits: int | None, whole_pages: bool,
-           counters: torch.Tensor | None, opts: DecodeOptions, k_mean=None, v_mean=None):
-    """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`)."""
-    b = q.shape[0]
-    h_kv = k_codes.shape[1]
-    plan = _logged(plan_decode(q, k_codes, k_scale, v_codes, v_scale, v_zero, k_win, whole_pages, opts,
-                               k_mean is not None, window_splits))
+def decode(q, pages: PagePools, batch: BatchMetadata, windows: Windows, sm_scale: float, num_splits: int | None,
+           window_splits: int | None, counters: torch.Tensor | None, opts: DecodeOptions):
+    """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`).
+    One plan per call (logged at DEBUG) picks the kernel, its constexprs and the split rule."""
+    plan = _logged(plan_decode(q, pages, windows, batch.whole_pages, opts, window_splits))
     if plan.kernel == "grid":
         if not opts.fused:
             counters = None
         elif counters is None:
-            counters = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device)
+            counters = torch.zeros(q.shape[0] * pages.kv_heads, dtype=torch.int32, device=q.device)
         if num_splits:
-            s_h, s_w = num_splits, grid_window_splits(k_win.shape[2], opts)
+            s_h, s_w = num_splits, grid_window_splits(windows.k_win.shape[2], opts)
         else:
-            s_h, s_w = grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                                       k_win, v_win, slot_ids, win_len, whole_pages, opts)
-        out = launch_grid(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                          v_win, slot_ids, win_len, counters, sm_scale, s_h, s_w, whole_pages, opts,
-                          k_mean=k_mean, v_mean=v_mean)
+            s_h, s_w = grid_num_splits(q, pages, batch, windows, plan, opts)
+        out = launch_grid(q, pages, batch, windows, plan, counters, sm_scale, s_h, s_w, opts)
         return out if opts.fused else merge.reduce_splits_triton(*out)
-    s_h = num_splits or history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                           hist_len, whole_pages, opts)
-    s_w = window_splits or window_num_splits(q, k_win, opts)
+    s_h = num_splits or history_num_splits(q, pages, batch, plan, opts)
+    s_w = window_splits or window_num_splits(q, windows, opts)
     o_part, lse_part = _partials(q, s_h + s_w)
-    launch_history(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, o_part, lse_part,
-                   sm_scale, s_h, 0, whole_pages, opts, k_mean=k_mean, v_mean=v_mean)
-    window.launch_window_decode(q, k_win, v_win, slot_ids, win_len, o_part, lse_part, sm_scale, s_w, s_h,
-                                opts.block_n)
+    launch_history(q, pages, batch, plan, o_part, lse_part, sm_scale, s_h, 0, opts)
+    window.launch_window_decode(q, windows.k_win, windows.v_win, batch.slot_ids, batch.win_len, o_part, lse_part,
+                                sm_scale, s_w, s_h, opts.block_n)
     return merge.reduce_splits_triton(o_part, lse_part)
 
 
-def decode_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win, v_win,
-                      slot_ids, win_len, whole_pages: bool, opts: DecodeOptions) -> tuple[int, int]:
-    """(history splits, window splits) that `decode` launches by default."""
-    if grid_ok(q, k_codes, k_scale, v_codes, k_win, opts):
-        return grid_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len, k_win,
-                               v_win, slot_ids, win_len, whole_pages, opts)
-    return (history_num_splits(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, hist_len,
-                               whole_pages, opts), window_num_splits(q, k_win, opts))
+def decode_num_splits(q, pages: PagePools, batch: BatchMetadata, windows: Windows,
+                      opts: DecodeOptions) -> tuple[int, int]:
+    """(history splits, window splits) that `decode` launches by default (its plan, without the log line)."""
+    plan = plan_decode(q, pages, windows, batch.whole_pages, opts)
+    if plan.kernel == "grid":
+        return grid_num_splits(q, pages, batch, windows, plan, opts)
+    return history_num_splits(q, pages, batch, plan, opts), window_num_splits(q, windows, opts)
