@@ -1,12 +1,13 @@
 """Bit-for-bit comparison of this tree's decode kernels with a reference tree's (default: main at 90430f9, the
 kernel before the int2_decode/ folder) at docs/kernels.md's nine decode points, on a GPU.
 
-    python bench/compare_decode_bitwise.py --out OUT [--old-commit 90430f9 | --old-tree DIR]
+    python bench/compare_decode_bitwise.py --out OUT [--old-commit 90430f9 | --old-tree DIR] [--scale-format ue5m3]
 
 The reference tree (a `git archive` of the commit into a temp dir, or a given directory) runs in a subprocess with
 only that tree on its import path; it records its split counts and outputs for the same seeded inputs (built by
 this file's `bench/common.py`, passed by path), then this process runs its own kernels with the same split counts
-and compares with `torch.equal`. Both processes check which `runtime_kernels` they imported, so a tree cannot be
+and compares with `torch.equal`. `--scale-format ue5m3` compares uint8 scale pools (the shipped format; the
+reference tree must decode them), fp16 by default. Both processes check which `runtime_kernels` they imported, so a tree cannot be
 compared with itself. Writes OUT/decode_bitwise_<GPU>.json (one row per point and launch form) and exits 1 on any
 difference.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FORMS = {"two_launch": False, "one_launch": True}  # decode_attention(fused=...)
+FORMAT_ENV = "OSCAR_BITWISE_SCALE_FORMAT"  # the scale format, parent -> reference child
 
 
 def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = None) -> tuple:
@@ -53,7 +55,7 @@ def child(old_tree: str, out_dir: str) -> None:
     import common
 
     for context, batch in common.DECODE_POINTS:
-        args = common.decode_inputs(batch, context, seed=context + batch)
+        args = common.decode_inputs(batch, context, seed=context + batch, scale_format=os.environ[FORMAT_ENV])
         for form, fused in FORMS.items():
             splits, (o, lse) = run_decode(A, common, args, fused)
             torch.save({"splits": splits, "o": o.cpu(), "lse": lse.cpu()},
@@ -80,8 +82,11 @@ def main() -> int:
     p.add_argument("--out", required=True, help="directory for the results file")
     p.add_argument("--old-commit", default="90430f9", help="reference commit (git archive of runtime_kernels/)")
     p.add_argument("--old-tree", help="reference tree (a directory holding runtime_kernels/), instead of a commit")
+    p.add_argument("--scale-format", default="float16", choices=["float16", "ue5m3"],
+                   help="scale and zero pools of the compared inputs (default float16)")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    os.environ.setdefault(FORMAT_ENV, args.scale_format)
     if args._child:
         child(*args._child)
         return 0
@@ -107,7 +112,7 @@ def main() -> int:
                        cwd=tmp)
         rows, same = [], True
         for context, batch in common.DECODE_POINTS:
-            inputs = common.decode_inputs(batch, context, seed=context + batch)
+            inputs = common.decode_inputs(batch, context, seed=context + batch, scale_format=args.scale_format)
             for form, fused in FORMS.items():
                 want = torch.load(os.path.join(rec, f"{context}_{batch}_{form}.pt"))
                 splits, (o, lse) = run_decode(A, common, inputs, fused, num_splits=want["splits"][0])
@@ -115,7 +120,7 @@ def main() -> int:
                 same &= equal
                 rows.append({"op": "decode_attention", "variant": form,
                              "shape": {"context": context, "batch": batch, "h_q": common.H_Q, "h_kv": common.H_KV,
-                                       "d": common.D},
+                                       "d": common.D, "scale_format": args.scale_format},
                              "bit_identical": equal, "splits_reference": list(want["splits"]),
                              "splits_new_default": list(splits),
                              "max_abs_diff": float((o.cpu() - want["o"]).abs().max())})
@@ -125,7 +130,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode_bitwise_{common.gpu_tag()}.json"
+    suffix = "" if args.scale_format == "float16" else f"_{args.scale_format}"
+    path = out / f"decode_bitwise_{common.gpu_tag()}{suffix}.json"
     path.write_text(json.dumps({"meta": {**common.meta(), "reference": args.old_tree or args.old_commit},
                                 "rows": rows}, indent=1))
     print(f"wrote {path}; all bit-identical: {same}")
