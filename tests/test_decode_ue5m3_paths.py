@@ -129,14 +129,12 @@ def test_the_default_recipe_takes_the_fastest_path_at_the_bench_shapes():
     windows) and Qwen3-8B heads: every decode call of the bench's batches takes the production grid with whole
     pages, int8 scores and paired V pools, and nothing declined."""
     from runtime_kernels.cache import PagedKVCache
-    from runtime_kernels.layout import RECIPE_LAYOUT
+    from runtime_kernels.format import DEFAULT_FORMAT
 
     h, d = 8, 128
     rot = torch.eye(d).expand(1, h, d, d)
-    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), max_pages=4, max_seqs=2,
-                         page_size=RECIPE_LAYOUT.page_size, sink_tokens=RECIPE_LAYOUT.sink_tokens,
-                         recent_tokens=RECIPE_LAYOUT.recent_tokens, k_mean=torch.zeros(1, h, d),
-                         v_mean=torch.zeros(1, h, d), scale_format="ue5m3")
+    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), fmt=DEFAULT_FORMAT, max_pages=4, max_seqs=2,
+                         k_mean=torch.zeros(1, h, d), v_mean=torch.zeros(1, h, d))
     pool = cache.pools[0]
     assert (cache.page_size, cache.sink, cache.recent) == (64, 128, 1024)
     for batch in (1, 8, 32):
