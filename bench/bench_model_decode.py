@@ -36,6 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from runtime_kernels.format import DEFAULT_FORMAT, KVFormat  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -54,18 +56,7 @@ QWEN3_8B = ModelShape()
 SMOKE_SHAPE = ModelShape(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=512)
 
 
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """The cache layout `oscar-calib run` ships (runtime_kernels.layout.RECIPE_LAYOUT, ue5m3, centered)."""
-
-    scale_format: str = "ue5m3"
-    centered: bool = True
-    sink: int = 128
-    recent: int = 1024
-    page: int = 64
-
-
-RECIPE = Recipe()
+RECIPE = DEFAULT_FORMAT  # the cache layout `oscar-calib run` ships (128/1024 windows, ue5m3, centered, page 64)
 DEFAULT_POINTS = [(c, b) for c in (32768, 65536, 131072) for b in (1, 8, 32)]
 BUDGET_CONTEXT = 131072
 MARGIN_BYTES = 6 << 30  # activations, graph pool, allocator slack
@@ -131,20 +122,21 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 # ----------------------------------------------------------------------------------------------- KV caches
-def oscar_history(context: int, recipe: Recipe) -> tuple[int, int]:
+def oscar_history(context: int, recipe: KVFormat) -> tuple[int, int]:
     """(history tokens, sequence length after the step) of a sequence of about `context` tokens whose next token
     demotes no page: the recent window ends mid-page."""
-    hist = (context - recipe.sink - recipe.recent - recipe.page // 2) // recipe.page * recipe.page
-    return hist, recipe.sink + recipe.recent + hist + recipe.page // 2
+    p = recipe.page_size
+    hist = (context - recipe.window_tokens - p // 2) // p * p
+    return hist, recipe.window_tokens + hist + p // 2
 
 
-def oscar_bytes_per_seq(shape: ModelShape, context: int, recipe: Recipe) -> int:
+def oscar_bytes_per_seq(shape: ModelShape, context: int, recipe: KVFormat) -> int:
     """KV bytes one sequence holds in PagedKVCache (all layers): its pages (codes, scales, zeros) and its window
     slot (`sink + recent + page - 1` BF16 rows of K and V)."""
     hist, _ = oscar_history(context, recipe)
-    sb = 1 if recipe.scale_format == "ue5m3" else 2
+    sb = recipe.scale_bytes
     row = shape.kv_heads * (2 * shape.head_dim // 4 + 4 * sb)
-    window = 2 * shape.kv_heads * (recipe.sink + recipe.recent + recipe.page - 1) * shape.head_dim * 2
+    window = 2 * shape.kv_heads * (recipe.window_tokens + recipe.page_size - 1) * shape.head_dim * 2
     return shape.layers * (hist * row + window)
 
 
@@ -156,7 +148,7 @@ class OscarAttention:
     """PagedKVCache at `recipe` with `batch` sequences of about `context` tokens (pages and windows filled with
     random bytes) and the booked append of one token each: `__call__` is what an engine runs per layer."""
 
-    def __init__(self, shape: ModelShape, batch: int, context: int, device, recipe: Recipe = RECIPE, seed: int = 0):
+    def __init__(self, shape: ModelShape, batch: int, context: int, device, recipe: KVFormat = RECIPE, seed: int = 0):
         from runtime_kernels.cache import PagedKVCache
         from runtime_kernels.quant.naive import ZERO_STEPS, encode_ue5m3
 
@@ -167,9 +159,8 @@ class OscarAttention:
                                           device=device))[0]
         means = [torch.randn(s.layers, s.kv_heads, s.head_dim, generator=gen, device=device) * 0.3 for _ in "kv"]
         self.cache = PagedKVCache(rot, rot.transpose(-1, -2).contiguous(), torch.full((s.layers, s.kv_heads), 0.96),
-                                  torch.full((s.layers, s.kv_heads), 0.96), max_pages=max(1, batch * hist // recipe.page),
-                                  max_seqs=batch, page_size=recipe.page, sink_tokens=recipe.sink,
-                                  recent_tokens=recipe.recent, device=device, scale_format=recipe.scale_format,
+                                  torch.full((s.layers, s.kv_heads), 0.96), max_pages=max(1, batch * hist // recipe.page_size),
+                                  max_seqs=batch, fmt=recipe, device=device,
                                   k_mean=means[0] if recipe.centered else None,
                                   v_mean=means[1] if recipe.centered else None, check_finite=False)
         assert self.cache.memory_bytes() == batch * oscar_bytes_per_seq(shape, context, recipe)
@@ -253,7 +244,7 @@ def fits(nbytes: int) -> tuple[bool, str]:
     return nbytes + MARGIN_BYTES <= free, f"needs {nbytes / 1e9:.1f} GB of KV cache, {free / 1e9:.1f} GB free"
 
 
-def measure(model: Decoder, kind: str, context: int, batch: int, device="cuda", recipe: Recipe = RECIPE,
+def measure(model: Decoder, kind: str, context: int, batch: int, device="cuda", recipe: KVFormat = RECIPE,
             timer=None) -> list[dict]:
     """Rows of one (kind, context, batch): OSCAR, or BF16 under each SDPA backend. timer(model, attention, batch,
     position) -> (p50, p20, p80) ms (default `graph_step_ms`)."""
@@ -264,7 +255,8 @@ def measure(model: Decoder, kind: str, context: int, batch: int, device="cuda", 
     if kind == "oscar":
         nbytes = batch * oscar_bytes_per_seq(model.shape, context, recipe)
         variants = [("oscar_recipe", None)]
-        shape.update(dataclasses.asdict(recipe))
+        shape.update(scale_format=recipe.scale_format, centered=recipe.centered, sink=recipe.sink_tokens,
+                     recent=recipe.recent_tokens, page=recipe.page_size)  # the committed rows' names
     else:
         nbytes = batch * bf16_bytes_per_seq(model.shape, context)
         variants = [("bf16_sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("bf16_sdpa_flash", SDPBackend.FLASH_ATTENTION)]
@@ -324,7 +316,7 @@ def table(rows: list[dict], budget: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, device="cuda", recipe: Recipe = RECIPE,
+def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, device="cuda", recipe: KVFormat = RECIPE,
         budget_context: int = BUDGET_CONTEXT, timer=None) -> tuple[list[dict], dict]:
     """Every point for BF16 and OSCAR, then each at the largest batch whose KV cache fits `budget_gib` at
     `budget_context`; results written to `out` after every measurement -> (rows, budget summary)."""
@@ -366,13 +358,13 @@ def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, devic
 
 
 # ----------------------------------------------------------------------------------------------- CPU smoke
-def smoke(batch: int = 2, history_pages: int = 2, seed: int = 0, recipe: Recipe = RECIPE) -> dict:
+def smoke(batch: int = 2, history_pages: int = 2, seed: int = 0, recipe: KVFormat = RECIPE) -> dict:
     """The OSCAR step of a tiny model through PagedKVCache (eager, CPU; Triton under its interpreter) against the
     same model over a static BF16 cache holding the cache's own (dequantized) contents -> relative RMSE of the
     logits and of layer 0's attention output; `*_swapped`: the same against a BF16 cache whose sequences' contents
     are swapped (what a wrong block table or slot would give)."""
     shape = SMOKE_SHAPE
-    context = recipe.sink + recipe.recent + recipe.page // 2 + history_pages * recipe.page
+    context = recipe.window_tokens + recipe.page_size // 2 + history_pages * recipe.page_size
     model = Decoder(shape, "cpu", seed)
     oscar = OscarAttention(shape, batch, context, "cpu", recipe=recipe, seed=seed + 1)
     n_before = oscar.position  # tokens cached before the step
@@ -406,7 +398,7 @@ def smoke(batch: int = 2, history_pages: int = 2, seed: int = 0, recipe: Recipe 
             "attention_rel_rmse": rel(outs["oscar"], outs["bf16"]),
             "logits_rel_rmse_swapped": rel(logits["oscar"], logits["swapped"]),
             "attention_rel_rmse_swapped": rel(outs["oscar"], outs["swapped"]),
-            "tokens": n_before + 1, "history_tokens": len(oscar.before[oscar.seq_ids[0]][1]) * recipe.page}
+            "tokens": n_before + 1, "history_tokens": len(oscar.before[oscar.seq_ids[0]][1]) * recipe.page_size}
 
 
 def main() -> int:

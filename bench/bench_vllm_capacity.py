@@ -61,15 +61,15 @@ def main() -> None:
     ap.add_argument("--model-id", default="oscar-calib/tiny-qwen3",
                     help="Hub id the model directory is a copy of (the identity the artifact must name)")
     ap.add_argument("--budget-mib", type=int, default=64, help="KV cache memory budget for both runs")
-    ap.add_argument("--block-size", type=int, default=None, help="default: DEFAULT_LAYOUT.page_size")
+    ap.add_argument("--block-size", type=int, default=None, help="default: DEFAULT_FORMAT.page_size")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--partial-layers", default=None,
                     help="comma-separated layers: a third run serves only these in INT2 (the rest keep vLLM's cache)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    from runtime_kernels.layout import DEFAULT_LAYOUT
+    from runtime_kernels.format import DEFAULT_FORMAT
 
-    args.block_size = args.block_size or DEFAULT_LAYOUT.page_size
+    args.block_size = args.block_size or DEFAULT_FORMAT.page_size
 
     import torch
     import vllm
@@ -91,7 +91,7 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(args.model)
     art = read_artifact(args.artifact)
-    cell = PackedLayout(art.head_dim, art.group_size, art.runtime_scale_format)
+    cell = PackedLayout(art.kv_format, art.head_dim)
     agree = [_agree(a, b) for a, b in zip(bf16["tokens"], oscar["tokens"])]
     matches = sum(x == y for a, b in zip(bf16["tokens"], oscar["tokens"]) for x, y in zip(a, b))
     total = sum(len(a) for a in bf16["tokens"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ import torch
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.cache import PagedKVCache
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BENCH_FORMAT  # noqa: E402
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -26,7 +30,7 @@ def _sync(device: str) -> None:
 
 
 def step_times(check: bool, batch: int, context: int, layers: int, steps: int, device: str) -> dict[str, float]:
-    art = identity_artifact(layers, 8, 32, 128)
+    art = identity_artifact(layers, 8, 32, 128, fmt=BENCH_FORMAT)
     gen = torch.Generator().manual_seed(0)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(layers, 8, 128, 128, generator=gen, dtype=torch.float64))

@@ -135,7 +135,7 @@ def channel_ratio(x: torch.Tensor) -> float:
 
 
 def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int | None,
-        mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> torch.Tensor:
+        mean: torch.Tensor | None, quantizer: str) -> torch.Tensor:
     """Fake-quantize rows `x [T, d]` with the runtime quantizer (rotation `[d, d]` or None), centered on `mean [d]`
     (model basis) when given: `fq(x - mean) + mean`, what a centered cache stores and reads back."""
     ratio = None if clip >= 1.0 else clip
@@ -304,8 +304,8 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
             "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
 
 
-def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries,
-                      quantizer: str = "uniform_minmax", means=(None, None)) -> None:
+def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries, quantizer: str,
+                      means=(None, None)) -> None:
     """Per-head activation statistics; the errors of every rotation use the artifact's `quantizer`, so that the
     comparison is of rotations alone."""
     k = acts.k[layer][:, h].reshape(-1, rk.shape[0])  # [N*T, d]

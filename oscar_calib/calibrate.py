@@ -35,7 +35,6 @@ from oscar_calib.stats import LayerStats
 from oscar_calib.stats_file import CalibrationStatistics, make_provenance
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.contract import build_metadata, created_at
-from runtime_kernels.layout import DEFAULT_LAYOUT
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
 AccumulateFn = Callable[..., "dict[int, LayerStats] | None"]  # (model, session, input_ids, progress)
@@ -154,6 +153,7 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
 
     `tick` is called once per layer (progress)."""
     no_clip = no_clip or not settings.clip
+    fmt = settings.kv_format()
     fits = {}
     for a, layer in enumerate(layer_ids):
         if tick is not None:
@@ -164,11 +164,10 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
         v_mean = means[1][a].to(dev) if means is not None and settings.center_values else None
         w_o = o_weights.get(layer).to(dev) if o_weights and settings.key_clip_objective == "block_out" else None
         fits[layer] = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev),
-                                (1.0,) if no_clip else settings.k_clip_grid, session.scaling, settings.group_size,
-                                settings.sink_tokens, settings.recent_tokens, settings.key_clip_objective,
-                                (1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
-                                o_weight=w_o, extend=not no_clip, scale_format=settings.scale_dtype,
-                                quantizer=settings.quantizer)
+                                (1.0,) if no_clip else settings.k_clip_grid, session.scaling, fmt,
+                                key_objective=settings.key_clip_objective,
+                                v_grid=(1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
+                                o_weight=w_o, extend=not no_clip)
     return fits
 
 
@@ -206,7 +205,7 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
 
 def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
     """Refuse a held-out sequence no longer than the BF16 windows: no held-out query would read an INT2 key."""
-    windows = settings.sink_tokens + settings.recent_tokens
+    windows = settings.kv_format().window_tokens
     if held_len <= windows:
         raise InputError(
             f"--seq-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
@@ -358,23 +357,22 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
+    # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
+    k_mean = (means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous()
+    v_mean = (means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous()
+    # The format recorded is the one fitted; centered as the runtime will serve it: when a mean is non-zero.
+    fmt = settings.kv_format().with_(centered=bool(k_mean.any() or v_mean.any()))
     meta = build_metadata(
         model_id=prov.model_id, model_revision=prov.model_revision,
         num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,
         key_target=settings.key_target, value_target=settings.value_target, calibration=calib,
-        tool_version=f"oscar-calib {__version__}",
-        layout=DEFAULT_LAYOUT.with_(sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
-                                    group_size=settings.group_size or d),
-        scale_dtype=settings.scale_dtype, quantizer=settings.quantizer)
+        tool_version=f"oscar-calib {__version__}", fmt=fmt)
     if prov.created_at:  # a refit keeps the capture's timestamp, so it reproduces the run's bytes
         meta["created_at"] = prov.created_at
-    # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     artifact = OscarArtifact(
         layer_ids=torch.tensor(layer_ids, dtype=torch.int64),
         k_rotation=k_rot, v_rotation=v_rot, k_clip_ratio=k_ratio.float(), v_clip_ratio=v_ratio.float(),
-        k_eigenvalues=k_eig, v_eigenvalues=v_eig, metadata=meta, source="<calibration>",
-        k_mean=(means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous(),
-        v_mean=(means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous(),
+        k_eigenvalues=k_eig, v_eigenvalues=v_eig, metadata=meta, source="<calibration>", k_mean=k_mean, v_mean=v_mean,
     ).validate()
     report = CalibrationReport(layer_ids=layer_ids, skipped_layers=list(prov.skipped_layers), tokens=statistics.tokens,
                                holdout_tokens=holdout_tokens, timings=timings, fits=fits,

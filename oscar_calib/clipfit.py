@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_calib.errors import InputError
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.format import KVFormat
 from runtime_kernels.quant import naive
 
 KEY_OBJECTIVES = ("attn_kl", "logit_mse", "out_err", "block_out")
@@ -57,16 +57,18 @@ class ClipFit:
     v_edge: torch.Tensor | None = None
 
 
-def quantized_pair_mask(positions: torch.Tensor, seq_len: int, sink: int, recent: int) -> torch.Tensor:
-    """bool `[S, n_q, T]`: True where key j of the query at `positions [S, n_q]` is INT2 in the cache.
+def quantized_pair_mask(positions: torch.Tensor, seq_len: int, fmt: KVFormat) -> torch.Tensor:
+    """bool `[S, n_q, T]`: True where key j of the query at `positions [S, n_q]` is INT2 in the cache of `fmt`.
 
-    Raises InputError when no query reads a quantized key (the held-out sequence is not longer than the
-    windows): a fit on such data would score pairs the decoder never quantizes.
+    Token-granular (`fmt.per_token()`): a pair counts as soon as any page boundary could put the key in the history,
+    so the fit scores every pair a decoder ever reads quantized. Raises InputError when no query reads a quantized key
+    (the held-out sequence is not longer than the windows): a fit on such data would score pairs the decoder never
+    quantizes.
     """
     j = torch.arange(seq_len, device=positions.device)
-    pos = positions[..., None]
-    mask = (j <= pos) & (j >= sink) & (j <= pos - recent)
+    mask = fmt.per_token().is_history(j, positions[..., None] + 1)  # the query at t sees a sequence of t + 1 tokens
     if not bool(mask.any()):
+        sink, recent = fmt.sink_tokens, fmt.recent_tokens
         raise InputError(
             f"clip fit: the held-out sequence has {seq_len} tokens, not more than the BF16 windows (sink {sink} + "
             f"recent {recent}), so no held-out query reads an INT2 key; use a longer --seq-len (at least "
@@ -74,10 +76,10 @@ def quantized_pair_mask(positions: torch.Tensor, seq_len: int, sink: int, recent
     return mask
 
 
-def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | torch.Tensor,
-                        group_size: int | None, mean: torch.Tensor | None = None,
-                        scale_format: str = "float16", quantizer: str = "uniform_minmax") -> torch.Tensor:
-    """x `[S, H, T, d]` -> `fq(x - mean) + mean` in the rotated basis, then back; same shape, fp32.
+def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | torch.Tensor, fmt: KVFormat,
+                        mean: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[S, H, T, d]` -> `fq(x - mean) + mean` in the rotated basis, then back; same shape, fp32. `fq` encodes as
+    `fmt` does (group, scale format, quantizer).
 
     ratio: a scalar or per head `[H]`; mean `[H, d]` (model basis) or None.
     """
@@ -85,7 +87,7 @@ def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | 
     xr = torch.einsum("shtd,hde->shte", xf, rotation.float())
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
-    codes, scale, zero = naive.quantize_rows(xr, clip, group_size, scale_format, quantizer)
+    codes, scale, zero = naive.quantize_rows(xr, clip, fmt.group_size, fmt.scale_format, fmt.quantizer)
     xq = naive.dequantize(codes, scale, zero)
     out = torch.einsum("shte,hde->shtd", xq, rotation.float())
     return out if mean is None else out + mean.float()[None, :, None, :]
@@ -124,7 +126,7 @@ class _HeldOut:
         return d.pow(2).sum(dim=(0, 2, 3)) / self.energy()
 
 
-def _held_out(keys, values, queries, positions, scaling, sink, recent, o_weight) -> _HeldOut:
+def _held_out(keys, values, queries, positions, scaling, fmt: KVFormat, o_weight) -> _HeldOut:
     s, h_kv, t, d = keys.shape
     g = queries.shape[1] // h_kv
     n_q = queries.shape[2]
@@ -132,7 +134,7 @@ def _held_out(keys, values, queries, positions, scaling, sink, recent, o_weight)
     v = values.float()
     q = queries.float().reshape(s, h_kv, g * n_q, d)
     pos = positions.to(k.device)
-    qmask = quantized_pair_mask(pos, t, sink, recent)  # [S, n_q, T]
+    qmask = quantized_pair_mask(pos, t, fmt)  # [S, n_q, T]
     qmask = qmask[:, None, None].expand(s, h_kv, g, n_q, t).reshape(s, h_kv, g * n_q, t)
     causal = (torch.arange(t, device=k.device) <= pos[..., None])[:, None, None]
     causal = causal.expand(s, h_kv, g, n_q, t).reshape(s, h_kv, g * n_q, t)
@@ -165,20 +167,18 @@ def _value_error(ho: _HeldOut, dv: torch.Tensor) -> torch.Tensor:
 
 def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor,
                 k_rotation: torch.Tensor, v_rotation: torch.Tensor, grid: tuple[float, ...], scaling: float,
-                group_size: int | None = None, sink: int = DEFAULT_LAYOUT.sink_tokens,
-                recent: int = DEFAULT_LAYOUT.recent_tokens, key_objective: str = "attn_kl",
-                v_grid: tuple[float, ...] | None = None, k_mean: torch.Tensor | None = None,
-                v_mean: torch.Tensor | None = None, o_weight: torch.Tensor | None = None,
-                scale_format: str = "float16", quantizer: str = "uniform_minmax") -> tuple[torch.Tensor, torch.Tensor]:
+                fmt: KVFormat, key_objective: str = "attn_kl", v_grid: tuple[float, ...] | None = None,
+                k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+                o_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-aware errors of every key clip ratio in `grid` and value clip ratio in `v_grid` (default: `grid`).
 
     Args:
         keys, values: `[S, H_kv, T, d]`; queries `[S, H_q, n_q, d]`; positions `[S, n_q]` int64.
         k_rotation, v_rotation: `[H_kv, d, d]`. k_mean, v_mean: `[H_kv, d]` (model basis) for a centered cache.
+        fmt: the cache's KV format: which pairs are INT2 (its windows) and how they are encoded (group, scale
+            format, quantizer), so clips are fitted for the stored grid.
         key_objective: one of KEY_OBJECTIVES; `block_out` needs `o_weight` (`[hidden, H_q * d]`), and then the
             value error is measured after o_proj too.
-        scale_format: the cache's scale format ("float16" or "ue5m3"), so clips are fitted for the stored grid.
-        quantizer: the cache's quantizer (`naive.QUANTIZERS`).
     Returns:
         key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU); an empty grid
         skips that side.
@@ -187,11 +187,10 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         raise InputError(f"key clip objective '{key_objective}': expected one of {', '.join(KEY_OBJECTIVES)}")
     if key_objective == "block_out" and o_weight is None:
         raise InputError("key clip objective 'block_out' needs the layer's o_proj weight")
-    ho = _held_out(keys, values, queries, positions, scaling, sink, recent,
-                   o_weight if key_objective == "block_out" else None)
+    ho = _held_out(keys, values, queries, positions, scaling, fmt, o_weight if key_objective == "block_out" else None)
     objective = "out_err" if key_objective == "block_out" else key_objective
     v_grid = grid if v_grid is None else v_grid
-    fq = lambda x, rot, r, mu: _fake_quant_rotated(x, rot, r, group_size, mu, scale_format, quantizer) - x  # noqa: E731
+    fq = lambda x, rot, r, mu: _fake_quant_rotated(x, rot, r, fmt, mu) - x  # noqa: E731
     k_err = [_key_error(ho, fq(ho.k, k_rotation, r, k_mean), objective) for r in grid]
     v_err = [_value_error(ho, fq(ho.v, v_rotation, r, v_mean)) for r in v_grid]
     empty = torch.zeros(0, keys.shape[1], dtype=torch.float64)  # an empty grid skips that side
@@ -232,20 +231,18 @@ def _fit_one_side(errors_of, grid: tuple[float, ...]) -> tuple[torch.Tensor, tor
         grid = wider
 
 
-def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, scaling, group_size=None,
-              sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens,
+def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, scaling, fmt: KVFormat, *,
               key_objective: str = "attn_kl", v_grid: tuple[float, ...] | None = None,
               k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-              o_weight: torch.Tensor | None = None, extend: bool = True, scale_format: str = "float16",
-              quantizer: str = "uniform_minmax") -> ClipFit:
-    """Fit K (over `grid`) and V (over `v_grid`, default `grid`) clip ratios of one layer; shapes as in `clip_errors`.
+              o_weight: torch.Tensor | None = None, extend: bool = True) -> ClipFit:
+    """Fit K (over `grid`) and V (over `v_grid`, default `grid`) clip ratios of one layer for the cache of `fmt`;
+    shapes as in `clip_errors`.
 
     With `extend`, a grid whose lowest candidate wins for some head is extended downward (EXTEND_STEP at a time,
     down to MIN_RATIO) until the error turns up.
     """
     v_grid = grid if v_grid is None else v_grid
-    kw = dict(scaling=scaling, group_size=group_size, sink=sink, recent=recent, key_objective=key_objective,
-              k_mean=k_mean, v_mean=v_mean, o_weight=o_weight, scale_format=scale_format, quantizer=quantizer)
+    kw = dict(scaling=scaling, fmt=fmt, key_objective=key_objective, k_mean=k_mean, v_mean=v_mean, o_weight=o_weight)
     if not extend:
         k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, v_grid=v_grid, **kw)
         kr, vr = pick_ratios(k_err, grid), pick_ratios(v_err, v_grid)

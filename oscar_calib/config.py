@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime_kernels.layout import MAX_WINDOW_TOKENS, RECIPE_LAYOUT
+from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
 
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
@@ -66,21 +66,34 @@ class SolverSettings(_Strict):
                                          "with the unbiased quantizer it retrieves far tokens about as well as the "
                                          "default at +0.4-0.5 % perplexity on the fixtures (docs/quality.md, "
                                          "far-token retrieval).")
-    center_keys: bool = Field(True, description="Subtract the calibrated per-(layer, KV head) key mean before "
-                                                 "quantizing (exact for attention: q . mu is added back).")
-    center_values: bool = Field(True, description="Subtract the calibrated value mean before quantizing.")
-    group_size: Optional[int] = Field(None, description="Quantization group (channels); None = head_dim.")
+    # The KV format fields (`kv_format()` turns them into the one value; their defaults are DEFAULT_FORMAT's).
+    center_keys: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated per-(layer, KV head) key "
+                                                                   "mean before quantizing (exact for attention: "
+                                                                   "q . mu is added back).")
+    center_values: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated value mean before "
+                                                                     "quantizing.")
+    group_size: Optional[int] = Field(DEFAULT_FORMAT.group_size, description="Quantization group (channels); None = "
+                                                                             "head_dim.")
     scale_dtype: Literal["float16", "ue5m3"] = Field(
-        "ue5m3", description="How the INT2 history stores each group's scale and zero point: fp16 both "
-                               "(32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero point, 16 bits).")
+        DEFAULT_FORMAT.scale_format, description="How the INT2 history stores each group's scale and zero point: fp16 "
+                                                 "both (32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero "
+                                                 "point, 16 bits).")
     quantizer: Literal["uniform_unbiased", "uniform_minmax"] = Field(
-        "uniform_minmax", description="How each INT2 group is encoded: min-max over the clipped group (the "
-                                      "reference's `uniform_minmax`), or min-max then again with a gain that keeps "
-                                      "the group's projection on the unclipped one (`uniform_unbiased`: better far-"
-                                      "token retrieval on the 4K fixtures, but +1.6 to +3.1 points of perplexity at "
-                                      "a real model's 8K context; docs/recipe.md).")
-    sink_tokens: int = Field(RECIPE_LAYOUT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
-    recent_tokens: int = Field(RECIPE_LAYOUT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+        DEFAULT_FORMAT.quantizer, description="How each INT2 group is encoded: min-max over the clipped group (the "
+                                              "reference's `uniform_minmax`), or min-max then again with a gain that "
+                                              "keeps the group's projection on the unclipped one (`uniform_unbiased`: "
+                                              "better far-token retrieval on the 4K fixtures, but +1.6 to +3.1 points "
+                                              "of perplexity at a real model's 8K context; docs/recipe.md).")
+    sink_tokens: int = Field(DEFAULT_FORMAT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+    recent_tokens: int = Field(DEFAULT_FORMAT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
+
+    def kv_format(self) -> KVFormat:
+        """The KV format these settings calibrate for: the windows, group, scale format and quantizer above,
+        DEFAULT_FORMAT's page size (pages are the runtime's; the clip fit scores every token), centered when
+        either side is. The artifact records it with `centered` read from the means it holds."""
+        return KVFormat(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+                        page_size=DEFAULT_FORMAT.page_size, group_size=self.group_size, scale_format=self.scale_dtype,
+                        quantizer=self.quantizer, centered=self.center_keys or self.center_values)
 
     @field_validator("k_clip_grid", "v_clip_grid")
     @classmethod
@@ -93,6 +106,14 @@ class SolverSettings(_Strict):
         if grid[-1] != 1.0:
             grid = grid + (1.0,)  # "no clipping" is always a candidate
         return grid
+
+
+def format_settings(fmt: KVFormat) -> dict:
+    """The SolverSettings fields of a KV format (the inverse of `SolverSettings.kv_format`, page size aside: the clip
+    fit is per token), for callers that calibrate for a given format: `SolverSettings(**format_settings(fmt))`."""
+    return {"sink_tokens": fmt.sink_tokens, "recent_tokens": fmt.recent_tokens, "group_size": fmt.group_size,
+            "scale_dtype": fmt.scale_format, "quantizer": fmt.quantizer, "center_keys": fmt.centered,
+            "center_values": fmt.centered}
 
 
 class CalibrationConfig(_Strict):

@@ -1,8 +1,8 @@
 """Teacher-forced evaluation of KV-cache methods: what a decoder with a sink | INT2 history | recent cache sees.
 
-For query position `t` of a window, key/value position `j <= t` is read in BF16 when `j < sink` or
-`j > t - recent` and quantized otherwise (with `page_size = P > 1`, the history grows a whole page at a
-time as in `runtime_kernels.cache`: positions `[sink, sink + P * floor((t + 1 - sink - recent) / P))`).
+For query position `t` of a window, key/value position `j <= t` is read from the INT2 history when
+`fmt.is_history(j, t + 1)` (`runtime_kernels.format.KVFormat`: `[sink, sink + P * floor((t + 1 - sink - recent) / P))`
+with the format's page size P; the evaluation's default P = 1 is token-granular) and in BF16 otherwise.
 
 One forward pass per window and method, through a custom attention function registered with
 transformers' AttentionInterface (and the SDPA mask under the same name). Inside, for each layer:
@@ -30,7 +30,7 @@ from oscar_calib.capture import routed_attention
 from oscar_calib.errors import InputError
 from oscar_calib.methods import KVMethod
 from runtime_kernels.artifact import model_geometry
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.format import KVFormat
 
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
@@ -41,19 +41,16 @@ _ACTIVE: EvalSession | None = None
 # ----------------------------------------------------------------------------------------------------------
 # masks
 # ----------------------------------------------------------------------------------------------------------
-def exact_mask(q_len: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1,
-               device: torch.device | str = "cpu", prefill: int = 0) -> torch.Tensor:
-    """bool `[T, T]`: True where query `t` reads key `j` in BF16 (sink or recent window), False where quantized.
+def exact_mask(q_len: int, fmt: KVFormat, device: torch.device | str = "cpu", prefill: int = 0) -> torch.Tensor:
+    """bool `[T, T]`: True where query `t` reads key `j` in BF16 (sink or recent window of `fmt`), False where
+    quantized (`fmt.is_history(j, t + 1)`, at the format's page size).
 
     Entries above the diagonal are True (they are masked by causality anyway). Queries `t < prefill` read
     everything in BF16: the runtime's prefill attends over the prompt at full precision.
     """
     t = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(q_len, device=device)[None, :]
-    n = t + 1  # sequence length when position t is decoded
-    hist = torch.clamp(n - sink - recent, min=0)
-    hist = (hist // page_size) * page_size
-    quantized = (j >= sink) & (j < sink + hist) & (t >= prefill)
+    quantized = fmt.is_history(j, t + 1) & (t >= prefill)  # the query at t sees a sequence of t + 1 tokens
     return ~quantized
 
 
@@ -80,9 +77,7 @@ class EvalSession:
     """What the attention function applies while active: one method, the window sizes, the statistics."""
 
     method: KVMethod
-    sink: int = DEFAULT_LAYOUT.sink_tokens
-    recent: int = DEFAULT_LAYOUT.recent_tokens
-    page_size: int = 1
+    fmt: KVFormat  # its windows and page size decide which pairs are INT2 (`exact_mask`)
     collect_stats: bool = True
     prefill: int = 0
     layers: dict[int, LayerStats] = field(default_factory=dict)
@@ -91,7 +86,7 @@ class EvalSession:
     def mask(self, n: int, device) -> torch.Tensor:
         key = (n, str(device))
         if key not in self._masks:
-            self._masks[key] = exact_mask(n, self.sink, self.recent, self.page_size, device, self.prefill)
+            self._masks[key] = exact_mask(n, self.fmt, device, self.prefill)
         return self._masks[key]
 
 
@@ -146,7 +141,7 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
     if not quantize:
         out, _, _ = mixed_attention(q, key.float(), value.float(), None, None, None, allowed, scale)
     else:
-        k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.sink)
+        k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.fmt)
         exact = session.mask(t, query.device)
         out, scores, ref_scores = mixed_attention(q, key.float(), value.float(), k_hat, v_hat, exact, allowed, scale)
         if session.collect_stats:
@@ -252,10 +247,10 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def method_nll(model, method: KVMethod, windows: torch.Tensor, batch_size: int = 1, sink: int = DEFAULT_LAYOUT.sink_tokens,
-               recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1, collect_stats: bool = True) -> tuple[torch.Tensor, EvalSession]:
-    """NLL `[N, T-1]` of every window under `method`, and the session with per-layer statistics."""
-    session = EvalSession(method, sink, recent, page_size, collect_stats)
+def method_nll(model, method: KVMethod, windows: torch.Tensor, fmt: KVFormat, batch_size: int = 1,
+               collect_stats: bool = True) -> tuple[torch.Tensor, EvalSession]:
+    """NLL `[N, T-1]` of every window under `method` in a cache of `fmt`, and the session with per-layer statistics."""
+    session = EvalSession(method, fmt, collect_stats)
     device = next(model.parameters()).device
     parts = []
     with evaluating(model, session):
@@ -288,16 +283,17 @@ def bootstrap_delta_ci(window_nll: torch.Tensor, ref_window_nll: torch.Tensor, n
 # ----------------------------------------------------------------------------------------------------------
 # the comparison
 # ----------------------------------------------------------------------------------------------------------
-def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_size: int = 1, sink: int = DEFAULT_LAYOUT.sink_tokens,
-                     recent: int = DEFAULT_LAYOUT.recent_tokens, page_size: int = 1, progress=None) -> dict:
-    """Run every method over every window. Returns a JSON-ready dict (see `oscar-calib eval --json`)."""
+def evaluate_methods(model, methods: list[KVMethod], windows: Windows, fmt: KVFormat, batch_size: int = 1,
+                     progress=None) -> dict:
+    """Run every method over every window in a cache of `fmt` (its windows; its page size is the granularity of the
+    simulated history). Returns a JSON-ready dict (see `oscar-calib eval --json`)."""
     head_dim = model_geometry(model.config)[3]
     context = int(windows.long.shape[1])
     rows = []
     for method in methods:
         nll_parts, layer_stats, kinds = [], {}, {}
         for kind, w in windows.all():
-            nll, session = method_nll(model, method, w, batch_size, sink, recent, page_size)
+            nll, session = method_nll(model, method, w, fmt, batch_size)
             nll_parts.append(nll)
             kinds[kind] = ppl(nll)
             for layer, st in session.layers.items():
@@ -314,10 +310,10 @@ def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_siz
         rows.append({
             "name": method.name,
             "description": method.description,
-            "effective_bits": method.effective_bits(context, head_dim, sink, recent),
+            "effective_bits": method.effective_bits(context, head_dim, fmt),
             "history_bits": method.history_bits(head_dim),
-            "effective_bits_32k": method.effective_bits(32768, head_dim, sink, recent),
-            "effective_bits_128k": method.effective_bits(131072, head_dim, sink, recent),
+            "effective_bits_32k": method.effective_bits(32768, head_dim, fmt),
+            "effective_bits_128k": method.effective_bits(131072, head_dim, fmt),
             "ppl": ppl(nll),
             "ppl_second_half": ppl(nll[:, half:]),
             "ppl_long": kinds.get("long", float("nan")),
@@ -334,9 +330,9 @@ def evaluate_methods(model, methods: list[KVMethod], windows: Windows, batch_siz
                                if base and r is not base else None)
     return {
         "context": context,
-        "sink": sink,
-        "recent": recent,
-        "page_size": page_size,
+        "sink": fmt.sink_tokens,
+        "recent": fmt.recent_tokens,
+        "page_size": fmt.page_size,
         "windows": {kind: int(w.shape[0]) for kind, w in (("long", windows.long), ("packed", windows.packed))},
         "tokens_scored": int(sum(w.shape[0] for _, w in windows.all()) * (context - 1)),
         "methods": rows,
@@ -380,9 +376,10 @@ def greedy_continuation(model, prompt: torch.Tensor, steps: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int, page_size: int = DEFAULT_LAYOUT.page_size,
-                          sink: int | None = None, recent: int | None = None, backend: str = "auto") -> torch.Tensor:
-    """Logits `[1, T - prompt_len, V]` of the real runtime (OscarCache) decoding `tokens [1, T]` one at a time.
+def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int, fmt: KVFormat | None = None,
+                          backend: str = "auto") -> torch.Tensor:
+    """Logits `[1, T - prompt_len, V]` of the real runtime (OscarCache in `fmt`, default the artifact's own format)
+    decoding `tokens [1, T]` one at a time.
 
     The prompt `tokens[:, :prompt_len]` is prefilled (full precision, then written as sink | INT2 | recent);
     every later token is a decode step whose attention reads the INT2 history. Row i of the result is
@@ -392,18 +389,20 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
 
     with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
-                                         page_size=page_size, sink_tokens=sink, recent_tokens=recent,
-                                         backend=backend, allow_other_model=True)  # identity: checked by the caller
+                                         fmt=fmt, backend=backend,
+                                         allow_other_model=True)  # identity: checked by the caller
         logits = [model(input_ids=tokens[:, :prompt_len], **cache_kw(model, cache), use_cache=True).logits[:, -1:]]
         for pos in range(prompt_len, tokens.shape[1] - 1):
             logits.append(model(input_ids=tokens[:, pos:pos + 1], **cache_kw(model, cache), use_cache=True).logits)
         return torch.cat(logits, dim=1).float()
 
 
-def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int = 128, page_size: int = DEFAULT_LAYOUT.page_size,
-                         sink: int | None = None, recent: int | None = None) -> dict:
+def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: int,
+                         fmt: KVFormat | None = None) -> dict:
     """Greedy next-token agreement with BF16 through the real runtime.
 
+    Each artifact is served in its own format, with the windows and page size of `fmt` when given (a calibrated
+    artifact's cache refuses windows other than those its clips were fitted for).
     For each window, the first `T - steps` tokens are the prompt; BF16 generates `steps` tokens greedily;
     the runtime (OscarCache, INT2 history) decodes the same tokens and predicts at every step. Reports the
     fraction of steps where its argmax equals BF16's greedy token, and the first step where they differ
@@ -413,8 +412,12 @@ def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: i
     if reason is not None:
         return {"status": "missing", "reason": reason}
     device = next(model.parameters()).device
-    out: dict = {"status": "ok", "steps": steps, "windows": int(windows.shape[0]), "page_size": page_size,
-                 "methods": {}}
+    served = {name: art.kv_format if fmt is None else
+              art.kv_format.with_(sink_tokens=fmt.sink_tokens, recent_tokens=fmt.recent_tokens, page_size=fmt.page_size)
+              for name, art in artifacts.items()}
+    pages = {f.page_size for f in served.values()}
+    out: dict = {"status": "ok", "steps": steps, "windows": int(windows.shape[0]),
+                 "page_size": pages.pop() if len(pages) == 1 else sorted(pages), "methods": {}}
     refs = []
     for w in windows:
         prompt = w[None, :w.shape[0] - steps].to(device)
@@ -423,7 +426,7 @@ def generation_agreement(model, artifacts: dict, windows: torch.Tensor, steps: i
         matches, first = [], []
         for seq in refs:
             p = seq.shape[1] - steps
-            logits = runtime_decode_logits(model, art, seq, p, page_size, sink, recent)
+            logits = runtime_decode_logits(model, art, seq, p, served[name])
             pred = logits.argmax(dim=-1)[0, :steps]
             ok = (pred == seq[0, p:]).float()
             matches.append(float(ok.mean()))

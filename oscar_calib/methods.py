@@ -8,7 +8,7 @@ Shapes: keys and values are `[B, H_kv, T, d]` as transformers' attention functio
 
 Methods:
 - `bf16`: no quantization (the reference).
-- `int2`: per-token asymmetric min-max INT2 over groups of `group_size` channels (default d), no rotation.
+- `int2`: per-token asymmetric min-max INT2 (groups, scales and quantizer of its `fmt`), no rotation.
 - `kivi2-gN`: KIVI-style: keys per channel over blocks of N tokens (blocks start at the end of the
   sink, so the quantized history splits into whole blocks), values per token like `int2`.
 - `quarot-int2`: normalised Hadamard rotation, no clipping, then `int2`.
@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime_kernels.artifact import OscarArtifact, effective_bits
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.artifact import OscarArtifact
+from runtime_kernels.format import BF16_BITS, CODE_BITS, KVFormat
 from runtime_kernels.quant import naive
 
-BF16_BITS = 16
-SCALE_BITS = 16  # scale and zero are stored in 16 bits each (OSCAR_METHOD section 5) unless the format says less
+KIVI_SCALE_BITS = 16  # KIVI stores each group's scale and zero in 16 bits each (fp16)
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -37,18 +36,6 @@ def hadamard(d: int) -> torch.Tensor:
     from oscar_calib.solve import hadamard as _hadamard
 
     return _hadamard(d)
-
-
-def history_bits_rowwise(group_size: int, scale_format: str = "float16") -> float:
-    """Bits per element of a per-token (row-wise) INT2 history: 2-bit codes + scale and zero per group."""
-    return 2 + naive.scale_bits(scale_format) / group_size
-
-
-def mixed_effective_bits(context_len: int, history_bits: float, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
-    """Bits per KV element at `context_len` when the history costs `history_bits` and the windows are BF16."""
-    bf16 = min(context_len, sink + recent)
-    history = context_len - bf16
-    return (history * history_bits + bf16 * BF16_BITS) / max(context_len, 1)
 
 
 def _to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -77,15 +64,16 @@ class KVMethod:
         """Bits per K/V element (mean of keys and values) inside the quantized history."""
         return float(BF16_BITS)
 
-    def effective_bits(self, context_len: int, head_dim: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
-        """Bits per KV element over a whole context of `context_len` tokens (BF16 windows included)."""
-        return mixed_effective_bits(context_len, self.history_bits(head_dim), sink, recent)
+    def effective_bits(self, context_len: int, head_dim: int, windows: KVFormat) -> float:
+        """Bits per KV element over a whole context of `context_len` tokens, with the BF16 sink and recent windows
+        of `windows` (the evaluation's format) and this method's history."""
+        return windows.bits_with_history(context_len, self.history_bits(head_dim))
 
     def fake_quantize(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
-                      sink: int = DEFAULT_LAYOUT.sink_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+                      windows: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-dequantize every position of `keys, values [B, H_kv, T, d]`; returns fp32 tensors.
 
-        Which positions a query actually reads quantized is decided by the caller (the mixed mask).
+        Which positions a query actually reads quantized is decided by the caller (the mixed mask of `windows`).
         """
         return keys.float(), values.float()
 
@@ -95,32 +83,32 @@ class RowwiseInt2(KVMethod):
     """Per-token INT2 after an optional rotation `x @ R` and per-row clipping (naive / QuaRot / Hadamard-clip).
 
     `k_rotation, v_rotation`: `[d, d]` shared, or None for no rotation. Clip ratios are scalars (1 = none).
+    `fmt` (required): how the history is encoded, i.e. its group size, scale format and quantizer (its windows are
+    not used: the evaluation's are).
     """
 
     k_rotation: torch.Tensor | None = None
     v_rotation: torch.Tensor | None = None
     k_clip: float = 1.0
     v_clip: float = 1.0
-    group_size: int | None = None
-    scale_format: str = "float16"
-    quantizer: str = "uniform_minmax"
+    fmt: KVFormat | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fmt, KVFormat):
+            raise TypeError(f"{type(self).__name__} '{self.name}': fmt: expected the KVFormat the history is encoded "
+                            f"in, got {type(self.fmt).__name__}")
 
     def quantizes(self, layer_idx: int) -> bool:
         return True
 
     def history_bits(self, head_dim: int) -> float:
-        return history_bits_rowwise(self.group_size or head_dim, self.scale_format)
-
-    def effective_bits(self, context_len: int, head_dim: int, sink: int = DEFAULT_LAYOUT.sink_tokens, recent: int = DEFAULT_LAYOUT.recent_tokens) -> float:
-        # Same formula as the runtime's artifact accounting (one definition of the OSCAR bits).
-        return effective_bits(context_len, self.group_size or head_dim, sink, recent,
-                              naive.scale_bits(self.scale_format) // 2)
+        return self.fmt.history_bits(head_dim)
 
     def _one(self, x: torch.Tensor, rotation: torch.Tensor | None, clip: float) -> torch.Tensor:
         ratio = None if clip >= 1.0 else clip
-        return centered_fake_quantize(x, rotation, ratio, None, self.group_size, self.scale_format, self.quantizer)
+        return centered_fake_quantize(x, rotation, ratio, None, self.fmt)
 
-    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
+    def fake_quantize(self, layer_idx, keys, values, windows):
         return self._one(keys, self.k_rotation, self.k_clip), self._one(values, self.v_rotation, self.v_clip)
 
 
@@ -154,16 +142,15 @@ class TableInt2(RowwiseInt2):
     def quantizes(self, layer_idx: int) -> bool:
         return layer_idx in self.tables
 
-    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
+    def fake_quantize(self, layer_idx, keys, values, windows):
         if layer_idx not in self.tables:
             return keys.float(), values.float()
         key = (layer_idx, keys.device)
         if key not in self._cache:
             self._cache[key] = self.tables[layer_idx].to(keys.device)
         t = self._cache[key]
-        g, f, q = self.group_size, self.scale_format, self.quantizer
-        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, g, f, q),
-                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, g, f, q))
+        return (centered_fake_quantize(keys, t.k_rotation, _clip_or_none(t.k_clip), t.k_mean, self.fmt),
+                centered_fake_quantize(values, t.v_rotation, _clip_or_none(t.v_clip), t.v_mean, self.fmt))
 
 
 def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int, LayerTables]:
@@ -182,30 +169,19 @@ def artifact_tables(artifact: OscarArtifact, centered: bool = True) -> dict[int,
 
 
 class ArtifactInt2(TableInt2):
-    """OSCAR: per-(layer, KV head) rotations, clip ratios (and means, when the artifact has them)."""
+    """OSCAR: per-(layer, KV head) rotations, clip ratios (and means, when the artifact has them), encoded in the
+    artifact's own KV format (`artifact.kv_format`: group, scale format, quantizer)."""
 
-    def __init__(self, name: str = "oscar", description: str = "OSCAR artifact", artifact: OscarArtifact | None = None,
+    def __init__(self, name: str = "oscar", description: str = "OSCAR artifact", *, artifact: OscarArtifact,
                  centered: bool = True):
-        fmt = artifact.runtime_scale_format if artifact is not None else "float16"
-        super().__init__(name, description, group_size=artifact.group_size if artifact is not None else None,
-                         scale_format=fmt, quantizer=artifact.quantizer if artifact is not None else "uniform_minmax",
-                         tables=artifact_tables(artifact, centered) if artifact is not None else {})
+        super().__init__(name, description, fmt=artifact.kv_format, tables=artifact_tables(artifact, centered))
         self.artifact = artifact
-
-    def history_bits(self, head_dim: int) -> float:
-        return history_bits_rowwise(self.artifact.group_size, self.scale_format)
-
-    def effective_bits(self, context_len, head_dim, sink=DEFAULT_LAYOUT.sink_tokens, recent=DEFAULT_LAYOUT.recent_tokens):
-        return effective_bits(context_len, self.artifact.group_size, sink, recent,
-                              naive.scale_bits(self.scale_format) // 2)
-
 
 
 def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip, mean: torch.Tensor | None,
-                           group_size: int | None, scale_format: str = "float16",
-                           quantizer: str = "uniform_minmax") -> torch.Tensor:
-    """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2 (scales in `scale_format`),
-    de-rotate.
+                           fmt: KVFormat) -> torch.Tensor:
+    """`fq(x - mean) + mean` of `x [B, H_kv, T, d]` (fp32), fq = rotate, clip, INT2 as `fmt` encodes it (group,
+    scale format, quantizer), de-rotate.
 
     `rotation` `[H_kv, d, d]` / `[d, d]` / None; `clip` `[H_kv]`, a scalar or None; `mean` `[H_kv, d]` or None
     (model basis; the rotated mean is `mean @ R`, the same centering in the rotated basis).
@@ -215,8 +191,8 @@ def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip,
     if mean is not None:
         xf = xf - mean.to(xf.device, torch.float32)[None, :, None, :]
     rot = None if rotation is None else rotation.to(x.device, torch.float32)
-    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, group_size, scale_format=scale_format,
-                                         quantizer=quantizer), b, t)
+    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, fmt.group_size, scale_format=fmt.scale_format,
+                                         quantizer=fmt.quantizer), b, t)
     if mean is not None:
         out = out + mean.to(out.device, torch.float32)[None, :, None, :]
     return out
@@ -243,14 +219,15 @@ class Kivi2(KVMethod):
         return True
 
     def history_bits(self, head_dim: int) -> float:
-        key_bits = 2 + 2 * SCALE_BITS / self.token_group
-        value_bits = history_bits_rowwise(self.value_group or head_dim)
+        key_bits = CODE_BITS + 2 * KIVI_SCALE_BITS / self.token_group
+        value_bits = CODE_BITS + 2 * KIVI_SCALE_BITS / (self.value_group or head_dim)
         return (key_bits + value_bits) / 2
 
-    def fake_quantize(self, layer_idx, keys, values, sink=DEFAULT_LAYOUT.sink_tokens):
+    def fake_quantize(self, layer_idx, keys, values, windows):
         b, h, t, d = values.shape
-        v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group), b, t)
-        return kivi_keys(keys, self.token_group, sink), v_hat
+        v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group,
+                                               scale_format="float16"), b, t)  # KIVI's fp16 scales
+        return kivi_keys(keys, self.token_group, windows.sink_tokens), v_hat
 
 
 def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Tensor:
@@ -272,24 +249,29 @@ def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Ten
     return out
 
 
-def standard_methods(head_dim: int, artifacts: dict[str, OscarArtifact] | None = None) -> list[KVMethod]:
+def standard_methods(head_dim: int, windows: KVFormat, artifacts: dict[str, OscarArtifact] | None = None
+                     ) -> list[KVMethod]:
     """The methods of the comparison table, in display order (BF16 first, then by family).
 
-    The per-token baselines store their scales in the artifacts' format when every artifact has the same one (so a
-    ue5m3 artifact is compared at equal bits), in fp16 otherwise.
+    The per-token baselines are min-max INT2 with one group per row (the reference's), storing their scales in the
+    artifacts' format when every artifact has the same one (so a ue5m3 artifact is compared at equal bits), in fp16
+    otherwise; `windows` is the evaluation's format, whose windows the baselines' format keeps (they do not use them).
     """
     had = hadamard(head_dim).float()
-    formats = {a.runtime_scale_format for a in (artifacts or {}).values()}
-    fmt = formats.pop() if len(formats) == 1 else "float16"
+    formats = {a.kv_format.scale_format for a in (artifacts or {}).values()}
+    baseline = KVFormat(sink_tokens=windows.sink_tokens, recent_tokens=windows.recent_tokens,
+                        page_size=windows.page_size, group_size=None,
+                        scale_format=formats.pop() if len(formats) == 1 else "float16", quantizer="uniform_minmax",
+                        centered=False)
     methods: list[KVMethod] = [
         KVMethod(),
-        RowwiseInt2("int2", "per-token min-max INT2 (group = head_dim), no rotation", scale_format=fmt),
+        RowwiseInt2("int2", "per-token min-max INT2 (group = head_dim), no rotation", fmt=baseline),
         Kivi2("kivi2-g128", "KIVI-2: keys per channel over 128-token blocks, values per token", token_group=128),
         Kivi2("kivi2-g32", "KIVI-2: keys per channel over 32-token blocks, values per token", token_group=32),
         RowwiseInt2("quarot-int2", "Hadamard rotation, no clipping (QuaRot-style)", k_rotation=had, v_rotation=had,
-                    scale_format=fmt),
+                    fmt=baseline),
         RowwiseInt2("hadamard-clip", "Hadamard rotation, global clip ratios K 0.96 / V 0.92",
-                    k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92, scale_format=fmt),
+                    k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92, fmt=baseline),
     ]
     for name, art in (artifacts or {}).items():
         gran = art.metadata.get("granularity", "?")
@@ -307,8 +289,6 @@ __all__ = [
     "Kivi2",
     "RowwiseInt2",
     "hadamard",
-    "history_bits_rowwise",
     "kivi_keys",
-    "mixed_effective_bits",
     "standard_methods",
 ]

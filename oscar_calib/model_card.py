@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 
-from runtime_kernels.artifact import OscarArtifact, effective_bits
-from runtime_kernels.quant import naive
+from runtime_kernels.artifact import OscarArtifact
 
 CARD_TAGS = ("oscar-kv", "kv-cache-quantization", "int2")
 
@@ -59,12 +58,11 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     calib = json.loads(meta["calibration"])
     summary = report.summary()
     k, v = summary["key_error"], summary["value_rel_out_err"]
-    g = int(meta["group_size"])
-    sink, recent = artifact.sink_tokens, artifact.recent_tokens
-    half = naive.scale_bits(artifact.runtime_scale_format) // 2  # the scale's and the zero point's bits, as served
+    fmt = artifact.kv_format  # as served: a reference import's fp32 scales are stored as fp16
+    g, sink, recent = fmt.group_size, fmt.sink_tokens, fmt.recent_tokens
 
     def bits(context: int) -> float:
-        return effective_bits(context, g, sink, recent, half)
+        return fmt.bits_per_element(context, artifact.head_dim)
 
     lines = [
         f"# OSCAR 2-bit KV rotations for `{meta['model_id']}`",
@@ -85,7 +83,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         f"{calib.get('holdout_samples')} held out |",
         f"| seed | {calib.get('seed')} |",
         f"| granularity | {meta['granularity']} |",
-        f"| INT2 encoding | quantizer `{artifact.quantizer}`, scales `{artifact.runtime_scale_format}`, groups of {g} |",
+        f"| INT2 encoding | quantizer `{artifact.quantizer}`, scales `{fmt.scale_format}`, groups of {g} |",
         f"| key target | {meta['key_target']} (query second moment of the GQA group) |",
         f"| value target | {meta['value_target']} |",
         f"| group size | {g} |",

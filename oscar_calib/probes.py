@@ -22,7 +22,7 @@ import torch
 from oscar_calib.errors import InputError
 from oscar_calib.evaluate import EvalSession, cache_kw, evaluating
 from oscar_calib.methods import KVMethod
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.format import KVFormat
 
 NEEDLE = " The secret pass key is {key}. Remember it: the pass key is {key}."
 QUESTION = " What was the secret pass key? The pass key is"  # + " {key}", the targets
@@ -69,14 +69,14 @@ def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: in
 
 
 @torch.no_grad()
-def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, sink: int = DEFAULT_LAYOUT.sink_tokens,
-                   recent: int = DEFAULT_LAYOUT.recent_tokens) -> dict:
+def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, fmt: KVFormat) -> dict:
     """Greedy accuracy over the key tokens, the fraction of keys entirely right, and the keys' mean NLL; per needle
-    too (`per_needle`: accuracy and mean NLL of each key, for intervals over needles)."""
+    too (`per_needle`: accuracy and mean NLL of each key, for intervals over needles). The cache has the windows of
+    `fmt` and a token-granular history (page size 1), so a needle's depth alone decides where it is read from."""
     device = next(model.parameters()).device
     hits, tokens, exact, nll = 0, 0, 0, 0.0
     per_acc, per_nll = [], []
-    with evaluating(model, EvalSession(method, sink, recent, collect_stats=False)):
+    with evaluating(model, EvalSession(method, fmt.per_token(), collect_stats=False)):
         for i in range(batch.ids.shape[0]):
             seq = batch.ids[i:i + 1].to(device)
             logits = model(input_ids=seq, use_cache=False).logits[0].float()
@@ -98,10 +98,11 @@ def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, sink: int = DEF
 
 @torch.no_grad()
 def verbatim_recall(model, window: torch.Tensor, passage_start: int, passage_len: int, generate: int, cue: int,
-                    artifact=None, page_size: int = DEFAULT_LAYOUT.page_size) -> float:
+                    artifact=None) -> float:
     """Fraction of `window[passage_start + cue : passage_start + passage_len]` reproduced exactly after the prompt
     `window [T]` (which holds the passage), `generate` free greedy tokens, and the cue `window[passage_start :
-    passage_start + cue]`. `artifact` None = BF16 (`DynamicCache`), else through `OscarCache`."""
+    passage_start + cue]`. `artifact` None = BF16 (`DynamicCache`), else through `OscarCache` in the artifact's
+    own KV format."""
     if not 0 < cue < passage_len or passage_start + passage_len > window.shape[0]:
         raise InputError(f"verbatim recall: cue {cue} must lie inside a passage of {passage_len} tokens that lies "
                          f"inside the {window.shape[0]}-token prompt")
@@ -132,15 +133,16 @@ def verbatim_recall(model, window: torch.Tensor, passage_start: int, passage_len
     from runtime_kernels.hf import ATTENTION_NAME, OscarCache, oscar_attention_forward
 
     with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
-        cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=total, page_size=page_size,
+        cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=total,
                                          allow_other_model=True)  # the caller checked the artifact's model
         return run(cache)
 
 
 def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windows: torch.Tensor, needles: int,
-               sink: int, recent: int, generate: int = 64, passage: int = 48, cue: int = 8) -> dict:
-    """Both probes on held-out `windows [N, T]`: passkey for every method (needles spread over the INT2 history),
-    verbatim recall for BF16 and each artifact (`name -> OscarArtifact`) on the first window."""
+               fmt: KVFormat, generate: int = 64, passage: int = 48, cue: int = 8) -> dict:
+    """Both probes on held-out `windows [N, T]`: passkey for every method (needles spread over the INT2 history of
+    `fmt`'s windows), verbatim recall for BF16 and each artifact (`name -> OscarArtifact`) on the first window."""
+    sink, recent = fmt.sink_tokens, fmt.recent_tokens
     t = windows.shape[1]
     if t <= sink + recent + 64:
         raise InputError(f"probes: windows of {t} tokens leave no INT2 history past sink {sink} + recent {recent}; "
@@ -152,7 +154,7 @@ def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windo
     out = {"needles": needles, "context": t, "sink": sink, "recent": recent, "depth_range": [lo, hi], "passkey": {},
            "verbatim": {}}
     for m in methods:
-        out["passkey"][m.name] = passkey_scores(model, m, batch, sink, recent)
+        out["passkey"][m.name] = passkey_scores(model, m, batch, fmt)
     prompt_len = t - generate - passage - 1
     start = sink + 32  # the passage sits in the INT2 history of every cache below
     if start + passage > prompt_len - recent:

@@ -75,7 +75,7 @@ from runtime_kernels.contract import (
     ORTHOGONALITY_TOL,
     orthogonality_error,
 )
-from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.format import KVFormat
 
 REFERENCE_FORMAT_VERSIONS = (1, 2, 3)
 EXPORT_FORMAT_VERSION = 2  # v3 when keys are centred
@@ -271,12 +271,14 @@ def check_storage_bounds(obj: Any, source: str, file_bytes: int, field: str = "<
 
 def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_config: Any, model_id: str,
                           model_revision: str = "unknown", k_clip: float = DEFAULT_K_CLIP,
-                          v_clip: float = DEFAULT_V_CLIP, tool_version: str = "oscar-calib",
-                          layout: CacheLayout = DEFAULT_LAYOUT) -> OscarArtifact:
+                          v_clip: float = DEFAULT_V_CLIP, tool_version: str = "oscar-calib", *,
+                          windows: KVFormat) -> OscarArtifact:
     """Build a validated contract-v2 artifact from a key file and a value file (validate_reference results).
 
     Per-layer (v1) files give `granularity=layer` (the rotation repeated over KV heads); per-head files
     `granularity=head`. The key file's `k_mean` becomes `k_mean` in the original basis (module docstring).
+    The artifact's KV format is the reference's own (`reference_format(windows)`): the sink and recent windows it
+    served with are `windows`' (the files do not record them).
     """
     n_layers, h_q, h_kv, d = model_geometry(model_config)
     if set(keys["layers"]) != set(values["layers"]):
@@ -316,7 +318,8 @@ def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_co
         model_id=model_id, model_revision=model_revision, num_attention_heads=h_q, num_key_value_heads=h_kv,
         head_dim=d, granularity="layer" if per_layer else "head", key_target=keys["objective"],
         value_target=values["objective"], calibration=calibration, tool_version=tool_version,
-        layout=layout.with_(group_size=d), mean_basis="original", scale_dtype=REFERENCE_SCALE_DTYPE)
+        fmt=reference_format(windows, d, centered=bool(k_mean.any())), mean_basis="original",
+        scale_dtype=REFERENCE_SCALE_DTYPE)
     a = len(ids)
     artifact = OscarArtifact(
         layer_ids=torch.tensor(ids, dtype=torch.int64), k_rotation=stack(keys, "rotation"),
@@ -328,6 +331,14 @@ def reference_to_artifact(keys: dict[str, Any], values: dict[str, Any], model_co
         return artifact.validate()
     except ArtifactError as exc:
         raise ReferenceFormatError(str(exc)) from None
+
+
+def reference_format(windows: KVFormat, head_dim: int, centered: bool) -> KVFormat:
+    """How this runtime serves a reference import: `windows`' sink, recent and page, one group per row, min-max
+    INT2, fp16 scale and zero (the reference's fp32 scales, `REFERENCE_SCALE_DTYPE`, are stored as fp16), centered
+    when the key file has a mean."""
+    return KVFormat(sink_tokens=windows.sink_tokens, recent_tokens=windows.recent_tokens, page_size=windows.page_size,
+                    group_size=head_dim, scale_format="float16", quantizer="uniform_minmax", centered=centered)
 
 
 def _per_layer(artifact: OscarArtifact, rotation: torch.Tensor, eigenvalues: torch.Tensor, name: str,

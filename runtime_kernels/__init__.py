@@ -4,8 +4,8 @@ Imports only torch, triton, safetensors, huggingface_hub and numpy. Nothing here
 `runtime_kernels.hf` (the transformers integration) is the one module that also needs transformers, and is
 imported explicitly: `from runtime_kernels.hf import OscarCache, enable_oscar_attention`.
 
-The names below load on first use, so that a torch-free module of the package (`runtime_kernels.layout`, which
-the CLI's option defaults read) does not pull torch in with the package.
+The names below load on first use, so that a torch-free module of the package (`runtime_kernels.format`, whose
+`DEFAULT_FORMAT` the CLI's option defaults read) does not pull torch in with the package.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ _EXPORTS = {
     "ArtifactError": "runtime_kernels.artifact",
     "OscarArtifact": "runtime_kernels.artifact",
     "check_against_model": "runtime_kernels.artifact",
-    "effective_bits": "runtime_kernels.artifact",
+    "DEFAULT_FORMAT": "runtime_kernels.format",
+    "KVFormat": "runtime_kernels.format",
     "identity_artifact": "runtime_kernels.artifact",
     "read_artifact": "runtime_kernels.artifact",
     "write_artifact": "runtime_kernels.artifact",

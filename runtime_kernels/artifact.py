@@ -49,12 +49,15 @@ from runtime_kernels.contract import (
     ContractMetadata,
     build_metadata,
     fail,
+    format_record_json,
+    has_means,
+    kv_format_of,
     orthogonality_error,
     parse_metadata,
     tensor_specs,
 )
 from runtime_kernels.contract import validate_tensors as _validate_contract
-from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.format import KVFormat
 
 ARTIFACT_FILENAME = "oscar_kv.safetensors"
 TENSOR_NAMES = V1_TENSOR_NAMES  # present in every version (audit reads these)
@@ -125,18 +128,13 @@ class OscarArtifact:
         return int(self.metadata.get("group_size", self.head_dim))
 
     @property
-    def sink_tokens(self) -> int:
-        return int(self.metadata.get("sink_tokens", DEFAULT_LAYOUT.sink_tokens))
-
-    @property
-    def recent_tokens(self) -> int:
-        return int(self.metadata.get("recent_tokens", DEFAULT_LAYOUT.recent_tokens))
-
-    @property
-    def layout(self) -> CacheLayout:
-        """The cache layout the artifact was calibrated for (windows and group; page size is the runtime's)."""
-        return DEFAULT_LAYOUT.with_(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
-                                    group_size=self.group_size)
+    def kv_format(self) -> KVFormat:
+        """The encoding of the INT2 history the artifact was calibrated for (`runtime_kernels.format.KVFormat`):
+        its `kv_format` record, or for an artifact written before the record (v1 included) its separate keys
+        (`contract.kv_format_of`). Centering is whether its means are non-zero. Raises ArtifactError naming the
+        field for metadata that breaks the contract or a quantizer this runtime does not serve (lloyd_max)."""
+        meta = parse_metadata(self.metadata, self.source)
+        return kv_format_of(meta, has_means(self.tensors()), self.source)
 
     @property
     def quantizer(self) -> str:
@@ -154,12 +152,6 @@ class OscarArtifact:
         return self._meta("scale_dtype")
 
     @property
-    def runtime_scale_format(self) -> str:
-        """The scale format the runtime's pages store for this artifact: `ue5m3` when it says so, `float16`
-        otherwise (a reference import's bfloat16/float32 scales are served as fp16)."""
-        return "ue5m3" if self.scale_format == "ue5m3" else "float16"
-
-    @property
     def scale_bits(self) -> int:
         """Bits of each of the scale and the zero point (16 for float16, 8 for ue5m3)."""
         dt = self.scale_dtype
@@ -172,7 +164,8 @@ class OscarArtifact:
 
     @property
     def is_centered(self) -> bool:
-        return any(m is not None and bool(m.any()) for m in (self.k_mean, self.v_mean))
+        """Whether the artifact centers its cache: a non-zero `k_mean` or `v_mean`."""
+        return has_means({"k_mean": self.k_mean, "v_mean": self.v_mean})
 
     def _mean(self, kind: str, basis: str) -> torch.Tensor:
         if basis not in ("original", "rotated"):
@@ -251,6 +244,7 @@ class OscarArtifact:
             return self
         zeros = torch.zeros(self.k_rotation.shape[:-1], dtype=torch.float32)
         meta = {**V1_DEFAULTS, **self.metadata, "schema_version": str(SCHEMA_VERSION)}
+        meta["kv_format"] = format_record_json(self.kv_format)  # v1's own format, written out as the record
         return OscarArtifact(*(getattr(self, n) for n in V1_TENSOR_NAMES), metadata=meta, source=self.source,
                              k_mean=zeros, v_mean=zeros.clone())
 
@@ -361,15 +355,6 @@ def current_umask() -> int:
     return mask
 
 
-def effective_bits(context_len: int, group_size: int, sink: int = DEFAULT_LAYOUT.sink_tokens,
-                   recent: int = DEFAULT_LAYOUT.recent_tokens, scale_bits: int = 16) -> float:
-    """Bits per KV element at `context_len` (OSCAR_METHOD section 5): 2-bit codes + scale/zero per group, BF16 windows."""
-    bf16 = min(context_len, sink + recent)
-    history = context_len - bf16
-    per_group = 2 * scale_bits / group_size
-    return (history * (2 + per_group) + bf16 * 16) / max(context_len, 1)
-
-
 def text_config(config: Any) -> Any:
     """The decoder's config (the text config of a multimodal model; the config itself otherwise)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -459,9 +444,12 @@ def check_against_model(artifact: OscarArtifact, config: Any, model_id: str | No
 
 
 def identity_artifact(num_layers: int, num_kv_heads: int, num_heads: int, head_dim: int,
-                      model_id: str = "identity", layer_ids: list[int] | None = None,
-                      group_size: int | None = None, layout: CacheLayout = DEFAULT_LAYOUT) -> OscarArtifact:
-    """An artifact with identity rotations, no clipping and no centering: the runtime then equals plain INT2."""
+                      model_id: str = "identity", layer_ids: list[int] | None = None, *,
+                      fmt: KVFormat, group_size: int | None = None) -> OscarArtifact:
+    """An artifact with identity rotations, no clipping and no centering: the runtime then equals plain INT2.
+
+    `fmt` is the format it is made for (its windows, scales and quantizer; `centered` is recorded as False, since
+    the means are zero); `group_size`, when given, replaces the format's."""
     ids = torch.tensor(layer_ids if layer_ids is not None else list(range(num_layers)), dtype=torch.int64)
     a = ids.numel()
     eye = torch.eye(head_dim).expand(a, num_kv_heads, head_dim, head_dim).contiguous()
@@ -471,7 +459,7 @@ def identity_artifact(num_layers: int, num_kv_heads: int, num_heads: int, head_d
     meta = build_metadata(model_id=model_id, model_revision="unknown", num_attention_heads=num_heads,
                           num_key_value_heads=num_kv_heads, head_dim=head_dim, granularity="head",
                           key_target="identity", value_target="identity", calibration={}, tool_version="identity",
-                          layout=layout.with_(group_size=group_size))
+                          fmt=fmt.with_(group_size=group_size, centered=False))
     return OscarArtifact(ids, eye.clone(), eye.clone(), ones.clone(), ones.clone(), eig.clone(), eig.clone(),
                          metadata=meta, source="<identity>", k_mean=zeros, v_mean=zeros.clone())
 
@@ -487,7 +475,6 @@ __all__ = [
     "OscarArtifact",
     "build_metadata",
     "check_against_model",
-    "effective_bits",
     "identity_artifact",
     "model_geometry",
     "model_identity",

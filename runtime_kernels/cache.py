@@ -40,7 +40,7 @@ from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
 
 
@@ -67,6 +67,31 @@ def check_served_quantizer(artifact: OscarArtifact) -> str:
                          f"{' and '.join(quant_api.naive.QUANTIZERS)} INT2 (uniform levels: the int8 key scores "
                          "rely on them)")
     return artifact.quantizer
+
+
+def check_served_format(artifact: OscarArtifact, fmt: KVFormat | None) -> KVFormat:
+    """The format to serve `artifact` in: its own `kv_format` when `fmt` is None, else `fmt` after checking that
+    it differs from the artifact's only where serving may (the page size; the windows of an identity artifact, which
+    fitted nothing). Raises ValueError naming the field and both values."""
+    own = artifact.kv_format
+    if fmt is None:
+        return own
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt: expected a KVFormat or None (the artifact's), got {type(fmt).__name__}")
+    fmt = fmt.resolved(artifact.head_dim)
+    fitted_nothing = artifact.metadata.get("key_target") == "identity"
+    for name in fmt.differences(own, ignore=("page_size",)):
+        asked, fitted = getattr(fmt, name), getattr(own, name)
+        if name in ("sink_tokens", "recent_tokens"):
+            if fitted_nothing:
+                continue
+            raise ValueError(f"{artifact.source}: {name}={asked} disagrees with the artifact's {name}={fitted} (its "
+                             f"clips were fitted for those windows); recalibrate with --{name.split('_')[0]} {asked}, "
+                             f"or serve the artifact's own format (fmt=None)")
+        raise ValueError(f"{artifact.source}: {name}={asked!r} disagrees with the artifact's {name}={fitted!r} (how "
+                         "its tensors are read); serve the artifact's own format (fmt=None, or its kv_format with "
+                         "another page_size)")
+    return fmt
 
 
 class NonFiniteKVError(ValueError):
@@ -204,10 +229,11 @@ class PagedKVCache:
     Args:
         k_rotation, v_rotation: fp32 `[A, H, d, d]` (row-vector convention `x_rot = x @ R`).
         k_clip_ratio, v_clip_ratio: fp32 `[A, H]` in (0, 1].
-        group_size: channels per quantization group (divides d).
+        fmt: the KV format (`runtime_kernels.format.KVFormat`): windows S and R, page size P, group size (divides
+            d; None = d), scale format of the pages, quantizer, and whether the cache is centered (then `k_mean`
+            and `v_mean` are required, and refused otherwise).
         max_pages: INT2 pages in the pool (shared by all sequences and layers).
         max_seqs: window slots (live sequences at once).
-        page_size, sink_tokens, recent_tokens: P, S, R.
         device, dtype: where the pools live and the dtype of the full-precision windows.
         clip: False disables clipping (the clip ratios are ignored).
         backend: kernel backend, "auto" | "torch" | "triton".
@@ -221,11 +247,12 @@ class PagedKVCache:
     """
 
     def __init__(self, k_rotation: torch.Tensor, v_rotation: torch.Tensor, k_clip_ratio: torch.Tensor,
-                 v_clip_ratio: torch.Tensor, *, group_size: int | None = None, max_pages: int, max_seqs: int,
-                 page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int = DEFAULT_LAYOUT.sink_tokens, recent_tokens: int = DEFAULT_LAYOUT.recent_tokens,
+                 v_clip_ratio: torch.Tensor, *, fmt: KVFormat, max_pages: int, max_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                 check_finite: bool = True, scale_format: str = "float16", quantizer: str = "uniform_minmax"):
+                 check_finite: bool = True):
+        if not isinstance(fmt, KVFormat):
+            raise TypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != t.shape[-2]:
                 raise ValueError(f"{name}: expected a tensor [A, H, d, d], got "
@@ -240,36 +267,31 @@ class PagedKVCache:
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if d % 4:
             raise ValueError(f"head_dim: must be a multiple of 4 for 2-bit packing, got {d}")
-        if (k_mean is None) != (v_mean is None):
-            raise ValueError(f"{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
-                             f"v_mean (or neither)")
+        for name, t in (("k_mean", k_mean), ("v_mean", v_mean)):
+            if fmt.centered and t is None:
+                raise ValueError(f"{name}: the format is centered (fmt.centered=True), so the cache needs both k_mean "
+                                 f"and v_mean")
+            if not fmt.centered and t is not None:
+                raise ValueError(f"{name}: given, but the format is not centered (fmt.centered=False); pass a centered "
+                                 f"format or no means")
         for name, t in (("k_mean", k_mean), ("v_mean", v_mean)):
             if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (a, h, d)
                                   or not t.is_floating_point()):
                 raise ValueError(f"{name}: expected a float tensor of shape {[a, h, d]}, got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        g = group_size or d
-        if d % g or g % 4:
-            raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
-        for name, v in (("page_size", page_size), ("max_seqs", max_seqs)):
-            if int(v) < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {v}")
-        for name, v in (("sink_tokens", sink_tokens), ("recent_tokens", recent_tokens)):
-            if int(v) < 0:
-                raise ValueError(f"{name}: expected a non-negative integer, got {v}")
+        g = fmt.group(d)  # KVFormatError (a ValueError naming group_size) when it does not divide head_dim
+        if int(max_seqs) < 1:
+            raise ValueError(f"max_seqs: expected a positive integer, got {max_seqs}")
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype: window dtype must be float16, bfloat16 or float32, got {dtype}")
-        if scale_format not in quant_api.naive.SCALE_FORMATS:
-            raise ValueError(f"scale_format: expected one of {list(quant_api.naive.SCALE_FORMATS)}, got {scale_format!r}")
-        quant_api.naive.check_quantizer(quantizer)
 
         self.device = normalize_device(device)
-        self.scale_format = scale_format
-        self.quantizer = quantizer
-        sdt = quant_api.scale_storage_dtype(scale_format)
+        self.fmt = fmt.resolved(d)
+        self.scale_format, self.quantizer = fmt.scale_format, fmt.quantizer
+        sdt = quant_api.scale_storage_dtype(fmt.scale_format)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
-        self.page_size, self.sink, self.recent = int(page_size), int(sink_tokens), int(recent_tokens)
+        self.page_size, self.sink, self.recent = fmt.page_size, fmt.sink_tokens, fmt.recent_tokens
         self.window = self.sink + self.recent + self.page_size - 1
         self.backend = backend
         self.check_finite = bool(check_finite)
@@ -284,9 +306,8 @@ class PagedKVCache:
 
         n_pages, p, w, s = int(max_pages), self.page_size, self.window, self.max_seqs
         # Refused here, with the size the windows would need, rather than by the allocator half-way through.
-        check_cache_fits(self.device, sink=self.sink, recent=self.recent, num_layers=a, num_kv_heads=h, head_dim=d,
-                         group_size=g, page_size=p, window_tokens=w, max_pages=n_pages, max_seqs=s,
-                         window_dtype=dtype, scale_bytes=torch.empty((), dtype=sdt).element_size())
+        check_cache_fits(self.device, self.fmt, num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages,
+                         max_seqs=s, window_dtype=dtype)
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
@@ -323,43 +344,33 @@ class PagedKVCache:
         self._attn_counters = zeros((s * h,), torch.int32)
 
     @classmethod
-    def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, page_size: int = DEFAULT_LAYOUT.page_size,
-                      sink_tokens: int | None = None, recent_tokens: int | None = None,
+    def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, fmt: KVFormat | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                       clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
-        """Build a cache for every layer of `artifact` (sink/recent default to the artifact's metadata).
+        """Build a cache for every layer of `artifact`, in `fmt` (default: the artifact's own `kv_format`).
 
-        The pages store scales in the artifact's `scale_dtype` when it is `ue5m3`, in fp16 otherwise (a reference
-        import's float32 scales included). Refused, naming the field: a quantizer this runtime does not serve
-        (`lloyd_max` codebooks), and windows
-        that disagree with the ones a calibrated artifact's clips were fitted for (an identity artifact, which
-        fitted nothing, takes any windows).
+        `fmt` must be the artifact's format but for the page size (pages are the runtime's: the clip fit scores
+        every token), and for the windows of an identity artifact (which fitted nothing). Refused, naming the field:
+        a quantizer this runtime does not serve (`lloyd_max` codebooks), windows that disagree with the ones a
+        calibrated artifact's clips were fitted for, and a group size, scale format, quantizer or centering other
+        than the artifact's (they are how its tensors are read).
         """
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
         artifact.validate()
         check_served_quantizer(artifact)
-        if artifact.metadata.get("key_target") != "identity":
-            for name, asked, fitted in (("sink_tokens", sink_tokens, artifact.sink_tokens),
-                                        ("recent_tokens", recent_tokens, artifact.recent_tokens)):
-                if asked is not None and int(asked) != fitted:
-                    raise ValueError(f"{artifact.source}: {name}={asked} disagrees with the artifact's {name}="
-                                     f"{fitted} (its clips were fitted for those windows); recalibrate with "
-                                     f"--{name.split('_')[0]} {asked}, or leave {name} unset")
-        return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio,
-                   group_size=artifact.group_size, max_pages=max_pages, max_seqs=max_seqs, page_size=page_size,
-                   sink_tokens=artifact.sink_tokens if sink_tokens is None else sink_tokens,
-                   recent_tokens=artifact.recent_tokens if recent_tokens is None else recent_tokens,
-                   device=device, dtype=dtype, clip=clip, backend=backend, check_finite=check_finite,
+        fmt = check_served_format(artifact, fmt)
+        return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio, fmt=fmt,
+                   max_pages=max_pages, max_seqs=max_seqs, device=device, dtype=dtype, clip=clip, backend=backend,
+                   check_finite=check_finite,
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
-                   k_mean=artifact.key_mean("rotated") if artifact.is_centered else None,
-                   v_mean=artifact.value_mean("rotated") if artifact.is_centered else None,
-                   scale_format=artifact.runtime_scale_format, quantizer=artifact.quantizer)
+                   k_mean=artifact.key_mean("rotated") if fmt.centered else None,
+                   v_mean=artifact.value_mean("rotated") if fmt.centered else None)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def history_tokens(self, n: int) -> int:
         """INT2 history length of a sequence of `n` tokens: whole pages, leaving R..R+P-1 recent tokens."""
-        return self.page_size * (max(0, n - self.sink - self.recent) // self.page_size)
+        return self.fmt.history_tokens(n)
 
     def window_len(self, n: int) -> int:
         """Valid window rows (sink + recent) of a sequence of `n` tokens."""
@@ -784,4 +795,4 @@ class PagedKVCache:
 
 
 __all__ = ["MAX_KV_MAGNITUDE", "AppendPlan", "BatchMetadata", "LayerPool", "NonFiniteKVError", "PageAllocator",
-           "PagedKVCache", "SequenceState", "rotate_rows"]
+           "PagedKVCache", "SequenceState", "check_served_format", "rotate_rows"]

@@ -11,6 +11,12 @@ and the metadata `mean_basis` (original | rotated), `quantizer` (uniform_minmax 
 `scale_dtype` (float16 | bfloat16 | float32 | ue5m3, the last an 8-bit scale and 8-bit zero point). Version 1 artifacts still load: their means are zero,
 their quantizer uniform_minmax and their scale dtype float16. Any other schema version is refused.
 
+The encoding of the INT2 history as one value (`runtime_kernels.format.KVFormat`: windows, page, group, scale
+format, quantizer, centering) is recorded under the optional v2 key `kv_format` (JSON of `KVFormat.to_record()`),
+which every writer adds. The separate keys stay, for readers that predate the record, and must agree with it;
+`kv_format_of` is the one function that turns metadata into a KVFormat: the record when present, else the separate
+keys (v1 with v1's defaults), with LEGACY_PAGE_SIZE and centering read from the means (docs/kv_format.md).
+
 Codebook levels are in units of the group's scale above its zero (`x = zero + level * scale`), so the
 uniform quantizer's levels are (0, 1, 2, 3); Lloyd-Max centroids lie inside the clipped range, i.e. in
 [0, 3], strictly increasing. A side (K or V) without a codebook uses uniform levels.
@@ -26,12 +32,12 @@ import datetime as _dt
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from runtime_kernels.layout import DEFAULT_LAYOUT, MAX_WINDOW_TOKENS, CacheLayout
+from runtime_kernels.format import MAX_WINDOW_TOKENS, RECORD_KEY, KVFormat, KVFormatError
 from runtime_kernels.quant import naive
 
 FORMAT_NAME = "oscar-kv"
@@ -60,6 +66,10 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
                 "ue5m3": torch.uint8}  # ue5m3: 8-bit scale + 8-bit zero point (runtime_kernels.quant.naive)
 CODEBOOK_LEVELS = 4
 V1_DEFAULTS = {"mean_basis": "original", "quantizer": "uniform_minmax", "scale_dtype": "float16"}
+OPTIONAL_V2_METADATA = (RECORD_KEY,)
+# Artifacts written before the `kv_format` record did not name a page size; the runtime served them with 64-token
+# pages, and that is their format's page (a cache may still be built with another: pages are not fitted).
+LEGACY_PAGE_SIZE = 64
 
 # Bounds, checked before anything is allocated from them.
 MAX_LAYERS = 4096
@@ -141,16 +151,29 @@ def created_at() -> str:
     return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def served_scale_format(scale_dtype: str) -> str:
+    """The scale format the runtime's pages store for a contract `scale_dtype`: `ue5m3` as is, `float16` otherwise
+    (a reference import's bfloat16/float32 scales are served as fp16)."""
+    return "ue5m3" if scale_dtype == "ue5m3" else "float16"
+
+
 def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: int, num_key_value_heads: int,
                    head_dim: int, granularity: str, key_target: str, value_target: str,
-                   calibration: dict[str, Any], tool_version: str, layout: CacheLayout = DEFAULT_LAYOUT,
-                   mean_basis: str = "original", quantizer: str = "uniform_minmax",
-                   scale_dtype: str = "float16") -> dict[str, str]:
+                   calibration: dict[str, Any], tool_version: str, fmt: KVFormat,
+                   mean_basis: str = "original", scale_dtype: str | None = None) -> dict[str, str]:
     """The `__metadata__` of a contract-v2 artifact (strings only), with `created_at` from the one clock.
 
-    `layout` supplies sink_tokens, recent_tokens and group_size (None = head_dim). Every artifact writer
-    (calibration, the reference importer, identity_artifact) builds its metadata here.
+    `fmt` is the artifact's KV format (its group size resolved at `head_dim`; `centered` must say whether the
+    artifact's means are non-zero): written as the `kv_format` record and as the separate keys older readers need.
+    `scale_dtype` is the contract's name of the scales the artifact was made for, when that is not what the runtime
+    stores (a reference import's float32); default `fmt.scale_format`. Every artifact writer (calibration, the
+    reference importer, identity_artifact) builds its metadata here.
     """
+    fmt = fmt.resolved(int(head_dim))
+    scale_dtype = fmt.scale_format if scale_dtype is None else scale_dtype
+    if scale_dtype not in SCALE_DTYPES or served_scale_format(scale_dtype) != fmt.scale_format:
+        raise ValueError(f"scale_dtype: '{scale_dtype}' is not stored as the format's scale_format "
+                         f"'{fmt.scale_format}' (expected one of {list(SCALE_DTYPES)} that the runtime serves so)")
     return {
         "format": FORMAT_NAME,
         "schema_version": str(SCHEMA_VERSION),
@@ -160,9 +183,9 @@ def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: i
         "num_key_value_heads": str(int(num_key_value_heads)),
         "head_dim": str(int(head_dim)),
         "bits": "2",
-        "group_size": str(int(layout.group_size or head_dim)),
-        "sink_tokens": str(int(layout.sink_tokens)),
-        "recent_tokens": str(int(layout.recent_tokens)),
+        "group_size": str(fmt.group_size),
+        "sink_tokens": str(fmt.sink_tokens),
+        "recent_tokens": str(fmt.recent_tokens),
         "granularity": granularity,
         "key_target": key_target,
         "value_target": value_target,
@@ -170,9 +193,15 @@ def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: i
         "tool_version": tool_version,
         "created_at": created_at(),
         "mean_basis": mean_basis,
-        "quantizer": quantizer,
+        "quantizer": fmt.quantizer,
         "scale_dtype": scale_dtype,
+        RECORD_KEY: format_record_json(fmt),
     }
+
+
+def format_record_json(fmt: KVFormat) -> str:
+    """The `kv_format` metadata value of `fmt`: its record as compact JSON with sorted keys (deterministic bytes)."""
+    return json.dumps(fmt.to_record(), sort_keys=True, separators=(",", ":"))
 
 
 # --- metadata -------------------------------------------------------------------------------------
@@ -191,11 +220,7 @@ class ContractMetadata:
     mean_basis: str
     quantizer: str
     scale_dtype: str
-
-    @property
-    def layout(self) -> CacheLayout:
-        return DEFAULT_LAYOUT.with_(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
-                                    group_size=self.group_size)
+    record: KVFormat | None = None  # the `kv_format` record (None: an artifact written before it)
 
 
 def _bounded_int(metadata: dict[str, str], key: str, source: str, low: int, high: int) -> int:
@@ -239,7 +264,7 @@ def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
         if key not in metadata:
             fail(source, key, f"missing from __metadata__ (required by contract v{version})")
     if version == 1:
-        extra_v2 = [k for k in V1_DEFAULTS if k in metadata]
+        extra_v2 = [k for k in (*V1_DEFAULTS, *OPTIONAL_V2_METADATA) if k in metadata]
         if extra_v2:
             fail(source, extra_v2[0], "is a contract v2 field but schema_version is 1")
         metadata = {**metadata, **V1_DEFAULTS}
@@ -262,7 +287,50 @@ def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
     quantizer = _choice(metadata, "quantizer", source, QUANTIZERS)
     scale_dtype = _choice(metadata, "scale_dtype", source, SCALE_DTYPES)
     strict_json_loads(metadata["calibration"], source, "calibration")
-    return ContractMetadata(version, h_q, h_kv, d, g, sink, recent, granularity, mean_basis, quantizer, scale_dtype)
+    meta = ContractMetadata(version, h_q, h_kv, d, g, sink, recent, granularity, mean_basis, quantizer, scale_dtype)
+    if RECORD_KEY in metadata:
+        meta = replace(meta, record=_parse_record(metadata[RECORD_KEY], meta, source))
+    return meta
+
+
+def _parse_record(text: str, meta: ContractMetadata, source: str) -> KVFormat:
+    """The `kv_format` record, checked against the separate keys it repeats. Raises ArtifactError naming the entry."""
+    try:
+        fmt = KVFormat.from_record(strict_json_loads(text, source, RECORD_KEY))
+    except KVFormatError as exc:
+        fail(source, RECORD_KEY, f"entry '{exc.field}': {str(exc).split(': ', 1)[1]}")
+    for entry, recorded, key, value in (
+            ("sink_tokens", fmt.sink_tokens, "sink_tokens", meta.sink_tokens),
+            ("recent_tokens", fmt.recent_tokens, "recent_tokens", meta.recent_tokens),
+            ("group_size", fmt.group_size, "group_size", meta.group_size),
+            ("quantizer", fmt.quantizer, "quantizer", meta.quantizer),
+            ("scale_format", fmt.scale_format, "scale_dtype", served_scale_format(meta.scale_dtype))):
+        if recorded != value:
+            fail(source, RECORD_KEY, f"entry '{entry}' is {recorded!r} but field '{key}' says {value!r} (the record "
+                                     "and the separate keys must describe one format)")
+    return fmt
+
+
+def kv_format_of(meta: ContractMetadata, centered: bool, source: str) -> KVFormat:
+    """The artifact's KV format: its `kv_format` record, or (an artifact written before the record, v1 included)
+    the separate keys with LEGACY_PAGE_SIZE. `centered` says whether the artifact's means are non-zero; a record
+    that says otherwise is refused (serving would add or drop means the clips were not fitted with).
+
+    Raises ArtifactError naming the field: the record's disagreement, or a quantizer this runtime does not serve
+    (`lloyd_max` codebooks are read by the contract but have no KV format).
+    """
+    if meta.record is not None:
+        if meta.record.centered != centered:
+            fail(source, RECORD_KEY, f"entry 'centered' is {meta.record.centered} but the artifact's k_mean/v_mean "
+                                     f"are {'non-zero' if centered else 'all zero'}")
+        return meta.record
+    try:
+        return KVFormat(sink_tokens=meta.sink_tokens, recent_tokens=meta.recent_tokens, page_size=LEGACY_PAGE_SIZE,
+                        group_size=meta.group_size, scale_format=served_scale_format(meta.scale_dtype),
+                        quantizer=meta.quantizer, centered=centered)
+    except KVFormatError as exc:
+        key = {"scale_format": "scale_dtype"}.get(exc.field, exc.field)
+        fail(source, key, f"has no KV format this runtime serves: {exc}")
 
 
 # --- tensors --------------------------------------------------------------------------------------
@@ -370,7 +438,14 @@ def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         if tuple(t.shape) != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
     _check_values(tensors, source)
+    if meta.record is not None:
+        kv_format_of(meta, has_means(tensors), source)  # refuses a record whose centering the means contradict
     return meta
+
+
+def has_means(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the artifact centers its cache: a `k_mean` or `v_mean` with a non-zero entry (v1: none)."""
+    return any(tensors.get(n) is not None and bool(tensors[n].any()) for n in MEAN_TENSOR_NAMES)
 
 
 def clip_ratio_is_sane(value: float) -> bool:

@@ -48,8 +48,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
-from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
-from runtime_kernels.layout import DEFAULT_LAYOUT
+from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache, check_served_format
+from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
 
 ATTENTION_NAME = "oscar"
@@ -130,8 +130,7 @@ class OscarCache(Cache):
     def __init__(self, artifact: OscarArtifact, model_config, *, batch_size: int | None = None,
                  max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size, sink_tokens: int | None = None,
-                 recent_tokens: int | None = None, clip: bool = True, max_seqs: int | None = None,
+                 backend: str = "auto", fmt: KVFormat | None = None, clip: bool = True, max_seqs: int | None = None,
                  allow_other_model: bool = False, model_id: str | None = None):
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact (or a path to one), got {type(artifact).__name__}")
@@ -149,21 +148,16 @@ class OscarCache(Cache):
         self.max_tokens = None if max_tokens is None else int(max_tokens)
         self.device = normalize_device(device) if device is not None else None
         self.dtype = dtype
-        self._paged_kwargs = dict(
-            page_size=int(page_size), backend=backend, clip=clip,
-            sink_tokens=artifact.sink_tokens if sink_tokens is None else int(sink_tokens),
-            recent_tokens=artifact.recent_tokens if recent_tokens is None else int(recent_tokens),
-            max_seqs=int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None))
-        kw = self._paged_kwargs
+        # The format is settled here, once (the artifact's, or `fmt` where serving may differ: checked now, by name);
+        # the pools are built from it at the first update.
+        self.fmt = check_served_format(artifact, fmt)
+        self.backend, self.clip = backend, clip
+        self.max_seqs = int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None)
         # The pools are allocated at the first update; windows the device cannot hold are refused now, with the
         # size they would need (the model's device is not known yet without `device`: the host's memory is used).
-        check_cache_fits(self.device or torch.device("cpu"), sink=kw["sink_tokens"], recent=kw["recent_tokens"],
-                         num_layers=int(artifact.layer_ids.numel()), num_kv_heads=artifact.num_kv_heads,
-                         head_dim=artifact.head_dim, group_size=artifact.group_size,
-                         page_size=kw["page_size"],
-                         window_tokens=kw["sink_tokens"] + kw["recent_tokens"] + kw["page_size"] - 1, max_pages=1,
-                         max_seqs=kw["max_seqs"] or self.batch_rows, window_dtype=dtype or torch.bfloat16,
-                         scale_bytes=1 if artifact.scale_format == "ue5m3" else 2)
+        check_cache_fits(self.device or torch.device("cpu"), self.fmt, num_layers=int(artifact.layer_ids.numel()),
+                         num_kv_heads=artifact.num_kv_heads, head_dim=artifact.head_dim, max_pages=1,
+                         max_seqs=self.max_seqs or self.batch_rows, window_dtype=dtype or torch.bfloat16)
         self.paged: PagedKVCache | None = None  # allocated at the first update (device/dtype of the model)
         self.seq_ids: list[int] | None = None
         self._plan = None
@@ -219,9 +213,8 @@ class OscarCache(Cache):
     def from_artifact(cls, artifact: OscarArtifact | str | os.PathLike, model_config, *,
                       batch_size: int | None = None, max_tokens: int | None = None,
                       device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None, backend: str = "auto", page_size: int = DEFAULT_LAYOUT.page_size,
-                      sink_tokens: int | None = None, recent_tokens: int | None = None, clip: bool = True,
-                      max_seqs: int | None = None, allow_other_model: bool = False,
+                      dtype: torch.dtype | None = None, backend: str = "auto", fmt: KVFormat | None = None,
+                      clip: bool = True, max_seqs: int | None = None, allow_other_model: bool = False,
                       model_id: str | None = None) -> OscarCache:
         """Build a cache for `model_config` from an artifact (object or path); refuses a mismatched artifact.
 
@@ -230,7 +223,8 @@ class OscarCache(Cache):
             max_tokens: initial INT2 page pool per row (prompt + generated); the pool grows past it when needed.
             device, dtype: where the pools live and the window dtype (default: those of the first keys seen).
             backend: kernel backend ("auto" = Triton on CUDA, torch on CPU).
-            page_size, sink_tokens, recent_tokens: P, S, R (S and R default to the artifact's metadata).
+            fmt: the KV format to serve in (default: the artifact's `kv_format`); it may differ from the artifact's
+                in its page size only (and in its windows for an identity artifact, which fitted nothing).
             clip: False turns clipping off (for exactness checks).
             max_seqs: window slots (default: batch_size, or the first prompt's batch).
             allow_other_model: use an artifact whose model_id names another model (shapes must still match).
@@ -240,24 +234,21 @@ class OscarCache(Cache):
         if isinstance(artifact, (str, os.PathLike, Path)):
             artifact = read_artifact(artifact)
         return cls(artifact, model_config, batch_size=batch_size, max_tokens=max_tokens, device=device,
-                   dtype=dtype, backend=backend, page_size=page_size, sink_tokens=sink_tokens,
-                   recent_tokens=recent_tokens, clip=clip, max_seqs=max_seqs, allow_other_model=allow_other_model,
-                   model_id=model_id)
+                   dtype=dtype, backend=backend, fmt=fmt, clip=clip, max_seqs=max_seqs,
+                   allow_other_model=allow_other_model, model_id=model_id)
 
     # -- internals ------------------------------------------------------------------------------------------
     def _ensure_paged(self, key_states: torch.Tensor) -> PagedKVCache:
         """Allocate the pools at the first update: slots for this batch, pages for `max_tokens` (or the prompt)."""
         if self.paged is None:
-            kw = self._paged_kwargs
-            sink, recent, p = kw["sink_tokens"], kw["recent_tokens"], kw["page_size"]
-            slots = kw["max_seqs"] or key_states.shape[0]  # an explicit size is kept (and enforced)
+            fmt = self.fmt
+            slots = self.max_seqs or key_states.shape[0]  # an explicit size is kept (and enforced)
             tokens = self.max_tokens or key_states.shape[2]
-            pages_per_seq = -(-max(0, tokens - sink - recent) // p)
+            pages_per_seq = -(-max(0, tokens - fmt.window_tokens) // fmt.page_size)
             self.paged = PagedKVCache.from_artifact(
-                self.artifact, max_pages=max(1, pages_per_seq * slots), max_seqs=slots,
-                page_size=p, sink_tokens=sink, recent_tokens=recent,
+                self.artifact, max_pages=max(1, pages_per_seq * slots), max_seqs=slots, fmt=fmt,
                 device=self.device or key_states.device, dtype=self.dtype or key_states.dtype,
-                clip=kw["clip"], backend=kw["backend"])
+                clip=self.clip, backend=self.backend)
         return self.paged
 
     def _check_states(self, layer: OscarLayer, name: str, x: torch.Tensor) -> None:
@@ -270,7 +261,7 @@ class OscarCache(Cache):
         if x.dim() != 4 or x.shape[1] != art.num_kv_heads or x.shape[3] != art.head_dim:
             raise ValueError(f"{name} (layer {layer.layer_idx}): expected shape [batch, kv_heads={art.num_kv_heads}, "
                              f"tokens, head_dim={art.head_dim}], got {list(x.shape)}")
-        slots = self.paged.max_seqs if self.paged is not None else self._paged_kwargs["max_seqs"]
+        slots = self.paged.max_seqs if self.paged is not None else self.max_seqs
         if self.seq_ids is None and slots is not None and x.shape[0] > slots:
             raise ValueError(f"{name} (layer {layer.layer_idx}): batch size {x.shape[0]} exceeds the cache's "
                              f"{slots} sequence slots (raise batch_size or max_seqs, or leave both unset to size from the prompt)")

@@ -1,6 +1,6 @@
 """Whether a cache's pools fit on their device, checked before any allocation.
 
-The contract allows windows of up to 2^20 tokens (`layout.MAX_WINDOW_TOKENS`), but the BF16 window of every sequence
+The contract allows windows of up to 2^20 tokens (`format.MAX_WINDOW_TOKENS`), but the BF16 window of every sequence
 slot and layer is allocated up front: `layers x slots x 2 (K, V) x H_kv x (sink + recent + page - 1) x d` elements.
 At the contract's maximum that is hundreds of GiB for a real model, and the allocator's own error came at the first
 cache update. `check_cache_fits` computes the bytes from the shapes and refuses, naming the windows and the size
@@ -10,6 +10,8 @@ they would need, when the device has less memory available.
 from __future__ import annotations
 
 import torch
+
+from runtime_kernels.format import KVFormat
 
 
 class CacheTooLargeError(ValueError):
@@ -35,14 +37,15 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def cache_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int, page_size: int,
-                window_tokens: int, max_pages: int, max_seqs: int, window_dtype: torch.dtype,
-                scale_bytes: int) -> tuple[int, int]:
-    """(total bytes, window bytes) of a PagedKVCache's pools. `window_tokens` = sink + recent + page_size - 1."""
+def cache_bytes(fmt: KVFormat, *, num_layers: int, num_kv_heads: int, head_dim: int, max_pages: int, max_seqs: int,
+                window_dtype: torch.dtype) -> tuple[int, int]:
+    """(total bytes, window bytes) of a PagedKVCache's pools in format `fmt`: per layer, `max_seqs` BF16 window
+    slots of `sink + recent + page_size - 1` rows (K and V) and `max_pages` INT2 pages of `page_size` tokens at
+    `fmt.bytes_per_token(head_dim)` per (token, KV head)."""
     elem = torch.empty((), dtype=window_dtype).element_size()
+    window_tokens = fmt.window_tokens + fmt.page_size - 1
     window = num_layers * 2 * max_seqs * num_kv_heads * window_tokens * head_dim * elem
-    groups = head_dim // group_size
-    per_page = 2 * num_kv_heads * page_size * (head_dim // 4 + 2 * groups * scale_bytes)
+    per_page = num_kv_heads * fmt.page_size * fmt.bytes_per_token(head_dim)
     return window + num_layers * max_pages * per_page, window
 
 
@@ -54,12 +57,13 @@ def check_fits(device: torch.device, need: int, describe) -> None:
         raise CacheTooLargeError(describe(free))
 
 
-def check_cache_fits(device: torch.device, *, sink: int, recent: int, **shape) -> None:
-    """Raise CacheTooLargeError when the pools of a cache of `shape` (see `cache_bytes`) exceed what `device` has."""
-    total, window = cache_bytes(**shape)
+def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
+    """Raise CacheTooLargeError when the pools of a cache in `fmt` of `shape` (see `cache_bytes`) exceed what `device`
+    has."""
+    total, window = cache_bytes(fmt, **shape)
     check_fits(device, total, lambda free: (
-        f"field 'sink_tokens'/'recent_tokens': windows of {sink} + {recent} tokens need {window} bytes "
-        f"({window / 2**30:.2f} GiB) of {str(shape['window_dtype']).replace('torch.', '')} windows for "
+        f"field 'sink_tokens'/'recent_tokens': windows of {fmt.sink_tokens} + {fmt.recent_tokens} tokens need {window} "
+        f"bytes ({window / 2**30:.2f} GiB) of {str(shape['window_dtype']).replace('torch.', '')} windows for "
         f"{shape['max_seqs']} sequence slot(s) x {shape['num_layers']} layers, {total} bytes with the INT2 pages, but "
         f"{device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller sink_tokens/recent_tokens "
         "or fewer sequences"))

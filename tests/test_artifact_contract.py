@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp
 from safetensors.torch import save_file
 from tiny_models import tiny_config
 
@@ -27,7 +28,7 @@ from runtime_kernels.artifact import (
 )
 from runtime_kernels.container import MAX_HEADER_BYTES
 from runtime_kernels.contract import V1_TENSOR_NAMES, build_metadata, created_at
-from runtime_kernels.layout import CacheLayout
+from runtime_kernels.format import DEFAULT_FORMAT, KVFormat
 from runtime_kernels.loader import load_artifact
 
 D, H, A = 16, 2, 2
@@ -40,15 +41,14 @@ def orthogonal(n: int, seed: int) -> torch.Tensor:
 
 def v2_artifact(**meta) -> OscarArtifact:
     """A per-head artifact with random rotations, centring means and a Lloyd-Max key codebook."""
-    art = identity_artifact(A, H, 4, D, model_id="tiny/m")
+    art = identity_artifact(A, H, 4, D, model_id="tiny/m", fmt=PAPER)
     art.k_rotation = orthogonal(A * H, 1).view(A, H, D, D).contiguous()
     art.v_rotation = orthogonal(A * H, 2).view(A, H, D, D).contiguous()
     g = torch.Generator().manual_seed(3)
     art.k_mean = torch.randn(A, H, D, generator=g)
     art.v_mean = torch.randn(A, H, D, generator=g)
     art.k_codebook = torch.tensor([0.0, 0.9, 2.1, 3.0]).expand(A, H, 4).contiguous()
-    art.metadata.update({"quantizer": "lloyd_max", "scale_dtype": "bfloat16", **meta})
-    return art
+    return restamp(art, **{"quantizer": "lloyd_max", "scale_dtype": "bfloat16", **meta})  # lloyd_max: no record
 
 
 def write_raw(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
@@ -60,8 +60,8 @@ def write_raw(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, 
 
 def v1_file(path: Path) -> Path:
     """A contract-v1 file exactly as the v1 writer produced it: 7 tensors, no v2 metadata."""
-    art = identity_artifact(A, H, 4, D, model_id="tiny/m")
-    meta = {k: v for k, v in art.metadata.items() if k not in ("mean_basis", "quantizer", "scale_dtype")}
+    art = identity_artifact(A, H, 4, D, model_id="tiny/m", fmt=PAPER)
+    meta = {k: v for k, v in art.metadata.items() if k not in ("mean_basis", "quantizer", "scale_dtype", "kv_format")}
     meta["schema_version"] = "1"
     return write_raw(path, {n: getattr(art, n) for n in V1_TENSOR_NAMES}, meta)
 
@@ -73,20 +73,25 @@ def test_v2_round_trip_keeps_means_codebook_windows_and_dtypes(tmp_path):
     for name in ("k_mean", "v_mean", "k_codebook", "k_rotation"):
         assert torch.equal(getattr(back, name), getattr(art, name))
     assert back.v_codebook is None and torch.equal(back.codebook("v")[0, 0], torch.tensor([0.0, 1.0, 2.0, 3.0]))
-    assert back.layout == CacheLayout(sink_tokens=128, recent_tokens=2048, group_size=D)
+    assert (back.metadata["sink_tokens"], back.metadata["recent_tokens"], back.group_size) == ("128", "2048", D)
     assert (back.quantizer, back.scale_dtype, back.scale_bits, back.schema_version) == (
         "lloyd_max", torch.bfloat16, 16, 2)
+    with pytest.raises(ArtifactError, match="field 'quantizer'.*no KV format this runtime serves"):
+        _ = back.kv_format  # read by the contract, not served
 
 
 def test_v1_artifact_loads_with_v1_defaults_and_is_rewritten_as_v2(tmp_path):
     art = read_artifact(v1_file(tmp_path / "v1"))
     assert art.schema_version == 1 and art.k_mean is None
     assert not art.key_mean("rotated").any() and art.value_mean("original").shape == (A, H, D)
-    assert (art.sink_tokens, art.recent_tokens) == (64, 256)
+    # v1's own explicit format: the windows its metadata names, fp16 scales, min-max, uncentered, 64-token pages
+    assert art.kv_format == KVFormat(sink_tokens=64, recent_tokens=256, page_size=64, group_size=D,
+                                     scale_format="float16", quantizer="uniform_minmax", centered=False)
     assert (art.quantizer, art.scale_dtype, art.mean_basis) == ("uniform_minmax", torch.float16, "original")
     again = read_artifact(write_artifact(art, tmp_path / "v2"))
     assert again.schema_version == 2 and torch.equal(again.k_mean, torch.zeros(A, H, D))
     assert again.metadata["quantizer"] == "uniform_minmax" and again.metadata["scale_dtype"] == "float16"
+    assert again.kv_format == art.kv_format and "kv_format" in again.metadata  # written out as the record
 
 
 def test_mean_basis_conversion_uses_the_rotation_both_ways():
@@ -138,7 +143,7 @@ def test_v1_file_with_a_v2_field_and_missing_v2_fields_are_refused(tmp_path):
     art = v2_artifact()
     _refused(tmp_path / "a", art.tensors(), {k: v for k, v in art.metadata.items() if k != "scale_dtype"},
              "scale_dtype", "missing", "contract v2")
-    meta = {**identity_artifact(A, H, 4, D).metadata, "schema_version": "1"}
+    meta = {**identity_artifact(A, H, 4, D, fmt=PAPER).metadata, "schema_version": "1"}
     v1 = {n: getattr(art, n) for n in V1_TENSOR_NAMES}
     _refused(tmp_path / "b", v1, meta, "mean_basis", "v2 field")
 
@@ -275,11 +280,11 @@ def test_trailing_bytes_after_the_tensors_are_refused(tmp_path):
 def test_metadata_clock_honours_source_date_epoch_and_refuses_garbage(tmp_path, monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     assert created_at() == "2023-11-14T22:13:20Z"
-    first = write_artifact(identity_artifact(A, H, 4, D), tmp_path / "a").read_bytes()
-    assert write_artifact(identity_artifact(A, H, 4, D), tmp_path / "b").read_bytes() == first
+    first = write_artifact(identity_artifact(A, H, 4, D, fmt=PAPER), tmp_path / "a").read_bytes()
+    assert write_artifact(identity_artifact(A, H, 4, D, fmt=PAPER), tmp_path / "b").read_bytes() == first
     meta = build_metadata(model_id="m", model_revision="r", num_attention_heads=4, num_key_value_heads=2, head_dim=D,
                           granularity="head", key_target="k", value_target="v", calibration={"b": 1, "a": 2},
-                          tool_version="t", layout=CacheLayout(sink_tokens=128, recent_tokens=1024))
+                          tool_version="t", fmt=DEFAULT_FORMAT.with_(centered=False))
     assert (meta["created_at"], meta["sink_tokens"], meta["group_size"]) == ("2023-11-14T22:13:20Z", "128", str(D))
     assert meta["calibration"] == '{"a": 2, "b": 1}'
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
@@ -302,7 +307,7 @@ def _config(name: str = ""):
 
 
 def test_identity_rule_in_check_against_model(tmp_path):
-    art = identity_artifact(A, H, 4, D, model_id="org/model-a")
+    art = identity_artifact(A, H, 4, D, model_id="org/model-a", fmt=PAPER)
     check_against_model(art, _config("org/model-a"))
     check_against_model(art, _config(""))  # a config built in memory has no identity: shapes only
     with pytest.raises(ModelMismatchError, match="calibrated for 'org/model-a', the model is 'org/model-b'.*"
@@ -318,14 +323,14 @@ def test_identity_rule_in_check_against_model(tmp_path):
     check_against_model(art, _config(str(snapshot)))  # the Hub cache's copy of that id
     local = tmp_path / "model-dir"
     local.mkdir()
-    by_path = identity_artifact(A, H, 4, D, model_id=str(local))
+    by_path = identity_artifact(A, H, 4, D, model_id=str(local), fmt=PAPER)
     check_against_model(by_path, _config(str(tmp_path / "." / "model-dir")))  # the same directory, spelled otherwise
 
 
 def test_identity_rule_in_load_artifact_and_oscar_cache(tmp_path):
     from runtime_kernels.hf import OscarCache
 
-    write_artifact(identity_artifact(A, H, 4, D, model_id="org/model-a"), tmp_path)
+    write_artifact(identity_artifact(A, H, 4, D, model_id="org/model-a", fmt=PAPER), tmp_path)
     other = _config("org/model-b")
     with pytest.raises(ModelMismatchError, match="model_id"):
         load_artifact(tmp_path, model_config=other)
@@ -341,7 +346,7 @@ def test_eval_cli_refuses_an_artifact_for_another_model(tmp_path, monkeypatch, c
     from oscar_calib.cli import main
     from oscar_calib.demo import FIXTURE_DIR
 
-    write_artifact(identity_artifact(4, 2, 4, 128, model_id="org/other"), tmp_path / "art")  # the fixture's shapes
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id="org/other", fmt=PAPER), tmp_path / "art")  # the fixture's shapes
     monkeypatch.setattr(sys, "argv", ["oscar-calib", "eval", "--model", str(FIXTURE_DIR), "--artifact",
                                       str(tmp_path / "art"), "--context", "64", "--device", "cpu"])
     with pytest.raises(SystemExit) as info:
@@ -351,7 +356,7 @@ def test_eval_cli_refuses_an_artifact_for_another_model(tmp_path, monkeypatch, c
 
 
 def test_v2_artifact_built_in_memory_without_means_gets_zero_means(tmp_path):
-    art = identity_artifact(A, H, 4, D)
+    art = identity_artifact(A, H, 4, D, fmt=PAPER)
     art.k_mean = art.v_mean = None  # code written before v2 builds artifacts without them
     back = read_artifact(write_artifact(art.validate(), tmp_path))
     assert torch.equal(back.k_mean, torch.zeros(A, H, D)) and not back.is_centered
@@ -370,8 +375,9 @@ def test_calibration_writes_contract_v2_through_the_one_builder(monkeypatch):
     art = calibrate_model(model, ids, SolverSettings(sink_tokens=4, recent_tokens=8, k_clip_grid=(1.0,),
                                                      v_clip_grid=(1.0,)), compare_alternatives=False,
                           holdout_queries=8)
-    assert set(art.metadata) == set(V2_METADATA) and art.schema_version == 2
-    assert art.layout == CacheLayout(sink_tokens=4, recent_tokens=8, group_size=D)
+    assert art.schema_version == 2
+    assert set(art.metadata) == set(V2_METADATA) | {"kv_format"}
+    assert art.kv_format == DEFAULT_FORMAT.with_(sink_tokens=4, recent_tokens=8, group_size=D)
     assert art.metadata["created_at"] == "2023-11-14T22:13:20Z"
     assert art.is_centered and art.mean_basis == "original"  # the default recipe centers keys and values
 
@@ -404,7 +410,7 @@ def test_calibrate_does_not_import_the_job_and_the_loaders_have_a_public_home():
 
 
 def test_in_memory_artifact_with_a_bad_schema_version_is_refused_by_name():
-    art = identity_artifact(A, H, 4, D)
+    art = identity_artifact(A, H, 4, D, fmt=PAPER)
     art.metadata["schema_version"] = "two"
     with pytest.raises(ArtifactError, match="field 'schema_version'.*got 'two'"):
         art.validate()

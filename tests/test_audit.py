@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from cli_helpers import run_cli
+from format_helpers import PAPER, restamp
 from safetensors.torch import save_file
 from tiny_models import tiny_model
 
@@ -26,7 +27,7 @@ def _hadamard(d: int) -> torch.Tensor:
 
 def _calibrated_like(d=64, layers=2, grid=(0.8, 0.9, 1.0)):
     """An identity-based artifact with a proper descending spectrum and a recorded clip grid."""
-    art = identity_artifact(layers, 2, 4, d)
+    art = identity_artifact(layers, 2, 4, d, fmt=PAPER)
     spec = torch.linspace(2.0, 0.1, d)
     art.k_eigenvalues[:] = spec
     art.v_eigenvalues[:] = spec
@@ -147,7 +148,7 @@ def test_capture_and_error_measures(model, tmp_path):
         assert r["k_err_naive"] > 0
 
     unb = _calibrated_like()  # an unbiased artifact's errors are measured with its own quantizer
-    unb.metadata["quantizer"] = "uniform_unbiased"
+    restamp(unb, quantizer="uniform_unbiased")
     u_rows = au.audit_artifact(au.load_raw(write_artifact(unb, tmp_path / "u")), acts)["heads"]
     u0 = next(r for r in u_rows if r["layer"] == 0 and r["head"] == 0)
     k0 = acts.k[0][:, 0].reshape(-1, 64)
@@ -219,6 +220,6 @@ def test_cli_audit_missing_artifact_is_a_clear_error(tmp_path, monkeypatch, caps
 
 
 def test_cli_audit_refuses_an_artifact_for_another_model(tmp_path, monkeypatch, capsys, model_dir):
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")  # head_dim 32, the model has 64
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "a")  # head_dim 32, the model has 64
     code, out, err = run_cli(["audit", str(tmp_path / "a"), "--model", str(model_dir)], monkeypatch, capsys)
     assert code != 0 and "head_dim" in err

@@ -20,7 +20,7 @@ def test_oscar_decode_step_matches_bf16_attention_over_the_dequantized_cache():
     """Small windows keep the interpreter fast; the layout code is the recipe's (ue5m3, centered, page 64).
     Measured: attention 2.6e-3, logits 6.9e-3 (bf16 K/V and activations); a cache whose sequences are swapped
     (a wrong block table or slot) is off by about 0.75 in both."""
-    got = B.smoke(batch=2, history_pages=2, recipe=B.Recipe(sink=16, recent=64))
+    got = B.smoke(batch=2, history_pages=2, recipe=B.RECIPE.with_(sink_tokens=16, recent_tokens=64))
     assert got["history_tokens"] == 128 and got["tokens"] == 16 + 64 + 32 + 128
     assert got["attention_rel_rmse"] < 1.5e-2 and got["logits_rel_rmse"] < 3e-2
     assert got["attention_rel_rmse_swapped"] > 0.3 and got["logits_rel_rmse_swapped"] > 0.3
@@ -37,7 +37,7 @@ def test_kv_budget_arithmetic_at_128k():
     assert hist % 64 == 0 and n - hist - 128 - 1024 == 32  # the recent window ends mid-page: no demotion
     assert (budget // bf16, budget // oscar) == (2, 15)
     # The tiny shape through a real cache: the formula is the cache's bytes.
-    B.OscarAttention(B.SMOKE_SHAPE, 2, 16 + 64 + 32 + 64, "cpu", recipe=B.Recipe(sink=16, recent=64))
+    B.OscarAttention(B.SMOKE_SHAPE, 2, 16 + 64 + 32 + 64, "cpu", recipe=B.RECIPE.with_(sink_tokens=16, recent_tokens=64))
 
 
 def test_the_decoder_step_is_a_qwen3_layer_stack():
@@ -66,7 +66,7 @@ def test_the_run_measures_every_point_and_the_budget_batches(tmp_path):
         model.step(tokens, model.rope(position, "cpu"), attention)
         return (1.0, 1.0, 1.0)
 
-    recipe = B.Recipe(sink=16, recent=64)
+    recipe = B.RECIPE.with_(sink_tokens=16, recent_tokens=64)
     context = 16 + 64 + 32 + 64
     per_seq = B.oscar_bytes_per_seq(B.SMOKE_SHAPE, context, recipe)
     rows, budget = B.run(str(tmp_path), [(context, 1)], 3 * per_seq / (1 << 30), shape=B.SMOKE_SHAPE, device="cpu",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER, served
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention import naive as attn_naive
@@ -22,8 +23,7 @@ H, HQ, D, G = 2, 4, 16, 8
 
 def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0, group=G, quantizer="uniform_minmax"):
     """An artifact with random orthogonal per-head rotations and clip ratios below 1."""
-    art = identity_artifact(num_layers, H, HQ, D, group_size=group)
-    art.metadata["quantizer"] = quantizer
+    art = identity_artifact(num_layers, H, HQ, D, group_size=group, fmt=PAPER.with_(quantizer=quantizer))
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -34,8 +34,8 @@ def random_artifact(num_layers=2, clip=(0.9, 0.95), seed=0, group=G, quantizer="
 
 
 def make_cache(art, max_pages=64, max_seqs=8, **kw):
-    return PagedKVCache.from_artifact(art, max_pages=max_pages, max_seqs=max_seqs, page_size=P, sink_tokens=S,
-                                      recent_tokens=R, dtype=torch.float32, backend="torch", **kw)
+    return PagedKVCache.from_artifact(art, max_pages=max_pages, max_seqs=max_seqs, fmt=served(art, P, S, R),
+                                      dtype=torch.float32, backend="torch", **kw)
 
 
 def exact_rotate(x, rotation):
@@ -294,11 +294,16 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(TypeError, match="artifact"):
         PagedKVCache.from_artifact({"k_rotation": 1}, max_pages=1, max_seqs=1)
     with pytest.raises(ValueError, match="k_clip_ratio"):
-        PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio[:, :1], art.v_clip_ratio, max_pages=1,
-                     max_seqs=1)
-    with pytest.raises(ValueError, match="group_size"):
-        PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, group_size=6,
+        PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio[:, :1], art.v_clip_ratio, fmt=PAPER,
                      max_pages=1, max_seqs=1)
+    with pytest.raises(ValueError, match="group_size"):  # 12 is a multiple of 4 that does not divide D = 16
+        PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio,
+                     fmt=PAPER.with_(group_size=12), max_pages=1, max_seqs=1)
+    with pytest.raises(ValueError, match="k_mean: the format is centered"):
+        PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio,
+                     fmt=PAPER.with_(centered=True), max_pages=1, max_seqs=1)
+    with pytest.raises(ValueError, match="scale_format='ue5m3' disagrees with the artifact's scale_format='float16'"):
+        PagedKVCache.from_artifact(art, max_pages=1, max_seqs=1, fmt=served(art).with_(scale_format="ue5m3"))
 
 
 def test_pool_layout_matches_the_contract():
@@ -338,8 +343,8 @@ def test_one_group_per_row_interleaves_v_scale_and_zero():
 def test_triton_backend_matches_torch_backend(group):
     """The same workload through the Triton kernels (interpreter on CPU) and the torch references."""
     art = random_artifact(num_layers=1, group=group)
-    caches = {b: PagedKVCache.from_artifact(art, max_pages=16, max_seqs=2, page_size=P, sink_tokens=S,
-                                            recent_tokens=R, dtype=torch.float32, backend=b)
+    caches = {b: PagedKVCache.from_artifact(art, max_pages=16, max_seqs=2, fmt=served(art, P, S, R),
+                                            dtype=torch.float32, backend=b)
               for b in ("torch", "triton")}
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randn(n, H, D, generator=gen) for n in (9, 27)]

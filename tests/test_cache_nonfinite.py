@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER, served
 from test_cache import HQ, D, H, P, R, S, random_artifact
 
 from runtime_kernels.artifact import identity_artifact
@@ -18,8 +19,8 @@ BACKENDS = [pytest.param("torch"), pytest.param("triton", marks=pytest.mark.inte
 
 
 def make(art, backend, **kw):
-    return PagedKVCache.from_artifact(art, max_pages=32, max_seqs=4, page_size=P, sink_tokens=S, recent_tokens=R,
-                                      dtype=torch.float32, backend=backend, **kw)
+    return PagedKVCache.from_artifact(art, max_pages=32, max_seqs=4, fmt=served(art, P, S, R), dtype=torch.float32,
+                                      backend=backend, **kw)
 
 
 def pool_state(cache):
@@ -119,7 +120,7 @@ def test_nan_in_a_step_that_demotes_a_page_is_refused_before_the_page_is_written
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_magnitude_bound_is_the_fp16_scale_range(backend):
-    art = identity_artifact(1, H, HQ, D)  # identity rotation: the stored element is the input element
+    art = identity_artifact(1, H, HQ, D, fmt=PAPER)  # identity rotation: the stored element is the input element
     cache = make(art, backend)
     seq = cache.add_sequence()
     ok = torch.zeros(3, H, D)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from format_helpers import PAPER
 from tiny_models import tiny_model
 
 from oscar_calib.calibrate import calibrate_model_with_report
@@ -14,6 +15,7 @@ from runtime_kernels.artifact import orthogonality_error, read_artifact, write_a
 from runtime_kernels.quant import naive
 
 SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+W48 = PAPER.with_(sink_tokens=4, recent_tokens=8)  # the slow reference: fp16 scales, min-max
 
 
 def _ids(n, t, seed=0):
@@ -103,9 +105,9 @@ def test_clip_errors_match_slow_loop():
     positions = torch.tensor([[12, 20, 25, 31, 36, 39]])
     rot = torch.linalg.qr(torch.randn(h_kv, d, d, generator=gen, dtype=torch.float64))[0].float()
     grid = (0.75, 0.9, 1.0)
-    k_mse, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, None, sink=4, recent=8,
+    k_mse, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, W48,
                                key_objective="logit_mse")
-    k_kl, v_err2 = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, None, sink=4, recent=8,
+    k_kl, v_err2 = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, W48,
                                key_objective="attn_kl", v_grid=grid[::-1])
     for gi, ratio in enumerate(grid):
         mse_ref, kl_ref, v_ref = _slow_clip_errors(keys, values, queries, positions, rot, rot, ratio, 0.25, 4, 8)
@@ -121,7 +123,7 @@ def test_pick_ratios_prefers_less_clipping_on_ties():
 
 
 def test_quantized_pair_mask_windows():
-    m = quantized_pair_mask(torch.tensor([[10, 30]]), 32, sink=2, recent=5)
+    m = quantized_pair_mask(torch.tensor([[10, 30]]), 32, PAPER.with_(sink_tokens=2, recent_tokens=5))
     assert m[0, 0].nonzero().flatten().tolist() == [2, 3, 4, 5]
     assert m[0, 1].nonzero().flatten().tolist() == list(range(2, 26))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER
 
 from runtime_kernels import PagedKVCache, identity_artifact, quant
 from runtime_kernels import attention as A
@@ -144,7 +145,7 @@ def test_centered_cache_decodes_the_centered_history():
     """PagedKVCache with means: demotion stores quant(x_rot - mu), decode (Triton and torch paths) equals attention
     over the cache's own dense view (history dequantized + mean), and the means matter."""
     h, hq, d = 2, 8, 64
-    art = identity_artifact(1, h, hq, d)
+    art = identity_artifact(1, h, hq, d, fmt=PAPER)
     gen = torch.Generator().manual_seed(6)
     k_mean, v_mean = (torch.randn(1, h, d, generator=gen) * 4 for _ in range(2))
     x = [torch.randn(200, h, d, generator=gen) + k_mean[0], torch.randn(200, h, d, generator=gen) + v_mean[0]]
@@ -152,8 +153,8 @@ def test_centered_cache_decodes_the_centered_history():
     outs = {}
     for backend in ("triton", "torch"):
         cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=8,
-                             max_seqs=1, page_size=64, sink_tokens=4, recent_tokens=8, backend=backend,
-                             k_mean=k_mean, v_mean=v_mean)
+                             max_seqs=1, fmt=PAPER.with_(sink_tokens=4, recent_tokens=8, centered=True),
+                             backend=backend, k_mean=k_mean, v_mean=v_mean)
         sid = cache.add_sequence()
         cache.append([sid], [[x[0]]], [[x[1]]])
         assert cache.hist_len(sid) == 128
@@ -163,7 +164,7 @@ def test_centered_cache_decodes_the_centered_history():
         assert rel_rmse(outs[backend], want) < 2e-2  # bf16 windows and query
     assert rel_rmse(outs["triton"], outs["torch"]) < 2e-2
     plain = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=8,
-                         max_seqs=1, page_size=64, sink_tokens=4, recent_tokens=8, backend="torch")
+                         max_seqs=1, fmt=PAPER.with_(sink_tokens=4, recent_tokens=8), backend="torch")
     sid = plain.add_sequence()
     plain.append([sid], [[x[0]]], [[x[1]]])
     exact, _ = attn_naive.segment_attention(q.float(), x[0].transpose(0, 1)[None], x[1].transpose(0, 1)[None])
@@ -180,7 +181,7 @@ def test_bad_means_name_the_input():
     with pytest.raises(ValueError, match=r"pages.k_mean: expected shape \(2, 64\)"):
         A.int2_decode_attention(q, pages_of(pool, (torch.zeros(2, 32), torch.zeros(2, 32))), batch_of(pool),
                                 backend="torch")
-    art = identity_artifact(1, 2, 8, 64)
+    art = identity_artifact(1, 2, 8, 64, fmt=PAPER)
     with pytest.raises(ValueError, match=r"k_mean: expected a float tensor of shape \[1, 2, 64\]"):
         PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=2, max_seqs=1,
                      k_mean=torch.zeros(2, 64), v_mean=torch.zeros(1, 2, 64))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli
+from format_helpers import PAPER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scale import EPOCH, args, model_dir, text_file  # noqa: F401  (module-scoped fixtures)
@@ -46,7 +47,7 @@ def _epoch(monkeypatch):
 
 
 def _artifact_dir(path: Path) -> Path:
-    write_artifact(identity_artifact(2, 2, 4, 16, model_id="tiny/qwen3"), path)
+    write_artifact(identity_artifact(2, 2, 4, 16, model_id="tiny/qwen3", fmt=PAPER), path)
     (path / "README.md").write_text("my model card\n")
     return path
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from format_helpers import PAPER
 
 from oscar_calib.cli import app
 
@@ -85,7 +86,7 @@ def test_hub_command_errors_name_the_flag(argv, flag, tmp_path, monkeypatch, cap
     from runtime_kernels.artifact import identity_artifact, write_artifact
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the names are checked first
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "a")
     argv = [a.format(art=tmp_path / "a", tmp=tmp_path) for a in argv]
     code, out, err = run_cli(argv, monkeypatch, capsys)
     assert code == exit_codes.BAD_INPUT and out == "", err

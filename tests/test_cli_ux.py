@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from format_helpers import PAPER
 from tiny_models import tiny_model
 
 from oscar_calib.cli import exit_codes
@@ -104,7 +105,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_artifact_for_another_model_is_exit_2_in_every_command(tmp_path, monkeypatch, capsys, model_dir):
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")  # head_dim 32; the model has 64
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "a")  # head_dim 32; the model has 64
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 40)
     commands = {
@@ -123,7 +124,7 @@ def test_artifact_for_another_model_is_exit_2_in_every_command(tmp_path, monkeyp
 def test_audit_exits_4_on_a_contract_break_after_the_report(tmp_path, monkeypatch, capsys):
     from safetensors.torch import save_file
 
-    art = identity_artifact(2, 2, 4, 32)
+    art = identity_artifact(2, 2, 4, 32, fmt=PAPER)
     art.k_rotation[0, 0] *= 1.5  # not orthogonal: breaks the contract
     (tmp_path / "bad").mkdir()
     save_file({n: t.contiguous() for n, t in art.tensors().items()}, str(tmp_path / "bad" / "oscar_kv.safetensors"),
@@ -133,7 +134,7 @@ def test_audit_exits_4_on_a_contract_break_after_the_report(tmp_path, monkeypatc
     report = json.loads(out)  # the report is still complete
     assert report["contract_error"] and "non-orthogonal-k" in report["heads"][0]["flags"]
     assert "breaks the artifact contract" in err
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "good")
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "good")
     code, _, err = run_cli(["audit", str(tmp_path / "good"), "--json"], monkeypatch, capsys)
     assert code == 0, err
 
@@ -149,7 +150,7 @@ def no_matplotlib(monkeypatch):
 
 
 def test_missing_matplotlib_is_caught_before_the_run(tmp_path, monkeypatch, capsys, no_matplotlib):
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "a")
     for args, flag in ((["audit", str(tmp_path / "a"), "--plots", str(tmp_path / "plots")], "--plots"),
                        (["eval", "--plot", str(tmp_path / "e.png")], "--plot")):
         code, out, err = run_cli(args, monkeypatch, capsys)
@@ -238,7 +239,7 @@ def test_the_fixture_directory_stands_for_its_hub_id(tmp_path, monkeypatch, caps
     shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["num_attention_heads"],
              cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     for model_id, code_wanted in ((FIXTURE_MODEL_ID, 0), ("someone/else", exit_codes.BAD_INPUT)):
-        write_artifact(identity_artifact(*shape, model_id=model_id), tmp_path / model_id.replace("/", "_"))
+        write_artifact(identity_artifact(*shape, model_id=model_id, fmt=PAPER), tmp_path / model_id.replace("/", "_"))
         code, _, err = run_cli(["export", str(tmp_path / model_id.replace("/", "_")), "--out",
                                 str(tmp_path / f"ref-{code_wanted}"), "--model-config", str(FIXTURE_DIR)],
                                monkeypatch, capsys)
@@ -247,7 +248,7 @@ def test_the_fixture_directory_stands_for_its_hub_id(tmp_path, monkeypatch, caps
 
 def test_audit_allow_other_model(tmp_path, monkeypatch, capsys, model_dir):
     pytest.importorskip("matplotlib")
-    write_artifact(identity_artifact(2, 2, 4, 64, model_id="someone/else"), tmp_path / "a")
+    write_artifact(identity_artifact(2, 2, 4, 64, model_id="someone/else", fmt=PAPER), tmp_path / "a")
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 40)
     argv = ["audit", str(tmp_path / "a"), "--model", str(model_dir), "--data", str(text), "--seq-len", "64",
@@ -311,7 +312,7 @@ def test_explicit_eval_sizes_are_kept_and_not_logged(capsys):
 
 
 def test_export_json_names_the_files_written(tmp_path, monkeypatch, capsys):
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "a")
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "a")
     code, out, err = run_cli(["export", str(tmp_path / "a"), "--out", str(tmp_path / "ref"), "--json"],
                              monkeypatch, capsys)
     assert code == 0, err

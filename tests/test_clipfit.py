@@ -2,12 +2,15 @@
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp, served
 
 from oscar_calib.clipfit import MIN_RATIO, clip_errors, extended_grid, fit_layer
 from oscar_calib.errors import InputError
 from oscar_calib.methods import centered_fake_quantize
 from oscar_calib.stats import LayerStats
 from runtime_kernels.quant import naive
+
+W48 = PAPER.with_(sink_tokens=4, recent_tokens=8)  # the slow references: fp16 scales, min-max, per-token windows
 
 
 def _data(seed=0, s=1, h_kv=2, g=2, t=48, d=16, n_q=6, offset=0.0):
@@ -59,7 +62,7 @@ def test_block_out_errors_match_slow_loop(centered):
     v_mean = values.mean(dim=(0, 2)) if centered else torch.zeros(h_kv, d)
     w_o = torch.randn(24, queries.shape[1] * d, generator=torch.Generator().manual_seed(3))
     grid = (0.75, 1.0)
-    k_err, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, sink=4, recent=8,
+    k_err, v_err = clip_errors(keys, values, queries, positions, rot, rot, grid, 0.25, W48,
                                key_objective="block_out", k_mean=k_mean, v_mean=v_mean, o_weight=w_o)
     for gi, ratio in enumerate(grid):
         k_ref, v_ref = _slow_out_errors(keys, values, queries, positions, rot, ratio, 0.25, 4, 8, k_mean.double(),
@@ -72,9 +75,9 @@ def test_out_err_is_block_out_with_identity_projection():
     keys, values, queries, positions, rot = _data(seed=1)
     d, h_q = keys.shape[-1], queries.shape[1]
     eye = torch.eye(h_q * d)  # o_proj = identity: the summed group output error is not the per-head one...
-    k1, v1 = clip_errors(keys, values, queries, positions, rot, rot, (0.9,), 0.25, sink=4, recent=8,
+    k1, v1 = clip_errors(keys, values, queries, positions, rot, rot, (0.9,), 0.25, W48,
                          key_objective="out_err")
-    k2, v2 = clip_errors(keys, values, queries, positions, rot, rot, (0.9,), 0.25, sink=4, recent=8,
+    k2, v2 = clip_errors(keys, values, queries, positions, rot, rot, (0.9,), 0.25, W48,
                          key_objective="block_out", o_weight=eye)
     # ...but with an identity W_o the query heads land in disjoint coordinates, so the two agree.
     assert torch.allclose(k1, k2, rtol=1e-5) and torch.allclose(v1, v2, rtol=1e-5)
@@ -84,9 +87,9 @@ def test_centering_lowers_the_error_of_offset_keys():
     """Keys with a large common offset: subtracting the calibrated mean shrinks every row's range."""
     keys, values, queries, positions, rot = _data(seed=2, offset=4.0)
     mean = keys.mean(dim=(0, 2))
-    plain, _ = clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, sink=4, recent=8,
+    plain, _ = clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, W48,
                            key_objective="out_err")
-    centered, _ = clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, sink=4, recent=8,
+    centered, _ = clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, W48,
                               key_objective="out_err", k_mean=mean)
     assert (centered < 0.5 * plain).all(), (centered, plain)
 
@@ -94,8 +97,8 @@ def test_centering_lowers_the_error_of_offset_keys():
 def test_zero_mean_centering_is_bit_identical():
     keys, _, _, _, rot = _data(seed=4)
     x = keys  # [1, H, T, d]
-    a = centered_fake_quantize(x, rot, torch.tensor([0.9, 0.95]), None, None)
-    b = centered_fake_quantize(x, rot, torch.tensor([0.9, 0.95]), torch.zeros(2, x.shape[-1]), None)
+    a = centered_fake_quantize(x, rot, torch.tensor([0.9, 0.95]), None, PAPER)
+    b = centered_fake_quantize(x, rot, torch.tensor([0.9, 0.95]), torch.zeros(2, x.shape[-1]), PAPER)
     assert torch.equal(a, b)
 
 
@@ -119,8 +122,8 @@ def test_search_extends_the_grid_to_an_interior_minimum():
 
 def test_fit_layer_ratios_are_the_minima_of_what_it_searched():
     keys, values, queries, positions, rot = _data(seed=5, d=32)
-    fit = fit_layer(keys, values, queries, positions, rot, rot, (0.94, 0.97, 1.0), 0.25, None, 4, 8, "out_err",
-                    (0.94, 0.97, 1.0))
+    fit = fit_layer(keys, values, queries, positions, rot, rot, (0.94, 0.97, 1.0), 0.25, W48, key_objective="out_err",
+                    v_grid=(0.94, 0.97, 1.0))
     for grid, ratios, errors in ((fit.k_grid, fit.k_ratio, fit.k_errors), (fit.v_grid, fit.v_ratio, fit.v_errors)):
         assert errors.shape == (len(grid), 2)
         for h in range(2):
@@ -138,15 +141,15 @@ def test_short_heldout_is_refused_naming_the_windows():
     keys, values, queries, _, rot = _data(t=16)
     with pytest.raises(InputError, match=r"16 tokens.*sink 4 \+ recent 12"):
         clip_errors(keys, values, queries, torch.tensor([[3, 7, 9, 11, 13, 15]]), rot, rot, (1.0,), 0.25,
-                    sink=4, recent=12)
+                    PAPER.with_(sink_tokens=4, recent_tokens=12))
 
 
 def test_unknown_objective_is_refused():
     keys, values, queries, positions, rot = _data()
     with pytest.raises(InputError, match="expected one of attn_kl"):
-        clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, sink=4, recent=8, key_objective="mse")
+        clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, W48, key_objective="mse")
     with pytest.raises(InputError, match="o_proj"):
-        clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, sink=4, recent=8,
+        clip_errors(keys, values, queries, positions, rot, rot, (1.0,), 0.25, W48,
                     key_objective="block_out")
 
 
@@ -166,15 +169,16 @@ def test_cache_refuses_windows_or_a_quantizer_the_artifact_does_not_have():
     from runtime_kernels.artifact import identity_artifact
     from runtime_kernels.cache import PagedKVCache
 
-    art = identity_artifact(1, 2, 4, 64)
+    art = identity_artifact(1, 2, 4, 64, fmt=PAPER)
     art.metadata["key_target"] = "query_moment"  # as calibration writes it
     with pytest.raises(ValueError, match="sink_tokens=4 disagrees with the artifact's sink_tokens=64"):
-        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, sink_tokens=4)
+        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, fmt=served(art, sink=4))
     with pytest.raises(ValueError, match="recent_tokens=8 disagrees"):
-        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, recent_tokens=8)
-    PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, sink_tokens=64, recent_tokens=256)  # the same: fine
-    PagedKVCache.from_artifact(identity_artifact(1, 2, 4, 64), max_pages=2, max_seqs=1, sink_tokens=4)  # fits nothing
-    art.metadata["quantizer"] = "lloyd_max"  # a valid v2 artifact with codebooks: the contract allows it
+        PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, fmt=served(art, recent=8))
+    PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1, fmt=served(art, page=8))  # another page size: fine
+    fits_nothing = identity_artifact(1, 2, 4, 64, fmt=PAPER)
+    PagedKVCache.from_artifact(fits_nothing, max_pages=2, max_seqs=1, fmt=served(fits_nothing, sink=4))
+    restamp(art, quantizer="lloyd_max")  # a valid v2 artifact with codebooks: the contract allows it
     art.k_codebook = torch.tensor([0.0, 0.9, 2.1, 3.0]).expand(1, 2, 4).contiguous()
     with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
         PagedKVCache.from_artifact(art, max_pages=2, max_seqs=1)

@@ -109,8 +109,9 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     prompt = tok((FIXTURE / "heldout.txt").read_text(), return_tensors="pt")["input_ids"][:, :90]
     oscar = enable_oscar_attention(AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval())
     # the model is a local copy of the Hub id the artifact names: the identity rule needs the explicit override
-    cache = OscarCache.from_artifact(loaded, oscar.config, batch_size=1, max_tokens=128, page_size=P, sink_tokens=S,
-                                     recent_tokens=R, dtype=WINDOW_DTYPE, allow_other_model=True)
+    cache = OscarCache.from_artifact(loaded, oscar.config, batch_size=1, max_tokens=128,
+                                     fmt=loaded.kv_format.with_(page_size=P), dtype=WINDOW_DTYPE,
+                                     allow_other_model=True)
     with caplog.at_level("DEBUG", logger=LOGGER):
         got = oscar.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0, **cache_kw(oscar, cache))

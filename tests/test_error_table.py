@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from format_helpers import PAPER
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -39,7 +40,7 @@ def test_row(command, when, code, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "zoo" / "demo").mkdir(parents=True)
     from runtime_kernels.artifact import identity_artifact, write_artifact
 
-    write_artifact(identity_artifact(4, 2, 4, 128, model_id="oscar-calib/tiny-qwen3"), tmp_path / "zoo" / "demo")
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id="oscar-calib/tiny-qwen3", fmt=PAPER), tmp_path / "zoo" / "demo")
     missing = re.match(r"`(\w+)` not installed", when)
     if missing:
         real = importlib.util.find_spec

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_helpers import run_cli
+from format_helpers import PAPER
 from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -23,6 +24,11 @@ from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention.naive import segment_attention
 
 
+def _fmt(sink: int, recent: int, page: int = 1):
+    """The windows of a test, token-granular by default (the evaluation's own default page size)."""
+    return PAPER.with_(sink_tokens=sink, recent_tokens=recent, page_size=page)
+
+
 def _hadamard(d: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < d:
@@ -31,7 +37,7 @@ def _hadamard(d: int) -> torch.Tensor:
 
 
 def _artifact(d=64, layers=2, clip=(0.9, 0.95)):
-    art = identity_artifact(layers, 2, 4, d)
+    art = identity_artifact(layers, 2, 4, d, fmt=PAPER)
     art.k_rotation[:] = _hadamard(d)
     art.v_rotation[:] = _hadamard(d)
     art.k_clip_ratio[:] = clip[0]
@@ -48,7 +54,7 @@ def model():
 @pytest.mark.parametrize("sink,recent", [(4, 8), (0, 1), (64, 256)])
 def test_exact_mask_matches_the_rule(sink, recent):
     t = 40
-    m = ev.exact_mask(t, sink, recent)
+    m = ev.exact_mask(t, _fmt(sink, recent))
     for q in range(t):
         for j in range(q + 1):
             assert bool(m[q, j]) == (j < sink or j > q - recent), (q, j)
@@ -56,7 +62,7 @@ def test_exact_mask_matches_the_rule(sink, recent):
 
 def test_exact_mask_with_pages_follows_the_runtime_layout():
     s, r, p, t = 3, 5, 4, 40
-    m = ev.exact_mask(t, s, r, p)
+    m = ev.exact_mask(t, _fmt(s, r, p))
     for q in range(t):
         n = q + 1
         hist = p * (max(0, n - s - r) // p)  # runtime_kernels.cache: history is whole pages
@@ -68,7 +74,7 @@ def test_exact_mask_with_pages_follows_the_runtime_layout():
 
 
 def test_exact_mask_prefill_rows_are_all_bf16():
-    m = ev.exact_mask(30, 2, 4, prefill=20)
+    m = ev.exact_mask(30, _fmt(2, 4), prefill=20)
     assert bool(m[:20].all()) and not bool(m[20:].all())
 
 
@@ -83,7 +89,7 @@ class _Noisy(KVMethod):
     def quantizes(self, layer_idx):
         return True
 
-    def fake_quantize(self, layer_idx, keys, values, sink=64):
+    def fake_quantize(self, layer_idx, keys, values, windows):
         g = torch.Generator().manual_seed(layer_idx)
         return (keys.float() + self.scale * torch.randn(keys.shape, generator=g),
                 values.float() + self.scale * torch.randn(values.shape, generator=g))
@@ -96,7 +102,7 @@ def _slow_attention(module, query, key, value, attention_mask, scaling=None, dro
     """Reference: for every query position, build its mixed K/V explicitly and attend with segment_attention."""
     method, sink, recent = _SLOW["method"], _SLOW["sink"], _SLOW["recent"]
     b, h_q, t, d = query.shape
-    k_hat, v_hat = method.fake_quantize(module.layer_idx, key, value, sink)
+    k_hat, v_hat = method.fake_quantize(module.layer_idx, key, value, _fmt(sink, recent))
     outs = []
     for pos in range(t):
         j = torch.arange(pos + 1)
@@ -108,7 +114,7 @@ def _slow_attention(module, query, key, value, attention_mask, scaling=None, dro
     return torch.stack(outs, dim=1).to(query.dtype), None  # [B, T, H_q, d]
 
 
-@pytest.mark.parametrize("method", [_Noisy(), RowwiseInt2("int2")], ids=["noisy", "int2"])
+@pytest.mark.parametrize("method", [_Noisy(), RowwiseInt2("int2", fmt=PAPER)], ids=["noisy", "int2"])
 def test_mixed_attention_equals_a_per_position_loop(model, method):
     sink, recent = 3, 7
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
@@ -121,7 +127,7 @@ def test_mixed_attention_equals_a_per_position_loop(model, method):
             ref = model(input_ids=ids, use_cache=False).logits
     finally:
         model.set_attn_implementation("sdpa")
-    with torch.no_grad(), ev.evaluating(model, ev.EvalSession(method, sink, recent)):
+    with torch.no_grad(), ev.evaluating(model, ev.EvalSession(method, _fmt(sink, recent))):
         fast = model(input_ids=ids, use_cache=False).logits
     assert model.config._attn_implementation == "sdpa"  # restored
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
@@ -132,7 +138,7 @@ def test_bf16_method_equals_plain_model_perplexity(model):
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     direct = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
-    nll, session = ev.method_nll(model, KVMethod(), ids, sink=4, recent=8)
+    nll, session = ev.method_nll(model, KVMethod(), ids, _fmt(4, 8))
     assert nll.shape == (2, 47)
     assert float(nll.mean()) == pytest.approx(float(direct), rel=1e-5)
     assert session.layers == {}  # nothing quantized, nothing to report
@@ -145,14 +151,14 @@ def test_layer_statistics_match_direct_formulas():
     k = torch.randn(b, h_kv, t, d)
     v = torch.randn(b, h_kv, t, d)
     method = _Noisy(0.5)
-    session = ev.EvalSession(method, sink=2, recent=5)
+    session = ev.EvalSession(method, _fmt(2, 5))
     module = SimpleNamespace(layer_idx=0)
     ev._ACTIVE = session
     try:
         out, _ = ev._eval_attention(module, q, k, v, None, scaling=d ** -0.5)
     finally:
         ev._ACTIVE = None
-    k_hat, v_hat = method.fake_quantize(0, k, v)
+    k_hat, v_hat = method.fake_quantize(0, k, v, _fmt(2, 5))
     kl_sum, n, num, den = 0.0, 0, 0.0, 0.0
     for hq in range(h_kv * g):
         hk = hq // g
@@ -187,9 +193,9 @@ def test_simulation_equals_the_real_runtime(model, prompt):
     art = _artifact()
     ids = torch.randint(0, 256, (1, 72), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        rt = ev.runtime_decode_logits(model, art, ids, prompt, page_size=page, sink=sink, recent=recent,
-                                      backend="torch")
-        session = ev.EvalSession(ArtifactInt2("oscar", artifact=art), sink, recent, page, False, prefill=prompt)
+        served = art.kv_format.with_(sink_tokens=sink, recent_tokens=recent, page_size=page)  # identity: any windows
+        rt = ev.runtime_decode_logits(model, art, ids, prompt, served, backend="torch")
+        session = ev.EvalSession(ArtifactInt2("oscar", artifact=art), served, False, prefill=prompt)
         with ev.evaluating(model, session):
             sim = model(input_ids=ids, use_cache=False).logits.float()[:, prompt - 1:-1]
         plain = model(input_ids=ids).logits.float()[:, prompt - 1:-1]
@@ -202,12 +208,12 @@ def test_simulation_equals_the_real_runtime(model, prompt):
 def test_generation_agreement_reports_rates(model):
     pytest.importorskip("runtime_kernels.hf")
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
-    out = ev.generation_agreement(model, {"oscar": _artifact()}, ids, steps=8, page_size=4, sink=4, recent=8)
+    out = ev.generation_agreement(model, {"oscar": _artifact()}, ids, 8, _fmt(4, 8, 4))
     assert out["status"] == "ok"
     r = out["methods"]["oscar"]
     assert 0.0 <= r["match_rate"] <= 1.0 and 0 <= r["first_divergence_mean"] <= 8
     # With no quantized history at all (windows cover everything) the runtime is BF16: full agreement.
-    out = ev.generation_agreement(model, {"oscar": _artifact()}, ids, steps=8, page_size=4, sink=64, recent=256)
+    out = ev.generation_agreement(model, {"oscar": _artifact()}, ids, 8, _fmt(64, 256, 4))
     assert out["methods"]["oscar"]["match_rate"] == 1.0
 
 
@@ -245,12 +251,13 @@ def test_read_documents_errors_name_the_file(tmp_path):
 def test_evaluate_methods_reports_every_method(model):
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(6))
     windows = ev.Windows(long=ids[:1], packed=ids[1:])
-    res = ev.evaluate_methods(model, [KVMethod(), RowwiseInt2("int2")], windows, sink=4, recent=8)
+    res = ev.evaluate_methods(model, [KVMethod(), RowwiseInt2("int2", fmt=PAPER)], windows, _fmt(4, 8))
     bf16, int2 = res["methods"]
     assert bf16["ppl_delta_pct"] == 0.0 and bf16["layers"] == []
     assert [x["layer"] for x in int2["layers"]] == [0, 1]
     assert all(x["attn_kl"] > 0 and x["out_rel_err"] > 0 for x in int2["layers"])
-    nll = torch.cat([ev.method_nll(model, RowwiseInt2("int2"), w, sink=4, recent=8)[0] for w in (ids[:1], ids[1:])])
+    int2_method = RowwiseInt2("int2", fmt=PAPER)
+    nll = torch.cat([ev.method_nll(model, int2_method, w, _fmt(4, 8))[0] for w in (ids[:1], ids[1:])])
     assert int2["ppl"] == pytest.approx(math.exp(float(nll.double().mean())), rel=1e-9)
     assert int2["ppl_second_half"] == pytest.approx(math.exp(float(nll[:, 19:].double().mean())), rel=1e-9)
     assert res["windows"] == {"long": 1, "packed": 1}
@@ -285,8 +292,9 @@ def test_quality_regression_on_the_trained_fixture():
     windows = ev.make_windows(tok, ev.read_documents(FIXTURE_DIR / "heldout.txt"), context, 4)
     assert windows.long.shape[0] == 2 and windows.packed.shape[0] == 2
     wanted = {"bf16", "int2", "kivi2-g128", "quarot-int2", "oscar-head"}
-    methods = [m for m in standard_methods(128, {"oscar-head": art}) if m.name in wanted]
-    res = {r["name"]: r for r in ev.evaluate_methods(lm, methods, windows, sink=sink, recent=recent)["methods"]}
+    fmt = art.kv_format.per_token()
+    methods = [m for m in standard_methods(128, fmt, {"oscar-head": art}) if m.name in wanted]
+    res = {r["name"]: r for r in ev.evaluate_methods(lm, methods, windows, fmt)["methods"]}
     bits = {name: r["effective_bits"] for name, r in res.items() if name != "bf16"}
     assert len(set(round(b, 9) for b in bits.values())) == 1, bits  # equal bits
     oscar = res["oscar-head"]["ppl"]
@@ -370,7 +378,7 @@ def test_cli_eval_default_fixture_accepts_the_demos_artifact(tmp_path, monkeypat
     from oscar_calib.demo import FIXTURE_MODEL_ID
     from runtime_kernels.artifact import identity_artifact, write_artifact
 
-    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID), tmp_path / "demo")
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID, fmt=PAPER), tmp_path / "demo")
     code, out, err = run_cli(["eval", "--artifact", str(tmp_path / "demo"), "--context", "256", "--max-windows", "1",
                               "--sink", "16", "--recent", "64", "--generation-steps", "0",
                               "--methods", "bf16,oscar-head"], monkeypatch, capsys)
@@ -382,9 +390,9 @@ def test_cli_eval_refuses_a_context_the_windows_fill(tmp_path, monkeypatch, caps
     """The recipe's windows (128 + 1024) hold a 1024-token window entirely in BF16: nothing to evaluate."""
     from oscar_calib.demo import FIXTURE_MODEL_ID
     from runtime_kernels.artifact import identity_artifact, write_artifact
-    from runtime_kernels.layout import RECIPE_LAYOUT
+    from runtime_kernels.format import DEFAULT_FORMAT
 
-    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID, layout=RECIPE_LAYOUT), tmp_path / "a")
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id=FIXTURE_MODEL_ID, fmt=DEFAULT_FORMAT), tmp_path / "a")
     code, _, err = run_cli(["eval", "--artifact", str(tmp_path / "a"), "--context", "1024", "--json-out",
                             str(tmp_path / "r.json")], monkeypatch, capsys)
     assert code == 2 and "--context 1024" in err and "sink 128 + recent 1024" in err

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp
 from tiny_models import tiny_model
 
 from oscar_calib.cli.eval_cmd import _table, compare_to_best_peer
@@ -47,19 +48,19 @@ def test_best_peer_has_no_more_bits_and_the_verdict_follows_the_interval():
 
 
 def test_centered_peer_keeps_the_means_and_swaps_rotation_and_clips():
-    art = identity_artifact(2, 2, 4, 16, model_id="org/m")
+    art = identity_artifact(2, 2, 4, 16, model_id="org/m", fmt=PAPER)
     art.k_mean = torch.randn(2, 2, 16)
     art.v_mean = torch.randn(2, 2, 16)
-    art.metadata["mean_basis"] = "original"
+    restamp(art, mean_basis="original")
     peer = centered_hadamard_clip(art.validate())
     assert torch.equal(peer.k_rotation[1, 1], hadamard(16).float())
     assert torch.allclose(peer.key_mean("original"), art.k_mean) and torch.allclose(peer.value_mean("original"),
                                                                                      art.v_mean)
     assert peer.k_clip_ratio.unique().tolist() == [pytest.approx(0.96)]
     assert peer.v_clip_ratio.unique().tolist() == [pytest.approx(0.92)]
-    assert peer.quantizer == art.quantizer and peer.sink_tokens == art.sink_tokens
+    assert peer.quantizer == art.quantizer and peer.kv_format == art.kv_format
     assert [m.name for m in centered_peer({"oscar-head": art})] == ["hadamard-clip-centered"]
-    assert centered_peer({"x": identity_artifact(2, 2, 4, 16)}) == []  # nothing centered: no centered peer
+    assert centered_peer({"x": identity_artifact(2, 2, 4, 16, fmt=PAPER)}) == []  # nothing centered: no centered peer
 
 
 def test_our_forward_calls_raise_no_future_warning():

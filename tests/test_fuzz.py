@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from format_helpers import PAPER, restamp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -34,7 +35,7 @@ FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
 
 _TMP = tempfile.TemporaryDirectory(prefix="oscar-fuzz-")
 _VALID_DIR = Path(_TMP.name) / "valid"
-write_artifact(identity_artifact(2, 2, 4, 16, model_id="tiny/m"), _VALID_DIR)
+write_artifact(identity_artifact(2, 2, 4, 16, model_id="tiny/m", fmt=PAPER), _VALID_DIR)
 VALID_BYTES = (_VALID_DIR / ARTIFACT_FILENAME).read_bytes()
 
 
@@ -64,7 +65,7 @@ def test_artifact_loader_on_mutated_files(edits, cut):
 
 
 _META_KEYS = ["format", "schema_version", "model_id", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "bits", "group_size", "granularity", "calibration", "sink_tokens"]
+              "bits", "group_size", "granularity", "calibration", "sink_tokens", "kv_format"]
 
 
 @FUZZ
@@ -74,7 +75,7 @@ _META_KEYS = ["format", "schema_version", "model_id", "num_attention_heads", "nu
        dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int8]),
        scale=st.sampled_from([1.0, -1.0, 0.0, float("nan"), float("inf"), 1e30]))
 def test_artifact_loader_on_wrong_contents(meta, drop, shape, dtype, scale):
-    art = identity_artifact(2, 2, 4, 16, model_id="tiny/m")
+    art = identity_artifact(2, 2, 4, 16, model_id="tiny/m", fmt=PAPER)
     tensors = {k: v.clone() for k, v in art.tensors().items()}
     for name in drop:
         tensors.pop(name, None)
@@ -247,8 +248,8 @@ _V2_BYTES = None
 def _v2_bytes() -> bytes:
     global _V2_BYTES
     if _V2_BYTES is None:
-        art = identity_artifact(2, 2, 4, 16, model_id="tiny/m")
-        art.metadata["quantizer"] = "lloyd_max"
+        art = identity_artifact(2, 2, 4, 16, model_id="tiny/m", fmt=PAPER)
+        restamp(art, quantizer="lloyd_max")  # a codebook artifact: no kv_format record
         art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, 2, 4).contiguous()
         _V2_BYTES = write_artifact(art, Path(_TMP.name) / "v2").read_bytes()
     return _V2_BYTES

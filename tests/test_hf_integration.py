@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from format_helpers import PAPER, served
 from tiny_models import tiny_model
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -33,7 +34,7 @@ def random_artifact(num_layers=2, layer_ids=None, clip=(0.9, 0.95), seed=0, head
                     group_size=G):
     hq, h = heads
     ids = layer_ids if layer_ids is not None else list(range(num_layers))
-    art = identity_artifact(num_layers, h, hq, head_dim, layer_ids=ids, group_size=group_size)
+    art = identity_artifact(num_layers, h, hq, head_dim, layer_ids=ids, group_size=group_size, fmt=PAPER)
     gen = torch.Generator().manual_seed(seed)
     a = len(ids)
     for name in ("k_rotation", "v_rotation"):
@@ -54,8 +55,8 @@ def cache_kw(model_, **kw):
     return {name: kw.pop("cache"), **kw}
 
 
-def make_cache(art, m, batch_size=1, clip=True, **kw):
-    opts = dict(max_tokens=256, page_size=P, sink_tokens=S, recent_tokens=R, backend="torch", clip=clip)
+def make_cache(art, m, batch_size=1, clip=True, recent=R, **kw):
+    opts = dict(max_tokens=256, fmt=served(art, P, S, recent), backend="torch", clip=clip)
     return OscarCache.from_artifact(art, m.config, batch_size=batch_size, **{**opts, **kw})
 
 
@@ -109,7 +110,7 @@ def step_logits(m, cache, prompt, new_tokens):
 @torch.no_grad()
 def test_identity_artifact_matches_plain_model_while_history_is_bf16():
     m, plain = enable_oscar_attention(model()), model()
-    art = identity_artifact(2, H, HQ, D)
+    art = identity_artifact(2, H, HQ, D, fmt=PAPER)
     cache = make_cache(art, m, clip=False)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (1, 10), generator=gen)
@@ -198,9 +199,9 @@ def test_greedy_generate_with_random_artifact_on_cpu_batched_with_padding():
 @torch.no_grad()
 def test_generate_matches_plain_generation_with_identity_artifact_and_bf16_history():
     m, plain = enable_oscar_attention(model()), model()
-    art = identity_artifact(2, H, HQ, D)
+    art = identity_artifact(2, H, HQ, D, fmt=PAPER)
     prompt = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
-    cache = make_cache(art, m, clip=False, recent_tokens=64)
+    cache = make_cache(art, m, clip=False, recent=64)
     a = m.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, **cache_kw(m, cache=cache))
     b = plain.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
@@ -233,8 +234,8 @@ def test_trained_fixture_generates_text_with_a_two_bit_history():
                           head_dim=cfg.head_dim, group_size=32, clip=(0.96, 0.92))
     art.metadata["model_id"] = str(FIXTURE)  # the identity rule: the artifact must name the model
     prompt = tok("The history of the", return_tensors="pt")
-    cache = OscarCache.from_artifact(art, cfg, batch_size=1, max_tokens=128, page_size=8, sink_tokens=4,
-                                     recent_tokens=8, backend="torch")
+    cache = OscarCache.from_artifact(art, cfg, batch_size=1, max_tokens=128, fmt=served(art, 8, 4, 8),
+                                     backend="torch")
     out = m.generate(**prompt, max_new_tokens=24, do_sample=False, **cache_kw(m, cache=cache))
     text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert out.shape[1] > prompt["input_ids"].shape[1] and text.strip()
@@ -246,10 +247,10 @@ def test_artifact_path_and_artifact_for_another_model(tmp_path):
     art = random_artifact()
     write_artifact(art, tmp_path / "a")
     assert isinstance(OscarCache.from_artifact(tmp_path / "a", m.config), OscarCache)
-    wrong = identity_artifact(2, H, HQ, 2 * D)
+    wrong = identity_artifact(2, H, HQ, 2 * D, fmt=PAPER)
     with pytest.raises(ArtifactError, match="'head_dim'.*artifact has 32.*model has 16"):
         OscarCache.from_artifact(wrong, m.config)
-    too_deep = identity_artifact(3, H, HQ, D)
+    too_deep = identity_artifact(3, H, HQ, D, fmt=PAPER)
     with pytest.raises(ArtifactError, match="'layer_ids'"):
         OscarCache.from_artifact(too_deep, m.config)
     with pytest.raises(TypeError, match="artifact"):
@@ -320,7 +321,7 @@ def test_unsized_cache_serves_num_return_sequences_like_the_reference():
     art = random_artifact()
     m, ref = enable_oscar_attention(model()), reference_model(art)
     prompt = torch.randint(1, 256, (1, 2 * (S + R)), generator=torch.Generator().manual_seed(10))
-    cache = OscarCache.from_artifact(art, m.config, page_size=P, sink_tokens=S, recent_tokens=R, backend="torch")
+    cache = OscarCache.from_artifact(art, m.config, fmt=served(art, P, S, R), backend="torch")
     opts = dict(do_sample=True, top_k=4, num_return_sequences=3, max_new_tokens=2 * P, pad_token_id=0)
     torch.manual_seed(1)
     got = m.generate(input_ids=prompt, **opts, **cache_kw(m, cache=cache))
@@ -347,8 +348,7 @@ def test_assisted_decoding_is_refused_with_the_reason():
 @torch.no_grad()
 def test_grow_pages_keeps_every_page_and_the_decode_output():
     art = random_artifact()
-    paged = PagedKVCache.from_artifact(art, max_pages=3, max_seqs=2, page_size=P, sink_tokens=S, recent_tokens=R,
-                                       backend="torch")
+    paged = PagedKVCache.from_artifact(art, max_pages=3, max_seqs=2, fmt=served(art, P, S, R), backend="torch")
     gen = torch.Generator().manual_seed(12)
     sids = [paged.add_sequence(), paged.add_sequence()]
     n = S + R + P + 2  # one demoted page per sequence
@@ -379,7 +379,7 @@ def test_from_pretrained_pulls_a_pinned_release_and_generates(tmp_path, monkeypa
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     m = enable_oscar_attention(model())
     local = make_artifact(tmp_path / "a", d=D, h_kv=H)
-    layout = dict(page_size=P, sink_tokens=S, recent_tokens=R, backend="torch")
+    layout = dict(fmt=served(read_artifact(local), P, S, R), backend="torch")
     prompt = torch.randint(1, 256, (1, S + R + 2 * P), generator=torch.Generator().manual_seed(13))
     with HubServer(tmp_path / "hub", token=TOKEN) as hub:
         do_push(hub, local)

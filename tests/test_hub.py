@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli
+from format_helpers import PAPER
 from tiny_models import tiny_config
 
 from oscar_calib.errors import HubError, InputError
@@ -42,7 +43,7 @@ REV = "a" * 40
 def make_artifact(directory: Path, seed: int = 0, model_id: str = MODEL, revision: str = REV, extra: dict | None = None,
                   layers: int = 2, h_kv: int = 2, d: int = 16) -> Path:
     """A random-orthogonal-rotation artifact for a model with 4 query / `h_kv` KV heads, head_dim `d`."""
-    art = identity_artifact(layers, h_kv, 4, d, model_id=model_id)
+    art = identity_artifact(layers, h_kv, 4, d, model_id=model_id, fmt=PAPER)
     g = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(layers, h_kv, d, d, generator=g, dtype=torch.float64))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant
@@ -257,7 +258,7 @@ def test_paged_cache_serving_shapes_on_gpu():
     from runtime_kernels.cache import PagedKVCache
 
     h, hq, d = 8, 32, 128
-    art = identity_artifact(1, h, hq, d)
+    art = identity_artifact(1, h, hq, d, fmt=PAPER)
     gen = torch.Generator().manual_seed(5)
     for name in ("k_rotation", "v_rotation"):
         setattr(art, name, torch.linalg.qr(torch.randn(1, h, d, d, generator=gen, dtype=torch.float64))[0]

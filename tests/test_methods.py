@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from format_helpers import PAPER
 
 from oscar_calib.methods import (
     ArtifactInt2,
@@ -13,7 +14,6 @@ from oscar_calib.methods import (
     KVMethod,
     RowwiseInt2,
     kivi_keys,
-    mixed_effective_bits,
     standard_methods,
 )
 from runtime_kernels.artifact import identity_artifact
@@ -46,14 +46,14 @@ def _kv(b=2, h=2, t=70, d=32, seed=0):
 
 def test_int2_is_per_token_minmax():
     k, v = _kv()
-    kh, vh = RowwiseInt2("int2").fake_quantize(0, k, v)
+    kh, vh = RowwiseInt2("int2", fmt=PAPER).fake_quantize(0, k, v, PAPER)
     torch.testing.assert_close(kh, _minmax_int2(k, -1), rtol=0, atol=1e-5)
     torch.testing.assert_close(vh, _minmax_int2(v, -1), rtol=0, atol=1e-5)
 
 
 def test_int2_group_size_quantizes_channel_groups():
     k, v = _kv(d=32)
-    kh, _ = RowwiseInt2("int2-g8", group_size=8).fake_quantize(0, k, v)
+    kh, _ = RowwiseInt2("int2-g8", fmt=PAPER.with_(group_size=8)).fake_quantize(0, k, v, PAPER)
     ref = _minmax_int2(k.reshape(*k.shape[:-1], 4, 8), -1).reshape(k.shape)
     torch.testing.assert_close(kh, ref, rtol=0, atol=1e-5)
 
@@ -61,7 +61,7 @@ def test_int2_group_size_quantizes_channel_groups():
 def test_quarot_rotates_quantizes_and_rotates_back():
     k, v = _kv(d=32)
     h = _hadamard(32).float()
-    kh, vh = RowwiseInt2("quarot", k_rotation=h, v_rotation=h).fake_quantize(0, k, v)
+    kh, vh = RowwiseInt2("quarot", k_rotation=h, v_rotation=h, fmt=PAPER).fake_quantize(0, k, v, PAPER)
     torch.testing.assert_close(kh, _minmax_int2(k @ h, -1) @ h.T, rtol=0, atol=1e-4)
     torch.testing.assert_close(vh, _minmax_int2(v @ h, -1) @ h.T, rtol=0, atol=1e-4)
 
@@ -69,7 +69,8 @@ def test_quarot_rotates_quantizes_and_rotates_back():
 def test_hadamard_clip_clamps_each_rotated_row_at_its_order_statistic():
     k, v = _kv(d=32)
     h = _hadamard(32).float()
-    kh, _ = RowwiseInt2("hc", k_rotation=h, v_rotation=h, k_clip=0.75, v_clip=1.0).fake_quantize(0, k, v)
+    kh, _ = RowwiseInt2("hc", k_rotation=h, v_rotation=h, k_clip=0.75, v_clip=1.0,
+                        fmt=PAPER).fake_quantize(0, k, v, PAPER)
     xr = k @ h
     tau = xr.abs().sort(dim=-1).values[..., 24:25]  # index floor(0.75 * 32) = 24
     ref = _minmax_int2(torch.maximum(torch.minimum(xr, tau), -tau), -1) @ h.T
@@ -91,30 +92,30 @@ def test_kivi_keys_per_channel_blocks_match_a_direct_loop():
 
 def test_kivi_values_are_per_token():
     k, v = _kv()
-    kh, vh = Kivi2("kivi", token_group=32).fake_quantize(0, k, v, sink=4)
+    kh, vh = Kivi2("kivi", token_group=32).fake_quantize(0, k, v, PAPER.with_(sink_tokens=4))
     torch.testing.assert_close(vh, _minmax_int2(v, -1), rtol=0, atol=1e-5)
     torch.testing.assert_close(kh, kivi_keys(k, 32, 4))
 
 
 def test_identity_artifact_equals_plain_int2_and_skips_unlisted_layers():
     k, v = _kv(d=32)
-    art = identity_artifact(1, 2, 4, 32, layer_ids=[1])
+    art = identity_artifact(1, 2, 4, 32, layer_ids=[1], fmt=PAPER)
     m = ArtifactInt2("oscar", artifact=art)
     assert m.quantizes(1) and not m.quantizes(0)
-    kh, vh = m.fake_quantize(1, k, v)
-    k2, v2 = RowwiseInt2("int2").fake_quantize(1, k, v)
+    kh, vh = m.fake_quantize(1, k, v, PAPER)
+    k2, v2 = RowwiseInt2("int2", fmt=PAPER).fake_quantize(1, k, v, PAPER)
     torch.testing.assert_close(kh, k2, rtol=0, atol=1e-5)
     torch.testing.assert_close(vh, v2, rtol=0, atol=1e-5)
-    k0, v0 = m.fake_quantize(0, k, v)
+    k0, v0 = m.fake_quantize(0, k, v, PAPER)
     torch.testing.assert_close(k0, k)  # an uncalibrated layer stays BF16
 
 
 def test_artifact_per_head_rotations_apply_to_their_head():
     k, v = _kv(d=32)
-    art = identity_artifact(1, 2, 4, 32)
+    art = identity_artifact(1, 2, 4, 32, fmt=PAPER)
     h = _hadamard(32).float()
     art.k_rotation[0, 1] = h
-    kh, _ = ArtifactInt2("oscar", artifact=art).fake_quantize(0, k, v)
+    kh, _ = ArtifactInt2("oscar", artifact=art).fake_quantize(0, k, v, PAPER)
     torch.testing.assert_close(kh[:, 0], _minmax_int2(k[:, 0], -1), rtol=0, atol=1e-5)
     torch.testing.assert_close(kh[:, 1], _minmax_int2(k[:, 1] @ h, -1) @ h.T, rtol=0, atol=1e-4)
 
@@ -122,34 +123,40 @@ def test_artifact_per_head_rotations_apply_to_their_head():
 @pytest.mark.parametrize("length", [100, 320, 4096, 131072])
 def test_effective_bits_formulas(length):
     d = 128
-    bf16 = min(length, 320)
+    bf16 = min(length, 320)  # the 64 + 256 windows of PAPER
     hist = length - bf16
     expect_int2 = (hist * (2 + 32 / 128) + bf16 * 16) / length
     expect_k32 = (hist * ((2 + 32 / 32) + (2 + 32 / 128)) / 2 + bf16 * 16) / length
-    methods = {m.name: m for m in standard_methods(d)}
-    assert methods["bf16"].effective_bits(length, d) == 16
+    methods = {m.name: m for m in standard_methods(d, PAPER)}
+    assert methods["bf16"].effective_bits(length, d, PAPER) == 16
     for name in ("int2", "quarot-int2", "hadamard-clip", "kivi2-g128"):
-        assert methods[name].effective_bits(length, d) == pytest.approx(expect_int2, rel=1e-12)
-    assert methods["kivi2-g32"].effective_bits(length, d) == pytest.approx(expect_k32, rel=1e-12)
-    art = ArtifactInt2("oscar", artifact=identity_artifact(1, 2, 4, d))
-    assert art.effective_bits(length, d) == pytest.approx(expect_int2, rel=1e-12)
+        assert methods[name].effective_bits(length, d, PAPER) == pytest.approx(expect_int2, rel=1e-12)
+    assert methods["kivi2-g32"].effective_bits(length, d, PAPER) == pytest.approx(expect_k32, rel=1e-12)
+    art = ArtifactInt2("oscar", artifact=identity_artifact(1, 2, 4, d, fmt=PAPER))
+    assert art.effective_bits(length, d, PAPER) == pytest.approx(expect_int2, rel=1e-12)
 
 
 def test_published_bit_counts():
-    # OSCAR_METHOD section 5: 2.28 at 128K, 2.38 at 32K for G = d = 128.
-    assert round(RowwiseInt2("int2").effective_bits(131072, 128), 2) == 2.28
-    assert round(RowwiseInt2("int2").effective_bits(32768, 128), 2) == 2.38
-    assert mixed_effective_bits(1000, 16.0) == 16.0
+    # OSCAR_METHOD section 5: 2.28 at 128K, 2.38 at 32K for G = d = 128 (fp16 scales, 64/256 windows).
+    int2 = RowwiseInt2("int2", fmt=PAPER)
+    assert round(int2.effective_bits(131072, 128, PAPER), 2) == 2.28
+    assert round(int2.effective_bits(32768, 128, PAPER), 2) == 2.38
+    assert KVMethod().effective_bits(1000, 128, PAPER) == 16.0
+
+
+def test_a_rowwise_method_needs_its_format():
+    with pytest.raises(TypeError, match="fmt: expected the KVFormat"):
+        RowwiseInt2("int2")
 
 
 def test_bf16_method_is_identity():
     k, v = _kv()
     m = KVMethod()
     assert not m.quantizes(0)
-    kh, vh = m.fake_quantize(0, k, v)
+    kh, vh = m.fake_quantize(0, k, v, PAPER)
     assert torch.equal(kh, k) and torch.equal(vh, v)
 
 
 def test_standard_methods_names_and_order():
-    names = [m.name for m in standard_methods(64, {"oscar-head": identity_artifact(1, 2, 4, 64)})]
+    names = [m.name for m in standard_methods(64, PAPER, {"oscar-head": identity_artifact(1, 2, 4, 64, fmt=PAPER)})]
     assert names == ["bf16", "int2", "kivi2-g128", "kivi2-g32", "quarot-int2", "hadamard-clip", "oscar-head"]

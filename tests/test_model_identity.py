@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from cli_helpers import run_cli
+from format_helpers import PAPER
 from test_hub import MODEL, REPO, TOKEN, make_artifact  # noqa: F401  (TOKEN: the hub fixture's token)
 
 from runtime_kernels.artifact import check_against_model, read_artifact
@@ -88,7 +89,7 @@ def test_audit_and_eval_take_model_id(tmp_path, local_model, monkeypatch, capsys
     shutil.copytree(fixture, copy)
     from runtime_kernels.artifact import identity_artifact, write_artifact
 
-    write_artifact(identity_artifact(4, 2, 4, 128, model_id="oscar-calib/tiny-qwen3"), tmp_path / "demo")
+    write_artifact(identity_artifact(4, 2, 4, 128, model_id="oscar-calib/tiny-qwen3", fmt=PAPER), tmp_path / "demo")
     base = ["--model", str(copy), "--artifact", str(tmp_path / "demo"), "--methods", "bf16", "--max-windows", "1",
             "--generation-steps", "0", "--context", "384", "--sink", "64", "--recent", "256"]
     code, _, err = run_cli(["eval", *base], monkeypatch, capsys)

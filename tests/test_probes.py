@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER
 
 from oscar_calib.demo import FIXTURE_DIR, fixture_available
 from oscar_calib.evaluate import make_windows, read_documents
 from oscar_calib.methods import KVMethod
 from oscar_calib.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
 from runtime_kernels.artifact import identity_artifact
-from runtime_kernels.layout import CacheLayout
 
 pytestmark = pytest.mark.skipif(not fixture_available(), reason="trained fixture not installed")
 SINK, RECENT = 16, 64
@@ -36,7 +36,7 @@ class Forgetful(KVMethod):
     def quantizes(self, layer_idx):
         return True
 
-    def fake_quantize(self, layer_idx, keys, values, sink=0):
+    def fake_quantize(self, layer_idx, keys, values, windows):
         return torch.zeros_like(keys, dtype=torch.float32), torch.zeros_like(values, dtype=torch.float32)
 
 
@@ -55,7 +55,7 @@ def test_passkey_windows_hold_the_needle_and_end_with_the_key(lm):
 def test_passkey_score_of_bf16_is_a_plain_forward_pass_and_a_forgetful_cache_scores_zero(lm):
     model, tok, filler = lm
     batch = passkey_batch(tok, filler, [0.2, 0.4, 0.6])
-    got = passkey_scores(model, KVMethod(), batch, SINK, RECENT)
+    got = passkey_scores(model, KVMethod(), batch, PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT))
     with torch.no_grad():
         logits = model(input_ids=batch.ids, use_cache=False).logits
     hits = sum(int((logits[i, a - 1:b - 1].argmax(-1) == batch.ids[i, a:b]).sum())
@@ -63,7 +63,8 @@ def test_passkey_score_of_bf16_is_a_plain_forward_pass_and_a_forgetful_cache_sco
     total = sum(b - a for a, b in batch.key_spans)
     assert got["key_token_accuracy"] == pytest.approx(hits / total)
     assert got["key_token_accuracy"] >= 0.6  # measured 0.86: the fixture does retrieve at this depth
-    forgot = passkey_scores(model, Forgetful("forgetful"), batch, SINK, RECENT)
+    forgot = passkey_scores(model, Forgetful("forgetful"), batch,
+                            PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT))
     assert forgot["key_token_accuracy"] < 0.2 and forgot["key_nll"] > got["key_nll"] + 2
 
 
@@ -89,9 +90,9 @@ def test_verbatim_recall_through_the_runtime_equals_bf16_when_the_windows_hold_e
     model, _, filler = lm
     win, start, passage, gen, cue = filler[2, :300], 40, 32, 16, 6
     cfg = model.config
-    everything = CacheLayout(sink_tokens=512, recent_tokens=512)
+    everything = PAPER.with_(sink_tokens=512, recent_tokens=512)
     art = identity_artifact(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
-                            layout=everything)
+                            fmt=everything)
     assert verbatim_recall(model, win, start, passage, gen, cue, artifact=art) == \
         verbatim_recall(model, win, start, passage, gen, cue)
 
@@ -101,7 +102,7 @@ def test_run_probes_refuses_windows_without_a_history(lm):
 
     model, tok, filler = lm
     with pytest.raises(InputError, match="no INT2 history"):
-        run_probes(model, tok, [KVMethod()], {}, filler, 2, 256, 256)
+        run_probes(model, tok, [KVMethod()], {}, filler, 2, PAPER.with_(sink_tokens=256, recent_tokens=256))
 
 
 def test_eval_probes_flag_reports_both_probes(tmp_path, monkeypatch, capsys):
@@ -115,7 +116,7 @@ def test_eval_probes_flag_reports_both_probes(tmp_path, monkeypatch, capsys):
 
     cfg = AutoConfig.from_pretrained(FIXTURE_DIR)
     art = identity_artifact(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
-                            model_id=FIXTURE_MODEL_ID, layout=CacheLayout(sink_tokens=SINK, recent_tokens=RECENT))
+                            model_id=FIXTURE_MODEL_ID, fmt=PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT))
     write_artifact(art, tmp_path / "id")
     code, _, err = run_cli(["eval", "--artifact", str(tmp_path / "id"), "--context", "512", "--max-windows", "2",
                             "--generation-steps", "0", "--probes", "2", "--methods", "bf16,oscar-head",

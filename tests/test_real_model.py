@@ -102,13 +102,13 @@ def test_calibrate_a_slice_and_evaluate_it_inside_the_full_model(real_model, tmp
     h_kv, d = art.k_rotation.shape[1], art.k_rotation.shape[-1]
     eye, ones = torch.eye(d).expand(h_kv, d, d), torch.ones(h_kv)
     plain = TableInt2("int2", tables={i: LayerTables(eye, eye, ones, ones) for i in range(LAYERS)},
-                      scale_format=art.runtime_scale_format, quantizer="uniform_minmax")
+                      fmt=art.kv_format.with_(quantizer="uniform_minmax"))
     model = _load(full_dir)
     windows = make_windows(tok, read_documents(FIXTURE / "heldout.txt"), CONTEXT, 2)
     ids = torch.cat([windows.long, windows.packed])
     result = {}
     for m in (KVMethod(), ArtifactInt2("oscar", artifact=art), plain):
-        nll, _ = method_nll(model, m, ids, 2, SINK, RECENT, collect_stats=False)
+        nll, _ = method_nll(model, m, ids, art.kv_format.per_token(), 2, collect_stats=False)
         result[m.name] = ppl(nll)
     assert all(math.isfinite(v) for v in result.values()), result
     oscar, int2 = result["oscar"] / result["bf16"] - 1, result["int2"] / result["bf16"] - 1

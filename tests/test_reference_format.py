@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp
 from tiny_models import tiny_config
 
 from oscar_calib.errors import InputError
@@ -58,7 +59,7 @@ def test_import_builds_a_valid_layer_artifact(tmp_path):
     torch.save(reference_dict(seed=0), tmp_path / "k.pt")
     torch.save(reference_dict(seed=1, objective="logit_weighted"), tmp_path / "v.pt")
     keys, values = load_reference(tmp_path / "k.pt"), load_reference(tmp_path / "v.pt")
-    art = reference_to_artifact(keys, values, config(), "tiny/qwen3", "b" * 40)
+    art = reference_to_artifact(keys, values, config(), "tiny/qwen3", "b" * 40, windows=PAPER)
     raw_k = reference_dict(seed=0)["layers"]
     for n, layer in enumerate((0, 1)):
         for h in range(2):  # the one per-layer rotation is repeated for every KV head
@@ -80,7 +81,7 @@ def test_legacy_v1_without_source_grouping_still_imports():
 
 
 def test_v1_export_then_import_round_trips(tmp_path):
-    art = identity_artifact(2, 1, 4, D, model_id="tiny/m")
+    art = identity_artifact(2, 1, 4, D, model_id="tiny/m", fmt=PAPER)
     art.k_rotation = orthogonal(2, 3).unsqueeze(1).contiguous()
     art.v_rotation = orthogonal(2, 4).unsqueeze(1).contiguous()
     paths = export_reference(art, tmp_path / "ref", version=1)
@@ -89,12 +90,12 @@ def test_v1_export_then_import_round_trips(tmp_path):
     assert raw["format_version"] == 1 and raw["layers"][1]["layer_id"] == 1
     assert torch.equal(raw["layers"][1]["rotation"], art.k_rotation[1, 0])
     back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]),
-                                 tiny_config("qwen3", num_heads=4, num_kv_heads=1, head_dim=D, num_layers=2), "tiny/m")
+                                 tiny_config("qwen3", num_heads=4, num_kv_heads=1, head_dim=D, num_layers=2), "tiny/m", windows=PAPER)
     assert torch.equal(back.v_rotation, art.v_rotation)
 
 
 def test_v1_export_refuses_differing_heads_unless_head_reduce(tmp_path):
-    art = identity_artifact(2, 2, 4, D)
+    art = identity_artifact(2, 2, 4, D, fmt=PAPER)
     art.k_rotation = orthogonal(4, 5).view(2, 2, D, D).contiguous()
     with pytest.raises(InputError, match="head-reduce"):
         export_reference(art, tmp_path / "ref", version=1)
@@ -102,7 +103,7 @@ def test_v1_export_refuses_differing_heads_unless_head_reduce(tmp_path):
     keys, values = artifact_to_reference(art, head_reduce="first", version=1)
     assert torch.equal(keys["layers"][1]["rotation"], art.k_rotation[1, 0])
     assert keys["objective"].endswith("head_reduce=first")
-    same = identity_artifact(2, 2, 4, D)  # equal heads export without any reduction
+    same = identity_artifact(2, 2, 4, D, fmt=PAPER)  # equal heads export without any reduction
     assert artifact_to_reference(same, version=1)[0]["objective"] == "identity"
 
 
@@ -161,12 +162,12 @@ def test_structure_violations_are_refused(mutate, field):
 def test_model_mismatch_is_refused():
     keys, values = validate_reference(reference_dict(), "k"), validate_reference(reference_dict(seed=1), "v")
     with pytest.raises(InputError, match="head_dim"):
-        reference_to_artifact(keys, values, tiny_config("qwen3", num_heads=4, num_kv_heads=2, head_dim=32), "m")
+        reference_to_artifact(keys, values, tiny_config("qwen3", num_heads=4, num_kv_heads=2, head_dim=32), "m", windows=PAPER)
     with pytest.raises(InputError, match="layers"):
         reference_to_artifact(validate_reference(reference_dict(layers=(0, 5)), "k"),
-                              validate_reference(reference_dict(layers=(0, 5)), "v"), config(), "m")
+                              validate_reference(reference_dict(layers=(0, 5)), "v"), config(), "m", windows=PAPER)
     with pytest.raises(ReferenceFormatError, match="different layers"):
-        reference_to_artifact(keys, validate_reference(reference_dict(layers=(0,)), "v"), config(), "m")
+        reference_to_artifact(keys, validate_reference(reference_dict(layers=(0,)), "v"), config(), "m", windows=PAPER)
 
 
 def test_cli_import_export(tmp_path, monkeypatch, capsys):
@@ -188,7 +189,7 @@ def test_cli_import_export(tmp_path, monkeypatch, capsys):
                          "--model-config", str(tmp_path / "model"), "--model-id", "tiny/qwen3", "--out", str(tmp_path / "art"),
                          "--sink", "128", "--recent", "1024")
     assert code == 0, err
-    assert read_artifact(tmp_path / "art").layout.window_tokens == 128 + 1024
+    assert read_artifact(tmp_path / "art").kv_format.window_tokens == 128 + 1024
     code, out, err = run("export", str(tmp_path / "art"), "--format", "reference", "--out", str(tmp_path / "ref"))
     assert code == 0, err
     exported = torch.load(tmp_path / "ref" / "keys.pt", weights_only=True)  # v2: the layer's rotation per KV head
@@ -215,7 +216,7 @@ def test_cli_import_export(tmp_path, monkeypatch, capsys):
 def test_v2_import_keeps_one_rotation_per_kv_head():
     keys = validate_reference(reference_v2(seed=0), "k.pt")
     values = validate_reference(reference_v2(seed=1, objective="attn_output"), "v.pt")
-    art = reference_to_artifact(keys, values, config(), "tiny/qwen3")
+    art = reference_to_artifact(keys, values, config(), "tiny/qwen3", windows=PAPER)
     raw = reference_v2(seed=0)["layers"]
     for n, layer in enumerate((0, 1)):
         assert torch.equal(art.k_rotation[n], raw[layer]["rotation"])
@@ -224,7 +225,7 @@ def test_v2_import_keeps_one_rotation_per_kv_head():
     assert art.metadata["scale_dtype"] == "float32" and not art.is_centered
     with pytest.raises(InputError, match="num_key_value_heads"):  # 2 rotations per layer, model has 1 KV head
         reference_to_artifact(keys, values, tiny_config("qwen3", num_heads=4, num_kv_heads=1, head_dim=D,
-                                                        num_layers=2), "tiny/qwen3")
+                                                        num_layers=2), "tiny/qwen3", windows=PAPER)
 
 
 def test_v3_k_mean_maps_to_original_basis_and_converts_with_the_rotation():
@@ -232,7 +233,7 @@ def test_v3_k_mean_maps_to_original_basis_and_converts_with_the_rotation():
     means = {i: torch.randn(2, D, generator=gen) for i in (0, 1)}
     keys = validate_reference(reference_v2(version=3, k_mean=lambda i, r: means[i]), "k.pt")
     values = validate_reference(reference_v2(seed=1, version=3), "v.pt")
-    art = reference_to_artifact(keys, values, config(), "tiny/qwen3")
+    art = reference_to_artifact(keys, values, config(), "tiny/qwen3", windows=PAPER)
     assert art.mean_basis == "original" and art.is_centered
     for n, layer in enumerate((0, 1)):
         assert torch.equal(art.key_mean("original")[n], means[layer])
@@ -243,7 +244,7 @@ def test_v3_k_mean_maps_to_original_basis_and_converts_with_the_rotation():
     shared = validate_reference(reference_v2(version=3, k_mean=lambda i, r: torch.ones(D)), "k.pt")
     assert torch.equal(shared["layers"][0]["k_mean"], torch.ones(2, D))  # a [d] mean is shared by the heads
     with pytest.raises(ReferenceFormatError, match="value file"):
-        reference_to_artifact(values, keys, config(), "tiny/qwen3")
+        reference_to_artifact(values, keys, config(), "tiny/qwen3", windows=PAPER)
 
 
 def test_v3_non_orthogonal_q_rotation_is_refused_with_the_reason():
@@ -283,31 +284,32 @@ def test_v3_pickle_payload_in_k_mean_executes_nothing(tmp_path):
 
 
 def test_v2_export_round_trips_per_head_and_centred_keys(tmp_path):
-    art = identity_artifact(2, 2, 4, D, model_id="tiny/m")
+    art = identity_artifact(2, 2, 4, D, model_id="tiny/m", fmt=PAPER)
     art.k_rotation = orthogonal(4, 5).view(2, 2, D, D).contiguous()  # heads differ: v2 needs no reduction
     art.v_rotation = orthogonal(4, 6).view(2, 2, D, D).contiguous()
     paths = export_reference(art, tmp_path / "ref")
     raw = torch.load(paths["keys"], weights_only=True)
     assert raw["format_version"] == 2 and raw["source_grouping"] == "kv_head"
     assert list(raw["layers"][0]["rotation"].shape) == [2, D, D]
-    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m")
+    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m", windows=PAPER)
     assert torch.equal(back.k_rotation, art.k_rotation) and torch.equal(back.v_rotation, art.v_rotation)
 
     art.k_mean = torch.randn(2, 2, D, generator=torch.Generator().manual_seed(3))
+    restamp(art)  # now centered
     paths = export_reference(art, tmp_path / "centred")
     raw = torch.load(paths["keys"], weights_only=True)
     assert raw["format_version"] == 3 and torch.equal(raw["layers"][1]["k_mean"], art.k_mean[1])
     assert torch.load(paths["values"], weights_only=True)["format_version"] == 2
-    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m")
+    back = reference_to_artifact(load_reference(paths["keys"]), load_reference(paths["values"]), config(), "tiny/m", windows=PAPER)
     assert torch.equal(back.key_mean("original"), art.k_mean)
     with pytest.raises(InputError, match="k_mean"):
         artifact_to_reference(art, version=1)
 
-    rotated = identity_artifact(2, 2, 4, D, model_id="tiny/m")  # a mean stored in the rotated basis exports
+    rotated = identity_artifact(2, 2, 4, D, model_id="tiny/m", fmt=PAPER)  # a mean stored in the rotated basis exports
     rotated.k_rotation = art.k_rotation                          # in the reference's (original) basis
     rotated.metadata["mean_basis"] = "rotated"
     rotated.k_mean = torch.einsum("ahd,ahde->ahe", art.k_mean.double(), art.k_rotation.double()).float()
-    keys, _ = artifact_to_reference(rotated)
+    keys, _ = artifact_to_reference(restamp(rotated))
     torch.testing.assert_close(keys["layers"][0]["k_mean"], art.k_mean[0], atol=1e-5, rtol=0)
 
     art.v_mean = torch.ones(2, 2, D)
@@ -316,7 +318,7 @@ def test_v2_export_round_trips_per_head_and_centred_keys(tmp_path):
     assert not (tmp_path / "vmean").exists()
 
     art.v_mean = torch.zeros(2, 2, D)  # the reference quantizes min-max: the unbiased gain cannot travel
-    art.metadata["quantizer"] = "uniform_unbiased"
+    restamp(art, quantizer="uniform_unbiased")
     with pytest.raises(InputError, match="field 'quantizer' is 'uniform_unbiased'.*--quantizer uniform_minmax"):
         export_reference(art, tmp_path / "unbiased")
     assert not (tmp_path / "unbiased").exists()

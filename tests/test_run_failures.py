@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+from format_helpers import PAPER
 from safetensors.torch import save_file
 from test_cli_run import model_dir, run_cli, text_file  # noqa: F401  (module-scoped fixtures)
 
@@ -94,7 +95,7 @@ def test_binary_or_broken_dataset_is_one_line_exit_2(name, data, message, model_
 
 # --- class 4: audit of mis-shaped tensors -------------------------------------------------------------------
 def _artifact_with(tmp_path: Path, **replace) -> Path:
-    art = identity_artifact(2, 2, 4, 16, model_id="tiny/qwen3")
+    art = identity_artifact(2, 2, 4, 16, model_id="tiny/qwen3", fmt=PAPER)
     directory = tmp_path / "art"
     write_artifact(art, directory)
     tensors = {n: t.contiguous() for n, t in art.tensors().items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_artifact_contract import write_raw
@@ -19,18 +20,18 @@ from transformers import Qwen3Config
 from runtime_kernels.artifact import ArtifactError, identity_artifact, read_artifact
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.contract import MAX_MEAN_ABS, MEAN_SPREAD_RATIO
-from runtime_kernels.layout import MAX_WINDOW_TOKENS, CacheLayout
+from runtime_kernels.format import MAX_WINDOW_TOKENS
 from runtime_kernels.memory_budget import CacheTooLargeError, available_bytes, cache_bytes
 
 A, H, D = 2, 2, 16
 
 
 def _with_means(k_mean: torch.Tensor, v_mean: torch.Tensor, eig: float = 1.0):
-    art = identity_artifact(A, H, 4, D, model_id="tiny/m")
+    art = identity_artifact(A, H, 4, D, model_id="tiny/m", fmt=PAPER)
     art.k_mean, art.v_mean = k_mean.float(), v_mean.float()
     art.k_eigenvalues = torch.full((A, H, D), eig)
     art.v_eigenvalues = torch.full((A, H, D), eig)
-    return art
+    return restamp(art)  # the kv_format record follows the means
 
 
 @pytest.mark.parametrize("name", ["k_mean", "v_mean"])
@@ -73,16 +74,16 @@ def test_an_honest_mean_at_the_bound_decodes_as_precisely_as_no_mean():
     eig = 0.01  # recorded spread sqrt(d * eig) = 0.8; |mu| = 0.99 x 256 x 0.8 ~ 203
     direction = torch.randn(1, h, d, generator=gen)
     mu = direction / direction.norm(dim=-1, keepdim=True) * 0.99 * MEAN_SPREAD_RATIO * (d * eig) ** 0.5
-    art = identity_artifact(1, h, 4, d)
+    art = identity_artifact(1, h, 4, d, fmt=PAPER)
     art.k_mean, art.v_mean = mu.clone(), mu.clone()
     art.k_eigenvalues = art.v_eigenvalues = torch.full((1, h, d), eig)
-    art.validate()  # accepted: inside the bound
+    restamp(art).validate()  # accepted: inside the bound
     noise = torch.randn(n, h, d, generator=gen)
     errors = {}
     for name, mean, data in (("centered", mu, noise + mu[0]), ("plain", None, noise)):
-        cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=8,
-                             max_seqs=1, page_size=64, sink_tokens=4, recent_tokens=8, backend="torch",
-                             k_mean=mean, v_mean=mean)
+        fmt = PAPER.with_(sink_tokens=4, recent_tokens=8, centered=mean is not None)
+        cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, fmt=fmt, max_pages=8,
+                             max_seqs=1, backend="torch", k_mean=mean, v_mean=mean)
         sid = cache.add_sequence()
         cache.append([sid], [[data]], [[data]])
         k, _ = cache.dense_kv(0, sid)
@@ -96,7 +97,7 @@ def test_an_honest_mean_at_the_bound_decodes_as_precisely_as_no_mean():
 # --- windows ---------------------------------------------------------------------------------------------------------
 def _big_model(layers: int = 32, h_kv: int = 8, d: int = 128):
     art = identity_artifact(layers, h_kv, h_kv, d, model_id="big/m",
-                            layout=CacheLayout(sink_tokens=MAX_WINDOW_TOKENS, recent_tokens=MAX_WINDOW_TOKENS))
+                            fmt=PAPER.with_(sink_tokens=MAX_WINDOW_TOKENS, recent_tokens=MAX_WINDOW_TOKENS))
     config = Qwen3Config(num_attention_heads=h_kv, num_key_value_heads=h_kv, head_dim=d, hidden_size=h_kv * d,
                          num_hidden_layers=layers, vocab_size=32, intermediate_size=32)
     config._name_or_path = "big/m"
@@ -107,10 +108,9 @@ def test_windows_at_the_contract_maximum_are_refused_at_load_with_the_size_neede
     from runtime_kernels.hf import OscarCache
 
     art, config = _big_model()
-    assert art.sink_tokens == art.recent_tokens == MAX_WINDOW_TOKENS  # the contract allows them
-    total, window = cache_bytes(num_layers=32, num_kv_heads=8, head_dim=128, group_size=128, page_size=64,
-                                window_tokens=2 * MAX_WINDOW_TOKENS + 63, max_pages=1, max_seqs=1,
-                                window_dtype=torch.bfloat16, scale_bytes=2)
+    assert art.kv_format.sink_tokens == art.kv_format.recent_tokens == MAX_WINDOW_TOKENS  # the contract allows them
+    total, window = cache_bytes(art.kv_format, num_layers=32, num_kv_heads=8, head_dim=128, max_pages=1, max_seqs=1,
+                                window_dtype=torch.bfloat16)
     assert window == 32 * 2 * 8 * (2 * MAX_WINDOW_TOKENS + 63) * 128 * 2  # 256 GiB: K and V, every layer
     free = available_bytes(torch.device("cpu"))
     assert free is not None and free < total  # this machine cannot hold it (the premise of the test)
@@ -125,7 +125,7 @@ def test_windows_that_fit_are_accepted():
     from runtime_kernels.hf import OscarCache
 
     art, config = _big_model(layers=2, h_kv=2, d=16)
-    cache = OscarCache.from_artifact(art, config, sink_tokens=64, recent_tokens=256)
+    cache = OscarCache.from_artifact(art, config, fmt=art.kv_format.with_(sink_tokens=64, recent_tokens=256))
     assert cache.paged is None  # allocated at the first update, as before
 
 
@@ -137,11 +137,11 @@ def test_windows_that_fit_are_accepted():
 def test_fuzz_the_size_in_the_refusal_is_what_the_cache_allocates(layers, h, d, groups, page, sink, recent, pages,
                                                                  seqs, scale, dtype):
     """`cache_bytes` (the number a refusal names) equals the pools PagedKVCache really allocates."""
-    art = identity_artifact(layers, h, h, d)
-    cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, group_size=d // groups,
-                         max_pages=pages, max_seqs=seqs, page_size=page, sink_tokens=sink, recent_tokens=recent,
-                         dtype=dtype, backend="torch", scale_format=scale)
-    total, _ = cache_bytes(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=d // groups, page_size=page,
-                           window_tokens=sink + recent + page - 1, max_pages=pages, max_seqs=seqs, window_dtype=dtype,
-                           scale_bytes=1 if scale == "ue5m3" else 2)
+    art = identity_artifact(layers, h, h, d, fmt=PAPER)
+    fmt = PAPER.with_(group_size=d // groups, page_size=page, sink_tokens=sink, recent_tokens=recent,
+                      scale_format=scale)
+    cache = PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, fmt=fmt, max_pages=pages,
+                         max_seqs=seqs, dtype=dtype, backend="torch")
+    total, _ = cache_bytes(fmt, num_layers=layers, num_kv_heads=h, head_dim=d, max_pages=pages, max_seqs=seqs,
+                           window_dtype=dtype)
     assert total == cache.memory_bytes()

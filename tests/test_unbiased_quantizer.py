@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from format_helpers import PAPER, restamp, served
 
 from runtime_kernels import quant as Q
 from runtime_kernels.artifact import identity_artifact
@@ -126,14 +127,13 @@ def test_unknown_quantizer_is_refused_naming_it():
 
 
 def test_cache_serves_unbiased_artifacts_and_refuses_codebooks():
-    art = identity_artifact(1, 2, 4, 64)
-    art.metadata["quantizer"] = "uniform_unbiased"
+    art = identity_artifact(1, 2, 4, 64, fmt=PAPER.with_(quantizer="uniform_unbiased"))
     art.k_clip_ratio = torch.full((1, 2), 0.9)
-    cache = PagedKVCache.from_artifact(art.validate(), max_pages=4, max_seqs=1, page_size=8, sink_tokens=8,
-                                       recent_tokens=8)
+    fmt = served(art, 8, 8, 8)
+    cache = PagedKVCache.from_artifact(art.validate(), max_pages=4, max_seqs=1, fmt=fmt)
     assert cache.quantizer == "uniform_unbiased"
-    art.metadata["quantizer"] = "lloyd_max"
+    restamp(art, quantizer="lloyd_max")
     art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(1, 2, 4).contiguous()
     with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'; this runtime serves uniform_minmax and "
                                          "uniform_unbiased"):
-        PagedKVCache.from_artifact(art, max_pages=4, max_seqs=1, page_size=8, sink_tokens=8, recent_tokens=8)
+        PagedKVCache.from_artifact(art, max_pages=4, max_seqs=1, fmt=fmt)

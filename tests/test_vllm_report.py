@@ -9,13 +9,16 @@ from __future__ import annotations
 import io
 import logging
 
+from format_helpers import PAPER
+
+from runtime_kernels.format import DEFAULT_FORMAT
 from runtime_kernels.vllm.layout import PackedLayout
 from runtime_kernels.vllm.report import LOGGER_NAME, capacity_gain, past_fitted_context_line, startup_line
 
 
 def test_capacity_gain_matches_the_byte_count():
     # every layer INT2: the cell ratio (68 B ue5m3 cells vs 512 B of BF16 K + V at d = 128)
-    packed = PackedLayout(128, 128, "ue5m3").bytes_per_token_head
+    packed = PackedLayout(DEFAULT_FORMAT, 128).bytes_per_token_head
     dense = PackedLayout.bf16_bytes_per_token_head(128)
     assert (packed, dense) == (68, 512)
     assert abs(capacity_gain(4, 4, packed, dense) - 512 / 68) < 1e-12
@@ -67,7 +70,7 @@ def test_vllm_refusal_names_the_config_keys(tmp_path):
     Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                 hidden_size=128).save_pretrained(tmp_path / "model")
     config = AutoConfig.from_pretrained(tmp_path / "model")
-    write_artifact(identity_artifact(2, 2, 4, 32, model_id="org/model"), tmp_path / "art")
+    write_artifact(identity_artifact(2, 2, 4, 32, model_id="org/model", fmt=PAPER), tmp_path / "art")
     path = str(tmp_path / "art")
     with pytest.raises(ModelMismatchError) as info:
         load_checked_artifact(OscarServeConfig(path=path), config)

@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     tok, model, device, dtype = load_fixture(args.model)
     sink, recent = args.sink, args.recent
+    from runtime_kernels.format import KVFormat
+
+    # This study's cache (as when it was run): fp16 scales, min-max INT2, one group per row, a per-token history.
+    fmt = KVFormat(sink_tokens=sink, recent_tokens=recent, page_size=1, group_size=None, scale_format="float16",
+                   quantizer="uniform_minmax", centered=False)
 
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
     cal_ids = torch.cat([cal.long, cal.packed])
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_ids = sorted(session.stats)
     n_layers = len(layer_ids)
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
-    base = SolverSettings(sink_tokens=sink, recent_tokens=recent)
+    base = SolverSettings(sink_tokens=sink, recent_tokens=recent, scale_dtype="float16")
     k_rot, _, v_rot, _ = _solve_all(session, layer_ids, base, "attn_output", "head")
     k_mean, v_mean = session_means(session, layer_ids)
     had = hadamard(d).float().expand(n_layers, h_kv, d, d).contiguous()
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for a, layer in enumerate(layer_ids):
             keys, values, queries, positions = holdout[layer]
             dev = keys.device
-            common = dict(scaling=session.scaling, sink=sink, recent=recent,
+            common = dict(scaling=session.scaling, fmt=fmt,
                           k_mean=None if km is None else km[a].to(dev), v_mean=None if vm is None else vm[a].to(dev))
             kr, vr = (kc[a].cpu(),), (vc[a].cpu(),)
             for obj in ("attn_kl", "logit_mse", "out_err", "block_out"):
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     def table_method(name, rk, rv, kc, vc, km=None, vm=None) -> TableInt2:
         tables = {layer: LayerTables(rk[a], rv[a], kc[a], vc[a], None if km is None else km[a],
                                      None if vm is None else vm[a]) for a, layer in enumerate(layer_ids)}
-        return TableInt2(name, name, tables=tables)
+        return TableInt2(name, name, fmt=fmt, tables=tables)
 
     def full(x: float) -> torch.Tensor:
         return torch.full((n_layers, h_kv), float(x))
@@ -141,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(method: KVMethod, spec: dict | None) -> dict:
         t0 = time.perf_counter()
-        nll, _ = method_nll(model, method, eval_ids, args.batch_size, sink, recent, collect_stats=False)
+        nll, _ = method_nll(model, method, eval_ids, fmt, args.batch_size, collect_stats=False)
         win = nll.double().mean(dim=1)
-        cnll, _ = method_nll(model, method, hold_ids, 1, sink, recent, collect_stats=False)
+        cnll, _ = method_nll(model, method, hold_ids, fmt, 1, collect_stats=False)
         row = {"name": method.name, "ppl": math.exp(float(nll.double().mean())),
                "window_nll": win.tolist(), "calib_nll": float(cnll.double().mean())}
         if spec is not None:
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     measure(KVMethod(), None)
-    measure(RowwiseInt2("int2", "int2"), None)
+    measure(RowwiseInt2("int2", "int2", fmt=fmt), None)
     measure(Kivi2("kivi2-g128", "kivi", token_group=128), None)
 
     def config(name, rk, rv, kc, vc, centered_k=False, centered_v=False):
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 keys, values, queries, positions = holdout[layer]
                 dev = keys.device
                 f = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev), k_grid,
-                              session.scaling, None, sink, recent, obj, v_grid,
+                              session.scaling, fmt, key_objective=obj, v_grid=v_grid,
                               k_mean=k_mean[a].to(dev) if ck else None, o_weight=o_w[layer].to(dev))
                 kcs.append(f.k_ratio)
                 vcs.append(f.v_ratio)
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 trial_k, trial_v = kc.clone(), vc.clone()
                 (trial_k if side == "k" else trial_v)[a] = r
                 m = table_method("search", k_rot, v_rot, trial_k, trial_v, k_mean, None)
-                nll, _ = method_nll(model, m, hold_ids, 1, sink, recent, collect_stats=False)
+                nll, _ = method_nll(model, m, hold_ids, fmt, 1, collect_stats=False)
                 forwards += 1
                 val = float(nll.double().mean())
                 if best is None or val < best[0] - 1e-7:
@@ -229,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for name, m in (("hadamard-clip", table_method("hc", had, had, full(0.96), full(0.92))),
                         ("oscar+ck K0.96 V0.92", table_method("o", k_rot, v_rot, full(0.96), full(0.92), k_mean))):
-            nll, _ = method_nll(model, m, eval_ids, args.batch_size, s_, r_, collect_stats=False)
+            nll, _ = method_nll(model, m, eval_ids, fmt.with_(sink_tokens=s_, recent_tokens=r_), args.batch_size,
+                                collect_stats=False)
             window_rows.append({"sink": s_, "recent": r_, "name": name, "ppl": math.exp(float(nll.double().mean())),
                                 "window_nll": nll.double().mean(dim=1).tolist()})
             log(f"windows {s_}/{r_} {name}: ppl {window_rows[-1]['ppl']:.4f}")

@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 book = None
             else:
                 book = self.books.get((layer, side)) if side in self.sides else None
-            xq = codebook_quantize(xr, book, self.scale_format)
+            xq = codebook_quantize(xr, book, self.fmt.scale_format)
             out = xq @ rot.transpose(-1, -2) if rot.dim() == 2 else torch.einsum("the,hde->thd", xq, rot)
             out = _from_rows(out, b, t)
             return out + mean[None, :, None, :] if mean is not None else out
 
-        def fake_quantize(self, layer_idx, keys, values, sink=0):
+        def fake_quantize(self, layer_idx, keys, values, windows):
             if layer_idx not in self.tables:
                 return keys.float(), values.float()
             t = self.tables[layer_idx].to(keys.device)
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     held = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
     held = torch.cat([held.long, held.packed])
 
-    bf16, _ = method_nll(model, KVMethod(), held, args.batch_size, collect_stats=False)
+    fmt = art.kv_format.per_token()  # the artifact's windows, a per-token history
+    bf16, _ = method_nll(model, KVMethod(), held, fmt, args.batch_size, collect_stats=False)
     ref = bf16.double().mean(1)
     rows = []
     variants = [("uniform, fitted clips (default)", None),
@@ -135,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             m = CodebookInt2(name, art, *spec)
             t0 = time.perf_counter()
-            method_nll(model, m, ids, args.batch_size, collect_stats=False)  # fit on the calibration windows
+            method_nll(model, m, ids, fmt, args.batch_size, collect_stats=False)  # fit on the calibration windows
             books = m._per_head()
             m.books = books
             log(f"fitted {name} codebooks in {time.perf_counter() - t0:.1f}s")
-        nll, _ = method_nll(model, m, held, args.batch_size, collect_stats=False)
+        nll, _ = method_nll(model, m, held, fmt, args.batch_size, collect_stats=False)
         win = nll.double().mean(1)
         base_win = win if base_win is None else base_win
         row = {"name": name, "ppl": float(torch.exp(nll.double().mean())),

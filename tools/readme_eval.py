@@ -82,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.config import SolverSettings
     from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
     from oscar_calib.methods import standard_methods
+    from runtime_kernels.format import KVFormat
+
+    # The main table's windows (64/256, token-granular history) and fp16 scales.
+    main_fmt = KVFormat(sink_tokens=64, recent_tokens=256, page_size=1, group_size=None, scale_format="float16",
+                        quantizer="uniform_minmax", centered=False)
+
+    def windows_of(sink: int, recent: int) -> KVFormat:
+        return main_fmt.with_(sink_tokens=sink, recent_tokens=recent)
 
     def log(msg: str) -> None:
         print(f"[readme_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -133,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     windows = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
     t0 = time.perf_counter()
     main_arts = {k: v for k, v in arts.items() if k not in layouts}
-    result = evaluate_methods(model, standard_methods(model.config.head_dim, main_arts), windows, args.batch_size)
+    result = evaluate_methods(model, standard_methods(model.config.head_dim, main_fmt, main_arts), windows, main_fmt,
+                              args.batch_size)
     log(f"evaluated in {time.perf_counter() - t0:.1f}s")
     result["fits"] = fits
     head_dim = model.config.head_dim
     sweep: list[tuple[object, int, int]] = []  # (method, sink, recent)
     if args.window_sweep:
-        chosen = [m for m in standard_methods(head_dim, main_arts) if m.name in ("hadamard-clip", MAIN_ROW)]
+        chosen = [m for m in standard_methods(head_dim, main_fmt, main_arts) if m.name in ("hadamard-clip", MAIN_ROW)]
         sweep += [(m, sink, recent) for sink, recent in ((64, 512), (128, 1024), (128, 2048)) for m in chosen]
     if args.equal_bits:
         from oscar_calib.methods import ArtifactInt2, RowwiseInt2, hadamard
@@ -147,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         had = hadamard(head_dim).float()
         for sink, recent in EQUAL_BITS_LAYOUTS:
             sweep.append((RowwiseInt2("hadamard-clip ue5m3", k_rotation=had, v_rotation=had, k_clip=0.96,
-                                      v_clip=0.92, scale_format="ue5m3"), sink, recent))
+                                      v_clip=0.92, fmt=main_fmt.with_(scale_format="ue5m3")), sink, recent))
         for name in layouts:
             art = arts[name]
-            sweep.append((ArtifactInt2(name, artifact=art), art.sink_tokens, art.recent_tokens))
+            sweep.append((ArtifactInt2(name, artifact=art), art.kv_format.sink_tokens, art.kv_format.recent_tokens))
     if sweep:
         from oscar_calib.evaluate import bootstrap_delta_ci, method_nll
 
@@ -159,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         all_w = torch.cat([windows.long, windows.packed])
         result["window_sweep"] = []
         for m, sink, recent in sweep:
-            nll, _ = method_nll(model, m, all_w, args.batch_size, sink, recent, collect_stats=False)
+            nll, _ = method_nll(model, m, all_w, windows_of(sink, recent), args.batch_size, collect_stats=False)
             win = nll.double().mean(dim=1)
             result["window_sweep"].append({
                 "name": m.name, "sink": sink, "recent": recent, "ppl": float(torch.exp(nll.double().mean())),
                 "ppl_delta_pct": 100 * float(torch.expm1(win.mean() - bf16.mean())),
                 "ci95": list(bootstrap_delta_ci(win, bf16)), "window_nll": win.tolist(),
-                "bits_32k": m.effective_bits(32768, head_dim, sink, recent),
-                "bits_128k": m.effective_bits(131072, head_dim, sink, recent)})
+                "bits_32k": m.effective_bits(32768, head_dim, windows_of(sink, recent)),
+                "bits_128k": m.effective_bits(131072, head_dim, windows_of(sink, recent))})
             log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
     if args.probes:
         from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
@@ -174,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
 
         had = hadamard(head_dim).float()
         all_w = torch.cat([windows.long, windows.packed])
-        main = [m for m in standard_methods(head_dim, main_arts) if m.name in ("bf16", "hadamard-clip", MAIN_ROW)]
+        main = [m for m in standard_methods(head_dim, main_fmt, main_arts)
+                if m.name in ("bf16", "hadamard-clip", MAIN_ROW)]
         result["probes"] = [run_probes(model, tok, main, {MAIN_ROW: arts[MAIN_ROW]}, all_w,
-                                       args.probes, 64, 256)]
+                                       args.probes, main_fmt)]
         key = "oscar ue5m3 [128/1024]"
         if key in arts:
             wide = [KVMethod(), RowwiseInt2("hadamard-clip ue5m3", k_rotation=had, v_rotation=had, k_clip=0.96,
-                                            v_clip=0.92, scale_format="ue5m3"), ArtifactInt2(key, artifact=arts[key])]
-            result["probes"].append(run_probes(model, tok, wide, {key: arts[key]}, all_w, args.probes, 128, 1024))
+                                            v_clip=0.92, fmt=main_fmt.with_(scale_format="ue5m3")),
+                    ArtifactInt2(key, artifact=arts[key])]
+            result["probes"].append(run_probes(model, tok, wide, {key: arts[key]}, all_w, args.probes,
+                                               windows_of(128, 1024)))
         log(f"probes: {json.dumps(result['probes'])}")
     if args.generation_steps:
         try:

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-SINK_DEFAULT, RECENT_DEFAULT, PAGE = 128, 1024, 64  # the recipe's layout
+from runtime_kernels.format import DEFAULT_FORMAT  # noqa: E402
+
+SINK_DEFAULT, RECENT_DEFAULT, PAGE = DEFAULT_FORMAT.sink_tokens, DEFAULT_FORMAT.recent_tokens, DEFAULT_FORMAT.page_size
 BASELINE = "oscar global clips, centered, min-max"
 
 
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     SINK, RECENT = args.sink, args.recent  # noqa: N806
+    fmt = DEFAULT_FORMAT.with_(sink_tokens=SINK, recent_tokens=RECENT)  # every row's cache: ue5m3, the given windows
 
     from oscar_calib.calibrate import _fit_all, artifact_from_statistics, capture_statistics, session_means
     from oscar_calib.config import SolverSettings
@@ -97,17 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.methods import KVMethod, LayerTables, TableInt2, artifact_tables, centered_fake_quantize
     from oscar_calib.methods import hadamard as hadamard_matrix
     from oscar_calib.probes import passkey_batch, passkey_scores
-    from runtime_kernels.artifact import effective_bits
-    from runtime_kernels.quant import naive
 
     class SidedTables(TableInt2):
         """TableInt2 with its own quantizer per side (keys, values)."""
 
         def __init__(self, name: str, tables: dict, k_quantizer: str, v_quantizer: str):
-            super().__init__(name, name, scale_format="ue5m3", quantizer=k_quantizer, tables=tables)
+            super().__init__(name, name, fmt=fmt.with_(quantizer=k_quantizer), tables=tables)
             self.v_quantizer = v_quantizer
 
-        def fake_quantize(self, layer_idx, keys, values, sink=0):
+        def fake_quantize(self, layer_idx, keys, values, windows):
             if layer_idx not in self.tables:
                 return keys.float(), values.float()
             key = (layer_idx, keys.device)  # moved once per layer and device, as TableInt2 does
@@ -115,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 self._cache[key] = self.tables[layer_idx].to(keys.device)
             t = self._cache[key]
             clip = lambda r: None if bool((r >= 1.0).all()) else r  # noqa: E731
-            return (centered_fake_quantize(keys, t.k_rotation, clip(t.k_clip), t.k_mean, None, "ue5m3", self.quantizer),
-                    centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean, None, "ue5m3",
-                                           self.v_quantizer))
+            return (centered_fake_quantize(keys, t.k_rotation, clip(t.k_clip), t.k_mean, self.fmt),
+                    centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean,
+                                           self.fmt.with_(quantizer=self.v_quantizer)))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -260,16 +261,14 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"model": str(args.model), "contexts": {}, "fits": fits, "sink": SINK, "recent": RECENT, "page": PAGE,
               "scale_format": "ue5m3", "head_dim": head_dim,
-              "bits_per_element": {"128k": effective_bits(131072, head_dim, SINK, RECENT,
-                                                          naive.scale_bits("ue5m3") // 2),
-                                   **{str(c): effective_bits(c, head_dim, SINK, RECENT, naive.scale_bits("ue5m3") // 2)
-                                      for c in contexts}}}
+              "bits_per_element": {"128k": fmt.bits_per_element(131072, head_dim),
+                                   **{str(c): fmt.bits_per_element(c, head_dim) for c in contexts}}}
     for ctx in contexts:
         windows = chunks(held, ctx, args.windows)
         rows = {}
         for m in methods:
             t = time.perf_counter()
-            nll, _ = method_nll(model, m, windows, 1, SINK, RECENT, PAGE, collect_stats=False)
+            nll, _ = method_nll(model, m, windows, fmt, 1, collect_stats=False)
             rows[m.name] = nll.double().mean(dim=1)
             log(f"{ctx}: {m.name}: ppl {float(torch.exp(rows[m.name].mean())):.4f} ({time.perf_counter() - t:.1f}s)")
         out = []
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in methods:
                 if chosen is not None and m.name not in chosen and m.name != "bf16":
                     continue
-                pk[m.name] = passkey_scores(model, m, batch, SINK, RECENT)
+                pk[m.name] = passkey_scores(model, m, batch, fmt)
                 log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
             result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d], "scores": pk}
 

@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.evaluate import make_windows, method_nll, read_documents
     from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
     from oscar_calib.probes import passkey_batch, passkey_scores
-    from runtime_kernels.layout import RECIPE_LAYOUT
+    from runtime_kernels.format import DEFAULT_FORMAT
 
     t_start = time.perf_counter()
     tok, model, device, dtype = load_fixture(args.model)
-    sink, recent, t = RECIPE_LAYOUT.sink_tokens, RECIPE_LAYOUT.recent_tokens, args.context
+    fmt = DEFAULT_FORMAT.per_token()  # the recipe's windows, a token-granular history
+    sink, recent, t = fmt.sink_tokens, fmt.recent_tokens, args.context
     d = model.config.head_dim
 
     cal = make_windows(tok, read_documents(args.model / "calib.txt"), t)
@@ -78,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     had = hadamard(d).float()
     methods = [KVMethod(),
                RowwiseInt2("hadamard-clip, uniform_minmax", k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92,
-                           scale_format="ue5m3"),
+                           fmt=fmt.with_(quantizer="uniform_minmax")),
                RowwiseInt2("hadamard-clip, uniform_unbiased", k_rotation=had, v_rotation=had, k_clip=0.96,
-                           v_clip=0.92, scale_format="ue5m3", quantizer="uniform_unbiased")]
+                           v_clip=0.92, fmt=fmt.with_(quantizer="uniform_unbiased"))]
     for name, overrides in configs.items():
         art = calibrate_model(model, ids, SolverSettings(**overrides), compare_alternatives=False)
-        assert (art.sink_tokens, art.recent_tokens, art.scale_format) == (sink, recent, "ue5m3")
+        assert (art.kv_format.sink_tokens, art.kv_format.recent_tokens, art.scale_format) == (sink, recent, "ue5m3")
         methods.append(ArtifactInt2(name, artifact=art))
         log(f"calibrated {name}: K clips {art.k_clip_ratio.mean():.3f}, V {art.v_clip_ratio.mean():.3f}")
 
@@ -97,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for m in methods:
         t0 = time.perf_counter()
-        nll, _ = method_nll(model, m, eval_ids, args.batch_size, sink, recent, collect_stats=False)
-        cnll, _ = method_nll(model, m, copies, args.batch_size, sink, recent, collect_stats=False)
-        pk = passkey_scores(model, m, needles, sink, recent)
+        nll, _ = method_nll(model, m, eval_ids, fmt, args.batch_size, collect_stats=False)
+        cnll, _ = method_nll(model, m, copies, fmt, args.batch_size, collect_stats=False)
+        pk = passkey_scores(model, m, needles, fmt)
         rows[m.name] = {
-            "bits_32k": m.effective_bits(32768, d, sink, recent), "bits_128k": m.effective_bits(131072, d, sink, recent),
+            "bits_32k": m.effective_bits(32768, d, fmt), "bits_128k": m.effective_bits(131072, d, fmt),
             "window_nll": nll.double().mean(dim=1).tolist(),
             "copy_nll": cnll[:, t - SPAN - 1:].double().mean(dim=1).tolist(),  # the passage's tokens, predicted
             "needle_accuracy": pk["per_needle"]["accuracy"], "needle_nll": pk["per_needle"]["nll"]}
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"retrieval_study_{args.model.name}_{t}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    bits = methods[1].effective_bits(131072, d, sink, recent)
+    bits = methods[1].effective_bits(131072, d, fmt)
     lines = [f"{args.model.name}, {t}-token windows, ue5m3 scales, sink {sink} / recent {recent} (every INT2 row "
              f"{bits:.3f} bits per element at 128K); {eval_ids.shape[0]} windows, {args.needles} needles, {SPAN}-token repeated "
              f"passages; {result['device_name']}. Intervals: paired 95 % bootstrap against Hadamard + clip "

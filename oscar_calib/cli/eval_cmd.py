@@ -12,8 +12,9 @@ import typer
 
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
-from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
+from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt, format_from_flags
 from oscar_calib.errors import InputError
+from runtime_kernels.format import DEFAULT_FORMAT
 
 _EXAMPLES = """
 Examples:
@@ -37,12 +38,12 @@ def _sized(value, flag: str, on_gpu: bool, gpu, cpu):
     return chosen
 
 
-def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, sink: int, recent: int) -> dict:
-    """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path`."""
+def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, fmt) -> dict:
+    """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
     import torch
 
     from oscar_calib.calibrate import calibrate_model
-    from oscar_calib.config import SolverSettings
+    from oscar_calib.config import SolverSettings, format_settings
     from oscar_calib.evaluate import make_windows, read_documents
     from oscar_calib.progress import Stages
 
@@ -55,7 +56,7 @@ def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, s
     out = {}
     for gran in ("head", "layer"):
         t0 = time.perf_counter()
-        settings = SolverSettings(granularity=gran, sink_tokens=sink, recent_tokens=recent)
+        settings = SolverSettings(granularity=gran, **format_settings(fmt))
         with Stages() as stages:
             out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False,
                                                    progress=stages.tokens(f"capture oscar-{gran}", ids.numel()),
@@ -162,8 +163,8 @@ def eval_cmd(
     calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="Windows of calibration text (last one held out for the clip fit; default 16 on a GPU, 6 on a CPU).")] = None,
     context: Annotated[int, typer.Option("--context", help="Tokens per evaluation window (longer than sink + recent).")] = 2048,
     max_windows: Annotated[int | None, typer.Option("--max-windows", help="At most this many windows (long and packed share it; default 16 on a GPU, 4 on a CPU).")] = None,
-    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens (default: the artifact's, else the recipe's 128).")] = None,
-    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens (default: the artifact's, else the recipe's 1024).")] = None,
+    sink: Annotated[int | None, typer.Option("--sink", help=f"BF16 sink tokens (default: the artifact's, else the recipe's {DEFAULT_FORMAT.sink_tokens}).")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help=f"BF16 recent tokens (default: the artifact's, else the recipe's {DEFAULT_FORMAT.recent_tokens}).")] = None,
     page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
     generation_steps: Annotated[int | None, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip; default 64 on a GPU, 16 on a CPU).")] = None,
@@ -191,7 +192,6 @@ def eval_cmd(
     from oscar_calib.methods import standard_methods
     from oscar_calib.progress import Stages
     from runtime_kernels.artifact import model_geometry, read_artifact
-    from runtime_kernels.layout import RECIPE_LAYOUT
 
     check_model_ref(model)  # a missing path (exit 2) or an unreachable Hub (exit 5) before anything loads
     for path in artifact or []:
@@ -239,16 +239,17 @@ def eval_cmd(
         while name in arts:
             name += "'"
         arts[name] = art
-    if sink is None:
-        sink = next(iter(arts.values())).sink_tokens if arts else RECIPE_LAYOUT.sink_tokens
-    if recent is None:
-        recent = next(iter(arts.values())).recent_tokens if arts else RECIPE_LAYOUT.recent_tokens
+    # The one KV format of this evaluation: the first artifact's (else the recipe's), with --sink/--recent.
+    fmt = format_from_flags(next(iter(arts.values())).kv_format if arts else DEFAULT_FORMAT, sink_tokens=sink,
+                            recent_tokens=recent)
+    simulated = format_from_flags(fmt, page_size=page_size)  # the teacher-forced history grows a page at a time
+    sink, recent = fmt.sink_tokens, fmt.recent_tokens
     if context <= sink + recent:
         raise InputError(f"--context {context}: the windows (sink {sink} + recent {recent}) leave no INT2 history to "
                          f"evaluate; use --context {2 * (sink + recent)} or more, or smaller --sink/--recent")
     if not arts:
         calib_data = calib_data or FIXTURE_DIR / "calib.txt"
-        arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, sink, recent)
+        arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, fmt)
 
     windows = make_windows(tokenizer, read_documents(data), context, max_windows)
     if not windows.all():
@@ -256,7 +257,7 @@ def eval_cmd(
     head_dim = model_geometry(lm.config)[3]
     from oscar_calib.peers import centered_peer
 
-    all_methods = standard_methods(head_dim, arts)
+    all_methods = standard_methods(head_dim, fmt, arts)
     first_oscar = next((i for i, m in enumerate(all_methods) if m.name in arts), len(all_methods))
     all_methods[first_oscar:first_oscar] = centered_peer(arts)  # the strongest simple peer, next to OSCAR
     if methods:
@@ -281,16 +282,15 @@ def eval_cmd(
             step(f"{name} ({kind})", done[0], len(all_methods) * kinds)
 
         step("", 0, len(all_methods) * kinds)
-        result = evaluate_methods(lm, all_methods, windows, bs, sink, recent, page_size, progress=advance)
+        result = evaluate_methods(lm, all_methods, windows, simulated, bs, progress=advance)
     if generation_steps > 0:
         gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
-        result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps,
-                                                              sink=sink, recent=recent)
+        result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps, fmt)
     if probes > 0:
         from oscar_calib.probes import run_probes
 
         result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
-                                      probes, sink, recent)
+                                      probes, fmt)
         brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in result["probes"]["passkey"].items()}
         _log(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
     result["vs_best_peer"] = compare_to_best_peer(result, list(arts))

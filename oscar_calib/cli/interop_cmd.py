@@ -15,8 +15,9 @@ import typer
 
 from oscar_calib.cli._common import load_config, translate_errors
 from oscar_calib.cli.app import app
-from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt
+from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt, format_from_flags
 from oscar_calib.errors import InputError
+from runtime_kernels.format import DEFAULT_FORMAT
 
 _IMPORT_EXAMPLES = """
 Examples:
@@ -36,8 +37,8 @@ def import_cmd(
     model_revision: Annotated[str, typer.Option("--model-revision", help="Model commit sha.")] = "unknown",
     k_clip: Annotated[float, typer.Option("--k-clip", help="Key clip ratio for every head (reference: 0.96).")] = 0.96,
     v_clip: Annotated[float, typer.Option("--v-clip", help="Value clip ratio for every head (reference: 0.92).")] = 0.92,
-    sink: Annotated[int | None, typer.Option("--sink", help="BF16 sink tokens the reference served with (default: the layout's).")] = None,
-    recent: Annotated[int | None, typer.Option("--recent", help="BF16 recent tokens the reference served with (default: the layout's).")] = None,
+    sink: Annotated[int | None, typer.Option("--sink", help=f"BF16 sink tokens the reference served with (default: the recipe's {DEFAULT_FORMAT.sink_tokens}).")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help=f"BF16 recent tokens the reference served with (default: the recipe's {DEFAULT_FORMAT.recent_tokens}).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out directory.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -46,22 +47,17 @@ def import_cmd(
     from oscar_calib.reference_format import load_reference, reference_to_artifact
     from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
-    from runtime_kernels.contract import MAX_WINDOW_TOKENS
-    from runtime_kernels.layout import DEFAULT_LAYOUT
     from runtime_kernels.loader import check_model_id
 
     with translate_errors():
         check_model_id(model_id, "--model-id")
     preflight(out, overwrite, "--out")  # before reading anything
-    for name, value in (("--sink", sink), ("--recent", recent)):
-        if value is not None and not 0 <= value <= MAX_WINDOW_TOKENS:
-            raise InputError(f"{name} {value}: expected an integer in [0, {MAX_WINDOW_TOKENS}]")
+    windows = format_from_flags(DEFAULT_FORMAT, sink_tokens=sink, recent_tokens=recent)
     config = load_config(model_config)
     k_ref = load_reference(keys)
     v_ref = load_reference(values)
     artifact = reference_to_artifact(k_ref, v_ref, config, model_id, model_revision, k_clip, v_clip,
-                                     tool_version=f"oscar-calib {__version__}",
-                                     layout=DEFAULT_LAYOUT.with_(sink_tokens=sink, recent_tokens=recent))
+                                     tool_version=f"oscar-calib {__version__}", windows=windows)
     with translate_errors(), atomic_output_dir(out, overwrite, "--out") as tmp:  # interrupts leave nothing half-written
         write_artifact(artifact, tmp)
     path = out / ARTIFACT_FILENAME

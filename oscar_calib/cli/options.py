@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from runtime_kernels.format import DEFAULT_FORMAT, KVFormat, KVFormatError
+
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Git revision (branch, tag or commit sha).")]
 TokenOpt = Annotated[
     Optional[str],
@@ -88,9 +90,11 @@ CenterKeysOpt = Annotated[bool, typer.Option(
 CenterValuesOpt = Annotated[bool, typer.Option(
     "--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")]
 SinkOpt = Annotated[Optional[int], typer.Option(
-    "--sink", help="BF16 sink tokens the runtime keeps (recorded in the artifact; default 128).")]
+    "--sink", help=f"BF16 sink tokens the runtime keeps (recorded in the artifact; default "
+                   f"{DEFAULT_FORMAT.sink_tokens}).")]
 RecentOpt = Annotated[Optional[int], typer.Option(
-    "--recent", help="BF16 recent tokens the runtime keeps (recorded in the artifact; default 1024).")]
+    "--recent", help=f"BF16 recent tokens the runtime keeps (recorded in the artifact; default "
+                     f"{DEFAULT_FORMAT.recent_tokens}).")]
 ScaleDtypeOpt = Annotated[ScaleDtype, typer.Option(
     "--scale-dtype", help="Per-row scale and zero point of the INT2 history: ue5m3 (8 + 8 bits, 2.125 bits per "
                           "element at head_dim 128) or float16 (16 + 16 bits, 2.25).")]
@@ -113,12 +117,18 @@ def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tu
         raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
 
 
+# Defaults of the KV format flags: DEFAULT_FORMAT's, the one default (typer shows them in --help).
+DEFAULT_SCALE_DTYPE = ScaleDtype(DEFAULT_FORMAT.scale_format)
+DEFAULT_QUANTIZER = Quantizer(DEFAULT_FORMAT.quantizer)
+DEFAULT_CENTERED = DEFAULT_FORMAT.centered
+
+
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
-                    scale_dtype: ScaleDtype = ScaleDtype.ue5m3, clip: bool = True,
-                    quantizer: Quantizer = Quantizer.uniform_minmax):
-    """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag)."""
+                    scale_dtype: ScaleDtype, clip: bool, quantizer: Quantizer):
+    """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag).
+    The KV format is built from them once, by `SolverSettings.kv_format()`; windows left unset are DEFAULT_FORMAT's."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 
     windows = {k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}
@@ -128,6 +138,23 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           key_clip_objective=key_objective.value, group_size=group_size,
                           center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
                           quantizer=quantizer.value, **windows)
+
+
+# KVFormat field -> the flag that sets it (commands that take a format from flags: eval, import).
+_FLAG_OF_FORMAT_FIELD = {"sink_tokens": "--sink", "recent_tokens": "--recent", "page_size": "--page-size",
+                         "group_size": "--group-size", "scale_format": "--scale-dtype", "quantizer": "--quantizer"}
+
+
+def format_from_flags(base: KVFormat, **changes) -> KVFormat:
+    """`base` with the flags given (None = not given) applied: `format_from_flags(fmt, sink_tokens=sink, ...)`.
+    An out-of-range value raises InputError naming the flag."""
+    from oscar_calib.errors import InputError
+
+    try:
+        return base.with_(**changes)
+    except KVFormatError as exc:
+        flag = _FLAG_OF_FORMAT_FIELD.get(exc.field, exc.field)
+        raise InputError(f"{flag} {changes.get(exc.field)}: {str(exc).split(': ', 1)[1]}") from None
 
 
 # The Hub keeps models and datasets in separate namespaces: `org/zoo` may be either, so every command that talks

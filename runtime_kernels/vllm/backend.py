@@ -32,7 +32,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from runtime_kernels.artifact import OscarArtifact, model_geometry
-from runtime_kernels.layout import DEFAULT_LAYOUT
 from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
 from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
 from runtime_kernels.vllm.layout import PackedLayout
@@ -83,24 +82,23 @@ class _PluginState:
         dense = 2 * artifact.head_dim * torch.empty((), dtype=dtype).element_size()
         logger.info("%s", startup_line(str(artifact.source), artifact.metadata.get("model_id", "?"),
                                        sorted(self.calibrated), n_layers, self.packed.bytes_per_token_head, dense,
-                                       str(dtype).replace("torch.", ""), artifact.sink_tokens,
-                                       artifact.recent_tokens))
+                                       str(dtype).replace("torch.", ""), artifact.kv_format.sink_tokens,
+                                       artifact.kv_format.recent_tokens))
         fitted, served = artifact.fitted_context, getattr(model_config, "max_model_len", None)
         if fitted is not None and isinstance(served, int) and served > fitted:
             logger.warning("%s", past_fitted_context_line(str(artifact.source), fitted, served))
 
     @property
     def packed(self) -> PackedLayout:
-        return PackedLayout(self.artifact.head_dim, self.artifact.group_size, self.artifact.runtime_scale_format)
+        return PackedLayout(self.artifact.kv_format, self.artifact.head_dim)
 
     def engine_for(self, vllm_config, block_size: int, device: torch.device) -> OscarEngine:
         if self.engine is None:
             art, cfg = self.artifact, self.cfg
-            layout = DEFAULT_LAYOUT.with_(sink_tokens=art.sink_tokens, recent_tokens=art.recent_tokens,
-                                          page_size=block_size)
+            fmt = art.kv_format.with_(page_size=block_size)  # vLLM's blocks are the INT2 pages
             max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-            capacity = math.ceil(cfg.window_reserve * max_seqs * window_blocks_per_request(layout))
-            self.engine = OscarEngine(art, max_seqs=max_seqs, dtype=vllm_config.model_config.dtype, layout=layout,
+            capacity = math.ceil(cfg.window_reserve * max_seqs * window_blocks_per_request(fmt))
+            self.engine = OscarEngine(art, max_seqs=max_seqs, dtype=vllm_config.model_config.dtype, fmt=fmt,
                                       window_capacity=capacity, device=device, backend=cfg.kernel_backend)
             logger.info("OSCAR window store: %d blocks of %d tokens, %.1f MiB (outside vLLM's KV budget)",
                         capacity, block_size, self.engine.windows.nbytes() / 2**20)
@@ -145,7 +143,7 @@ class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
         if self._engine is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
-        p = self._engine.layout.page_size
+        p = self._engine.fmt.page_size
         starts = m.query_start_loc_cpu.tolist()
         seq_lens = m.seq_lens.cpu().tolist()
         table = m.block_table_tensor.cpu()

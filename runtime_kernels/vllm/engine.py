@@ -27,33 +27,27 @@ import torch.nn.functional as F
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.cache import check_served_quantizer, rotate_rows
-from runtime_kernels.layout import DEFAULT_LAYOUT, CacheLayout
+from runtime_kernels.cache import check_served_format, check_served_quantizer, rotate_rows
+from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
 
-def history_tokens(n: int, layout: CacheLayout) -> int:
-    """INT2 history length of a request of `n` tokens: whole pages, leaving R .. R+P-1 recent tokens."""
-    p = layout.page_size
-    return p * (max(0, n - layout.sink_tokens - layout.recent_tokens) // p)
-
-
-def window_blocks_per_request(layout: CacheLayout) -> int:
+def window_blocks_per_request(fmt: KVFormat) -> int:
     """Blocks one running request can have in its windows: the sink blocks and those of R + P - 1 recent
     tokens, which may straddle one more block."""
-    p = layout.page_size
-    return layout.sink_tokens // p + -(-(layout.recent_tokens + p - 1) // p) + 1
+    p = fmt.page_size
+    return fmt.sink_tokens // p + -(-(fmt.recent_tokens + p - 1) // p) + 1
 
 
-def check_window_store_fits(device: torch.device, layout: CacheLayout, *, num_layers: int, capacity: int,
+def check_window_store_fits(device: torch.device, fmt: KVFormat, *, num_layers: int, capacity: int,
                             num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Refuse (CacheTooLargeError, naming the windows and the bytes) a `WindowStore` the device cannot hold, before
     allocating it: windows near the contract's 2^20-token maximum would otherwise fail in the allocator."""
     elem = torch.empty((), dtype=dtype).element_size()
-    need = num_layers * 2 * (capacity + 1) * num_kv_heads * layout.page_size * head_dim * elem
+    need = num_layers * 2 * (capacity + 1) * num_kv_heads * fmt.page_size * head_dim * elem
     check_fits(device, need, lambda free: (
-        f"field 'sink_tokens'/'recent_tokens': windows of {layout.sink_tokens} + {layout.recent_tokens} tokens "
+        f"field 'sink_tokens'/'recent_tokens': windows of {fmt.sink_tokens} + {fmt.recent_tokens} tokens "
         f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
         f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
         "sequences (max_num_seqs)"))
@@ -203,12 +197,12 @@ class StaticStep:
     `[T * W]` (unused entries gather the scratch slot into the spare row T); gather K, V `[T + 1, H, W, d]`.
     """
 
-    def __init__(self, max_tokens: int, max_pages: int, layout: CacheLayout, num_kv_heads: int, head_dim: int,
+    def __init__(self, max_tokens: int, max_pages: int, fmt: KVFormat, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         if max_tokens < 1 or max_pages < 1:
             raise ValueError(f"max_tokens, max_pages: expected >= 1, got {max_tokens}, {max_pages}")
         self.max_tokens, self.max_pages = int(max_tokens), int(max_pages)
-        self.win_width = layout.sink_tokens + layout.recent_tokens + layout.page_size - 1
+        self.win_width = fmt.window_tokens + fmt.page_size - 1
         t, w, dev = self.max_tokens, self.win_width, device
         i64 = dict(dtype=torch.int64, device=dev)
         self.write_pages, self.write_rows, self.write_slots = (torch.zeros(t, **i64) for _ in range(3))
@@ -260,23 +254,23 @@ class OscarEngine:
 
     Args:
         artifact: validated `OscarArtifact` (rotations, clip ratios, group size, windows).
-        layout: `CacheLayout` (sink/recent default to the artifact's; page size = vLLM block size).
+        fmt: the KV format served (default: the artifact's `kv_format`; the page size is vLLM's block size, the
+            rest must be the artifact's, windows aside for an identity artifact: `cache.check_served_format`).
         window_capacity: window blocks in the `WindowStore` (default `2 * max_seqs * window_blocks_per_request`).
         dtype: model dtype (the windows' dtype); backend: kernel backend ("auto" | "torch" | "triton").
     """
 
     def __init__(self, artifact: OscarArtifact, *, max_seqs: int, dtype: torch.dtype,
-                 layout: CacheLayout | None = None, window_capacity: int | None = None,
+                 fmt: KVFormat | None = None, window_capacity: int | None = None,
                  device: torch.device | str = "cpu", backend: str = "auto"):
         artifact.validate()
         self.quantizer = check_served_quantizer(artifact)
-        self.layout = layout or DEFAULT_LAYOUT.with_(sink_tokens=artifact.sink_tokens,
-                                                     recent_tokens=artifact.recent_tokens)
-        p = self.layout.page_size
-        if self.layout.sink_tokens % p:
+        self.fmt = check_served_format(artifact, fmt)
+        p = self.fmt.page_size
+        if self.fmt.sink_tokens % p:
             raise ValueError(f"sink_tokens: must be a multiple of the block size {p} (history pages are vLLM "
-                             f"blocks), got {self.layout.sink_tokens}")
-        self.packed = PackedLayout(artifact.head_dim, artifact.group_size, artifact.runtime_scale_format)
+                             f"blocks), got {self.fmt.sink_tokens}")
+        self.packed = PackedLayout(self.fmt, artifact.head_dim)
         self.num_kv_heads, self.head_dim = artifact.num_kv_heads, artifact.head_dim
         self.local_of = {int(g): i for i, g in enumerate(artifact.layer_ids.tolist())}
         self.device = torch.device(device)
@@ -287,13 +281,13 @@ class OscarEngine:
         self.v_clip = [c.to(self.device, torch.float32).contiguous() for c in artifact.v_clip_ratio]
         # Centered caches (contract v2): the INT2 pages hold quant(x_rot - mu); decode adds mu back exactly
         # (q . mu_k on the history logits, the history's probability mass times mu_v), as PagedKVCache does.
-        centered = artifact.is_centered
+        centered = self.fmt.centered
         self.k_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.key_mean("rotated")] \
             if centered else [None] * len(self.k_rotation)
         self.v_mean = [m.to(self.device, torch.float32).contiguous() for m in artifact.value_mean("rotated")] \
             if centered else [None] * len(self.v_rotation)
-        capacity = window_capacity or 2 * int(max_seqs) * window_blocks_per_request(self.layout)
-        check_window_store_fits(self.device, self.layout, num_layers=len(self.local_of), capacity=capacity,
+        capacity = window_capacity or 2 * int(max_seqs) * window_blocks_per_request(self.fmt)
+        check_window_store_fits(self.device, self.fmt, num_layers=len(self.local_of), capacity=capacity,
                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
@@ -301,12 +295,12 @@ class OscarEngine:
     # -- host bookkeeping --------------------------------------------------------------------------------
     def _window_positions(self, n: int) -> list[int]:
         """Positions read in full precision by a request of `n` tokens: sink, then recent (chronological)."""
-        s = self.layout.sink_tokens
-        return list(range(min(n, s))) + list(range(s + history_tokens(n, self.layout), n))
+        s = self.fmt.sink_tokens
+        return list(range(min(n, s))) + list(range(s + self.fmt.history_tokens(n), n))
 
     def _segments(self, req: RequestStep, n: int, dev) -> tuple[list, list, list, list, list]:
         """(BF16 slots, BF16 rows, INT2 pages, INT2 rows, chronological order) of positions [0, n) of `req`."""
-        p, store = self.layout.page_size, self.windows
+        p, store = self.fmt.page_size, self.windows
         in_window = set(self._window_positions(n))
         ws, wr, ip, ir, kinds = [], [], [], [], []
         for pos in range(n):
@@ -327,7 +321,7 @@ class OscarEngine:
 
     def _check_blocks(self, requests: list[RequestStep]) -> set[int]:
         """Raise on a request without enough blocks; return the step's blocks (pinned: never reclaimed now)."""
-        p = self.layout.page_size
+        p = self.fmt.page_size
         for r in requests:
             if len(r.blocks) < -(-r.n_new // p):
                 raise ValueError(f"blocks: request at q_start={r.q_start} has {len(r.blocks)} blocks for "
@@ -338,7 +332,7 @@ class OscarEngine:
 
     def _book_writes(self, requests: list[RequestStep], pinned: set[int]) -> tuple[list, list, list]:
         """(INT2 blocks, rows, window slots) of every new token, in token order; window slots are booked."""
-        p, store = self.layout.page_size, self.windows
+        p, store = self.fmt.page_size, self.windows
         pages, rows, slots = [], [], []
         for r in requests:
             for pos in range(r.n_old, r.n_new):
@@ -351,12 +345,12 @@ class OscarEngine:
     def _decode_reads(self, decode: list[RequestStep]):
         """Where each decode request reads (the state after its write): INT2 tables and history lengths, and
         the window rows `(slot, row) -> (batch, pos)` with per-request window lengths."""
-        p, store = self.layout.page_size, self.windows
+        p, store = self.fmt.page_size, self.windows
         tables, hist, win_s, win_r, win_b, win_p, win_len = [], [], [], [], [], [], []
-        s_blocks = self.layout.sink_tokens // p
+        s_blocks = self.fmt.sink_tokens // p
         for i, r in enumerate(decode):
             n = r.n_new
-            h = history_tokens(n, self.layout)
+            h = self.fmt.history_tokens(n)
             table = list(r.blocks[s_blocks:s_blocks + h // p])
             count, partial = 0, None
             positions = self._window_positions(n)
@@ -386,7 +380,7 @@ class OscarEngine:
 
     def plan(self, requests: list[RequestStep]) -> StepPlan:
         """Book the step: window slots for the new tokens, and where each request reads its cache from."""
-        p, dev = self.layout.page_size, self.device
+        p, dev = self.fmt.page_size, self.device
         pinned = self._check_blocks(requests)
         # Reads first (they see the cache before this step's writes; writes only touch positions >= n_old).
         decode, prefills = [], []
@@ -533,4 +527,4 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
 
 
 __all__ = ["NULL_BLOCK", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
-           "history_tokens", "window_blocks_per_request"]
+           "window_blocks_per_request"]

@@ -6,8 +6,8 @@ content) with `C = PackedLayout.bytes_per_token_head` bytes per (token, KV head)
     [ K codes d/4 | V codes d/4 | K scale | K zero | V scale | V zero ]   (scale/zero d/G each)
 
 Scale and zero are fp16 (the `float16` scale format) or one byte each (`ue5m3`): 72 or 68 bytes at d = 128 and
-one group per row, against `2 * d * 2 = 512` for BF16 K+V. The views keep the last dim contiguous, as
-`runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
+one group per row (`KVFormat.bytes_per_token`), against `2 * d * 2 = 512` for BF16 K+V. The views keep the last dim
+contiguous, as `runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
 """
 
 from __future__ import annotations
@@ -17,31 +17,34 @@ from dataclasses import dataclass
 import torch
 
 from runtime_kernels.attention.int2_decode.records import PagePools
+from runtime_kernels.format import KVFormat
 from runtime_kernels.quant.naive import SCALE_STORAGE
 
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Geometry of the packed cell of one (token, KV head): head_dim d, quantization group G (divides d), and the
-    scale format (`float16`: 2 bytes each for scale and zero; `ue5m3`: 1 byte each)."""
+    """Geometry of the packed cell of one (token, KV head) of a cache in format `fmt` at head_dim d: its group size
+    (divides d) and scale format (`float16`: 2 bytes each for scale and zero; `ue5m3`: 1 byte each)."""
 
+    fmt: KVFormat
     head_dim: int
-    group_size: int
-    scale_format: str = "float16"
 
     def __post_init__(self) -> None:
-        d, g = self.head_dim, self.group_size
-        if d <= 0 or d % 4:
+        d = self.head_dim
+        if not isinstance(self.fmt, KVFormat):
+            raise TypeError(f"fmt: expected a KVFormat, got {type(self.fmt).__name__}")
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 4:
             raise ValueError(f"head_dim: expected a positive multiple of 4 for 2-bit packing, got {d}")
-        if g <= 0 or g % 4 or d % g:
-            raise ValueError(f"group_size: expected a multiple of 4 dividing head_dim={d}, got {g}")
-        if self.scale_format not in SCALE_STORAGE:
-            raise ValueError(f"scale_format: expected one of {list(SCALE_STORAGE)}, got {self.scale_format!r}")
+        self.fmt.group(d)  # KVFormatError naming group_size when it does not divide head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.fmt.group(self.head_dim)
 
     @property
     def scale_dtype(self) -> torch.dtype:
         """dtype of the scale and zero views: fp16, or uint8 for ue5m3."""
-        return SCALE_STORAGE[self.scale_format]
+        return SCALE_STORAGE[self.fmt.scale_format]
 
     @property
     def code_bytes(self) -> int:
@@ -55,7 +58,7 @@ class PackedLayout:
     @property
     def bytes_per_token_head(self) -> int:
         """K and V codes plus four vectors (K scale/zero, V scale/zero) of d/G entries of the scale dtype."""
-        return 2 * self.code_bytes + 4 * self.scale_dtype.itemsize * self.groups
+        return self.fmt.bytes_per_token(self.head_dim)
 
     @staticmethod
     def bf16_bytes_per_token_head(head_dim: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER
 
 from runtime_kernels import identity_artifact, write_artifact
 from runtime_kernels.artifact import ArtifactError
@@ -50,10 +51,10 @@ def test_artifact_checked_against_the_model(tmp_path):
 
     model = Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                         hidden_size=128)
-    write_artifact(identity_artifact(2, 2, 4, 32), tmp_path / "good")
+    write_artifact(identity_artifact(2, 2, 4, 32, fmt=PAPER), tmp_path / "good")
     art = load_checked_artifact(OscarServeConfig(path=str(tmp_path / "good")), model)
     assert art.num_kv_heads == 2 and torch.equal(art.layer_ids, torch.tensor([0, 1]))
-    write_artifact(identity_artifact(2, 2, 4, 64), tmp_path / "bad")
+    write_artifact(identity_artifact(2, 2, 4, 64, fmt=PAPER), tmp_path / "bad")
     with pytest.raises(ArtifactError, match="field 'head_dim': artifact has 64, the model has 32"):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "bad")), model)
     with pytest.raises(Exception, match="no such file or directory"):
@@ -67,7 +68,7 @@ def test_layers_restrict_the_artifact_to_their_rows(tmp_path):
 
     model = Qwen3Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                         hidden_size=128)
-    art = identity_artifact(3, 2, 4, 32, layer_ids=[0, 2, 3])
+    art = identity_artifact(3, 2, 4, 32, layer_ids=[0, 2, 3], fmt=PAPER)
     art.k_clip_ratio = torch.tensor([[0.9, 0.8], [0.7, 0.6], [0.55, 0.5]])  # one distinct row per layer
     write_artifact(art.validate(), tmp_path / "a")
     cfg = OscarServeConfig(path=str(tmp_path / "a"), layers=[3, 0])
@@ -90,7 +91,7 @@ def test_repo_type_reaches_the_hub_pull(tmp_path, monkeypatch):
 
     def fake_load(model_id, **kwargs):
         seen.update(kwargs, model_id=model_id)
-        return identity_artifact(2, 2, 4, 32, model_id=model_id)
+        return identity_artifact(2, 2, 4, 32, model_id=model_id, fmt=PAPER)
 
     monkeypatch.setattr(config_mod, "load_artifact", fake_load)
     from transformers import Qwen3Config

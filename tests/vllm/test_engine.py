@@ -8,33 +8,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import PAPER, restamp
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.cache import PagedKVCache
-from runtime_kernels.layout import CacheLayout
 from runtime_kernels.vllm.engine import (
     NULL_BLOCK,
     OscarEngine,
     RequestStep,
     StaticStep,
     _causal_attention,
-    history_tokens,
     window_blocks_per_request,
 )
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 
 S, R, P = 8, 16, 8  # sink / recent / page (= vLLM block) small enough that 60 tokens use every segment
 H, HQ, D, G = 2, 4, 32, 32
-LAYOUT = CacheLayout(sink_tokens=S, recent_tokens=R, page_size=P)
+LAYOUT = PAPER.with_(sink_tokens=S, recent_tokens=R, page_size=P, group_size=G)
 SCALE = D ** -0.5
 
 
 def random_artifact(num_layers=2, seed=0, centered=False, scale_format="float16", quantizer="uniform_minmax"):
     """Random orthogonal rotations per (layer, KV head) and clip ratios below 1; with `centered`, random means;
     `scale_format` and `quantizer` recorded as the contract's scale_dtype and quantizer."""
-    art = identity_artifact(num_layers, H, HQ, D, group_size=G)
-    art.metadata["scale_dtype"] = scale_format
-    art.metadata["quantizer"] = quantizer
+    art = identity_artifact(num_layers, H, HQ, D, group_size=G, fmt=PAPER)
     gen = torch.Generator().manual_seed(seed)
     for name in ("k_rotation", "v_rotation"):
         q, _ = torch.linalg.qr(torch.randn(num_layers, H, D, D, generator=gen, dtype=torch.float64))
@@ -44,7 +41,13 @@ def random_artifact(num_layers=2, seed=0, centered=False, scale_format="float16"
     if centered:  # contract v2 means in the model basis: the engine must add them back exactly, as PagedKVCache does
         art.k_mean = (torch.randn(num_layers, H, D, generator=gen) * 2).contiguous()
         art.v_mean = torch.randn(num_layers, H, D, generator=gen).contiguous()
-    return art.validate()
+    return restamp(art, scale_dtype=scale_format, quantizer=quantizer).validate()
+
+
+def served(art, windows=LAYOUT):
+    """The artifact's own format with the test's windows and block size (an identity artifact takes any windows)."""
+    return art.kv_format.with_(sink_tokens=windows.sink_tokens, recent_tokens=windows.recent_tokens,
+                               page_size=windows.page_size)
 
 
 class FakeVllm:
@@ -81,23 +84,24 @@ def rand(gen, *shape, dtype=torch.bfloat16):
 
 
 def test_packed_layout_bytes_and_views():
-    assert PackedLayout(128, 128).bytes_per_token_head == 72  # the issue's number: 64 code bytes + 4 fp16
+    ue5m3 = PAPER.with_(scale_format="ue5m3")
+    assert PackedLayout(PAPER, 128).bytes_per_token_head == 72  # the issue's number: 64 code bytes + 4 fp16
     assert PackedLayout.bf16_bytes_per_token_head(128) == 512
-    assert PackedLayout(128, 32).bytes_per_token_head == 64 + 4 * 2 * 4
-    assert PackedLayout(128, 128, "ue5m3").bytes_per_token_head == 68  # one byte each for scale and zero
-    u8 = page_pools(torch.zeros(2, H, P, 68, dtype=torch.uint8), PackedLayout(128, 128, "ue5m3"))
+    assert PackedLayout(PAPER.with_(group_size=32), 128).bytes_per_token_head == 64 + 4 * 2 * 4
+    assert PackedLayout(ue5m3, 128).bytes_per_token_head == 68  # one byte each for scale and zero
+    u8 = page_pools(torch.zeros(2, H, P, 68, dtype=torch.uint8), PackedLayout(ue5m3, 128))
     assert u8.k_scale.dtype == torch.uint8 and u8.v_zero.shape == (2, H, P, 1)
     u8.v_zero.fill_(7)
     assert u8.k_codes.untyped_storage().data_ptr() == u8.v_zero.untyped_storage().data_ptr()
-    cache = torch.zeros(3, H, P, PackedLayout(D, G).bytes_per_token_head, dtype=torch.uint8)
-    pools = page_pools(cache.view(torch.bfloat16), PackedLayout(D, G))
+    cache = torch.zeros(3, H, P, PackedLayout(LAYOUT, D).bytes_per_token_head, dtype=torch.uint8)
+    pools = page_pools(cache.view(torch.bfloat16), PackedLayout(LAYOUT, D))
     pools.v_zero.fill_(1.5)
     assert pools.k_codes.shape == (3, H, P, D // 4) and pools.k_scale.shape == (3, H, P, D // G)
     assert cache.view(torch.float16)[..., -1].eq(1.5).all()  # the views alias vLLM's bytes, no copy
     with pytest.raises(ValueError, match="kv_cache: expected 24 bytes .* got 16"):
-        page_pools(torch.zeros(3, H, P, 16, dtype=torch.uint8), PackedLayout(D, G))
+        page_pools(torch.zeros(3, H, P, 16, dtype=torch.uint8), PackedLayout(LAYOUT, D))
     with pytest.raises(ValueError, match="group_size"):
-        PackedLayout(128, 6)
+        PackedLayout(PAPER.with_(group_size=12), 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,10 +116,10 @@ def test_ragged_steps_match_paged_cache(dtype, centered, scale_format, quantizer
     (`OscarCache`'s prefill), and the INT2 bytes of every demoted page equal `PagedKVCache`'s (centered too)."""
     art = random_artifact(centered=centered, scale_format=scale_format, quantizer=quantizer)
     assert art.is_centered == centered
-    engine = OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend="torch")
-    assert engine.packed.scale_format == scale_format and engine.quantizer == quantizer
+    engine = OscarEngine(art, max_seqs=4, dtype=dtype, fmt=served(art), backend="torch")
+    assert engine.packed.fmt.scale_format == scale_format and engine.quantizer == quantizer
     fake = FakeVllm(engine, art.num_layers)
-    ref = PagedKVCache.from_artifact(art, max_pages=64, max_seqs=4, page_size=P, sink_tokens=S, recent_tokens=R,
+    ref = PagedKVCache.from_artifact(art, max_pages=64, max_seqs=4, fmt=served(art),
                                      dtype=dtype, backend="torch")
     gen = torch.Generator().manual_seed(1)
     seqs = {}  # name -> [ref seq id, blocks, n]
@@ -158,7 +162,7 @@ def test_ragged_steps_match_paged_cache(dtype, centered, scale_format, quantizer
     # Demoted pages: the engine's block bytes equal the reference pool's page bytes.
     for sid, blocks, n in seqs.values():
         _, ref_pages = ref.snapshot(sid)
-        h = history_tokens(n, LAYOUT)
+        h = LAYOUT.history_tokens(n)
         assert len(ref_pages) == h // P and h > 0
         for layer in range(art.num_layers):
             mine = page_pools(fake.caches[layer], engine.packed)
@@ -182,7 +186,7 @@ def test_prefix_hit_equals_chunked_miss_and_reuses_blocks():
     cut = 4 * P
 
     def run(hit: bool):
-        engine = OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, layout=LAYOUT, backend="torch")
+        engine = OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, fmt=served(art), backend="torch")
         fake = FakeVllm(engine, art.num_layers)
         first = fake.blocks_for([], 44)
         step(engine, fake, [(q[:cut], k[:cut], v[:cut]) for q, k, v in prompt], [RequestStep(0, cut, 0, first)])
@@ -218,7 +222,7 @@ def test_evicted_window_reads_int2_not_stale_rows(small):
     q1 = [(rand(gen, 1, HQ, D), rand(gen, 1, H, D), rand(gen, 1, H, D)) for _ in range(art.num_layers)]
     results = []
     for capacity in (64, small):
-        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, layout=LAYOUT, window_capacity=capacity,
+        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, fmt=served(art), window_capacity=capacity,
                              backend="torch")
         fake = FakeVllm(engine, art.num_layers)
         a = fake.blocks_for([], 31)
@@ -237,9 +241,9 @@ def test_evicted_window_reads_int2_not_stale_rows(small):
 def test_engine_refuses_bad_geometry():
     art = random_artifact()
     with pytest.raises(ValueError, match="sink_tokens: must be a multiple of the block size"):
-        OscarEngine(art, max_seqs=1, dtype=torch.float32, layout=CacheLayout(sink_tokens=4, recent_tokens=8,
-                                                                             page_size=8))
-    engine = OscarEngine(art, max_seqs=1, dtype=torch.float32, layout=LAYOUT)
+        OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=served(art, PAPER.with_(
+            sink_tokens=4, recent_tokens=8, page_size=8)))
+    engine = OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=served(art))
     with pytest.raises(ValueError, match="blocks: request"):
         engine.plan([RequestStep(0, 20, 0, [0])])
     with pytest.raises(KeyError, match="layer 7: not calibrated"):
@@ -254,17 +258,17 @@ def test_engine_refuses_windows_the_device_cannot_hold_before_allocating(monkeyp
     from runtime_kernels.memory_budget import CacheTooLargeError
 
     art = random_artifact()
-    big = CacheLayout(sink_tokens=2**20, recent_tokens=2**20, page_size=P)
+    big = served(art, PAPER.with_(sink_tokens=2**20, recent_tokens=2**20, page_size=P))
     allocated = []
     monkeypatch.setattr(engine_mod, "WindowStore", lambda *a, **k: allocated.append(a))
     monkeypatch.setattr(memory_budget, "available_bytes", lambda device: 16 * 2**30)  # a 16 GiB device
     with pytest.raises(CacheTooLargeError, match=r"windows of 1048576 \+ 1048576 tokens need a window store of (\d+) bytes") as exc:
-        OscarEngine(art, max_seqs=64, dtype=torch.bfloat16, layout=big)
+        OscarEngine(art, max_seqs=64, dtype=torch.bfloat16, fmt=big)
     assert not allocated
     capacity = 2 * 64 * window_blocks_per_request(big)
     want = 2 * 2 * (capacity + 1) * H * P * D * 2  # layers x (K, V) x slots x heads x block x d x bf16 bytes
     assert f"need a window store of {want} bytes" in str(exc.value)
-    OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, layout=LAYOUT)  # the test layout fits and is built
+    OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, fmt=served(art))  # the test layout fits and is built
     assert allocated
 
 
@@ -274,7 +278,7 @@ def static_vs_eager(backend: str, dtype=torch.bfloat16, decode_steps: int = 20):
     seen at every static step)."""
     art = random_artifact(seed=13)
     gen = torch.Generator().manual_seed(14)
-    eager, static = (OscarEngine(art, max_seqs=4, dtype=dtype, layout=LAYOUT, backend=backend) for _ in range(2))
+    eager, static = (OscarEngine(art, max_seqs=4, dtype=dtype, fmt=served(art), backend=backend) for _ in range(2))
     fakes = [FakeVllm(e, art.num_layers, null_block=True) for e in (eager, static)]
     bufs = StaticStep(4, 8, LAYOUT, H, D, dtype)
     lens = {"a": 37, "b": 26, "c": 30}  # a already has INT2 history; b and c get theirs while decoding
@@ -338,7 +342,7 @@ def test_static_step_triton_path_equals_the_eager_plan():
 
 def test_static_step_refuses_what_it_cannot_replay():
     art = random_artifact(seed=15)
-    engine = OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, layout=LAYOUT, backend="torch")
+    engine = OscarEngine(art, max_seqs=4, dtype=torch.bfloat16, fmt=served(art), backend="torch")
     bufs = StaticStep(2, 8, LAYOUT, H, D, torch.bfloat16)
     blocks = [1, 2, 3]
     with pytest.raises(ValueError, match="requests: a static step is decode-only.*q_len=5"):
@@ -361,7 +365,7 @@ def test_triton_path_matches_torch_path():
     nxt = [(rand(gen, 1, HQ, D), rand(gen, 1, H, D), rand(gen, 1, H, D)) for _ in range(art.num_layers)]
     runs = []
     for backend in ("torch", "triton"):
-        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, layout=LAYOUT, backend=backend)
+        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, fmt=served(art), backend=backend)
         fake = FakeVllm(engine, art.num_layers)
         blocks = fake.blocks_for([], 46)
         step(engine, fake, prompt, [RequestStep(0, 45, 0, blocks)])
@@ -385,7 +389,7 @@ def test_cuda_path_matches_torch_path():
     nxt = [(rand(gen, 1, HQ, D), rand(gen, 1, H, D), rand(gen, 1, H, D)) for _ in range(art.num_layers)]
     runs = []
     for device, backend in (("cpu", "torch"), ("cuda", "auto")):
-        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, layout=LAYOUT, backend=backend, device=device)
+        engine = OscarEngine(art, max_seqs=2, dtype=torch.bfloat16, fmt=served(art), backend=backend, device=device)
         fake = FakeVllm(engine, art.num_layers)
         fake.caches = [c.to(device) for c in fake.caches]
         blocks = fake.blocks_for([], 46)
@@ -405,7 +409,7 @@ def test_cuda_path_matches_torch_path():
 
 def test_engine_refuses_a_codebook_artifact_naming_the_field():
     art = random_artifact()
-    art.metadata["quantizer"] = "lloyd_max"
+    restamp(art, quantizer="lloyd_max")
     art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, H, 4).contiguous()
     with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
-        OscarEngine(art, max_seqs=1, dtype=torch.float32, layout=LAYOUT, backend="torch")
+        OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=served(art), backend="torch")

@@ -103,7 +103,7 @@ def test_customize_spec_packs_only_when_selected(artifact_dir):
         from runtime_kernels.artifact import read_artifact
         from runtime_kernels.vllm.layout import PackedLayout
 
-        cell = PackedLayout(128, 128, read_artifact(artifact_dir).runtime_scale_format).bytes_per_token_head
+        cell = PackedLayout(read_artifact(artifact_dir).kv_format, 128).bytes_per_token_head
         assert cell in (68, 72)  # ue5m3 or fp16 scale and zero
         assert cls.customize_spec(spec).page_size_bytes == 64 * 2 * cell
         with pytest.raises(ValueError, match="kv_cache_dtype: additional_config.oscar stores the cache in INT2"):

