@@ -15,6 +15,7 @@ from runtime_kernels import attention as A
 from runtime_kernels.attention import BatchMetadata, Windows
 from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.cache import PagedKVCache
+from runtime_kernels.format import DEFAULT_FORMAT
 from tests.kernel_helpers import batch_of, decode_inputs, make_pool, make_q, make_window, pages_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -40,9 +41,10 @@ def cache_call(batch: int, monkeypatch) -> tuple:
     h, h_q, d = bench_common.H_KV, bench_common.H_Q, bench_common.D
     rot = torch.eye(d).expand(1, h, d, d)
     means = dict(k_mean=torch.zeros(1, h, d), v_mean=torch.zeros(1, h, d)) if centered else {}
-    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), max_pages=1, max_seqs=batch,
-                         page_size=bench_common.PAGE, sink_tokens=sink, recent_tokens=recent, dtype=torch.bfloat16,
-                         scale_format=scale_format, **means)
+    fmt = DEFAULT_FORMAT.with_(page_size=bench_common.PAGE, sink_tokens=sink, recent_tokens=recent,
+                               scale_format=scale_format, centered=centered)
+    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), fmt=fmt, max_pages=1, max_seqs=batch,
+                         dtype=torch.bfloat16, **means)
     ids = [cache.add_sequence() for _ in range(batch)]
     x = torch.zeros(batch, h, d, dtype=torch.bfloat16)
     cache.append(ids, [x], [x])
