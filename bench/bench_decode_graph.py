@@ -171,14 +171,14 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
         t = graph_times(calls)
         o, _ = calls[0]()
         a = layers[0]
-        q, pages, batch, windows = common.decode_records(a, means)
-        plan = A.decode_plan(q, pages, windows, whole_pages=batch.whole_pages, fused=fused, options=opts)
+        q, pages, meta, windows = common.decode_records(a, means)
+        plan = A.decode_plan(q, pages, windows, whole_pages=meta.whole_pages, fused=fused, options=opts)
         nbytes = call_bytes(a)
         rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),
                                speedup_vs_best_bf16=best / t[0], bytes_per_call=nbytes,
                                gbps=nbytes / t[0] / 1e6, plan=plan_fields(plan),
                                rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
-                               splits=list(A.decode_num_splits(q, pages, batch, windows, fused=fused,
+                               splits=list(A.decode_num_splits(q, pages, meta, windows, fused=fused,
                                                                options=opts))))
         del calls, layers
         torch.cuda.empty_cache()
