@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from oscar_calib.errors import InputError
+from oscar_calib.interception import AttentionInterception
 from runtime_kernels.artifact import (
     ORTHOGONALITY_TOL,
     TENSOR_NAMES,
@@ -168,17 +170,15 @@ class Activations:
     v: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-_RECORD: Activations | None = None
-
-
-def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _record_attention(acts: Activations, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """Routed attention function: SDPA, keeping q, k and v in `acts` (bound by `capture_activations`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _RECORD is not None:
-        i = module.layer_idx
-        for store, t in ((_RECORD.q, query), (_RECORD.k, key), (_RECORD.v, value)):
-            t = t.detach().float().cpu()
-            store[i] = torch.cat([store[i], t]) if i in store else t
+    i = module.layer_idx
+    for store, t in ((acts.q, query), (acts.k, key), (acts.v, value)):
+        t = t.detach().float().cpu()
+        store[i] = torch.cat([store[i], t]) if i in store else t
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -186,18 +186,12 @@ def _record_attention(module, query, key, value, attention_mask, scaling=None, d
 @torch.no_grad()
 def capture_activations(model, input_ids: torch.Tensor) -> Activations:
     """Run `input_ids [N, T]` through `model` and keep every layer's post-RoPE q, k and v."""
-    global _RECORD
-    from oscar_calib.capture import routed_attention
-
-    with routed_attention(model, AUDIT_ATTENTION, _record_attention):
-        _RECORD = Activations()
-        try:
-            device = next(model.parameters()).device
-            for row in input_ids:
-                model(input_ids=row[None].to(device), use_cache=False)
-            return _RECORD
-        finally:
-            _RECORD = None
+    acts = Activations()
+    with AttentionInterception(model, AUDIT_ATTENTION, partial(_record_attention, acts)):
+        device = next(model.parameters()).device
+        for row in input_ids:
+            model(input_ids=row[None].to(device), use_cache=False)
+    return acts
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def _run_capture(model, session: CaptureSession, ids: torch.Tensor, batch_size: 
     with capturing(model, session):
         for start in range(0, ids.shape[0], batch_size):
             batch = ids[start:start + batch_size].to(device)
-            forward_batch(model, batch)
+            forward_batch(model, batch, session)
             if progress is not None:
                 progress(batch.numel(), ids.numel())
 

@@ -1,9 +1,9 @@
 """Capture post-norm, post-RoPE q/k/v of every attention layer through transformers' AttentionInterface.
 
-A custom attention function named `oscar_capture` is registered (with a mask function under the same
-name, otherwise transformers would silently drop the causal mask). It delegates the actual attention
-to SDPA and hands q, k, v and the per-head output to the active `CaptureSession`. One forward pass
-sees every layer; there is no KV cache during calibration.
+`capturing` routes the model's attention through `oscar_capture` (an `AttentionInterception`, the one owner of
+attention routing) for a `with` block. The function delegates the actual attention to SDPA and hands q, k, v and
+the per-head output to the `CaptureSession` bound to it. One forward pass sees every layer; there is no KV cache
+during calibration.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from oscar_calib.errors import CaptureError, InputError
+from oscar_calib.errors import CaptureError
+from oscar_calib.interception import AttentionInterception
 from oscar_calib.stats import LayerStats
 from runtime_kernels.artifact import text_config
 
 CAPTURE_NAME = "oscar_capture"
-_ACTIVE: CaptureSession | None = None
 
 
 @dataclass
@@ -104,49 +105,13 @@ class CaptureSession:
             rows.positions.append(pos.expand(q.shape[0], -1).clone())
 
 
-def _capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The registered attention function: SDPA, then report the tensors to the active session."""
+def _capture_attention(session: CaptureSession, module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The routed attention function: SDPA, then report the tensors to `session` (bound by `capturing`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if _ACTIVE is not None:
-        _ACTIVE.observe(module, query, key, value, out.transpose(1, 2), scaling)
+    session.observe(module, query, key, value, out.transpose(1, 2), scaling)
     return out, weights
-
-
-def register_attention(name: str, fn) -> None:
-    """Register `fn` as attention function `name`, and SDPA's mask function under the same name
-    (without a mask function of that name transformers silently drops the causal mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
-
-
-@contextlib.contextmanager
-def routed_attention(model: torch.nn.Module, name: str, fn=None) -> Iterator[None]:
-    """Route `model`'s attention through implementation `name` (registering `fn` under it when given) for
-    the duration of the block; the previous implementation is restored afterwards, also on error."""
-    if fn is not None:
-        register_attention(name, fn)
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    try:
-        set_attention_implementation(model, name)
-    except Exception as exc:  # noqa: BLE001 - transformers raises several types here
-        raise InputError(f"model {type(model).__name__}: cannot route attention through AttentionInterface: {exc}") from exc
-    try:
-        yield
-    finally:
-        set_attention_implementation(model, previous)
-
-
-def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
-    """Switch `model` to attention implementation `name` on transformers 5.x (with a fallback for older)."""
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # pragma: no cover - older transformers
-        model.config._attn_implementation = name
 
 
 def unsupported_attention_reason(config) -> str | None:
@@ -174,19 +139,13 @@ def sliding_window_layers(config) -> set[int]:
 
 @contextlib.contextmanager
 def capturing(model: torch.nn.Module, session: CaptureSession) -> Iterator[CaptureSession]:
-    """Route `model`'s attention through the capture function for the duration of the block.
+    """Route `model`'s attention through the capture function, reporting to `session`, for the block.
 
-    The previous attention implementation is restored afterwards, also on error.
+    The previous attention implementation is restored afterwards, also on error; nesting is refused
+    (`oscar_calib.interception`).
     """
-    global _ACTIVE
-    if _ACTIVE is not None:
-        raise RuntimeError("a capture session is already active")
-    with routed_attention(model, CAPTURE_NAME, _capture_attention):
-        _ACTIVE = session
-        try:
-            yield session
-        finally:
-            _ACTIVE = None
+    with AttentionInterception(model, CAPTURE_NAME, partial(_capture_attention, session)):
+        yield session
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -196,9 +155,9 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def forward_batch(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
-    """One forward pass through the decoder without a KV cache. input_ids `[B, T]`."""
+def forward_batch(model: torch.nn.Module, input_ids: torch.Tensor, session: CaptureSession) -> None:
+    """One forward pass through the decoder without a KV cache, inside `capturing(model, session)`; then
+    `session.check_finite()`. input_ids `[B, T]`."""
     decoder = decoder_of(model)
     decoder(input_ids=input_ids, use_cache=False)
-    if _ACTIVE is not None:
-        _ACTIVE.check_finite()
+    session.check_finite()

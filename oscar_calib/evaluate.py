@@ -22,20 +22,19 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from oscar_calib.capture import routed_attention
 from oscar_calib.errors import InputError
+from oscar_calib.interception import AttentionInterception
 from oscar_calib.methods import KVMethod
 from runtime_kernels.artifact import model_geometry
 from runtime_kernels.format import KVFormat
 
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
-
-_ACTIVE: EvalSession | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,9 +124,10 @@ def _allowed_mask(attention_mask: torch.Tensor | None, b: int, t: int, s: int, d
     return allowed
 
 
-def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Registered attention function. query `[B, H_q, T, d]`, key/value `[B, H_kv, S, d]` (post-RoPE)."""
-    session = _ACTIVE
+def _eval_attention(session: EvalSession | None, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    **kwargs):
+    """Routed attention function (`session` bound by `evaluating`; None = all BF16). query `[B, H_q, T, d]`,
+    key/value `[B, H_kv, S, d]` (post-RoPE)."""
     b, h_q, t, d = query.shape
     h_kv, s = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
@@ -169,16 +169,10 @@ def _accumulate(session: EvalSession, layer: int, scores, ref_scores, out, v, ex
 
 @contextlib.contextmanager
 def evaluating(model: torch.nn.Module, session: EvalSession) -> Iterator[EvalSession]:
-    """Route `model`'s attention through the evaluation function for the block; restore it afterwards."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        raise RuntimeError("an evaluation session is already active")
-    with routed_attention(model, EVAL_ATTENTION, _eval_attention):
-        _ACTIVE = session
-        try:
-            yield session
-        finally:
-            _ACTIVE = None
+    """Route `model`'s attention through the evaluation function, applying `session`, for the block; restore it
+    afterwards, also on error. Nesting is refused (`oscar_calib.interception`)."""
+    with AttentionInterception(model, EVAL_ATTENTION, partial(_eval_attention, session)):
+        yield session
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -387,7 +381,7 @@ def runtime_decode_logits(model, artifact, tokens: torch.Tensor, prompt_len: int
     """
     from runtime_kernels.hf import ATTENTION_NAME, OscarCache, oscar_attention_forward
 
-    with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
+    with AttentionInterception(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=tokens.shape[1] + 1,
                                          fmt=fmt, backend=backend,
                                          allow_other_model=True)  # identity: checked by the caller

@@ -15,7 +15,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
 
 INTERRUPT_EXIT = 130  # 128 + SIGINT
 TERMINATE_EXIT = 143  # 128 + SIGTERM
@@ -69,11 +71,14 @@ def _committed() -> list[str]:
 
 @contextlib.contextmanager
 def handle_interrupts(message: str = "nothing was written or replaced (temporaries removed); run the command "
-                                     "again", fast_exit: bool = True) -> Iterator[None]:
+                                     "again", fast_exit: bool = True,
+                      say: Callable[[str], None] | None = None) -> Iterator[None]:
     """Around a CLI entry point: SIGTERM behaves like Ctrl-C; either ends with `message` and exit 130 / 143.
 
-    With `fast_exit` (the process's own entry point) the process leaves at once after a real signal (`exit_now`);
-    otherwise (a caller running the CLI in-process, such as a test) it raises `SystemExit` so the caller goes on.
+    The one line goes to `say` (the CLI's output object writes it to stderr); without one it is logged as a warning
+    (this module does not print). With `fast_exit` (the process's own entry point) the process leaves at once after
+    a real signal (`exit_now`); otherwise (a caller running the CLI in-process, such as a test) it raises
+    `SystemExit` so the caller goes on.
     """
     main = threading.current_thread() is threading.main_thread()
     committed_before = len(_committed())
@@ -100,8 +105,8 @@ def handle_interrupts(message: str = "nothing was written or replaced (temporari
             said = (f"{', '.join(_committed()[committed_before:])} already holds the complete new content (written "
                     "before the interrupt); temporaries removed")
         with contextlib.suppress(Exception):
-            print(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; {said or message}",
-                  file=sys.stderr)
+            (say or logger.warning)(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; "
+                                    f"{said or message}")
         if signalled and fast_exit:
             exit_now(code)
         raise SystemExit(code) from None

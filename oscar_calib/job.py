@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import tempfile
@@ -34,7 +35,7 @@ from oscar_calib.loading import load_tokenizer as _load_tokenizer
 from oscar_calib.memory import peak_memory
 from oscar_calib.model_card import render_model_card
 from oscar_calib.placement import describe_placement, placement_summary
-from oscar_calib.progress import Stages
+from oscar_calib.progress import Stages, log_console
 from oscar_calib.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
 from oscar_calib.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from runtime_kernels.artifact import (
@@ -44,6 +45,8 @@ from runtime_kernels.artifact import (
     write_artifact,
 )
 from runtime_kernels.atomic import OutputDirError, atomic_output_dir, output_lock, preflight
+
+logger = logging.getLogger(__name__)
 
 LOG_FILENAME = "calibration_log.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -187,7 +190,8 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
                     console: Console | None = None, options: RunOptions | None = None) -> Path | None:
     """Calibrate `config.model` and write the artifact directory `out_dir` (artifact, statistics, card, log).
 
-    Every auto-chosen default is printed with its reason. Nothing is written to `out_dir` if any step fails
+    Every auto-chosen default is reported with its reason on `console` (the CLI passes its stderr console;
+    without one the lines are logged). Nothing is written to `out_dir` if any step fails
     (a checkpoint beside it survives, for `--resume`). Under `torchrun` / `accelerate launch` the samples are
     shared among the ranks and rank 0 writes; the other ranks return None.
     Returns the output directory.
@@ -210,7 +214,9 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     from oscar_calib import demo
 
     main_rank = ctx is None or ctx.is_main
-    console = console or Console(stderr=True, quiet=not main_rank)
+    # The caller's console (the CLI's output object) on rank 0; else lines are logged, not printed (ranks other
+    # than 0 of a data-parallel run, and library callers that passed none).
+    console = console if console is not None and main_rank else log_console(logger)
     check_output_dir(out_dir, overwrite)
     if options.checkpointing() or options.checkpoint is not None:  # before the model loads: nothing is lost later
         options.keep_checkpoint_dir = prepare_checkpoint_dir(options.checkpoint_path(out_dir), forbidden=out_dir)

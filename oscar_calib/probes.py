@@ -129,10 +129,10 @@ def verbatim_recall(model, window: torch.Tensor, passage_start: int, passage_len
         from transformers import DynamicCache
 
         return run(DynamicCache(config=model.config))
-    from oscar_calib.evaluate import routed_attention
+    from oscar_calib.interception import AttentionInterception
     from runtime_kernels.hf import ATTENTION_NAME, OscarCache, oscar_attention_forward
 
-    with routed_attention(model, ATTENTION_NAME, oscar_attention_forward):
+    with AttentionInterception(model, ATTENTION_NAME, oscar_attention_forward):
         cache = OscarCache.from_artifact(artifact, model.config, batch_size=1, max_tokens=total,
                                          allow_other_model=True)  # the caller checked the artifact's model
         return run(cache)

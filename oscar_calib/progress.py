@@ -2,21 +2,37 @@
 
 One `Stages` display holds one bar per step; each step gets a callback that the computation calls as it
 advances. The callbacks take plain numbers, so the computing modules import nothing from rich.
+
+The console comes from the caller (the CLI's output object, `oscar_calib.cli.output`); a library function whose
+caller gave none writes to `log_console`, which draws nothing and logs its lines: library code does not print.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 StepFn = Callable[[str, int, int], None]  # (what is running now, steps done, steps in total)
 
 
-class Stages:
-    """A rich `Progress` on `console` (stderr); use as a context manager."""
+def log_console(logger: logging.Logger):
+    """A rich Console that draws nothing (progress bars included) and logs each printed line at INFO, markup
+    removed: where a library function writes when its caller passed no console."""
+    from rich.console import Console
+    from rich.text import Text
 
-    def __init__(self, console=None):
-        from rich.console import Console
+    class LogConsole(Console):
+        def print(self, *objects, **kwargs) -> None:
+            logger.info(" ".join(Text.from_markup(o).plain if isinstance(o, str) else str(o) for o in objects))
+
+    return LogConsole(stderr=True, quiet=True)
+
+
+class Stages:
+    """A rich `Progress` on `console` (a rich Console on stderr, or `log_console`); use as a context manager."""
+
+    def __init__(self, console):
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -27,7 +43,7 @@ class Stages:
         )
         from rich.table import Column
 
-        self.console = console or Console(stderr=True)
+        self.console = console
 
         def fixed() -> Column:
             return Column(no_wrap=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from oscar_calib.calibrate import artifact_from_statistics
 from oscar_calib.config import SolverSettings
 from oscar_calib.job import LOG_FILENAME, atomic_output_dir, check_output_dir, environment
 from oscar_calib.model_card import render_model_card
+from oscar_calib.progress import log_console
 from oscar_calib.stats_file import STATS_FILENAME, load_statistics, save_statistics
 from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
 
@@ -23,7 +25,7 @@ def refit(stats_path: Path, out_dir: Path, settings: SolverSettings, overwrite: 
     Bytes equal those of the run that wrote the statistics when `settings` are the run's solver settings and the
     clip fit runs on the same kind of device (`device`, default cpu).
     """
-    console = console or Console(stderr=True)
+    console = console or log_console(logging.getLogger(__name__))  # the CLI passes its own; a library caller gets logs
     check_output_dir(out_dir, overwrite)
     t0 = time.perf_counter()
     statistics = load_statistics(stats_path)

@@ -87,7 +87,7 @@ def make_accumulator(plan: CapturePlan):
                 if mine < len(batches):
                     a, b = batches[mine]
                     session.stats = {}
-                    forward_batch(model, input_ids[a:b].to(device))
+                    forward_batch(model, input_ids[a:b].to(device), session)
                     partial = session.stats
                 round_batches = range(round_start, min(round_start + world, len(batches)))
                 if world > 1:

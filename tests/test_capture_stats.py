@@ -83,7 +83,7 @@ def test_targets_match_naive_recomputation(arch, heads, kv_heads, head_dim):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     session = CaptureSession()
     with capturing(model, session):
-        forward_batch(model, ids)
+        forward_batch(model, ids, session)
     assert sorted(session.stats) == [0, 1]
     with torch.no_grad():
         ref = _reference_qkv(model, ids)
@@ -107,12 +107,12 @@ def test_gqa_ratio_8_and_merge_by_addition():
     # Per-batch query moments make the logit-weighted target batch-dependent, so compare
     # shard-wise: two sessions over the same batches, merged, equal one session over both.
     with capturing(model, whole):
-        forward_batch(model, ids[:2])
-        forward_batch(model, ids[2:])
+        forward_batch(model, ids[:2], whole)
+        forward_batch(model, ids[2:], whole)
     with capturing(model, a):
-        forward_batch(model, ids[:2])
+        forward_batch(model, ids[:2], a)
     with capturing(model, b):
-        forward_batch(model, ids[2:])
+        forward_batch(model, ids[2:], b)
     merged = a.stats[0].merge_(b.stats[0])
     w = whole.stats[0]
     for field in ("key_sum", "attn_out_sum", "logit_v_sum", "logit_w_sum"):
@@ -144,7 +144,7 @@ def test_sliding_window_layers_are_skipped():
     assert skip == {1}
     session = CaptureSession(skip_layers=skip)
     with capturing(model, session):
-        forward_batch(model, torch.randint(0, 256, (1, 16)))
+        forward_batch(model, torch.randint(0, 256, (1, 16)), session)
     assert sorted(session.stats) == [0, 2]
 
 
@@ -157,5 +157,5 @@ def test_nan_activations_raise_capture_error():
     session = CaptureSession()
     with pytest.raises(CaptureError, match="layer 0: captured key activations contain NaN"):
         with capturing(model, session):
-            forward_batch(model, torch.randint(0, 256, (1, 8)))
+            forward_batch(model, torch.randint(0, 256, (1, 8)), session)
     assert model.config._attn_implementation != "oscar_capture"

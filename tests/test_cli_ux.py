@@ -304,9 +304,11 @@ def test_eval_picks_cpu_sized_defaults_and_says_so(tmp_path, monkeypatch, capsys
 
 def test_explicit_eval_sizes_are_kept_and_not_logged(capsys):
     from oscar_calib.cli.eval_cmd import _sized
+    from oscar_calib.cli.output import Output
 
-    assert _sized(2, "--max-windows", on_gpu=False, gpu=16, cpu=4) == 2
-    assert _sized(None, "--max-windows", on_gpu=True, gpu=16, cpu=4) == 16
+    output = Output(tag="eval")
+    assert _sized(output, 2, "--max-windows", on_gpu=False, gpu=16, cpu=4) == 2
+    assert _sized(output, None, "--max-windows", on_gpu=True, gpu=16, cpu=4) == 16
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "[eval] --max-windows 16 (GPU" in err  # only the chosen default is logged
 

@@ -153,11 +153,7 @@ def test_layer_statistics_match_direct_formulas():
     method = _Noisy(0.5)
     session = ev.EvalSession(method, _fmt(2, 5))
     module = SimpleNamespace(layer_idx=0)
-    ev._ACTIVE = session
-    try:
-        out, _ = ev._eval_attention(module, q, k, v, None, scaling=d ** -0.5)
-    finally:
-        ev._ACTIVE = None
+    out, _ = ev._eval_attention(session, module, q, k, v, None, scaling=d ** -0.5)
     k_hat, v_hat = method.fake_quantize(0, k, v, _fmt(2, 5))
     kl_sum, n, num, den = 0.0, 0, 0.0, 0.0
     for hq in range(h_kv * g):

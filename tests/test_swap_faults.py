@@ -111,23 +111,23 @@ def test_an_error_at_each_swap_step_says_what_is_on_disk(mode, fail_on, restore_
     assert not [t for t in temporaries(target) if t[1] == "tmp"]
 
 
-def test_the_interrupt_handler_believes_the_disk_not_the_default(tmp_path, monkeypatch, capsys):
+def test_the_interrupt_handler_believes_the_disk_not_the_default(tmp_path, monkeypatch, caplog):
     """In process: an interrupt after a commit, outside the swap (the caller's next step), says what was written."""
     from oscar_calib.interrupts import handle_interrupts
 
     target = tmp_path / "out"
+    said: list[str] = []
     with pytest.raises(SystemExit) as info:
-        with handle_interrupts(fast_exit=False):
+        with handle_interrupts(fast_exit=False, say=said.append):
             with atomic_output_dir(target) as tmp:
                 (tmp / "a").write_text("new")
             raise KeyboardInterrupt  # e.g. Ctrl-C while the command prints its summary
     assert info.value.code == 130
-    err = capsys.readouterr().err
-    assert f"{target} {REPLACED}" in err and NOTHING not in err
-    with pytest.raises(SystemExit):
-        with handle_interrupts(fast_exit=False):
+    assert len(said) == 1 and f"{target} {REPLACED}" in said[0] and NOTHING not in said[0]
+    with caplog.at_level("WARNING", logger="oscar_calib.interrupts"), pytest.raises(SystemExit):
+        with handle_interrupts(fast_exit=False):  # no `say`: the library logs the line, it does not print it
             raise KeyboardInterrupt  # nothing written in this command: the default words
-    assert NOTHING in capsys.readouterr().err
+    assert NOTHING in caplog.text
 
 
 # --- one writer per target ---------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`oscar-calib` command line. Results go to stdout, progress and chatter to stderr.
+"""`oscar-calib` command line. Results go to stdout, progress and chatter to stderr, all through one output object
+per command (`oscar_calib.cli.output.Output`).
 
 Known errors print one line and exit with the code of their kind (`oscar_calib.cli.exit_codes`, the one
 table); set `OSCAR_CALIB_DEBUG=1` to see the traceback. Command modules import torch, transformers and
@@ -21,6 +22,7 @@ from oscar_calib.cli import (
 )
 from oscar_calib.cli.app import app, reflow_help
 from oscar_calib.cli.exit_codes import exit_code_for
+from oscar_calib.cli.output import Output
 
 reflow_help(app)
 
@@ -31,12 +33,13 @@ def main() -> None:
     # Leave with os._exit after a signal only when this is the program's entry point (the console script or
     # `python -m oscar_calib` calls it from `__main__`); called in-process, raise SystemExit instead.
     entry = sys._getframe(1).f_globals.get("__name__") == "__main__"
-    with handle_interrupts(fast_exit=entry):  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
+    out = Output()  # the interrupt line and the one-line error: stderr, whatever the command's mode
+    with handle_interrupts(fast_exit=entry, say=out.note):  # Ctrl-C and SIGTERM: cleanup, one line, exit 130 / 143
         try:
             app()  # standalone: click prints usage errors itself and exits 2
         except Exception as exc:
             code = exit_code_for(exc)
             if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
                 raise
-            print(f"Error: {exc}", file=sys.stderr)
+            out.error(str(exc))
             sys.exit(code)

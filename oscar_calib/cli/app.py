@@ -9,6 +9,7 @@ import typer
 
 from oscar_calib import __version__
 from oscar_calib.cli.help_layout import UserOrderGroup
+from oscar_calib.cli.output import Output
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -26,7 +27,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"oscar-calib {__version__}")
+        Output().result(f"oscar-calib {__version__}")
         raise typer.Exit()
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +11,7 @@ import typer
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt
+from oscar_calib.cli.output import Output
 
 _EXAMPLES = """
 Examples:
@@ -21,10 +20,6 @@ Examples:
   oscar-calib audit zoo/demo --model oscar_calib/fixtures/tiny-qwen3 --plots audit/
   oscar-calib audit zoo/qwen3-8b --model Qwen/Qwen3-8B --data text.txt --json > audit.json
 """
-
-
-def _log(msg: str) -> None:
-    print(f"[audit] {msg}", file=sys.stderr, flush=True)
 
 
 def _fmt(x) -> str:
@@ -82,6 +77,7 @@ def audit_cmd(
 
     Exits 4 after the report when the artifact breaks the contract (the report still shows what is wrong).
     """
+    output = Output(as_json, tag="audit")
     if plots is not None:
         require("matplotlib", "plot", "--plots")
     if model is not None and model.lower().endswith(".gguf"):  # transformers reads GGUF through `gguf`
@@ -99,7 +95,7 @@ def audit_cmd(
     check_model_ref(model)
     raw = load_raw(artifact)
     if raw.contract_error:
-        _log(f"the artifact breaks the contract: {raw.contract_error}")
+        output.note(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
         from oscar_calib.cli.checks import check_model
@@ -122,22 +118,19 @@ def audit_cmd(
         ids = torch.cat([w.long, w.packed])[:samples]
         if ids.shape[0] == 0:
             raise InputError(f"--data {data}: holds fewer than --seq-len {seq_len} tokens")
-        _log(f"capturing {ids.shape[0]} x {seq_len} tokens of {data} on {dev}")
+        output.note(f"capturing {ids.shape[0]} x {seq_len} tokens of {data} on {dev}")
         acts = capture_activations(lm, ids)
     report = audit_artifact(raw, acts)
     if plots is not None:
         written = write_audit_plots(report, plots)
         for p in written:
-            _log(f"wrote {p}")
+            output.note(f"wrote {p}")
         report["plots"] = [str(p) for p in written]  # in --json too: the result names every file it wrote
     if as_json:
-        print(json.dumps(report, indent=1))
+        output.json(report, indent=1)
     else:
-        from rich.console import Console
-
-        console = Console(width=None if sys.stdout.isatty() else 200)
-        console.print(_table(report, top))
+        output.rich(_table(report, top))
         for kind, text in report.get("advice", {}).items():  # the next step for each kind of flag raised
-            console.print(f"[yellow]{kind}[/]: {text}")
+            output.rich(f"[yellow]{kind}[/]: {text}")
     if raw.contract_error:
         raise IntegrityError(f"{raw.source}: breaks the artifact contract: {raw.contract_error}")

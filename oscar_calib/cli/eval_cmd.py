@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ import typer
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelIdOpt, RevisionOpt, format_from_flags
+from oscar_calib.cli.output import Output
 from oscar_calib.errors import InputError
 from runtime_kernels.format import DEFAULT_FORMAT
 
@@ -25,27 +25,22 @@ Examples:
 """
 
 
-def _log(msg: str) -> None:
-    print(f"[eval] {msg}", file=sys.stderr, flush=True)
-
-
-def _sized(value, flag: str, on_gpu: bool, gpu, cpu):
-    """`value`, or the default sized for the device, logged with its reason (a CPU run should take minutes)."""
+def _sized(output: Output, value, flag: str, on_gpu: bool, gpu, cpu):
+    """`value`, or the default sized for the device, noted with its reason (a CPU run should take minutes)."""
     if value is not None:
         return value
     chosen = gpu if on_gpu else cpu
-    _log(f"{flag} {chosen} ({'GPU' if on_gpu else f'CPU-sized default; {gpu} on a GPU'}; pass {flag} to choose)")
+    output.note(f"{flag} {chosen} ({'GPU' if on_gpu else f'CPU-sized default; {gpu} on a GPU'}; pass {flag} to choose)")
     return chosen
 
 
-def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, fmt) -> dict:
+def _calibrate(output: Output, model, tokenizer, calib_path: Path, context: int, samples: int, fmt) -> dict:
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
     import torch
 
     from oscar_calib.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings, format_settings
     from oscar_calib.evaluate import make_windows, read_documents
-    from oscar_calib.progress import Stages
 
     w = make_windows(tokenizer, read_documents(calib_path), context)
     ids = torch.cat([w.long, w.packed])[:samples]
@@ -57,12 +52,12 @@ def _calibrate(model, tokenizer, calib_path: Path, context: int, samples: int, f
     for gran in ("head", "layer"):
         t0 = time.perf_counter()
         settings = SolverSettings(granularity=gran, **format_settings(fmt))
-        with Stages() as stages:
+        with output.stages() as stages:
             out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False,
                                                    progress=stages.tokens(f"capture oscar-{gran}", ids.numel()),
                                                    fit_progress=stages.steps(f"clip fit oscar-{gran}", "layers"))
-        _log(f"calibrated oscar-{gran} on {ids.shape[0]} x {context} tokens of {calib_path.name} "
-             f"({time.perf_counter() - t0:.1f}s)")
+        output.note(f"calibrated oscar-{gran} on {ids.shape[0]} x {context} tokens of {calib_path.name} "
+                    f"({time.perf_counter() - t0:.1f}s)")
     return out
 
 
@@ -190,9 +185,9 @@ def eval_cmd(
     from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.loading import is_gguf, load_model, load_tokenizer
     from oscar_calib.methods import standard_methods
-    from oscar_calib.progress import Stages
     from runtime_kernels.artifact import model_geometry, read_artifact
 
+    output = Output(as_json, tag="eval")
     check_model_ref(model)  # a missing path (exit 2) or an unreachable Hub (exit 5) before anything loads
     for path in artifact or []:
         if not path.exists():
@@ -202,26 +197,26 @@ def eval_cmd(
         if not fixture_available():
             raise InputError("--model is required: the trained fixture is not installed with this package")
         model, model_id = str(FIXTURE_DIR), model_id or FIXTURE_MODEL_ID  # the id the demo's artifacts name
-        _log(f"model={model} (the trained fixture: no --model given)")
+        output.note(f"model={model} (the trained fixture: no --model given)")
     elif is_gguf(model):
         require("gguf", "gguf", f"--model {model}")
         model_id = local_model_id(model)  # what `run --model x.gguf` names in the artifact
     if data is None:
         data = FIXTURE_DIR / "heldout.txt"
-        _log(f"data={data} (the fixture's held-out text: no --data given)")
+        output.note(f"data={data} (the fixture's held-out text: no --data given)")
     if context < 8:
         raise InputError(f"--context {context}: expected at least 8 tokens")
     choices = Choices()
     dev = resolve_device(device, choices)
     torch_dtype = resolve_dtype(dtype, dev, choices)
     for key, reason in choices.reasons.items():
-        _log(f"{key}={choices.values[key]} ({reason})")
+        output.note(f"{key}={choices.values[key]} ({reason})")
     on_gpu = dev.startswith("cuda")
-    calib_samples = _sized(calib_samples, "--calib-samples", on_gpu, gpu=16, cpu=6)
-    max_windows = _sized(max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
-    generation_steps = _sized(generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
-    bs = _sized(batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
-    probes = _sized(probes, "--probes", on_gpu, gpu=16, cpu=0)
+    calib_samples = _sized(output, calib_samples, "--calib-samples", on_gpu, gpu=16, cpu=6)
+    max_windows = _sized(output, max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
+    generation_steps = _sized(output, generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
+    bs = _sized(output, batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
+    probes = _sized(output, probes, "--probes", on_gpu, gpu=16, cpu=0)
     if probes < 0:
         raise InputError(f"--probes {probes}: expected 0 (skip) or a number of passkey needles")
 
@@ -249,7 +244,7 @@ def eval_cmd(
                          f"evaluate; use --context {2 * (sink + recent)} or more, or smaller --sink/--recent")
     if not arts:
         calib_data = calib_data or FIXTURE_DIR / "calib.txt"
-        arts = _calibrate(lm, tokenizer, calib_data, context, calib_samples, fmt)
+        arts = _calibrate(output, lm, tokenizer, calib_data, context, calib_samples, fmt)
 
     windows = make_windows(tokenizer, read_documents(data), context, max_windows)
     if not windows.all():
@@ -270,11 +265,11 @@ def eval_cmd(
     if generation_steps > 0 and generation_steps >= context - sink - recent:  # checked before the evaluation
         raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
                          f"({sink + recent}) inside the {context}-token window (pass --generation-steps 0 to skip)")
-    _log(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
-         f"methods: {', '.join(m.name for m in all_methods)}")
+    output.note(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
+                f"methods: {', '.join(m.name for m in all_methods)}")
     t0 = time.perf_counter()
     kinds = len(list(windows.all()))
-    with Stages() as stages:
+    with output.stages() as stages:
         step, done = stages.steps("eval", unit="method x window set"), [0]
 
         def advance(name: str, kind: str) -> None:
@@ -292,7 +287,7 @@ def eval_cmd(
         result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
                                       probes, fmt)
         brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in result["probes"]["passkey"].items()}
-        _log(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
+        output.note(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
     result["vs_best_peer"] = compare_to_best_peer(result, list(arts))
     result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
@@ -300,30 +295,27 @@ def eval_cmd(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=1))
-        _log(f"wrote {json_out}")
+        output.note(f"wrote {json_out}")
     if plot is not None:
         write_plot(result, plot)
-        _log(f"wrote {plot}")
+        output.note(f"wrote {plot}")
     if as_json:
-        print(json.dumps(result, indent=1))
+        output.json(result, indent=1)
     else:
-        from rich.console import Console
-
-        console = Console(width=None if sys.stdout.isatty() else 200)  # no truncated columns in pipes/logs
-        console.print(_table(result))
+        output.rich(_table(result))  # no truncated columns in pipes/logs
         agree = result.get("generation_agreement")
         if agree and agree.get("status") == "ok":
             for name, r in agree["methods"].items():
-                console.print(f"{name}: greedy next-token match with BF16 through the runtime "
-                              f"{100 * r['match_rate']:.1f}% over {agree['steps']} steps "
-                              f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
+                output.rich(f"{name}: greedy next-token match with BF16 through the runtime "
+                            f"{100 * r['match_rate']:.1f}% over {agree['steps']} steps "
+                            f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
         elif agree:
-            console.print(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")
+            output.rich(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")
         pr = result.get("probes")
         if pr:
             for name, r in pr["passkey"].items():
-                console.print(f"{name}: passkey {100 * r['key_token_accuracy']:.0f}% of key tokens, "
-                              f"{100 * r['keys_exact']:.0f}% of {r['needles']} keys exact; verbatim recall "
-                              f"{_pct(pr['verbatim'].get(name))}")
+                output.rich(f"{name}: passkey {100 * r['key_token_accuracy']:.0f}% of key tokens, "
+                            f"{100 * r['keys_exact']:.0f}% of {r['needles']} keys exact; verbatim recall "
+                            f"{_pct(pr['verbatim'].get(name))}")
             if "bf16" not in pr["passkey"]:
-                console.print(f"bf16: verbatim recall {_pct(pr['verbatim'].get('bf16'))}")
+                output.rich(f"bf16: verbatim recall {_pct(pr['verbatim'].get('bf16'))}")

@@ -8,8 +8,6 @@ refused (tag exists with other content, concurrent publisher, unknown repo/revis
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +16,7 @@ import typer
 from oscar_calib.cli._common import check_flags, endpoint, load_config, push_plan, translate_errors
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import JsonOpt, RepoType, RepoTypeOpt, RevisionOpt, TokenOpt
+from oscar_calib.cli.output import Output
 from oscar_calib.errors import InputError
 
 CalibrationOpt = Annotated[
@@ -65,6 +64,7 @@ def push_cmd(
     from oscar_calib.cli.exit_codes import UnchangedRelease
     from oscar_calib.hub import push
 
+    output = Output(as_json)
     check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
     if not directory.is_dir():
         what = "not a directory" if directory.exists() else "no such directory"
@@ -73,22 +73,21 @@ def push_cmd(
 
     stats = directory / STATS_FILENAME
     if include_stats and stats.is_file():
-        print(f"Warning: --include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}",
-              file=sys.stderr)
+        output.warn(f"--include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}")
     if dry_run:
 
         plan = push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
                                                                            "repo_type": repo_type.value}
         if as_json:
-            print(json.dumps(plan, indent=2, sort_keys=True))
+            output.json(plan, indent=2, sort_keys=True)
         else:
-            print(f"would publish {directory} -> {repo_type.value} repo {repo} {plan['path_in_repo']} as "
-                  f"{plan['version']}:")
+            output.result(f"would publish {directory} -> {repo_type.value} repo {repo} {plan['path_in_repo']} as "
+                          f"{plan['version']}:")
             for name, rec in plan["files"].items():
-                print(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
-            print("  + README.md (model card) and release.json, generated")
+                output.result(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
+            output.result("  + README.md (model card) and release.json, generated")
             if plan["local_only"]:
-                print(f"kept local: {', '.join(plan['local_only'])}")
+                output.result(f"kept local: {', '.join(plan['local_only'])}")
         return
     with translate_errors(flags=True):
         result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
@@ -99,10 +98,10 @@ def push_cmd(
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "
                                "--allow-unchanged to accept that, or change the artifact")
     if as_json:
-        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+        output.json(result.as_dict(), indent=2, sort_keys=True)
     else:
-        print(f"{result.repo} {result.version} {result.commit} {result.path_in_repo}")
-        print(result.message, file=sys.stderr)
+        output.result(f"{result.repo} {result.version} {result.commit} {result.path_in_repo}")
+        output.note(result.message)
 
 
 _PULL_EXAMPLES = """
@@ -134,6 +133,7 @@ def pull_cmd(
     """Download a release through the Hub cache, verify every sha256, and check it against the model."""
     from oscar_calib.hub import pull
 
+    output = Output(as_json)
     check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
                 revision=("--revision", revision))
     config = load_config(model_config)
@@ -148,12 +148,11 @@ def pull_cmd(
                       commit=commit, expected_sha256=pins or None)
     folder = pulled.artifact_path.parent
     if as_json:
-        print(json.dumps({"repo": repo, "repo_type": repo_type.value, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
-                          "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True))
+        output.json({"repo": repo, "repo_type": repo_type.value, "revision": revision, "commit": pulled.commit, "path_in_repo": pulled.path_in_repo,
+                     "directory": str(folder), "files": pulled.record["files"]}, indent=2, sort_keys=True)
     else:
-        print(folder)
-        print(f"verified {len(pulled.record['files'])} file(s) of {repo}@{revision or commit} (commit {pulled.commit})",
-              file=sys.stderr)
+        output.result(folder)
+        output.note(f"verified {len(pulled.record['files'])} file(s) of {repo}@{revision or commit} (commit {pulled.commit})")
 
 
 def _parse_pins(items: list[str] | None) -> dict[str, str]:

@@ -6,8 +6,6 @@ Exit codes: 2 bad or unsafe input file / option / output path, 4 the result brea
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +14,7 @@ import typer
 from oscar_calib.cli._common import load_config, translate_errors
 from oscar_calib.cli.app import app
 from oscar_calib.cli.options import ExportFormat, HeadReduce, JsonOpt, format_from_flags
+from oscar_calib.cli.output import Output
 from oscar_calib.errors import InputError
 from runtime_kernels.format import DEFAULT_FORMAT
 
@@ -49,6 +48,7 @@ def import_cmd(
     from runtime_kernels.atomic import atomic_output_dir, preflight
     from runtime_kernels.loader import check_model_id
 
+    output = Output(as_json)
     with translate_errors():
         check_model_id(model_id, "--model-id")
     preflight(out, overwrite, "--out")  # before reading anything
@@ -62,11 +62,11 @@ def import_cmd(
         write_artifact(artifact, tmp)
     path = out / ARTIFACT_FILENAME
     if as_json:
-        print(json.dumps({"artifact": str(path), "layers": artifact.num_layers, "model_id": model_id,
-                          "key_objective": k_ref["objective"], "value_objective": v_ref["objective"]}, indent=2))
+        output.json({"artifact": str(path), "layers": artifact.num_layers, "model_id": model_id,
+                     "key_objective": k_ref["objective"], "value_objective": v_ref["objective"]}, indent=2)
     else:
-        print(path)
-    print(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})", file=sys.stderr)
+        output.result(path)
+    output.note(f"imported {artifact.num_layers} layer(s) ({k_ref['objective']} / {v_ref['objective']})")
 
 
 _EXPORT_EXAMPLES = """
@@ -100,6 +100,7 @@ def export_cmd(
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
 
+    output = Output(as_json)
     if fmt != "reference":
         raise InputError(f"--format {fmt!r}: expected 'reference'")
     preflight(out, overwrite, "--out")
@@ -113,10 +114,9 @@ def export_cmd(
                                    overwrite=True, version=reference_version)
     written = {name: out / Path(path).name for name, path in written.items()}
     if as_json:
-        print(json.dumps({name: str(path) for name, path in written.items()}, indent=2, sort_keys=True))
+        output.json({name: str(path) for name, path in written.items()}, indent=2, sort_keys=True)
     else:
-        print(out)
+        output.result(out)
     if not bool((artifact.k_clip_ratio == artifact.k_clip_ratio.flatten()[0]).all()) or not bool(
             (artifact.v_clip_ratio == artifact.v_clip_ratio.flatten()[0]).all()):
-        print("note: the reference format has no clip ratios; the fitted per-head ratios were not exported",
-              file=sys.stderr)
+        output.note("note: the reference format has no clip ratios; the fitted per-head ratios were not exported")

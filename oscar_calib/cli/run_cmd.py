@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -39,6 +38,7 @@ from oscar_calib.cli.options import (
     solver_settings,
     validation_message,
 )
+from oscar_calib.cli.output import Output
 from oscar_calib.config import (
     CalibrationConfig,
     DataConfig,
@@ -125,6 +125,7 @@ def run(
     from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
 
+    output = Output(as_json)
     if is_gguf(model):  # transformers reads GGUF files through the optional `gguf` package
         require("gguf", "gguf", f"--model {model}")
 
@@ -154,21 +155,21 @@ def run(
     options = RunOptions(checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
                          shard=_shard(shard), offload_folder=offload_folder)
     try:
-        written = run_calibration(config, out, overwrite=overwrite, options=options)
+        written = run_calibration(config, out, overwrite=overwrite, options=options, console=output.console)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
         from oscar_calib.checkpoint import checkpoint_exists
 
         kept = options.checkpoint_path(out)
         if options.checkpointing() and checkpoint_exists(kept):
-            typer.echo(f"the checkpoint {kept} is kept for --resume", err=True)
+            output.note(f"the checkpoint {kept} is kept for --resume")
         raise
     if written is None:  # ranks other than 0 of a data-parallel run write nothing
         return
     if as_json:
-        typer.echo(json.dumps(run_result(Path(out)), indent=2, sort_keys=True))
+        output.json(run_result(Path(out)), indent=2, sort_keys=True)
     else:
-        typer.echo(written_summary(Path(out), model), err=True)
-        typer.echo(str(out))
+        output.note(written_summary(Path(out), model))
+        output.result(out)
 
 
 # What each file of an output directory is, for the summary a run ends with (push uploads only the first two).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -37,6 +36,7 @@ from oscar_calib.cli.options import (
     solver_settings,
     validation_message,
 )
+from oscar_calib.cli.output import Output
 from oscar_calib.errors import InputError
 
 stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True,
@@ -75,6 +75,7 @@ def refit_cmd(
     """Build an artifact from saved statistics with no model: the same bytes as the run with these settings."""
     from oscar_calib.refit import refit
 
+    output = Output(as_json)
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
                                    center_values, sink, recent, group_size, scale_dtype,
@@ -88,13 +89,13 @@ def refit_cmd(
 
         if not torch.cuda.is_available():
             raise InputError(f"--device {device}: no CUDA device is visible (expected cpu, or a machine with a GPU)")
-    refit(stats, out, settings, overwrite=overwrite, device=device or "cpu")
+    refit(stats, out, settings, overwrite=overwrite, device=device or "cpu", console=output.console)
     if as_json:
         from oscar_calib.cli._common import run_result  # the same result as `run --json`: a refit is a run
 
-        typer.echo(json.dumps(run_result(out), indent=2, sort_keys=True))
+        output.json(run_result(out), indent=2, sort_keys=True)
     else:
-        typer.echo(str(out))
+        output.result(out)
 
 
 @stats_app.command("merge", epilog="\nExample:\n\n  oscar-calib stats merge shard0/oscar_stats.safetensors "
@@ -109,6 +110,7 @@ def merge_cmd(
     from oscar_calib.calibrate import created_at
     from oscar_calib.stats_file import load_statistics, merge_statistics, save_statistics
 
+    output = Output(as_json)
     if out.is_dir():
         raise InputError(f"--out {out}: is a directory (expected the statistics file to write)")
     if out.exists() and not overwrite:
@@ -119,9 +121,9 @@ def merge_cmd(
         from runtime_kernels.loader import file_record
 
         prov = merged.provenance
-        typer.echo(json.dumps({"out": str(out), **file_record(out), "inputs": [str(p) for p in inputs],
-                               "model_id": prov.model_id, "model_revision": prov.model_revision,
-                               "sample_ranges": prov.sample_ranges, "tokens": merged.tokens,
-                               "layer_ids": list(merged.layer_ids)}, indent=2, sort_keys=True))
+        output.json({"out": str(out), **file_record(out), "inputs": [str(p) for p in inputs],
+                     "model_id": prov.model_id, "model_revision": prov.model_revision,
+                     "sample_ranges": prov.sample_ranges, "tokens": merged.tokens,
+                     "layer_ids": list(merged.layer_ids)}, indent=2, sort_keys=True)
     else:
-        typer.echo(str(out))
+        output.result(out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,6 +23,7 @@ from oscar_calib.cli._common import check_flags, endpoint, push_plan, translate_
 from oscar_calib.cli.app import CONTEXT, app
 from oscar_calib.cli.help_layout import UserOrderGroup
 from oscar_calib.cli.options import DeviceOpt, JsonOpt, RepoType, TokenOpt, ZooRepoTypeOpt
+from oscar_calib.cli.output import Output
 from oscar_calib.errors import HubError, InputError, IntegrityError
 
 zoo_app = typer.Typer(help="Validate, build, publish and list the rotation zoo described by zoo_manifest.yaml.",
@@ -99,23 +99,24 @@ def validate_cmd(
     from oscar_calib.manifest import load_manifest
     from runtime_kernels.loader import is_offline
 
+    output = Output(as_json)
     zoo = load_manifest(manifest)
-    print(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok", file=sys.stderr)
+    output.note(f"{manifest}: {len(zoo.recipes)} recipe(s), {len(zoo.releases)} release(s), schema ok")
     hub_checked = not (offline or is_offline())
     if not hub_checked:
         if zoo.releases:
-            print("offline: releases were not checked against the Hub", file=sys.stderr)
+            output.note("offline: releases were not checked against the Hub")
     else:
         with translate_errors():
             for release in zoo.releases:
                 check_release_online(release, token)
-                print(f"ok {release.repo} {release.version} {release.path_in_repo} {release.commit}", file=sys.stderr)
+                output.note(f"ok {release.repo} {release.version} {release.path_in_repo} {release.commit}")
     if as_json:
-        print(json.dumps({"valid": True, "recipes": len(zoo.recipes), "releases": len(zoo.releases),
-                          "pending": [f"{r.model_id}/{r.calibration}" for r in zoo.pending()],
-                          "hub_checked": hub_checked}, indent=2))
+        output.json({"valid": True, "recipes": len(zoo.recipes), "releases": len(zoo.releases),
+                     "pending": [f"{r.model_id}/{r.calibration}" for r in zoo.pending()],
+                     "hub_checked": hub_checked}, indent=2)
     else:
-        print("valid")
+        output.result("valid")
 
 
 # --- build ---------------------------------------------------------------------------------------
@@ -142,31 +143,32 @@ def build_cmd(
     from oscar_calib.job import run_calibration
     from oscar_calib.manifest import load_manifest
 
+    output = Output(as_json)
     zoo = load_manifest(manifest)
     mirrors = _local_models(local_model)
     pending = zoo.pending()
     if not pending:
-        print("every recipe has a release; nothing to build", file=sys.stderr)
+        output.note("every recipe has a release; nothing to build")
     built = []
     for recipe in pending:
         out = build_dir(out_root, recipe.model_id, recipe.calibration)
         row = {"model_id": recipe.model_id, "calibration": recipe.calibration, "out": str(out)}
         if (out / "oscar_kv.safetensors").is_file() and not overwrite:
-            print(f"{out}: already built (pass --overwrite to rebuild)", file=sys.stderr)
+            output.note(f"{out}: already built (pass --overwrite to rebuild)")
             built.append(row | {"built": False})
             if not as_json:
-                print(out)
+                output.result(out)
             continue
         mirror = mirrors.get(recipe.model_id)
         config = recipe.to_config(model=str(mirror) if mirror else None, device=device, base_dir=manifest.parent)
-        run_calibration(config, out, overwrite=overwrite)
+        run_calibration(config, out, overwrite=overwrite, console=output.console)
         if mirror is not None:
             relabel_artifact(out, recipe.model_id, recipe.model_revision)
         built.append(row | {"built": True})
         if not as_json:
-            print(out)
+            output.result(out)
     if as_json:
-        print(json.dumps({"recipes": built}, indent=2, sort_keys=True))
+        output.json({"recipes": built}, indent=2, sort_keys=True)
 
 
 # --- publish -------------------------------------------------------------------------------------
@@ -216,6 +218,7 @@ def publish_cmd(
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.loader import file_record, pull_release
 
+    output = Output(as_json)
     check_flags(repo=("--repo", repo))
     zoo = load_manifest(manifest)
     target = repo or zoo.repo
@@ -236,8 +239,8 @@ def publish_cmd(
             plan = push_plan(directory, target, recipe.calibration) | {"repo_type": kind}
             published.append(plan)
             if not as_json:
-                print(f"would publish {directory} -> {kind} repo {target} {plan['path_in_repo']} (next free version): "
-                      f"{len(plan['files'])} file(s), {sum(f['size'] for f in plan['files'].values())} bytes")
+                output.result(f"would publish {directory} -> {kind} repo {target} {plan['path_in_repo']} (next free "
+                              f"version): {len(plan['files'])} file(s), {sum(f['size'] for f in plan['files'].values())} bytes")
             continue
         with translate_errors():
             result = push(directory, target, calibration=recipe.calibration, private=private, token=token,
@@ -256,12 +259,12 @@ def publish_cmd(
         append_release(manifest, release)  # after every push: a later failure never loses an earlier release
         published.append(result.as_dict())
         if not as_json:
-            print(f"{target} {result.version} {result.commit} {result.path_in_repo}")
-        print(result.message, file=sys.stderr)
+            output.result(f"{target} {result.version} {result.commit} {result.path_in_repo}")
+        output.note(result.message)
     if not published:
-        print("every recipe has a release; nothing to publish", file=sys.stderr)
+        output.note("every recipe has a release; nothing to publish")
     if as_json:
-        print(json.dumps({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True))
+        output.json({"dry_run": dry_run, "releases": published}, indent=2, sort_keys=True)
 
 
 # --- list ----------------------------------------------------------------------------------------
@@ -276,6 +279,7 @@ def list_cmd(
     """List the releases a zoo repo holds: one row per version tag (model, calibration, commit, files)."""
     from oscar_calib.manifest import load_manifest
 
+    output = Output(as_json)
     kind = repo_type.value if repo_type is not None else RepoType.model.value
     if repo is None:
         if not manifest.is_file():
@@ -286,9 +290,8 @@ def list_cmd(
     with translate_errors():
         rows = list_releases(repo, kind, token)
     if as_json:
-        print(json.dumps({"repo": repo, "repo_type": kind, "releases": rows}, indent=2, sort_keys=True))
+        output.json({"repo": repo, "repo_type": kind, "releases": rows}, indent=2, sort_keys=True)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{repo} ({kind} repo): {len(rows)} release(s)")
@@ -297,7 +300,7 @@ def list_cmd(
     for r in rows:
         table.add_row(r["version"], r["model_id"], r["calibration"], r["model_revision"][:12], r["commit"][:12],
                       str(len(r["files"])), str(sum(f["size"] for f in r["files"].values())))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    output.rich(table)
 
 
 def list_releases(repo: str, repo_type: str, token: str | None) -> list[dict]:
@@ -354,9 +357,10 @@ def schema_cmd(
     """Print the manifest's JSON Schema (generated from the pydantic models)."""
     from oscar_calib.manifest import json_schema
 
+    output = Output()
     text = json_schema()
     if write is None:
-        sys.stdout.write(text)
+        output.result(text, end="")
     else:
         write.write_text(text, encoding="utf-8")
-        print(write)
+        output.result(write)

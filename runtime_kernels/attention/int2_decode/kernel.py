@@ -22,7 +22,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _scale_f32, _softmax_finish, _u8_words, _zero_f32
+from runtime_kernels.attention.int2_decode.common import (
+    _chunk_bounds,
+    _scale_f32,
+    _softmax_finish,
+    _u8_words,
+    _zero_f32,
+)
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
 _ASM_SUBN = tl.constexpr(
