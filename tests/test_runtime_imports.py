@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-FORBIDDEN = ("oscar_calib", "transformers", "pydantic", "typer", "rich", "datasets", "accelerate")
+FORBIDDEN = ("oscar_calib", "transformers", "pydantic", "typer", "rich", "datasets", "accelerate", "yaml", "ruamel")
 
 
 def test_runtime_kernels_imports_only_its_allowed_dependencies():
