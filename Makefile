@@ -4,9 +4,12 @@ PIP ?= $(PYTHON) -m pip
 
 .PHONY: install demo test test-fast test-gpu bench bench-calib bench-decode quality lint
 
+# `-e .` installs the runtime (oscar-kv-runtime, runtime/) from the checkout as a copy; the last line makes it
+# editable too, so that a change to runtime_kernels/ is what every entry point runs (docs/runtime.md).
 install:
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps -e ./runtime
 
 demo:
 	oscar-calib run --out zoo/demo --overwrite

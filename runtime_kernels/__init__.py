@@ -1,6 +1,8 @@
 """Slim INT2 KV-cache runtime for OSCAR artifacts.
 
-Imports only torch, triton, safetensors, huggingface_hub and numpy. Nothing here imports `oscar_calib`.
+Imports only torch, safetensors, huggingface_hub (for releases from the Hub) and triton (for the GPU kernels),
+so it installs on its own: `oscar-kv-runtime`, built from runtime/ (docs/runtime.md). Nothing here imports
+`oscar_calib`.
 `runtime_kernels.hf` (the transformers integration) is the one module that also needs transformers, and is
 imported explicitly: `from runtime_kernels.hf import OscarCache, enable_oscar_attention`.
 

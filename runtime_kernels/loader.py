@@ -613,13 +613,17 @@ def check_against_repo_manifest(record: dict, repo: str, commit: str, model_id: 
     """Refuse a release record that disagrees with the `zoo_manifest.yaml` committed in the zoo repo at `commit`
     (when there is one and it records this version): the recorded commit and every recorded sha256 must match.
     `download(name)` returns the local path of a repo file at `commit` or raises ReleaseNotFoundError."""
-    import yaml
-
     try:
         path = Path(download(MANIFEST_FILENAME))
     except ReleaseNotFoundError:
         return  # a zoo without a committed manifest: nothing to compare
     where = f"{repo}@{commit[:12]}:{MANIFEST_FILENAME}"
+    try:  # the one YAML file the runtime reads; PyYAML comes with huggingface_hub, which fetched it
+        import yaml
+    except ImportError:
+        raise ArtifactError(f"{where}: checking release '{revision}' against the zoo manifest needs PyYAML, which "
+                            "is not installed (huggingface_hub normally brings it): `pip install pyyaml`; nothing "
+                            "was used") from None
     raw = path.read_bytes()
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ArtifactError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes; cannot check the release against it")

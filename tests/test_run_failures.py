@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -168,10 +169,12 @@ def test_torch_floor_excludes_bypassable_weights_only_and_admits_supported_versi
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
-    for bad in ("2.4.0", "2.5.1"):  # torch.load(weights_only=True) bypassable up to 2.5.1 (CVE-2025-32434)
-        assert not torch_req.specifier.contains(bad)
-    for good in ("2.6.0", "2.11.0", "2.13.0"):  # the fix, the GPU machine's, this machine's
-        assert torch_req.specifier.contains(good)
-    assert torch_req.specifier.contains(Version(torch.__version__.split("+")[0]).base_version)
+    runtime = tomllib.loads((ROOT / "runtime" / "pyproject.toml").read_text())["project"]["dependencies"]
+    main = runpy.run_path(str(ROOT / "setup.py"), run_name="setup_lists")["DEPENDENCIES"]  # oscar-calib's (dynamic)
+    for deps in (runtime, main):  # both distributions load artifacts; oscar-calib also imports reference files
+        (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+        for bad in ("2.4.0", "2.5.1"):  # torch.load(weights_only=True) bypassable up to 2.5.1 (CVE-2025-32434)
+            assert not torch_req.specifier.contains(bad)
+        for good in ("2.6.0", "2.11.0", "2.13.0"):  # the fix, the GPU machine's, this machine's
+            assert torch_req.specifier.contains(good)
+        assert torch_req.specifier.contains(Version(torch.__version__.split("+")[0]).base_version)

@@ -1,8 +1,9 @@
-"""Installed size of oscar-calib's dependency closure per extra, from the distributions installed here.
+"""Installed size of a distribution's dependency closure per extra, from the distributions installed here.
 
-Usage: python tools/install_size.py pyproject.toml
-Sizes are the files each installed distribution lists (its RECORD), so they depend on the wheels installed
-here (CPU torch on the development machine).
+Usage: python tools/install_size.py oscar-calib        (or oscar-kv-runtime: the runtime alone, docs/runtime.md)
+The requirements are the installed distribution's own (its METADATA), so `pip install -e .` first. Sizes are the
+files each installed distribution lists (its RECORD), so they depend on the wheels installed here (CPU torch on
+the development machine).
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ import sys
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 ENV = default_environment()
 
@@ -39,15 +35,16 @@ def applies(req: Requirement, extras: set[str]) -> bool:
     return any(req.marker.evaluate({**ENV, "extra": e}) for e in (extras or {""}))
 
 
-def closure(names: list[str]) -> dict[str, md.Distribution]:
-    """Every installed distribution `names` need, transitively (extras of requirements followed)."""
+def closure(todo: list[tuple[str, set[str]]]) -> dict[str, md.Distribution]:
+    """Every installed distribution that the (name, extras) of `todo` need, transitively, extras followed."""
     seen: dict[str, md.Distribution] = {}
-    todo = [(n, set()) for n in names]
+    visited: set[tuple[str, frozenset[str]]] = set()  # a distribution again with other extras needs more
     while todo:
         name, extras = todo.pop()
         key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in seen:
+        if (key, frozenset(extras)) in visited:
             continue
+        visited.add((key, frozenset(extras)))
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
@@ -60,19 +57,13 @@ def closure(names: list[str]) -> dict[str, md.Distribution]:
     return seen
 
 
-def main(pyproject: str) -> None:
-    with open(pyproject, "rb") as handle:
-        project = tomllib.load(handle)["project"]
-
-    def names(reqs: list[str]) -> list[str]:
-        return [Requirement(r).name for r in reqs if applies(Requirement(r), set())]
-
-    optional = project.get("optional-dependencies", {})
-    for extras in ((), *((e,) for e in optional)):
-        deps = closure(names(project["dependencies"]) + [n for e in extras for n in names(optional[e])])
+def main(name: str) -> None:
+    extras = md.distribution(name).metadata.get_all("Provides-Extra") or []
+    for chosen in ((), *((e,) for e in extras)):
+        deps = closure([(name, set(chosen))])
         total = sum(dist_size(d) for d in deps.values())
         triton = dist_size(deps["triton"]) if "triton" in deps else 0
-        print(f"extras={','.join(extras) or '(none)'}: {len(deps)} distributions, {total / 2**30:.2f} GiB "
+        print(f"extras={','.join(chosen) or '(none)'}: {len(deps)} distributions, {total / 2**30:.2f} GiB "
               f"(triton {triton / 2**30:.2f} GiB)")
 
 
