@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oscar_calib.calibrate import calibrate_model_with_report  # noqa: E402
-from oscar_calib.capture import decoder_of  # noqa: E402
+from oscar_calib.calibration.calibrate import calibrate_model_with_report  # noqa: E402
+from oscar_calib.calibration.capture import decoder_of  # noqa: E402
 from oscar_calib.config import SolverSettings  # noqa: E402
 from runtime_kernels.artifact import write_artifact  # noqa: E402
 

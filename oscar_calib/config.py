@@ -14,7 +14,7 @@ from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
 # They are starting points: the fit extends a grid downward while its lowest ratio still wins for some head
-# (oscar_calib.clipfit), so no fitted ratio sits at the edge of what was searched.
+# (oscar_calib.calibration.clipfit), so no fitted ratio sits at the edge of what was searched.
 DEFAULT_K_CLIP_GRID: tuple[float, ...] = (0.94, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
 DEFAULT_V_CLIP_GRID: tuple[float, ...] = (0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
 

@@ -96,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if `run` gets as far as loading the weights or the data (a refusal must come before)."""
-    import oscar_calib.job as job
+    import oscar_calib.calibration.job as job
 
     def boom(*args, **kwargs):
         raise AssertionError("the run went on to load the model or the data")

@@ -365,7 +365,7 @@ def test_v2_artifact_built_in_memory_without_means_gets_zero_means(tmp_path):
 def test_calibration_writes_contract_v2_through_the_one_builder(monkeypatch):
     from tiny_models import tiny_model
 
-    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings
     from runtime_kernels.contract import V2_METADATA
 
@@ -398,14 +398,14 @@ def test_release_record_with_a_duplicate_key_is_refused():
 def test_calibrate_does_not_import_the_job_and_the_loaders_have_a_public_home():
     import ast
 
-    import oscar_calib.calibrate as calibrate
-    import oscar_calib.job as job
+    import oscar_calib.calibration.calibrate as calibrate
+    import oscar_calib.calibration.job as job
     import oscar_calib.loading as loading
 
     tree = ast.parse(Path(calibrate.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert "oscar_calib.job" not in imported and not hasattr(calibrate, "run_calibration")  # no import circle
+    assert "oscar_calib.calibration.job" not in imported and not hasattr(calibrate, "run_calibration")  # no import circle
     assert job._load_model is loading.load_model and job._load_tokenizer is loading.load_tokenizer
 
 

@@ -12,7 +12,7 @@ from format_helpers import PAPER, restamp
 from safetensors.torch import save_file
 from tiny_models import tiny_model
 
-from oscar_calib import audit as au
+from oscar_calib.analysis import audit as au
 from oscar_calib.demo import byte_tokenizer
 from runtime_kernels.artifact import identity_artifact, write_artifact
 from runtime_kernels.quant import naive

@@ -7,8 +7,8 @@ import torch
 from format_helpers import PAPER
 from tiny_models import tiny_model
 
-from oscar_calib.calibrate import calibrate_model_with_report
-from oscar_calib.clipfit import clip_errors, pick_ratios, quantized_pair_mask
+from oscar_calib.calibration.calibrate import calibrate_model_with_report
+from oscar_calib.calibration.clipfit import clip_errors, pick_ratios, quantized_pair_mask
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import InputError
 from runtime_kernels.artifact import orthogonality_error, read_artifact, write_artifact

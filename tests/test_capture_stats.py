@@ -9,8 +9,8 @@ import torch
 from tiny_models import tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from oscar_calib.capture import CaptureSession, capturing, forward_batch, sliding_window_layers
-from oscar_calib.stats import LayerStats
+from oscar_calib.calibration.capture import CaptureSession, capturing, forward_batch, sliding_window_layers
+from oscar_calib.calibration.stats import LayerStats
 
 
 def _reference_qkv(model, input_ids):

@@ -159,7 +159,7 @@ def test_demo_runs_without_arguments(tmp_path, monkeypatch, capsys):
 
 
 def test_interrupted_run_leaves_nothing(model_dir, text_file, tmp_path, monkeypatch, capsys):
-    import oscar_calib.job as job
+    import oscar_calib.calibration.job as job
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -172,7 +172,7 @@ def test_interrupted_run_leaves_nothing(model_dir, text_file, tmp_path, monkeypa
 
 def test_chat_template_wraps_texts_and_messages(tmp_path, monkeypatch, capsys):
     from oscar_calib.config import DataConfig
-    from oscar_calib.data import load_calibration_data
+    from oscar_calib.calibration.data import load_calibration_data
 
     tok = byte_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -195,7 +195,7 @@ def test_chat_template_wraps_texts_and_messages(tmp_path, monkeypatch, capsys):
 
 def test_packing_and_seeded_shuffle(tmp_path):
     from oscar_calib.config import DataConfig
-    from oscar_calib.data import load_calibration_data
+    from oscar_calib.calibration.data import load_calibration_data
 
     path = tmp_path / "docs.txt"
     path.write_text("\n\n".join(f"doc{i:02d} " + "x" * 10 for i in range(30)))

@@ -72,8 +72,8 @@ def test_choices_are_listed_in_help(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------------ exit codes
 def test_exit_code_table_maps_runtime_types_without_their_own_codes():
     from oscar_calib.errors import CaptureError, HubError, InputError, IntegrityError, OscarError
-    from oscar_calib.manifest import ManifestError
-    from oscar_calib.reference_format import ReferenceFormatError
+    from oscar_calib.zoo.manifest import ManifestError
+    from oscar_calib.zoo.reference_format import ReferenceFormatError
     from runtime_kernels.artifact import ArtifactError
     from runtime_kernels.loader import ModelMismatchError, ReleaseNotFoundError, UnsafeNameError
 
@@ -177,7 +177,7 @@ def test_compared_panels_share_one_colour_scale_and_show_values(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from oscar_calib import audit_plots
+    from oscar_calib.analysis import audit_plots
 
     report = _report()
     fam = next(f for f in audit_plots.FAMILIES if f.name == "quant_error")
@@ -201,7 +201,7 @@ def test_figures_read_as_plain_numbers_and_say_when_nothing_is_flagged(tmp_path)
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from oscar_calib import audit_plots
+    from oscar_calib.analysis import audit_plots
 
     assert [audit_plots._fmt(v) for v in (123.4, 0.0051, 0.256, 7.0, 2.5e5)] == ["123", "0.0051", "0.256", "7", "2.5e+05"]
     report = _report(layers=2, heads=2)
@@ -267,7 +267,7 @@ def test_audit_allow_other_model(tmp_path, monkeypatch, capsys, model_dir):
 def test_clip_fit_reports_progress_over_every_layer_fit():
     import torch
 
-    from oscar_calib.calibrate import calibrate_model_with_report
+    from oscar_calib.calibration.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
 
     m = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, vocab_size=64)

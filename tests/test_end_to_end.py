@@ -22,7 +22,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from oscar_calib.calibrate import calibrate_model
+from oscar_calib.calibration.calibrate import calibrate_model
 from oscar_calib.config import SolverSettings
 from runtime_kernels import load_artifact
 from runtime_kernels.artifact import write_artifact
@@ -89,7 +89,7 @@ def fake_quant_attention(art):
 
 @torch.no_grad()
 def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_path, caplog):
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     tok = AutoTokenizer.from_pretrained(FIXTURE)
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()

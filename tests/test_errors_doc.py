@@ -70,7 +70,7 @@ def _produced_by_calling(snippet: str) -> str:
 
 def _exception(name: str) -> type[BaseException]:
     from oscar_calib.errors import InputError
-    from oscar_calib.reference_format import ReferenceFormatError
+    from oscar_calib.zoo.reference_format import ReferenceFormatError
     from runtime_kernels.atomic import DiskFullError, OutputDirError
     from runtime_kernels.contract import ArtifactError
     from runtime_kernels.loader import UnsafeNameError

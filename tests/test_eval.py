@@ -18,8 +18,8 @@ from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar_calib import evaluate as ev
-from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2
+from oscar_calib.analysis import evaluate as ev
+from oscar_calib.analysis.methods import ArtifactInt2, KVMethod, RowwiseInt2
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention.naive import segment_attention
 
@@ -271,10 +271,10 @@ def test_quality_regression_on_the_trained_fixture():
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
-    from oscar_calib.methods import standard_methods
+    from oscar_calib.analysis.methods import standard_methods
 
     if not fixture_available():
         pytest.fail(f"the trained fixture is missing from {FIXTURE_DIR}")

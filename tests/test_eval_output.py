@@ -11,9 +11,9 @@ from format_helpers import PAPER, restamp
 from tiny_models import tiny_model
 
 from oscar_calib.cli.eval_cmd import _table, compare_to_best_peer
-from oscar_calib.evaluate import greedy_continuation
-from oscar_calib.methods import hadamard
-from oscar_calib.peers import centered_hadamard_clip, centered_peer
+from oscar_calib.analysis.evaluate import greedy_continuation
+from oscar_calib.analysis.methods import hadamard
+from oscar_calib.analysis.peers import centered_hadamard_clip, centered_peer
 from runtime_kernels.artifact import identity_artifact
 
 
@@ -72,7 +72,7 @@ def test_our_forward_calls_raise_no_future_warning():
 
 
 def test_model_card_explains_when_an_alternative_scores_lower():
-    from oscar_calib.model_card import _why_the_default
+    from oscar_calib.zoo.model_card import _why_the_default
 
     alts = {"head/attn_output": {"key": 1.2e-4, "value": 9.7e-5}, "layer/attn_output": {"key": 1.0e-4, "value": 9.8e-5},
             "hadamard_only": {"key": 1.4e-4, "value": 7.8e-5}}

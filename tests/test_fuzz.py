@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from oscar_calib.manifest import ManifestError, parse_manifest
-from oscar_calib.reference_format import ReferenceFormatError, load_reference, validate_reference
+from oscar_calib.zoo.manifest import ManifestError, parse_manifest
+from oscar_calib.zoo.reference_format import ReferenceFormatError, load_reference, validate_reference
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     ArtifactError,

@@ -67,7 +67,7 @@ def go_offline(monkeypatch):
 
 
 def do_push(hub, directory, **kw):
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     return push(directory, REPO, token=TOKEN, endpoint=hub.endpoint, **kw)
 
@@ -277,7 +277,7 @@ def test_artifact_for_another_model_is_refused(hub, tmp_path, monkeypatch, capsy
     assert code == 2 and "head_dim" in err and not out_dir.exists()
     # A release dir whose artifact names another model (metadata disagrees with the requested id).
     other = make_artifact(tmp_path / "b", model_id="tiny/other")
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     push(other, REPO, token=TOKEN, endpoint=hub.endpoint, calibration="x")
     files = tree(hub)
@@ -341,7 +341,7 @@ def test_bad_repo_ids_are_refused_before_any_request(hub, tmp_path, repo, monkey
 
 
 def do_push_repo(hub, directory, repo):
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     return push(directory, repo, token=TOKEN, endpoint=hub.endpoint)
 
@@ -420,7 +420,7 @@ releases: {releases}
 
 def test_zoo_build_publish_validate(hub, tmp_path, monkeypatch, capsys):
     from oscar_calib.demo import random_demo_model
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.zoo.manifest import load_manifest
 
     model, tokenizer = random_demo_model()
     model_dir = tmp_path / "model"

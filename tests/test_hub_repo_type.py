@@ -132,7 +132,7 @@ def test_push_dry_run_names_the_repo_type(tmp_path, monkeypatch, capsys):
 
 
 def test_zoo_publish_list_validate_in_a_dataset_repo(hub, tmp_path, monkeypatch, capsys):
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.zoo.manifest import load_manifest
 
     manifest = tmp_path / "zoo_manifest.yaml"
     text = COMMENTED.replace(f"repo: {REPO}   # where releases go", f"repo: {REPO}   # where releases go\nrepo_type: dataset")

@@ -105,3 +105,39 @@ def test_no_module_imports_another_modules_private_name(package):
             if imported.startswith("_") and not imported.startswith("__") and target != name:
                 offenders.append(f"{name} imports {target}.{imported}")
     assert not offenders, offenders
+
+
+# oscar_calib is laid out as its pipeline: shared foundations at the top (config, errors, loading, placement,
+# interception, progress, interrupts, demo), then calibration, the zoo and analysis, with the CLI over them. A sub-package may import the
+# foundations and the packages listed for it, nothing above: the zoo publishes what calibration wrote without
+# importing it, analysis reads artifacts and reuses calibration's pieces, and only the CLI imports the CLI.
+LAYERS = {
+    "oscar_calib.zoo": set(),
+    "oscar_calib.calibration": {"oscar_calib.zoo"},  # the artifact's model card is written with it
+    "oscar_calib.analysis": {"oscar_calib.calibration", "oscar_calib.zoo"},
+    "oscar_calib.cli": {"oscar_calib.calibration", "oscar_calib.zoo", "oscar_calib.analysis"},
+}
+
+
+def sub_package(module: str) -> str | None:
+    return next((p for p in LAYERS if module == p or module.startswith(p + ".")), None)
+
+
+def test_the_calibration_package_is_laid_out_as_its_pipeline():
+    known = modules()
+    assert all(p in known for p in LAYERS), "each layer is a package with an __init__.py"
+    flat = [m for m, path in known.items() if m.startswith("oscar_calib.") and m.count(".") == 1
+            and path.name != "__init__.py"]
+    # the foundations only: every step of the pipeline lives in its sub-package
+    assert len(flat) <= 9, flat
+    offenders = []
+    for name, path in known.items():
+        mine = sub_package(name)
+        for target, _ in imports_of(path, known):
+            theirs = sub_package(target)
+            if mine is None:  # a foundation imports no layer (`python -m oscar_calib` is the CLI's entry point)
+                if name.startswith("oscar_calib.") and theirs and name != "oscar_calib.__main__":
+                    offenders.append(f"foundation {name} imports {target}")
+            elif theirs and theirs != mine and theirs not in LAYERS[mine]:
+                offenders.append(f"{name} imports {target}")
+    assert not offenders, offenders

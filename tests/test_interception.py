@@ -14,11 +14,11 @@ from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from oscar_calib.capture import CaptureSession, capturing
+from oscar_calib.calibration.capture import CaptureSession, capturing
 from oscar_calib.errors import InputError
-from oscar_calib.evaluate import EvalSession, evaluating
+from oscar_calib.analysis.evaluate import EvalSession, evaluating
 from oscar_calib.interception import AttentionInterception, InterceptionError, active_interception
-from oscar_calib.methods import standard_methods
+from oscar_calib.analysis.methods import standard_methods
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar_calib.manifest import (
+from oscar_calib.zoo.manifest import (
     ManifestError,
     ZooManifest,
     dump_manifest,
@@ -143,7 +143,7 @@ def test_cli_validate_exit_codes(tmp_path, monkeypatch, capsys):
 
 
 def test_write_manifest_is_atomic_and_reads_back(tmp_path):
-    from oscar_calib.manifest import write_manifest
+    from oscar_calib.zoo.manifest import write_manifest
 
     zoo = parse_manifest(GOOD)
     path = tmp_path / "zoo_manifest.yaml"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from format_helpers import PAPER
 
-from oscar_calib.methods import (
+from oscar_calib.analysis.methods import (
     ArtifactInt2,
     Kivi2,
     KVMethod,

@@ -56,7 +56,7 @@ def test_shapes_are_never_waived(tmp_path, local_model):
 def test_hub_form_with_a_local_model(hub, tmp_path, local_model):
     """The README's Hub form on a model loaded from a folder: the release's model id is the identity (the
     constructor used to re-check against the folder's path and refuse)."""
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     _, config = local_model
     push(make_artifact(tmp_path / "art"), REPO, token=TOKEN, endpoint=hub.endpoint)

@@ -1,4 +1,4 @@
-"""Long-context probes (`oscar_calib.probes`) on the trained fixture at a short context: the passkey windows hold
+"""Long-context probes (`oscar_calib.analysis.probes`) on the trained fixture at a short context: the passkey windows hold
 what they claim, the teacher-forced score equals a plain forward pass for BF16 and falls to 0 for a method that
 forgets its history, and verbatim recall equals an independent greedy loop through `generate()`, and the runtime's
 when its BF16 windows hold the whole sequence.
@@ -11,9 +11,9 @@ import torch
 from format_helpers import PAPER
 
 from oscar_calib.demo import FIXTURE_DIR, fixture_available
-from oscar_calib.evaluate import make_windows, read_documents
-from oscar_calib.methods import KVMethod
-from oscar_calib.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
+from oscar_calib.analysis.evaluate import make_windows, read_documents
+from oscar_calib.analysis.methods import KVMethod
+from oscar_calib.analysis.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
 from runtime_kernels.artifact import identity_artifact
 
 pytestmark = pytest.mark.skipif(not fixture_available(), reason="trained fixture not installed")

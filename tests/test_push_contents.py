@@ -65,7 +65,7 @@ def test_uploads_stream_from_disk(hub, art_dir, monkeypatch):
 
     import huggingface_hub
 
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     seen = []
     real = huggingface_hub.CommitOperationAdd

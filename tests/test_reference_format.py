@@ -13,7 +13,7 @@ from format_helpers import PAPER, restamp
 from tiny_models import tiny_config
 
 from oscar_calib.errors import InputError
-from oscar_calib.reference_format import (
+from oscar_calib.zoo.reference_format import (
     ReferenceFormatError,
     artifact_to_reference,
     export_reference,

@@ -150,7 +150,7 @@ def _closed_port_endpoint() -> str:
 
 
 def test_hub_unreachable_on_push_and_pull(hub, tmp_path, monkeypatch, capsys):
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     local = make_artifact(tmp_path / "a")
     do_push(hub, local)

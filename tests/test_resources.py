@@ -25,7 +25,7 @@ from test_reference_format import config as ref_config
 from test_reference_format import reference_dict
 from test_scale import EPOCH, args, model_dir, text_file  # noqa: F401  (module-scoped fixtures)
 
-from oscar_calib.reference_format import ReferenceFormatError, check_storage_bounds, load_reference
+from oscar_calib.zoo.reference_format import ReferenceFormatError, check_storage_bounds, load_reference
 from runtime_kernels.atomic import DiskFullError, atomic_output_dir, temporaries
 
 Usage = namedtuple("Usage", "total used free")
@@ -110,7 +110,7 @@ class _Wrapped:
 @pytest.mark.parametrize("code, name", [(errno.ENOSPC, "ENOSPC"), (errno.EDQUOT, "EDQUOT")])
 def test_full_disk_during_run_output_is_one_line_exit_1(code, name, model_dir, text_file, tmp_path,  # noqa: F811
                                                         monkeypatch, capsys):
-    import oscar_calib.job as job
+    import oscar_calib.calibration.job as job
 
     real = job.write_artifact
 
@@ -128,7 +128,7 @@ def test_full_disk_during_run_output_is_one_line_exit_1(code, name, model_dir, t
 
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(model_dir, text_file, tmp_path,  # noqa: F811
                                                                     monkeypatch, capsys):
-    import oscar_calib.sharded_capture as sc
+    import oscar_calib.calibration.sharded_capture as sc
 
     real, calls = sc.save_checkpoint, []
 
@@ -153,7 +153,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(model_dir, 
 
 def test_run_refuses_before_calibration_when_the_disk_is_too_small(model_dir, text_file, tmp_path,  # noqa: F811
                                                                    monkeypatch, capsys):
-    import oscar_calib.job as job
+    import oscar_calib.calibration.job as job
 
     def boom(*a, **k):
         raise AssertionError("the run went on to the calibration")
@@ -170,7 +170,7 @@ def test_output_size_estimate_bounds_what_a_run_writes(model_dir, text_file, tmp
     """The estimate the pre-check uses is an upper bound of the real output, and not absurdly loose."""
     from transformers import AutoConfig
 
-    from oscar_calib.disk_budget import output_bytes
+    from oscar_calib.calibration.disk_budget import output_bytes
 
     rc, _, err = run_cli(args(model_dir, text_file, tmp_path / "o"), monkeypatch, capsys)
     assert rc == 0, err
@@ -280,7 +280,7 @@ def test_no_traceback_for_a_bad_reference_through_python(tmp_path):
 
 
 def test_full_disk_while_recording_a_release_leaves_the_manifest_unchanged(tmp_path, monkeypatch):
-    from oscar_calib.manifest import load_manifest, write_manifest
+    from oscar_calib.zoo.manifest import load_manifest, write_manifest
 
     path = tmp_path / "zoo_manifest.yaml"
     shutil.copyfile(Path(__file__).resolve().parents[1] / "zoo_manifest.yaml", path)

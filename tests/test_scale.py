@@ -18,14 +18,14 @@ from cli_helpers import run_cli
 from safetensors import safe_open
 from tiny_models import tiny_model
 
-from oscar_calib.calibrate import artifact_from_statistics, capture_statistics
+from oscar_calib.calibration.calibrate import artifact_from_statistics, capture_statistics
 from oscar_calib.cli import main
 from oscar_calib.config import SolverSettings
 from oscar_calib.demo import byte_tokenizer
 from oscar_calib.errors import InputError
-from oscar_calib.job import shard_range
+from oscar_calib.calibration.job import shard_range
 from oscar_calib.placement import describe_placement, parse_max_memory
-from oscar_calib.stats_file import (
+from oscar_calib.calibration.stats_file import (
     STATS_FILENAME,
     load_statistics,
     merge_statistics,
@@ -260,7 +260,7 @@ def test_a_dead_peer_turns_into_a_clear_capture_error(monkeypatch):
 # -- checkpoint and resume -----------------------------------------------------------------------------------------
 def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(model_dir, text_file, tmp_path,
                                                                                  monkeypatch, capsys, reference):
-    import oscar_calib.sharded_capture as sc
+    import oscar_calib.calibration.sharded_capture as sc
 
     out, ckpt_dir = tmp_path / "art", tmp_path / "art.checkpoint"
     ckpt = ckpt_dir / "oscar.checkpoint.safetensors"
@@ -283,7 +283,7 @@ def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(
     assert code == 2 and "data.seed=0" in stderr and "data.seed=1" in stderr and ckpt.exists()
     code, _, stderr = run_cli(args(model_dir, text_file, out, "--resume", "--dtype", "bfloat16"), monkeypatch, capsys)
     assert code == 2 and "capture.dtype" in stderr
-    monkeypatch.setattr("oscar_calib.stats_file.__version__", "9.9.9")
+    monkeypatch.setattr("oscar_calib.calibration.stats_file.__version__", "9.9.9")
     code, _, stderr = run_cli(args(model_dir, text_file, out, "--resume"), monkeypatch, capsys)
     assert code == 2 and "tool_version" in stderr
     monkeypatch.undo()
@@ -376,9 +376,9 @@ def test_artifact_from_statistics_needs_the_holdout(model_dir):
 def test_artifact_bits_do_not_depend_on_the_thread_count():
     """torchrun runs each rank with OMP_NUM_THREADS=1; the solve must give the one-process bits anyway
     (without pinning, eigh and the fp64 matmul of d = 128 targets differ in the last bit between 1 and 2 threads)."""
-    from oscar_calib.capture import HoldoutRows
-    from oscar_calib.stats import LayerStats
-    from oscar_calib.stats_file import CalibrationStatistics, StatsProvenance
+    from oscar_calib.calibration.capture import HoldoutRows
+    from oscar_calib.calibration.stats import LayerStats
+    from oscar_calib.calibration.stats_file import CalibrationStatistics, StatsProvenance
 
     g = torch.Generator().manual_seed(0)
     layers, h_kv, h_q, d, t, n = 2, 8, 16, 128, 16, 8
@@ -411,8 +411,8 @@ def test_artifact_bits_do_not_depend_on_the_thread_count():
 
 
 def test_checkpoint_file_round_trip_and_refusals(tmp_path, reference):
-    from oscar_calib.checkpoint import MARKER_FILENAME, load_checkpoint, save_checkpoint
-    from oscar_calib.stats import LayerStats
+    from oscar_calib.calibration.checkpoint import MARKER_FILENAME, load_checkpoint, save_checkpoint
+    from oscar_calib.calibration.stats import LayerStats
 
     totals = {3: LayerStats.zeros(2, 4)}
     totals[3].key_sum += torch.eye(4, dtype=torch.float64) * torch.arange(1, 3, dtype=torch.float64)[:, None, None]

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from oscar_calib.solve import (
+from oscar_calib.calibration.solve import (
     bit_reversal_permutation,
     canonical_signs,
     hadamard,

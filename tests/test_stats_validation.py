@@ -21,7 +21,7 @@ from test_scale import EPOCH, SAMPLES, args, model_dir, text_file  # noqa: F401 
 
 from oscar_calib.cli import main
 from oscar_calib.errors import InputError
-from oscar_calib.stats_file import load_statistics, merge_statistics, read_safetensors, save_statistics
+from oscar_calib.calibration.stats_file import load_statistics, merge_statistics, read_safetensors, save_statistics
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ def test_concurrent_writers_one_wins_the_other_is_refused(tmp_path):
 
 
 def test_a_second_run_to_the_same_out_is_refused_before_it_calibrates(tmp_path, monkeypatch, capsys):
-    import oscar_calib.job as job
+    import oscar_calib.calibration.job as job
 
     out = tmp_path / "o"
     holder = subprocess.Popen([sys.executable, "-c", (

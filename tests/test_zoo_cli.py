@@ -9,7 +9,7 @@ import pytest
 from test_hub import MODEL, REPO, REV, TOKEN, make_artifact, run_cli
 
 from oscar_calib.cli import exit_codes
-from oscar_calib.manifest import ManifestError, load_manifest, parse_manifest, safe_load_yaml
+from oscar_calib.zoo.manifest import ManifestError, load_manifest, parse_manifest, safe_load_yaml
 
 SHA = "c" * 40
 

@@ -3,7 +3,7 @@
 
 For one model (a trained fixture), calibrate once (statistics + held-out rows of `calib.txt`), then build many
 KV-cache configurations (rotations x clip ratios x centering) and measure each two ways:
-- the candidate clip objectives of `oscar_calib.clipfit` on the calibration held-out sequences (summed over
+- the candidate clip objectives of `oscar_calib.calibration.clipfit` on the calibration held-out sequences (summed over
   layers and KV heads), plus the teacher-forced NLL of those sequences (`calib_nll`);
 - held-out perplexity on `heldout.txt` windows (per-window mean NLL kept, for bootstrap intervals).
 Then it ranks: the Spearman correlation of every objective with held-out perplexity over the configurations.
@@ -59,18 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few configurations (a smoke test of the script)")
     args = p.parse_args(argv)
 
-    from oscar_calib.calibrate import (
+    from oscar_calib.calibration.calibrate import (
         _holdout_positions,
         _run_capture,
         _solve_all,
         o_proj_weights,
         session_means,
     )
-    from oscar_calib.capture import CaptureSession, sliding_window_layers
-    from oscar_calib.clipfit import clip_errors, fit_layer
+    from oscar_calib.calibration.capture import CaptureSession, sliding_window_layers
+    from oscar_calib.calibration.clipfit import clip_errors, fit_layer
     from oscar_calib.config import SolverSettings
-    from oscar_calib.evaluate import make_windows, method_nll, read_documents
-    from oscar_calib.methods import Kivi2, KVMethod, LayerTables, RowwiseInt2, TableInt2, hadamard
+    from oscar_calib.analysis.evaluate import make_windows, method_nll, read_documents
+    from oscar_calib.analysis.methods import Kivi2, KVMethod, LayerTables, RowwiseInt2, TableInt2, hadamard
 
     t_start = time.perf_counter()
     tok, model, device, dtype = load_fixture(args.model)

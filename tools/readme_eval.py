@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the 128/1024 layout")
     args = p.parse_args(argv)
 
-    from oscar_calib.calibrate import calibrate_model_with_report
+    from oscar_calib.calibration.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
-    from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.methods import standard_methods
+    from oscar_calib.analysis.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
+    from oscar_calib.analysis.methods import standard_methods
     from runtime_kernels.format import KVFormat
 
     # The main table's windows (64/256, token-granular history) and fp16 scales.
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [m for m in standard_methods(head_dim, main_fmt, main_arts) if m.name in ("hadamard-clip", MAIN_ROW)]
         sweep += [(m, sink, recent) for sink, recent in ((64, 512), (128, 1024), (128, 2048)) for m in chosen]
     if args.equal_bits:
-        from oscar_calib.methods import ArtifactInt2, RowwiseInt2, hadamard
+        from oscar_calib.analysis.methods import ArtifactInt2, RowwiseInt2, hadamard
 
         had = hadamard(head_dim).float()
         for sink, recent in EQUAL_BITS_LAYOUTS:
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             art = arts[name]
             sweep.append((ArtifactInt2(name, artifact=art), art.kv_format.sink_tokens, art.kv_format.recent_tokens))
     if sweep:
-        from oscar_calib.evaluate import bootstrap_delta_ci, method_nll
+        from oscar_calib.analysis.evaluate import bootstrap_delta_ci, method_nll
 
         base = {r["name"]: r for r in result["methods"]}
         bf16 = torch.tensor(base["bf16"]["window_nll"], dtype=torch.float64)
@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 "bits_128k": m.effective_bits(131072, head_dim, windows_of(sink, recent))})
             log(f"window sweep {sink}/{recent} {m.name}: {result['window_sweep'][-1]['ppl_delta_pct']:+.2f}%")
     if args.probes:
-        from oscar_calib.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
-        from oscar_calib.probes import run_probes
+        from oscar_calib.analysis.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
+        from oscar_calib.analysis.probes import run_probes
 
         had = hadamard(head_dim).float()
         all_w = torch.cat([windows.long, windows.packed])

@@ -61,7 +61,7 @@ DOCUTILS_SHA256 = "3a6b18732edf182daa3cd12775bbb338cf5691468f91eeeb109deff6ebfa9
 # The outputs are deterministic: a different digest means a source or the extraction changed.
 TEXT_SHA256 = {"calib.txt": "ab093880d35df963447e43dafecb34b1a12297103c983fd68034b7589352fabc",  # 350K tokens
                "heldout.txt": "cc7aa2df2d43645e4bf4c35bd761de717d1d55cf1fd89d3f0a02171209e5dde5"}  # 443K tokens
-DOC_SEPARATOR = "\n<|endoftext|>\n"  # oscar_calib.evaluate.read_documents splits on this line
+DOC_SEPARATOR = "\n<|endoftext|>\n"  # oscar_calib.analysis.evaluate.read_documents splits on this line
 
 # A paragraph for the conversion check (written for this file): the GGUF-loaded and the saved model must agree on it.
 CHECK_TEXT = (

@@ -43,7 +43,7 @@ def log(msg: str) -> None:
 
 def token_stream(tok, path: Path) -> torch.Tensor:
     """The file's documents tokenized and joined with EOS, `[N]` int64."""
-    from oscar_calib.evaluate import read_documents
+    from oscar_calib.analysis.evaluate import read_documents
 
     ids: list[int] = []
     for doc in read_documents(path):
@@ -62,7 +62,7 @@ def chunks(stream: torch.Tensor, length: int, n: int, from_end: bool = False) ->
 
 def paired_pct_ci(a: torch.Tensor, b: torch.Tensor, n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """ppl change (percent) of window NLLs `a [N]` against `b [N]`, and its paired 95 % bootstrap interval."""
-    from oscar_calib.evaluate import bootstrap_delta_ci
+    from oscar_calib.analysis.evaluate import bootstrap_delta_ci
 
     lo, hi = bootstrap_delta_ci(a, b, n_boot=n_boot, seed=seed)
     return 100 * float(torch.expm1(a.double().mean() - b.double().mean())), lo, hi
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     SINK, RECENT = args.sink, args.recent  # noqa: N806
     fmt = DEFAULT_FORMAT.with_(sink_tokens=SINK, recent_tokens=RECENT)  # every row's cache: ue5m3, the given windows
 
-    from oscar_calib.calibrate import _fit_all, artifact_from_statistics, capture_statistics, session_means
+    from oscar_calib.calibration.calibrate import _fit_all, artifact_from_statistics, capture_statistics, session_means
     from oscar_calib.config import SolverSettings
-    from oscar_calib.evaluate import method_nll
-    from oscar_calib.methods import KVMethod, LayerTables, TableInt2, artifact_tables, centered_fake_quantize
-    from oscar_calib.methods import hadamard as hadamard_matrix
-    from oscar_calib.probes import passkey_batch, passkey_scores
+    from oscar_calib.analysis.evaluate import method_nll
+    from oscar_calib.analysis.methods import KVMethod, LayerTables, TableInt2, artifact_tables, centered_fake_quantize
+    from oscar_calib.analysis.methods import hadamard as hadamard_matrix
+    from oscar_calib.analysis.probes import passkey_batch, passkey_scores
 
     class SidedTables(TableInt2):
         """TableInt2 with its own quantizer per side (keys, values)."""

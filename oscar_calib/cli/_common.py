@@ -24,10 +24,10 @@ def flag_words(message: str) -> str:
 
 @contextlib.contextmanager
 def translate_errors(flags: bool = False):
-    """oscar_calib.hub.translate_errors, imported when a command runs (it brings torch); with `flags` (push, pull)
+    """oscar_calib.zoo.hub.translate_errors, imported when a command runs (it brings torch); with `flags` (push, pull)
     the runtime's argument names are turned into the flags the user typed (`zoo` reads them from the manifest)."""
     from oscar_calib.errors import OscarError
-    from oscar_calib.hub import translate_errors as translate
+    from oscar_calib.zoo.hub import translate_errors as translate
 
     try:
         with translate():
@@ -58,7 +58,7 @@ def check_flags(**values: tuple[str, object]) -> None:
             continue
         try:
             if kind == "version":
-                from oscar_calib.hub import check_version
+                from oscar_calib.zoo.hub import check_version
 
                 check_version(value)
             else:
@@ -87,7 +87,7 @@ def load_config(path: Path | None):
 
 def push_plan(directory: Path, repo: str, calibration: str, include_stats: bool = False) -> dict:
     """What `push` would upload from `directory` (checked locally: names, contract), without the Hub."""
-    from oscar_calib.hub import collect_files, local_only
+    from oscar_calib.zoo.hub import collect_files, local_only
     from runtime_kernels.artifact import ARTIFACT_FILENAME, read_artifact
     from runtime_kernels.loader import file_record, release_dir
 
@@ -104,7 +104,7 @@ def run_result(out: Path) -> dict:
     """What `run --json` prints: the files written and the headline numbers of the calibration log."""
     import hashlib
 
-    from oscar_calib.job import LOG_FILENAME
+    from oscar_calib.calibration.job import LOG_FILENAME
     from runtime_kernels.artifact import ARTIFACT_FILENAME
 
     artifact = out / ARTIFACT_FILENAME

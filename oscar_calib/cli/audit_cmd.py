@@ -84,8 +84,8 @@ def audit_cmd(
         require("gguf", "gguf", f"--model {model}")
     import torch
 
-    from oscar_calib.audit import audit_artifact, capture_activations, load_raw
-    from oscar_calib.audit_plots import write_audit_plots
+    from oscar_calib.analysis.audit import audit_artifact, capture_activations, load_raw
+    from oscar_calib.analysis.audit_plots import write_audit_plots
     from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.errors import InputError, IntegrityError
 
@@ -100,8 +100,8 @@ def audit_cmd(
     if model is not None:
         from oscar_calib.cli.checks import check_model
         from oscar_calib.demo import FIXTURE_DIR
-        from oscar_calib.evaluate import make_windows, read_documents
-        from oscar_calib.job import Choices, resolve_device, resolve_dtype
+        from oscar_calib.analysis.evaluate import make_windows, read_documents
+        from oscar_calib.calibration.job import Choices, resolve_device, resolve_dtype
         from oscar_calib.loading import load_model, load_tokenizer
         from runtime_kernels.artifact import read_artifact
 

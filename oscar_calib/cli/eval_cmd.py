@@ -38,9 +38,9 @@ def _calibrate(output: Output, model, tokenizer, calib_path: Path, context: int,
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
     import torch
 
-    from oscar_calib.calibrate import calibrate_model
+    from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings, format_settings
-    from oscar_calib.evaluate import make_windows, read_documents
+    from oscar_calib.analysis.evaluate import make_windows, read_documents
 
     w = make_windows(tokenizer, read_documents(calib_path), context)
     ids = torch.cat([w.long, w.packed])[:samples]
@@ -75,7 +75,7 @@ def compare_to_best_peer(result: dict, oscar_names: list[str]) -> dict:
     when the interval holds 0)."""
     import torch
 
-    from oscar_calib.evaluate import bootstrap_delta_ci
+    from oscar_calib.analysis.evaluate import bootstrap_delta_ci
 
     rows = {r["name"]: r for r in result["methods"]}
     out = {}
@@ -181,10 +181,10 @@ def eval_cmd(
     from oscar_calib.cli.checks import check_model, local_model_id
     from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
-    from oscar_calib.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.job import Choices, max_positions, resolve_device, resolve_dtype
+    from oscar_calib.analysis.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
+    from oscar_calib.calibration.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.loading import is_gguf, load_model, load_tokenizer
-    from oscar_calib.methods import standard_methods
+    from oscar_calib.analysis.methods import standard_methods
     from runtime_kernels.artifact import model_geometry, read_artifact
 
     output = Output(as_json, tag="eval")
@@ -250,7 +250,7 @@ def eval_cmd(
     if not windows.all():
         raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
     head_dim = model_geometry(lm.config)[3]
-    from oscar_calib.peers import centered_peer
+    from oscar_calib.analysis.peers import centered_peer
 
     all_methods = standard_methods(head_dim, fmt, arts)
     first_oscar = next((i for i, m in enumerate(all_methods) if m.name in arts), len(all_methods))
@@ -282,7 +282,7 @@ def eval_cmd(
         gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
         result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps, fmt)
     if probes > 0:
-        from oscar_calib.probes import run_probes
+        from oscar_calib.analysis.probes import run_probes
 
         result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
                                       probes, fmt)

@@ -62,14 +62,14 @@ def push_cmd(
     an error (exit 6) unless the release is vN itself or `--allow-unchanged` is given.
     """
     from oscar_calib.cli.exit_codes import UnchangedRelease
-    from oscar_calib.hub import push
+    from oscar_calib.zoo.hub import push
 
     output = Output(as_json)
     check_flags(repo=("--repo", repo), calibration=("--calibration", calibration), version=("--version", version))
     if not directory.is_dir():
         what = "not a directory" if directory.exists() else "no such directory"
         raise InputError(f"DIR {directory}: {what} (expected an artifact directory)")
-    from oscar_calib.hub import STATS_FILENAME, STATS_WARNING
+    from oscar_calib.zoo.hub import STATS_FILENAME, STATS_WARNING
 
     stats = directory / STATS_FILENAME
     if include_stats and stats.is_file():
@@ -131,7 +131,7 @@ def pull_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Download a release through the Hub cache, verify every sha256, and check it against the model."""
-    from oscar_calib.hub import pull
+    from oscar_calib.zoo.hub import pull
 
     output = Output(as_json)
     check_flags(model=("MODEL", model), repo=("--repo", repo), calibration=("--calibration", calibration),
@@ -174,7 +174,7 @@ def _parse_pins(items: list[str] | None) -> dict[str, str]:
 def _manifest_pins(path: Path, model: str, repo: str, calibration: str, revision: str | None, commit: str | None,
                    pins: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The manifest's commit and hashes of the release asked for; flags given as well must agree with them."""
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.zoo.manifest import load_manifest
 
     zoo = load_manifest(path)
     hits = [r for r in zoo.releases if (r.model_id, r.calibration, r.repo) == (model, calibration, repo)

@@ -1,6 +1,6 @@
 """`oscar-calib import` and `oscar-calib export --format reference`: the authors' RotationZoo files.
 
-See oscar_calib.reference_format for the format, the safety rules and the head-reduction rule.
+See oscar_calib.zoo.reference_format for the format, the safety rules and the head-reduction rule.
 Exit codes: 2 bad or unsafe input file / option / output path, 4 the result breaks the artifact contract.
 """
 
@@ -43,7 +43,7 @@ def import_cmd(
 ) -> None:
     """Convert a reference key file + value file (format v1, v2 or v3) into a validated contract-v2 artifact."""
     from oscar_calib import __version__
-    from oscar_calib.reference_format import load_reference, reference_to_artifact
+    from oscar_calib.zoo.reference_format import load_reference, reference_to_artifact
     from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
     from runtime_kernels.loader import check_model_id
@@ -96,7 +96,7 @@ def export_cmd(
 ) -> None:
     """Write an artifact in the reference format (keys.pt, values.pt; v2 per KV head, or v1 per layer)."""
     from oscar_calib.cli.checks import check_model
-    from oscar_calib.reference_format import export_reference
+    from oscar_calib.zoo.reference_format import export_reference
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.atomic import atomic_output_dir, preflight
 

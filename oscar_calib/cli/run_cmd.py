@@ -121,7 +121,7 @@ def run(
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
     from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
-    from oscar_calib.job import RunOptions, run_calibration
+    from oscar_calib.calibration.job import RunOptions, run_calibration
     from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
 
@@ -157,7 +157,7 @@ def run(
     try:
         written = run_calibration(config, out, overwrite=overwrite, options=options, console=output.console)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
-        from oscar_calib.checkpoint import checkpoint_exists
+        from oscar_calib.calibration.checkpoint import checkpoint_exists
 
         kept = options.checkpoint_path(out)
         if options.checkpointing() and checkpoint_exists(kept):

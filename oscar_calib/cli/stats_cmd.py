@@ -73,7 +73,7 @@ def refit_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Build an artifact from saved statistics with no model: the same bytes as the run with these settings."""
-    from oscar_calib.refit import refit
+    from oscar_calib.calibration.refit import refit
 
     output = Output(as_json)
     try:
@@ -107,8 +107,8 @@ def merge_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Sum statistics files by addition; refuses files of other models, configs, data or tool versions."""
-    from oscar_calib.calibrate import created_at
-    from oscar_calib.stats_file import load_statistics, merge_statistics, save_statistics
+    from oscar_calib.calibration.calibrate import created_at
+    from oscar_calib.calibration.stats_file import load_statistics, merge_statistics, save_statistics
 
     output = Output(as_json)
     if out.is_dir():

@@ -96,7 +96,7 @@ def validate_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check the manifest against its schema and (online) that every release exists as recorded."""
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.zoo.manifest import load_manifest
     from runtime_kernels.loader import is_offline
 
     output = Output(as_json)
@@ -140,8 +140,8 @@ def build_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Run the calibration of every recipe that has no release yet."""
-    from oscar_calib.job import run_calibration
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.calibration.job import run_calibration
+    from oscar_calib.zoo.manifest import load_manifest
 
     output = Output(as_json)
     zoo = load_manifest(manifest)
@@ -213,8 +213,8 @@ def publish_cmd(
     The manifest is edited in place (comments, order and spelling of everything else kept); each release is
     recorded right after its push, so a later failure never loses an earlier release.
     """
-    from oscar_calib.hub import push
-    from oscar_calib.manifest import Release, ReleaseFile, append_release, load_manifest
+    from oscar_calib.zoo.hub import push
+    from oscar_calib.zoo.manifest import Release, ReleaseFile, append_release, load_manifest
     from runtime_kernels.artifact import read_artifact
     from runtime_kernels.loader import file_record, pull_release
 
@@ -277,7 +277,7 @@ def list_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """List the releases a zoo repo holds: one row per version tag (model, calibration, commit, files)."""
-    from oscar_calib.manifest import load_manifest
+    from oscar_calib.zoo.manifest import load_manifest
 
     output = Output(as_json)
     kind = repo_type.value if repo_type is not None else RepoType.model.value
@@ -355,7 +355,7 @@ def schema_cmd(
     write: Annotated[Path | None, typer.Option("--write", help="Write the schema to this file instead of stdout.")] = None,
 ) -> None:
     """Print the manifest's JSON Schema (generated from the pydantic models)."""
-    from oscar_calib.manifest import json_schema
+    from oscar_calib.zoo.manifest import json_schema
 
     output = Output()
     text = json_schema()

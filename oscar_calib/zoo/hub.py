@@ -82,7 +82,7 @@ def next_version(tags: list[str]) -> str:
     return f"v{max(numbers, default=0) + 1}"
 
 
-STATS_FILENAME = "oscar_stats.safetensors"  # oscar_calib.stats_file's name (not imported: that brings torch)
+STATS_FILENAME = "oscar_stats.safetensors"  # oscar_calib.calibration.stats_file's name (not imported: that brings torch)
 STATS_WARNING = ("{name} ({size:.1f} MB) holds statistics computed from your calibration data (second moments of "
                  "its keys, values and queries, the held-out sequence's captured keys, values and queries) and every "
                  "layer's o_proj weight of the model: publish it only if both may be public")
@@ -210,7 +210,7 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
         lines += ["", "## Calibration run report", ""]
         lines += [("#" + line) if line.startswith("#") else line for line in body.splitlines()]
     lines.append("")
-    from oscar_calib.model_card import card_metadata, with_metadata
+    from oscar_calib.zoo.model_card import card_metadata, with_metadata
 
     dataset = calib.get("dataset") if isinstance(calib, dict) else None
     return with_metadata(card_metadata(model_id, dataset), "\n".join(lines))

@@ -11,7 +11,7 @@ non-empty directory without the marker), so a checkpoint never overwrites or del
 and renames it over the old checkpoint (`os.replace`), so a checkpoint on disk is always whole: a run killed at
 any point leaves either the previous checkpoint or the new one. `load_checkpoint` refuses a checkpoint made with
 another model, data, seed, capture setting or tool version, naming the field, and one whose sums or sample
-position are not those of a real capture (`oscar_calib.stats_checks`). `remove_checkpoint` removes only the
+position are not those of a real capture (`oscar_calib.calibration.stats_checks`). `remove_checkpoint` removes only the
 files a run writes there, and the directory only when a run of this tool made it.
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oscar_calib.errors import InputError
-from oscar_calib.stats import LayerStats
-from oscar_calib.stats_checks import check_counts_match_samples, check_sums
-from oscar_calib.stats_file import (
+from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.calibration.stats_checks import check_counts_match_samples, check_sums
+from oscar_calib.calibration.stats_file import (
     atomic_save_safetensors,
     atomic_write_bytes,
     first_difference,

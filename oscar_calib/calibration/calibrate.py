@@ -3,7 +3,7 @@
 Two halves: `capture_statistics` (model + token ids -> `CalibrationStatistics`, which can be saved and merged)
 and `artifact_from_statistics` (statistics -> artifact, no model: what `oscar-calib refit` runs).
 `calibrate_model` works on a loaded model and token ids (used by tests, eval and the job);
-`oscar_calib.job.run_calibration` is the whole job behind `oscar-calib run` (it imports this module, never
+`oscar_calib.calibration.job.run_calibration` is the whole job behind `oscar-calib run` (it imports this module, never
 the other way round).
 """
 
@@ -18,21 +18,21 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_calib import __version__
-from oscar_calib.capture import (
+from oscar_calib.calibration.capture import (
     CaptureSession,
     capturing,
     forward_batch,
     sliding_window_layers,
     unsupported_attention_reason,
 )
-from oscar_calib.clipfit import MIN_RATIO, ClipFit, fit_layer
+from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.placement import input_device
 from oscar_calib.progress import StepFn
-from oscar_calib.solve import solve_rotations
-from oscar_calib.stats import LayerStats
-from oscar_calib.stats_file import CalibrationStatistics, make_provenance
+from oscar_calib.calibration.solve import solve_rotations
+from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.contract import build_metadata, created_at
 
@@ -127,7 +127,7 @@ def session_means(session: CaptureSession, layer_ids: list[int]) -> tuple[torch.
 
 def o_proj_weights(model, layer_ids: list[int]) -> dict[int, torch.Tensor] | None:
     """Layer -> o_proj weight `[hidden, H_q * d]` (for the `block_out` clip objective), or None if not found."""
-    from oscar_calib.capture import decoder_of
+    from oscar_calib.calibration.capture import decoder_of
 
     try:
         layers = decoder_of(model).layers
@@ -402,7 +402,7 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
             fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights, tick=tick)
             out[name] = {"key": best(fits, "k"), "value": best(fits, "v")}
     # Baseline without the eigen-basis (Hadamard only) for context.
-    from oscar_calib.solve import hadamard
+    from oscar_calib.calibration.solve import hadamard
 
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
     had = hadamard(d).float().expand(len(layer_ids), h_kv, d, d)

@@ -13,7 +13,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from oscar_calib.methods import ArtifactInt2, hadamard
+from oscar_calib.analysis.methods import ArtifactInt2, hadamard
 from runtime_kernels.artifact import OscarArtifact
 
 NAME = "hadamard-clip-centered"

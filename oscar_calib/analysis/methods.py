@@ -33,7 +33,7 @@ KIVI_SCALE_BITS = 16  # KIVI stores each group's scale and zero in 16 bits each 
 
 def hadamard(d: int) -> torch.Tensor:
     """Normalised Sylvester Hadamard `[d, d]` float64 (`H[a, b] = (-1)^popcount(a & b) / sqrt(d)`)."""
-    from oscar_calib.solve import hadamard as _hadamard
+    from oscar_calib.calibration.solve import hadamard as _hadamard
 
     return _hadamard(d)
 

@@ -1,4 +1,4 @@
-"""Figures of an audit report (`oscar_calib.audit.audit_artifact`): heatmaps per metric family and one summary.
+"""Figures of an audit report (`oscar_calib.analysis.audit.audit_artifact`): heatmaps per metric family and one summary.
 
 Panels meant to be compared (keys before / after the rotation; naive / Hadamard / OSCAR error) share one
 colour scale, so the same colour means the same value across them. Cells carry their value when they are

@@ -258,7 +258,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     floors = {kind: _search_floor(raw.metadata, grid) for kind, grid in grids.items()}
     had = None
     if acts is not None:
-        from oscar_calib.methods import hadamard
+        from oscar_calib.analysis.methods import hadamard
 
         had = hadamard(d).float()
     eye = torch.eye(d)
@@ -333,8 +333,8 @@ def _badness(row: dict) -> tuple:
 
 
 def write_heatmaps(report: dict, directory: str | Path) -> list[Path]:
-    """The audit figures (`oscar_calib.audit_plots.write_audit_plots`): summary plus one PNG per family."""
-    from oscar_calib.audit_plots import write_audit_plots
+    """The audit figures (`oscar_calib.analysis.audit_plots.write_audit_plots`): summary plus one PNG per family."""
+    from oscar_calib.analysis.audit_plots import write_audit_plots
 
     return write_audit_plots(report, directory)
 

@@ -15,29 +15,31 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from oscar_calib import __version__, distributed
-from oscar_calib.calibrate import (
+from oscar_calib import __version__
+
+from oscar_calib.calibration import distributed
+from oscar_calib.calibration.calibrate import (
     CalibrationReport,
     artifact_from_statistics,
     capture_statistics,
     check_holdout_length,
     check_supported,
 )
-from oscar_calib.capture import sliding_window_layers
-from oscar_calib.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
+from oscar_calib.calibration.capture import sliding_window_layers
+from oscar_calib.calibration.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
 from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
-from oscar_calib.data import load_calibration_data
-from oscar_calib.disk_budget import check_run_space, output_bytes, sums_bytes
+from oscar_calib.calibration.data import load_calibration_data
+from oscar_calib.calibration.disk_budget import check_run_space, output_bytes, sums_bytes
 from oscar_calib.errors import InputError
 from oscar_calib.loading import load_config as _load_config
 from oscar_calib.loading import load_model as _load_model
 from oscar_calib.loading import load_tokenizer as _load_tokenizer
-from oscar_calib.memory import peak_memory
-from oscar_calib.model_card import render_model_card
+from oscar_calib.calibration.memory import peak_memory
+from oscar_calib.zoo.model_card import render_model_card
 from oscar_calib.placement import describe_placement, placement_summary
 from oscar_calib.progress import Stages, log_console
-from oscar_calib.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
-from oscar_calib.stats_file import STATS_FILENAME, make_provenance, save_statistics
+from oscar_calib.calibration.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
+from oscar_calib.calibration.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     model_geometry,
@@ -57,7 +59,7 @@ class RunOptions:
     """How a run is carried out, not what it computes (so none of it is in the recipe).
 
     - `checkpoint`: checkpoint directory (default `<out>.checkpoint` beside the output directory; see
-      `oscar_calib.checkpoint`: a directory of its own kind, never an existing file or other directory);
+      `oscar_calib.calibration.checkpoint`: a directory of its own kind, never an existing file or other directory);
     - `checkpoint_every`: samples between checkpoints (None: no checkpoints, unless resuming);
     - `resume`: continue from the checkpoint (refused if it was made with other settings);
     - `shard`: `(index, count)`: sum only that contiguous part of the samples (merge the statistics later);

@@ -2,7 +2,7 @@
 
 A `CalibrationStatistics` holds everything the solver and the clip fit need, so that an artifact can be
 rebuilt without the model (`oscar-calib refit`): the fp64 sums and counts per (layer, KV head)
-(`oscar_calib.stats.LayerStats`), the held-out capture (keys, values, queries and query positions of the
+(`oscar_calib.calibration.stats.LayerStats`), the held-out capture (keys, values, queries and query positions of the
 held-out sequences, per layer) and the provenance (model, data, capture settings, which samples were summed).
 
 File layout (`A` calibrated layers, `S` held-out sequences, `T` their length, `n` held-out query positions):
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from oscar_calib import __version__
-from oscar_calib.capture import HoldoutRows
+from oscar_calib.calibration.capture import HoldoutRows
 from oscar_calib.errors import InputError
-from oscar_calib.stats import LayerStats
+from oscar_calib.calibration.stats import LayerStats
 
 STATS_FILENAME = "oscar_stats.safetensors"
 STATS_FORMAT = "oscar-stats"
@@ -380,9 +380,9 @@ def load_statistics(path: str | os.PathLike) -> CalibrationStatistics:
 
 def check_values(stats: dict[int, LayerStats], holdout: dict, scaling: float, provenance: StatsProvenance,
                  o_weights: dict, where: str) -> None:
-    """Values a real capture can produce (oscar_calib.stats_checks): finite, non-negative sums of squares, counts
+    """Values a real capture can produce (oscar_calib.calibration.stats_checks): finite, non-negative sums of squares, counts
     consistent with the recorded sample ranges, a finite held-out capture, complete o_proj weights."""
-    from oscar_calib.stats_checks import (
+    from oscar_calib.calibration.stats_checks import (
         check_counts_match_samples,
         check_holdout,
         check_o_weights,
@@ -430,7 +430,7 @@ def _merge_parts(items: list[tuple[str, CalibrationStatistics]]) -> list[dict]:
     Two inputs (or parts of earlier merges) with bit-identical sums hold the same samples: a shard copied and
     relabelled with another sample range would be counted twice, so that is refused naming both.
     """
-    from oscar_calib.stats_checks import sums_digest
+    from oscar_calib.calibration.stats_checks import sums_digest
 
     parts: list[dict] = []
     seen: dict[str, str] = {}

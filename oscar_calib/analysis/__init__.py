@@ -1,0 +1,1 @@
+"""Analysis of artifacts: evaluation, the compared methods and peers, probes, the audit and its plots."""

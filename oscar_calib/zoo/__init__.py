@@ -1,0 +1,1 @@
+"""The rotation zoo: Hub releases, the manifest, model cards and the authors' reference format."""
