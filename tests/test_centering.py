@@ -173,6 +173,6 @@ def test_bad_means_name_the_input():
     art = identity_artifact(1, 2, 8, 64, fmt=PAPER)
     with pytest.raises(ValueError, match=r"k_mean: expected a float tensor of shape \[1, 2, 64\]"):
         PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=2, max_seqs=1,
-                     k_mean=torch.zeros(2, 64), v_mean=torch.zeros(1, 2, 64))
+                     fmt=PAPER.with_(centered=True), k_mean=torch.zeros(2, 64), v_mean=torch.zeros(1, 2, 64))
     with pytest.raises(ValueError, match=r"mean: expected shape \(2, 64\)"):
         quant.quantize_pack(torch.zeros(3, 2, 64), None, None, mean=torch.zeros(64, 2))
