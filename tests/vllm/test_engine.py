@@ -412,4 +412,4 @@ def test_engine_refuses_a_codebook_artifact_naming_the_field():
     restamp(art, quantizer="lloyd_max")
     art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, H, 4).contiguous()
     with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
-        OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=served(art), backend="torch")
+        OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=LAYOUT, backend="torch")  # refused before the format
