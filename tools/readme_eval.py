@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = {MAIN_ROW: {}}
     if args.variants == "all":
         variants.update({
-            "oscar attn_kl (v0.1 default)": {"key_clip_objective": "attn_kl", "center_keys": False,
+            "oscar attn_kl, uncentered, min-max": {"key_clip_objective": "attn_kl", "center_keys": False,
                                              "center_values": False, "quantizer": "uniform_minmax"},
-            "oscar minmax (session-12 default)": {"quantizer": "uniform_minmax"},
+            "oscar min-max": {"quantizer": "uniform_minmax"},
             "oscar out_err": {"key_clip_objective": "out_err", "center_keys": False, "center_values": False},
             "oscar out_err +ck": {"key_clip_objective": "out_err", "center_keys": True, "center_values": False},
             "oscar out_err +ck+cv": {"key_clip_objective": "out_err", "center_keys": True, "center_values": True},
