@@ -26,8 +26,8 @@ from oscar_calib.calibration.checkpoint import (
     prepare_checkpoint_dir,
     save_checkpoint,
 )
-from oscar_calib.errors import InputError
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.errors import InputError
 from runtime_kernels.artifact import identity_artifact, write_artifact
 
 

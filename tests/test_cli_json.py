@@ -11,9 +11,9 @@ import torch
 from cli_helpers import run_cli
 from tiny_models import tiny_model
 
+from oscar_calib.calibration.stats_file import STATS_FILENAME, load_statistics
 from oscar_calib.cli import exit_codes
 from oscar_calib.demo import byte_tokenizer
-from oscar_calib.calibration.stats_file import STATS_FILENAME, load_statistics
 
 WINDOWS = ("--sink", "4", "--recent", "8")
 

@@ -171,8 +171,8 @@ def test_interrupted_run_leaves_nothing(model_dir, text_file, tmp_path, monkeypa
 
 
 def test_chat_template_wraps_texts_and_messages(tmp_path, monkeypatch, capsys):
-    from oscar_calib.config import DataConfig
     from oscar_calib.calibration.data import load_calibration_data
+    from oscar_calib.config import DataConfig
 
     tok = byte_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -194,8 +194,8 @@ def test_chat_template_wraps_texts_and_messages(tmp_path, monkeypatch, capsys):
 
 
 def test_packing_and_seeded_shuffle(tmp_path):
-    from oscar_calib.config import DataConfig
     from oscar_calib.calibration.data import load_calibration_data
+    from oscar_calib.config import DataConfig
 
     path = tmp_path / "docs.txt"
     path.write_text("\n\n".join(f"doc{i:02d} " + "x" * 10 for i in range(30)))

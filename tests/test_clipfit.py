@@ -4,10 +4,10 @@ import pytest
 import torch
 from format_helpers import PAPER, restamp, served
 
-from oscar_calib.calibration.clipfit import MIN_RATIO, clip_errors, extended_grid, fit_layer
-from oscar_calib.errors import InputError
 from oscar_calib.analysis.methods import centered_fake_quantize
+from oscar_calib.calibration.clipfit import MIN_RATIO, clip_errors, extended_grid, fit_layer
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.errors import InputError
 from runtime_kernels.quant import naive
 
 W48 = PAPER.with_(sink_tokens=4, recent_tokens=8)  # the slow references: fp16 scales, min-max, per-token windows

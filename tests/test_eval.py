@@ -271,10 +271,10 @@ def test_quality_regression_on_the_trained_fixture():
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from oscar_calib.analysis.methods import standard_methods
     from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings
     from oscar_calib.demo import FIXTURE_DIR, fixture_available
-    from oscar_calib.analysis.methods import standard_methods
 
     if not fixture_available():
         pytest.fail(f"the trained fixture is missing from {FIXTURE_DIR}")

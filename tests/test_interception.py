@@ -10,15 +10,16 @@ from functools import partial
 
 import pytest
 import torch
+from format_helpers import PAPER
 from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from oscar_calib.analysis.evaluate import EvalSession, evaluating
+from oscar_calib.analysis.methods import standard_methods
 from oscar_calib.calibration.capture import CaptureSession, capturing
 from oscar_calib.errors import InputError
-from oscar_calib.analysis.evaluate import EvalSession, evaluating
 from oscar_calib.interception import AttentionInterception, InterceptionError, active_interception
-from oscar_calib.analysis.methods import standard_methods
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -99,8 +100,9 @@ def test_nesting_is_refused_and_the_outer_use_keeps_working(model):
 
 
 def test_capture_inside_evaluation_is_refused(model):
-    method = standard_methods(32, {})[0]
-    with evaluating(model, EvalSession(method, sink=2, recent=2)):
+    fmt = PAPER.with_(sink_tokens=2, recent_tokens=2)
+    method = standard_methods(32, fmt)[0]
+    with evaluating(model, EvalSession(method, fmt)):
         with pytest.raises(InterceptionError, match="interceptions do not nest"):
             with capturing(model, CaptureSession()):
                 pass

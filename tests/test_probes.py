@@ -10,10 +10,10 @@ import pytest
 import torch
 from format_helpers import PAPER
 
-from oscar_calib.demo import FIXTURE_DIR, fixture_available
 from oscar_calib.analysis.evaluate import make_windows, read_documents
 from oscar_calib.analysis.methods import KVMethod
 from oscar_calib.analysis.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
+from oscar_calib.demo import FIXTURE_DIR, fixture_available
 from runtime_kernels.artifact import identity_artifact
 
 pytestmark = pytest.mark.skipif(not fixture_available(), reason="trained fixture not installed")

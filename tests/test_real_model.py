@@ -86,10 +86,10 @@ def test_calibrate_a_slice_and_evaluate_it_inside_the_full_model(real_model, tmp
     _, full_dir, slice_dir = real_model
     from transformers import AutoTokenizer
 
-    from oscar_calib.calibration.calibrate import calibrate_model
-    from oscar_calib.config import SolverSettings
     from oscar_calib.analysis.evaluate import make_windows, method_nll, ppl, read_documents
     from oscar_calib.analysis.methods import ArtifactInt2, KVMethod, LayerTables, TableInt2
+    from oscar_calib.calibration.calibrate import calibrate_model
+    from oscar_calib.config import SolverSettings
 
     tok = AutoTokenizer.from_pretrained(full_dir)
     cal = make_windows(tok, read_documents(FIXTURE / "calib.txt"), CONTEXT)

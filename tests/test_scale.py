@@ -19,18 +19,18 @@ from safetensors import safe_open
 from tiny_models import tiny_model
 
 from oscar_calib.calibration.calibrate import artifact_from_statistics, capture_statistics
-from oscar_calib.cli import main
-from oscar_calib.config import SolverSettings
-from oscar_calib.demo import byte_tokenizer
-from oscar_calib.errors import InputError
 from oscar_calib.calibration.job import shard_range
-from oscar_calib.placement import describe_placement, parse_max_memory
 from oscar_calib.calibration.stats_file import (
     STATS_FILENAME,
     load_statistics,
     merge_statistics,
     save_statistics,
 )
+from oscar_calib.cli import main
+from oscar_calib.config import SolverSettings
+from oscar_calib.demo import byte_tokenizer
+from oscar_calib.errors import InputError
+from oscar_calib.placement import describe_placement, parse_max_memory
 from runtime_kernels.artifact import read_artifact
 
 EPOCH = "1700000000"

@@ -19,9 +19,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from test_scale import EPOCH, SAMPLES, args, model_dir, text_file  # noqa: F401  (module-scoped fixtures)
 
+from oscar_calib.calibration.stats_file import (
+    load_statistics,
+    merge_statistics,
+    read_safetensors,
+    save_statistics,
+)
 from oscar_calib.cli import main
 from oscar_calib.errors import InputError
-from oscar_calib.calibration.stats_file import load_statistics, merge_statistics, read_safetensors, save_statistics
 
 
 @pytest.fixture(scope="module")

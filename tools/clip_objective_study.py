@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few configurations (a smoke test of the script)")
     args = p.parse_args(argv)
 
+    from oscar_calib.analysis.evaluate import make_windows, method_nll, read_documents
+    from oscar_calib.analysis.methods import Kivi2, KVMethod, LayerTables, RowwiseInt2, TableInt2, hadamard
     from oscar_calib.calibration.calibrate import (
         _holdout_positions,
         _run_capture,
@@ -69,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.calibration.capture import CaptureSession, sliding_window_layers
     from oscar_calib.calibration.clipfit import clip_errors, fit_layer
     from oscar_calib.config import SolverSettings
-    from oscar_calib.analysis.evaluate import make_windows, method_nll, read_documents
-    from oscar_calib.analysis.methods import Kivi2, KVMethod, LayerTables, RowwiseInt2, TableInt2, hadamard
 
     t_start = time.perf_counter()
     tok, model, device, dtype = load_fixture(args.model)

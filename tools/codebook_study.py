@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     p = fixture_parser(__doc__.split("\n\n")[0])
     args = p.parse_args(argv)
 
-    from oscar_calib.calibration.calibrate import calibrate_model_with_report
-    from oscar_calib.config import SolverSettings
     from oscar_calib.analysis.evaluate import bootstrap_delta_ci, make_windows, method_nll, read_documents
     from oscar_calib.analysis.methods import ArtifactInt2, KVMethod, _from_rows, _to_rows
+    from oscar_calib.calibration.calibrate import calibrate_model_with_report
+    from oscar_calib.config import SolverSettings
     from runtime_kernels.quant import naive
 
     def log(msg: str) -> None:

@@ -78,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
                         "the 128/1024 layout")
     args = p.parse_args(argv)
 
+    from oscar_calib.analysis.evaluate import (
+        evaluate_methods,
+        generation_agreement,
+        make_windows,
+        read_documents,
+    )
+    from oscar_calib.analysis.methods import standard_methods
     from oscar_calib.calibration.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
-    from oscar_calib.analysis.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.analysis.methods import standard_methods
     from runtime_kernels.format import KVFormat
 
     # The main table's windows (64/256, token-granular history) and fp16 scales.

@@ -94,12 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     SINK, RECENT = args.sink, args.recent  # noqa: N806
     fmt = DEFAULT_FORMAT.with_(sink_tokens=SINK, recent_tokens=RECENT)  # every row's cache: ue5m3, the given windows
 
-    from oscar_calib.calibration.calibrate import _fit_all, artifact_from_statistics, capture_statistics, session_means
-    from oscar_calib.config import SolverSettings
     from oscar_calib.analysis.evaluate import method_nll
-    from oscar_calib.analysis.methods import KVMethod, LayerTables, TableInt2, artifact_tables, centered_fake_quantize
+    from oscar_calib.analysis.methods import (
+        KVMethod,
+        LayerTables,
+        TableInt2,
+        artifact_tables,
+        centered_fake_quantize,
+    )
     from oscar_calib.analysis.methods import hadamard as hadamard_matrix
     from oscar_calib.analysis.probes import passkey_batch, passkey_scores
+    from oscar_calib.calibration.calibrate import (
+        _fit_all,
+        artifact_from_statistics,
+        capture_statistics,
+        session_means,
+    )
+    from oscar_calib.config import SolverSettings
 
     class SidedTables(TableInt2):
         """TableInt2 with its own quantizer per side (keys, values)."""

@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needles", type=int, default=256)
     args = p.parse_args(argv)
 
-    from oscar_calib.calibration.calibrate import calibrate_model
-    from oscar_calib.config import SolverSettings
     from oscar_calib.analysis.evaluate import make_windows, method_nll, read_documents
     from oscar_calib.analysis.methods import ArtifactInt2, KVMethod, RowwiseInt2, hadamard
     from oscar_calib.analysis.probes import passkey_batch, passkey_scores
+    from oscar_calib.calibration.calibrate import calibrate_model
+    from oscar_calib.config import SolverSettings
     from runtime_kernels.format import DEFAULT_FORMAT
 
     t_start = time.perf_counter()

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from oscar_calib.analysis.methods import KVMethod
 from oscar_calib.errors import InputError
 from oscar_calib.interception import AttentionInterception
-from oscar_calib.analysis.methods import KVMethod
 from runtime_kernels.artifact import model_geometry
 from runtime_kernels.format import KVFormat
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_calib.errors import InputError
 from oscar_calib.analysis.evaluate import EvalSession, cache_kw, evaluating
 from oscar_calib.analysis.methods import KVMethod
+from oscar_calib.errors import InputError
 from runtime_kernels.format import KVFormat
 
 NEEDLE = " The secret pass key is {key}. Remember it: the pass key is {key}."

@@ -26,13 +26,13 @@ from oscar_calib.calibration.capture import (
     unsupported_attention_reason,
 )
 from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
+from oscar_calib.calibration.solve import solve_rotations
+from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
 from oscar_calib.placement import input_device
 from oscar_calib.progress import StepFn
-from oscar_calib.calibration.solve import solve_rotations
-from oscar_calib.calibration.stats import LayerStats
-from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.contract import build_metadata, created_at
 

@@ -15,9 +15,9 @@ from functools import partial
 
 import torch
 
+from oscar_calib.calibration.stats import LayerStats
 from oscar_calib.errors import CaptureError
 from oscar_calib.interception import AttentionInterception
-from oscar_calib.calibration.stats import LayerStats
 from runtime_kernels.artifact import text_config
 
 CAPTURE_NAME = "oscar_capture"

@@ -23,7 +23,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from oscar_calib.errors import InputError
 from oscar_calib.calibration.stats import LayerStats
 from oscar_calib.calibration.stats_checks import check_counts_match_samples, check_sums
 from oscar_calib.calibration.stats_file import (
@@ -34,6 +33,7 @@ from oscar_calib.calibration.stats_file import (
     sums_from_tensors,
     sums_to_tensors,
 )
+from oscar_calib.errors import InputError
 
 CHECKPOINT_FORMAT = "oscar-checkpoint"
 MARKER_FILENAME = "OSCAR_CHECKPOINT"

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_calib.errors import CaptureError
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.errors import CaptureError
 
 TIMEOUT_ENV = "OSCAR_CALIB_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT_S = 1800

@@ -16,7 +16,6 @@ import torch
 from rich.console import Console
 
 from oscar_calib import __version__
-
 from oscar_calib.calibration import distributed
 from oscar_calib.calibration.calibrate import (
     CalibrationReport,
@@ -27,19 +26,19 @@ from oscar_calib.calibration.calibrate import (
 )
 from oscar_calib.calibration.capture import sliding_window_layers
 from oscar_calib.calibration.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
-from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.calibration.data import load_calibration_data
 from oscar_calib.calibration.disk_budget import check_run_space, output_bytes, sums_bytes
+from oscar_calib.calibration.memory import peak_memory
+from oscar_calib.calibration.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
+from oscar_calib.calibration.stats_file import STATS_FILENAME, make_provenance, save_statistics
+from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.errors import InputError
 from oscar_calib.loading import load_config as _load_config
 from oscar_calib.loading import load_model as _load_model
 from oscar_calib.loading import load_tokenizer as _load_tokenizer
-from oscar_calib.calibration.memory import peak_memory
-from oscar_calib.zoo.model_card import render_model_card
 from oscar_calib.placement import describe_placement, placement_summary
 from oscar_calib.progress import Stages, log_console
-from oscar_calib.calibration.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
-from oscar_calib.calibration.stats_file import STATS_FILENAME, make_provenance, save_statistics
+from oscar_calib.zoo.model_card import render_model_card
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     model_geometry,

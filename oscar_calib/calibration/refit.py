@@ -10,11 +10,11 @@ from pathlib import Path
 from rich.console import Console
 
 from oscar_calib.calibration.calibrate import artifact_from_statistics
-from oscar_calib.config import SolverSettings
 from oscar_calib.calibration.job import LOG_FILENAME, atomic_output_dir, check_output_dir, environment
-from oscar_calib.zoo.model_card import render_model_card
-from oscar_calib.progress import log_console
 from oscar_calib.calibration.stats_file import STATS_FILENAME, load_statistics, save_statistics
+from oscar_calib.config import SolverSettings
+from oscar_calib.progress import log_console
+from oscar_calib.zoo.model_card import render_model_card
 from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
 
 

@@ -36,8 +36,8 @@ import torch
 
 from oscar_calib import __version__
 from oscar_calib.calibration.capture import HoldoutRows
-from oscar_calib.errors import InputError
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.errors import InputError
 
 STATS_FILENAME = "oscar_stats.safetensors"
 STATS_FORMAT = "oscar-stats"

@@ -98,10 +98,10 @@ def audit_cmd(
         output.note(f"the artifact breaks the contract: {raw.contract_error}")
     acts = None
     if model is not None:
-        from oscar_calib.cli.checks import check_model
-        from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.analysis.evaluate import make_windows, read_documents
         from oscar_calib.calibration.job import Choices, resolve_device, resolve_dtype
+        from oscar_calib.cli.checks import check_model
+        from oscar_calib.demo import FIXTURE_DIR
         from oscar_calib.loading import load_model, load_tokenizer
         from runtime_kernels.artifact import read_artifact
 

@@ -38,9 +38,9 @@ def _calibrate(output: Output, model, tokenizer, calib_path: Path, context: int,
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
     import torch
 
+    from oscar_calib.analysis.evaluate import make_windows, read_documents
     from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings, format_settings
-    from oscar_calib.analysis.evaluate import make_windows, read_documents
 
     w = make_windows(tokenizer, read_documents(calib_path), context)
     ids = torch.cat([w.long, w.packed])[:samples]
@@ -178,13 +178,18 @@ def eval_cmd(
         require("matplotlib", "plot", "--plot")
     import torch
 
+    from oscar_calib.analysis.evaluate import (
+        evaluate_methods,
+        generation_agreement,
+        make_windows,
+        read_documents,
+    )
+    from oscar_calib.analysis.methods import standard_methods
+    from oscar_calib.calibration.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.cli.checks import check_model, local_model_id
     from oscar_calib.cli.preflight import check_model_ref
     from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
-    from oscar_calib.analysis.evaluate import evaluate_methods, generation_agreement, make_windows, read_documents
-    from oscar_calib.calibration.job import Choices, max_positions, resolve_device, resolve_dtype
     from oscar_calib.loading import is_gguf, load_model, load_tokenizer
-    from oscar_calib.analysis.methods import standard_methods
     from runtime_kernels.artifact import model_geometry, read_artifact
 
     output = Output(as_json, tag="eval")

@@ -120,8 +120,8 @@ def run(
     as_json: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
-    from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
     from oscar_calib.calibration.job import RunOptions, run_calibration
+    from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
     from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
 
