@@ -87,7 +87,11 @@ def test_packed_layout_bytes_and_views():
     ue5m3 = PAPER.with_(scale_format="ue5m3")
     assert PackedLayout(PAPER, 128).bytes_per_token_head == 72  # the number: 64 code bytes + 4 fp16
     assert PackedLayout.bf16_bytes_per_token_head(128) == 512
-    assert PackedLayout(PAPER.with_(group_size=32), 128).bytes_per_token_head == 64 + 4 * 2 * 4
+    # four groups per row: counted from the pool views themselves (each token's slice of the six pools)
+    g32 = PackedLayout(PAPER.with_(group_size=32), 128)
+    views = page_pools(torch.zeros(1, H, P, g32.bytes_per_token_head, dtype=torch.uint8), g32)
+    pools = (views.k_codes, views.k_scale, views.k_zero, views.v_codes, views.v_scale, views.v_zero)
+    assert sum(t[0, 0, 0].numel() * t.element_size() for t in pools) == g32.bytes_per_token_head == 96
     assert PackedLayout(ue5m3, 128).bytes_per_token_head == 68  # one byte each for scale and zero
     u8 = page_pools(torch.zeros(2, H, P, 68, dtype=torch.uint8), PackedLayout(ue5m3, 128))
     assert u8.k_scale.dtype == torch.uint8 and u8.v_zero.shape == (2, H, P, 1)
