@@ -55,11 +55,14 @@ def test_quantize_bit_exact_on_gpu(t, d, group_size, clip_mode):
     scale = torch.empty(t, h, 1, d // g, dtype=torch.float16, device=DEV)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, device=DEV, dtype=torch.int32)
-    quantize_pack_into(xr, ratio, codes, scale, zero, idx, idx * 0, g, clip_mode=clip_mode, quantizer="uniform_minmax")
+    quantize_pack_into(xr, ratio, codes, scale, zero, idx, idx * 0, g, clip_mode=clip_mode,
+                       quantizer="uniform_minmax")
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
-    got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, group_size, scale_format="float16", quantizer="uniform_minmax")
-    for a, b in zip(got, naive.quantize_pack(x.to(torch.bfloat16), rot, ratio, g, scale_format="float16", quantizer="uniform_minmax")):
+    got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, group_size, scale_format="float16",
+                              quantizer="uniform_minmax")
+    for a, b in zip(got, naive.quantize_pack(x.to(torch.bfloat16), rot, ratio, g, scale_format="float16",
+                                             quantizer="uniform_minmax")):
         assert torch.equal(a, b)
 
 
@@ -244,7 +247,8 @@ def test_write_pages_on_gpu():
         c = torch.zeros(10, h, p, d // 4, dtype=torch.uint8, device=DEV)
         s = torch.zeros(10, h, p, 1, dtype=torch.float16, device=DEV)
         z = torch.zeros_like(s)
-        quant.write_pages(x, rot, ratio, c, s, z, slots // p, slots % p, backend=backend, quantizer="uniform_minmax")
+        quant.write_pages(x, rot, ratio, c, s, z, slots // p, slots % p, backend=backend,
+                          quantizer="uniform_minmax")
         pools.append((c, s, z))
     for a, b in zip(*pools):
         assert torch.equal(a, b)

@@ -63,7 +63,8 @@ def test_second_pass_is_min_max_of_the_scaled_clipped_group(scale_format):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     # without the gain it is the plain quantizer of the clipped rows
-    for a, b in zip(naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_minmax"), naive.quantize(xc, None, scale_format=scale_format)):
+    for a, b in zip(naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_minmax"),
+                    naive.quantize(xc, None, scale_format=scale_format)):
         assert torch.equal(a, b)
 
 
@@ -72,8 +73,10 @@ def test_clipped_rows_keep_their_projection(scale_format):
     """Measured (3000 rows, clip 0.9): min-max keeps 0.92 of the projection on average, unbiased 1.000 (fp16 scales)
     and 0.998 (ue5m3: the second pass re-rounds the scale to 3 mantissa bits)."""
     x = rows(seed=3)
-    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format, quantizer="uniform_minmax")))
-    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format, quantizer="uniform_unbiased")))
+    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
+                                                   quantizer="uniform_minmax")))
+    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
+                                                     quantizer="uniform_unbiased")))
     assert minmax.mean() < 0.95
     assert abs(unbiased.mean() - 1) < 0.005
     assert (unbiased - 1).abs().mean() < 0.5 * (minmax - 1).abs().mean()
@@ -117,7 +120,8 @@ def test_triton_unbiased_quantizer_equals_the_reference_bit_for_bit(scale_format
                                quantizer="uniform_unbiased")
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
-    plain = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format, quantizer="uniform_minmax")
+    plain = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format,
+                                quantizer="uniform_minmax")
     assert not torch.equal(plain[1], want[1])  # the gain moved the scales: the test can tell the quantizers apart
 
 

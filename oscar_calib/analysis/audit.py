@@ -37,8 +37,8 @@ from runtime_kernels.artifact import (
 from runtime_kernels.quant import naive
 
 AUDIT_ATTENTION = "oscar_audit"
-# The audit compares rotations (naive, Hadamard, OSCAR) at one scale format, fp16, whatever the artifact stores:
-# scale rounding is not what it measures.
+# The audit compares rotations (naive, Hadamard, OSCAR) at one scale format, fp16, whatever the artifact
+# stores: scale rounding is not what it measures.
 AUDIT_SCALE_FORMAT = "float16"
 
 

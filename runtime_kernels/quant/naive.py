@@ -231,7 +231,8 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     xr = rotate(x, rotation) if rotation is not None else x.float()
     if mean is not None:
         xr = xr - mean.float()
-    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format=scale_format, quantizer=quantizer)
+    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format=scale_format,
+                                       quantizer=quantizer)
     return pack(codes), scale, zero
 
 
