@@ -74,8 +74,10 @@ def _slow_clip_errors(keys, values, queries, positions, k_rot, v_rot, ratio, sca
     v_den = torch.zeros(h_kv, dtype=torch.float64)
     pairs = torch.zeros(h_kv, dtype=torch.float64)
     for h in range(h_kv):
-        khat = naive.fake_quantize(keys[:, h].reshape(-1, 1, d), k_rot[h][None], torch.tensor([ratio])).reshape(s, t, d)
-        vhat = naive.fake_quantize(values[:, h].reshape(-1, 1, d), v_rot[h][None], torch.tensor([ratio])).reshape(s, t, d)
+        khat = naive.fake_quantize(keys[:, h].reshape(-1, 1, d), k_rot[h][None], torch.tensor([ratio]),
+                                   scale_format="float16", quantizer="uniform_minmax").reshape(s, t, d)
+        vhat = naive.fake_quantize(values[:, h].reshape(-1, 1, d), v_rot[h][None], torch.tensor([ratio]),
+                                   scale_format="float16", quantizer="uniform_minmax").reshape(s, t, d)
         for si in range(s):
             for qi in range(h * g, (h + 1) * g):
                 for n, pos in enumerate(positions[si].tolist()):

@@ -202,9 +202,8 @@ def test_the_cache_serves_an_artifact_only_in_its_own_format_but_the_page():
 
 # --- one default in the product tree ------------------------------------------------------------------------------
 PRODUCT = ("oscar_calib", "runtime_kernels")
-# Kernel primitives encode a single call; a bare call is the reference's fp16 min-max. The KV format reaches them
-# through the cache (and the decode launcher reads the scale format from the pools' dtype).
-PRIMITIVES = ("runtime_kernels/quant/", "runtime_kernels/attention/")
+# The whole product tree, kernel primitives included: a primitive takes the scale format and quantizer as required
+# keywords (its caller holds the KVFormat), so a bare call cannot silently pick fp16 min-max.
 FORMAT_NAMES = re.compile(r"(sink|recent|page_size|scale_format|scale_dtype|quantizer|group_size)")
 # A flag default that is not the format's: the teacher-forced evaluation's history granularity (1 = per token).
 ALLOWED = {("oscar_calib/cli/eval_cmd.py", "page_size")}
@@ -226,7 +225,7 @@ def test_no_window_or_scale_defaults_outside_the_format():
     DEFAULT_FORMAT); the retired layout names are gone."""
     stray = []
     for rel, tree in _product_files():
-        if rel.startswith(PRIMITIVES) or rel == "runtime_kernels/format.py":
+        if rel == "runtime_kernels/format.py":
             continue
         for node in ast.walk(tree):
             pairs = []

@@ -19,7 +19,8 @@ def _rows(d=64):
 @pytest.mark.parametrize("group_size", [None, 16])
 def test_degenerate_rows_stay_finite_and_close(group_size):
     x = _rows()
-    packed, scale, zero = naive.quantize_pack(x, None, None, group_size)
+    packed, scale, zero = naive.quantize_pack(x, None, None, group_size, scale_format="float16",
+                                              quantizer="uniform_minmax")
     assert torch.isfinite(scale.float()).all() and (scale.float() > 0).all() and torch.isfinite(zero.float()).all()
     xq = naive.unpack_dequantize(packed, scale, zero)
     assert torch.isfinite(xq).all()
@@ -35,7 +36,8 @@ def test_degenerate_rows_stay_finite_and_close(group_size):
 def test_triton_matches_reference_on_degenerate_rows(group_size):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs the Triton interpreter
     x = _rows().to(device)
-    ref = naive.quantize_pack(x, None, None, group_size)
-    got = quantize_pack(x, None, None, group_size, backend="triton")
+    ref = naive.quantize_pack(x, None, None, group_size, scale_format="float16", quantizer="uniform_minmax")
+    got = quantize_pack(x, None, None, group_size, backend="triton", scale_format="float16",
+                        quantizer="uniform_minmax")
     for r, g in zip(ref, got):
         assert torch.equal(r, g)

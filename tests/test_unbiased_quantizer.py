@@ -39,7 +39,7 @@ def deq(codes_scale_zero):
 def test_gain_equals_an_independent_float64_computation(group_size):
     x = rows(seed=1)
     xc = naive.clip_rows(x, 0.9)
-    first = deq(naive.quantize(xc, group_size))
+    first = deq(naive.quantize(xc, group_size, scale_format="float16"))
     g = group_size or x.shape[-1]
     xs = x.numpy().astype(np.float64).reshape(x.shape[0], -1, g)
     hs = first.numpy().astype(np.float64).reshape(x.shape[0], -1, g)
@@ -57,13 +57,14 @@ def test_gain_equals_an_independent_float64_computation(group_size):
 def test_second_pass_is_min_max_of_the_scaled_clipped_group(scale_format):
     x = rows(400, seed=2)
     xc = naive.clip_rows(x, 0.92)
-    gain = naive.unbiased_gain(x, deq(naive.quantize(xc, None, scale_format)))
-    got = naive.quantize_rows(x, 0.92, None, scale_format, "uniform_unbiased")
-    want = naive.quantize(xc * gain, None, scale_format)
+    gain = naive.unbiased_gain(x, deq(naive.quantize(xc, None, scale_format=scale_format)))
+    got = naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_unbiased")
+    want = naive.quantize(xc * gain, None, scale_format=scale_format)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     # without the gain it is the plain quantizer of the clipped rows
-    for a, b in zip(naive.quantize_rows(x, 0.92, None, scale_format), naive.quantize(xc, None, scale_format)):
+    for a, b in zip(naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_minmax"),
+                    naive.quantize(xc, None, scale_format=scale_format)):
         assert torch.equal(a, b)
 
 
@@ -72,8 +73,10 @@ def test_clipped_rows_keep_their_projection(scale_format):
     """Measured (3000 rows, clip 0.9): min-max keeps 0.92 of the projection on average, unbiased 1.000 (fp16 scales)
     and 0.998 (ue5m3: the second pass re-rounds the scale to 3 mantissa bits)."""
     x = rows(seed=3)
-    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format)))
-    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format, "uniform_unbiased")))
+    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
+                                                   quantizer="uniform_minmax")))
+    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
+                                                     quantizer="uniform_unbiased")))
     assert minmax.mean() < 0.95
     assert abs(unbiased.mean() - 1) < 0.005
     assert (unbiased - 1).abs().mean() < 0.5 * (minmax - 1).abs().mean()
@@ -93,7 +96,7 @@ def test_a_matching_far_key_keeps_its_attention_weight():
         q = keys[needle] * (0.5 / keys[needle].norm())
         exact = torch.softmax(keys @ q, dim=0)[needle]
         for name in errs:
-            k_hat = deq(naive.quantize_rows(keys, 0.9, None, "float16", name))
+            k_hat = deq(naive.quantize_rows(keys, 0.9, None, scale_format="float16", quantizer=name))
             errs[name].append(float(torch.softmax(k_hat @ q, dim=0)[needle] - exact))
     minmax, unbiased = np.array(errs["uniform_minmax"]), np.array(errs["uniform_unbiased"])
     assert (minmax < 0).all() and minmax.mean() < -0.15
@@ -117,13 +120,14 @@ def test_triton_unbiased_quantizer_equals_the_reference_bit_for_bit(scale_format
                                quantizer="uniform_unbiased")
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
-    plain = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format)
+    plain = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format,
+                                quantizer="uniform_minmax")
     assert not torch.equal(plain[1], want[1])  # the gain moved the scales: the test can tell the quantizers apart
 
 
 def test_unknown_quantizer_is_refused_naming_it():
     with pytest.raises(ValueError, match="quantizer: expected one of .*'lloyd'"):
-        Q.quantize_pack(torch.randn(4, 1, 8), None, None, quantizer="lloyd")
+        Q.quantize_pack(torch.randn(4, 1, 8), None, None, quantizer="lloyd", scale_format="float16")
 
 
 def test_cache_serves_unbiased_artifacts_and_refuses_codebooks():

@@ -48,7 +48,7 @@ def codebook_quantize(xr: torch.Tensor, book: torch.Tensor | None, scale_format:
     from runtime_kernels.quant import naive
 
     if book is None:
-        c, s, z = naive.quantize(xr, None, scale_format)
+        c, s, z = naive.quantize(xr, None, scale_format=scale_format)
         return naive.dequantize(c, s, z)
     lo = xr.amin(-1, keepdim=True)
     span = (xr.amax(-1, keepdim=True) - lo).clamp(min=1e-12)

@@ -37,6 +37,9 @@ from runtime_kernels.artifact import (
 from runtime_kernels.quant import naive
 
 AUDIT_ATTENTION = "oscar_audit"
+# The audit compares rotations (naive, Hadamard, OSCAR) at one scale format, fp16, whatever the artifact
+# stores: scale rounding is not what it measures.
+AUDIT_SCALE_FORMAT = "float16"
 
 
 @dataclass
@@ -142,7 +145,8 @@ def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int 
     (model basis) when given: `fq(x - mean) + mean`, what a centered cache stores and reads back."""
     ratio = None if clip >= 1.0 else clip
     xc = x.float() if mean is None else x.float() - mean.float()
-    out = naive.fake_quantize(xc[:, None], rotation, ratio, group, quantizer=quantizer)[:, 0].float()
+    out = naive.fake_quantize(xc[:, None], rotation, ratio, group, scale_format=AUDIT_SCALE_FORMAT,
+                              quantizer=quantizer)[:, 0].float()
     return out if mean is None else out + mean.float()
 
 

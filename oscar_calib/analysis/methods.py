@@ -29,6 +29,9 @@ from runtime_kernels.format import BF16_BITS, CODE_BITS, KVFormat
 from runtime_kernels.quant import naive
 
 KIVI_SCALE_BITS = 16  # KIVI stores each group's scale and zero in 16 bits each (fp16)
+# KIVI-2 is a fixed baseline, not a KV format: fp16 scales and zeros, plain min-max rounding.
+KIVI_SCALE_FORMAT = "float16"
+KIVI_QUANTIZER = "uniform_minmax"
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -226,7 +229,7 @@ class Kivi2(KVMethod):
     def fake_quantize(self, layer_idx, keys, values, windows):
         b, h, t, d = values.shape
         v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group,
-                                               scale_format="float16"), b, t)  # KIVI's fp16 scales
+                                               scale_format=KIVI_SCALE_FORMAT, quantizer=KIVI_QUANTIZER), b, t)
         return kivi_keys(keys, self.token_group, windows.sink_tokens), v_hat
 
 
@@ -243,7 +246,7 @@ def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Ten
     while pos < t:
         n = min(token_group, t - pos)
         block = k[:, :, pos:pos + n].transpose(-1, -2)  # [B, H, d, n]: channels as rows, tokens as the group
-        codes, scale, zero = naive.quantize(block, n)
+        codes, scale, zero = naive.quantize(block, n, scale_format=KIVI_SCALE_FORMAT)
         out[:, :, pos:pos + n] = naive.dequantize(codes, scale, zero).transpose(-1, -2)
         pos += n
     return out

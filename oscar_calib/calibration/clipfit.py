@@ -87,7 +87,8 @@ def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | 
     xr = torch.einsum("shtd,hde->shte", xf, rotation.float())
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
-    codes, scale, zero = naive.quantize_rows(xr, clip, fmt.group_size, fmt.scale_format, fmt.quantizer)
+    codes, scale, zero = naive.quantize_rows(xr, clip, fmt.group_size, scale_format=fmt.scale_format,
+                                               quantizer=fmt.quantizer)
     xq = naive.dequantize(codes, scale, zero)
     out = torch.einsum("shte,hde->shtd", xq, rotation.float())
     return out if mean is None else out + mean.float()[None, :, None, :]

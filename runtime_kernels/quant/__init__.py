@@ -75,9 +75,8 @@ def _ratio(clip_ratio: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                  group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None,
-                  scale_format: str = "float16", quantizer: str = "uniform_minmax"
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group_size: int | None = None, backend: str = "auto", mean: torch.Tensor | None = None, *,
+                  scale_format: str, quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate, (center,) clip, quantize to 2 bits and pack.
 
     Args:
@@ -112,7 +111,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
 def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                 codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
                 page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                backend: str = "auto", mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> None:
+                backend: str = "auto", mean: torch.Tensor | None = None, *, quantizer: str) -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]`, in place.
 
     Args:

@@ -103,7 +103,7 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 
-def quantize(x: torch.Tensor, group_size: int | None = None, scale_format: str = "float16"
+def quantize(x: torch.Tensor, group_size: int | None = None, *, scale_format: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max INT2 per group of `group_size` channels.
 
@@ -198,24 +198,23 @@ def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, group_size: int | None =
     return gain.repeat_interleave(g, dim=-1)
 
 
-def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_size: int | None = None,
-                  scale_format: str = "float16", quantizer: str = "uniform_minmax"
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_size: int | None = None, *,
+                  scale_format: str, quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clip and quantize rows already rotated (and centered) `xr [..., d]` with `quantizer` (QUANTIZERS).
 
     Returns codes `[..., d]`, scale and zero `[..., d // group_size]` as `quantize` does.
     """
     xc = clip_rows(xr, clip_ratio) if clip_ratio is not None else xr.float()
-    codes, scale, zero = quantize(xc, group_size, scale_format)
+    codes, scale, zero = quantize(xc, group_size, scale_format=scale_format)
     if check_quantizer(quantizer) == "uniform_minmax":
         return codes, scale, zero
     gain = unbiased_gain(xr, dequantize(codes, scale, zero), group_size)
-    return quantize(xc * gain, group_size, scale_format)
+    return quantize(xc * gain, group_size, scale_format=scale_format)
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
-                  group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16",
-                  quantizer: str = "uniform_minmax") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group_size: int | None = None, mean: torch.Tensor | None = None, *, scale_format: str,
+                  quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full write path for one layer: rotate, (center,) clip, quantize, pack.
 
     Args:
@@ -232,7 +231,8 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
     xr = rotate(x, rotation) if rotation is not None else x.float()
     if mean is not None:
         xr = xr - mean.float()
-    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format, quantizer)
+    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format=scale_format,
+                                       quantizer=quantizer)
     return pack(codes), scale, zero
 
 
@@ -243,8 +243,8 @@ def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 
 def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, group_size: int | None = None,
-                  unrotate: bool = True, mean: torch.Tensor | None = None, scale_format: str = "float16",
-                  quantizer: str = "uniform_minmax") -> torch.Tensor:
+                  unrotate: bool = True, mean: torch.Tensor | None = None, *, scale_format: str,
+                  quantizer: str) -> torch.Tensor:
     """Quantize then dequantize `x [T, H_kv, d]` (centered by `mean [H_kv, d]` if given: dequant + mean); with
     `unrotate`, map back to the original basis."""
     packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format,

@@ -268,7 +268,7 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
 def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, codes: torch.Tensor,
                        scale: torch.Tensor, zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
                        group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None,
-                       mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> None:
+                       mean: torch.Tensor | None = None, *, quantizer: str) -> None:
     """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
 
     Args:

@@ -133,8 +133,8 @@ def merge_attention_ref(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tenso
 
 
 def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                      group_size: int | None = None, mean: torch.Tensor | None = None, scale_format: str = "float16",
-                      quantizer: str = "uniform_minmax") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      group_size: int | None = None, mean: torch.Tensor | None = None, *, scale_format: str,
+                      quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]`: fp16, or uint8 for ue5m3)."""
     return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format,
                                      quantizer=quantizer)
@@ -143,14 +143,15 @@ def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio
 def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                     codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
                     page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                    mean: torch.Tensor | None = None, quantizer: str = "uniform_minmax") -> None:
+                    mean: torch.Tensor | None = None, *, quantizer: str) -> None:
     """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]` (in place).
 
     Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
     page_ids, rows: int `[T]`.
     """
     packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean,
-                                            quant_naive.scale_format_of(scale_pool.dtype), quantizer)
+                                            scale_format=quant_naive.scale_format_of(scale_pool.dtype),
+                                            quantizer=quantizer)
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
