@@ -93,8 +93,12 @@ def parse_oscar_config(additional_config: Any) -> OscarServeConfig | None:
         return OscarServeConfig(**raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "(entry)"
-        raise ValueError(f"additional_config.{CONFIG_KEY}.{where}: {first['msg']}") from None
+        # a key of the user's JSON can be any string (a newline too): names that are not identifiers print quoted,
+        # so the refusal stays one line
+        where = ".".join(p if isinstance(p, str) and p.isidentifier() else repr(p)
+                         for p in first.get("loc", ())) or "(entry)"
+        msg = " ".join(str(first["msg"]).split())
+        raise ValueError(f"additional_config.{CONFIG_KEY}.{where}: {msg}") from None
 
 
 def load_checked_artifact(cfg: OscarServeConfig, hf_config: Any, served_model: str | None = None) -> OscarArtifact:
