@@ -24,7 +24,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FORMS = {"two_launch": False, "one_launch": True}  # decode_attention(fused=...)
-FORMAT_ENV = "OSCAR_BITWISE_SCALE_FORMAT"  # the scale format, parent -> reference child
 
 
 def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = None) -> tuple:
@@ -41,8 +40,9 @@ def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = Non
     return tuple(splits), out
 
 
-def child(old_tree: str, out_dir: str) -> None:
-    """Runs in the reference tree's interpreter: record (splits, o, lse) of every point and launch form."""
+def child(old_tree: str, out_dir: str, scale_format: str) -> None:
+    """Runs in the reference tree's interpreter: record (splits, o, lse) of every point and launch form, on inputs
+    with `scale_format` pools."""
     import torch
 
     import runtime_kernels
@@ -55,7 +55,7 @@ def child(old_tree: str, out_dir: str) -> None:
     import common
 
     for context, batch in common.DECODE_POINTS:
-        args = common.decode_inputs(batch, context, seed=context + batch, scale_format=os.environ[FORMAT_ENV])
+        args = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format)
         for form, fused in FORMS.items():
             splits, (o, lse) = run_decode(A, common, args, fused)
             torch.save({"splits": splits, "o": o.cpu(), "lse": lse.cpu()},
@@ -86,9 +86,8 @@ def main() -> int:
                    help="scale and zero pools of the compared inputs (default float16)")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
-    os.environ.setdefault(FORMAT_ENV, args.scale_format)
     if args._child:
-        child(*args._child)
+        child(*args._child, args.scale_format)
         return 0
 
     import torch
@@ -108,7 +107,8 @@ def main() -> int:
         rec = os.path.join(tmp, "rec")
         os.makedirs(rec)
         env = {**os.environ, "PYTHONPATH": old}
-        subprocess.run([sys.executable, __file__, "--out", args.out, "--_child", old, rec], env=env, check=True,
+        subprocess.run([sys.executable, __file__, "--out", args.out, "--scale-format", args.scale_format, "--_child", old,
+                        rec], env=env, check=True,
                        cwd=tmp)
         rows, same = [], True
         for context, batch in common.DECODE_POINTS:

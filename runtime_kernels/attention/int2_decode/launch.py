@@ -184,15 +184,15 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def tile_path(k_codes, v_scale, v_zero, whole_pages: bool, opts: DecodeOptions, compiled: bool, k_scale=None,
-              k_zero=None) -> tuple[bool, bool, bool, list]:
+def tile_path(pages: PagePools, whole_pages: bool, opts: DecodeOptions) -> tuple[bool, bool, bool, list]:
     """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
     not taken). fp16 and ue5m3 pools share the loop; the loop reads uint8 pools as 32-bit words, so their buffers
     must start 4-byte aligned (torch allocations do; a view at an odd offset takes the masked tiles)."""
+    k_codes, v_scale, v_zero = pages.k_codes, pages.v_scale, pages.v_zero
     reasons = []
     full = bool(whole_pages)
     if full and v_scale.dtype == torch.uint8:
-        pools = [p for p in (k_scale, k_zero, v_scale) if p is not None]
+        pools = [pages.k_scale, pages.k_zero, v_scale]
         if not paired_v_pools(v_scale, v_zero):
             pools.append(v_zero)
         if any(p.data_ptr() % 4 for p in pools):
@@ -285,8 +285,7 @@ def plan_decode(q, pages: PagePools, windows: Windows | None, whole_pages: bool,
         kernel, launches = ("grid", 1 if opts.fused else 2) if not declined else ("production", 3)
     reasons = [declined] if declined else []
     if not production:
-        full, ki8, vpair, why = tile_path(pages.k_codes, pages.v_scale, pages.v_zero, whole_pages, opts, compiled,
-                                          pages.k_scale, pages.k_zero)
+        full, ki8, vpair, why = tile_path(pages, whole_pages, opts)
         reasons += why
         constexprs = chunk_constexprs(q, pages, full, ki8, vpair, opts, compiled)
     else:
