@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the variant grid: peers and --artifact rows only")
     p.add_argument("--passkey-methods", default="", help="semicolon-separated rows the passkey probe runs (default all)")
     p.add_argument("--only", default="", help="semicolon-separated rows to evaluate (default: all)")
+    p.add_argument("--floors", default="", metavar="K/V;...",
+                   help="rows of the first --artifact with its fitted clips floored, e.g. '0.96/0.92;1/0.92' "
+                        "(1 = that side not floored): does the clips' spread below the global ratios cost retrieval?")
+    p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
@@ -265,6 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     add("hadamard global clips, centered, unbiased", hadamard_tables(True, (0.96, 0.92)), "uniform_unbiased")
     add("hadamard global clips, uncentered, min-max", hadamard_tables(False, (0.96, 0.92)))
     add("hadamard fitlong min-max (fitted clips)", hadamard_tables(True, None))
+    if args.floors and args.artifact:
+        first = args.artifact[0].partition("=")[0]
+        for spec in args.floors.split(";"):
+            kf, _, vf = spec.partition("/")
+            kf, vf = float(kf), float(vf)
+            tabs = tables_of(first, centered=bool(arts[first].key_mean("original").any()))
+            for t in tabs.values():
+                t.k_clip = t.k_clip.clamp_min(kf) if kf < 1 else t.k_clip
+                t.v_clip = t.v_clip.clamp_min(vf) if vf < 1 else t.v_clip
+            add(f"{first}, clip floors {kf:g}/{vf:g}", tabs, arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
         keep = {"bf16", BASELINE, *args.only.split(";")}
@@ -274,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
               "scale_format": "ue5m3", "head_dim": head_dim,
               "bits_per_element": {"128k": fmt.bits_per_element(131072, head_dim),
                                    **{str(c): fmt.bits_per_element(c, head_dim) for c in contexts}}}
+    stem = f"recipe_study_{args.model.name}"
+
+    def save() -> None:  # after every row, so a run stopped by a time limit keeps what it measured
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+
     for ctx in contexts:
         windows = chunks(held, ctx, args.windows)
         rows = {}
@@ -291,29 +311,30 @@ def main(argv: list[str] | None = None) -> int:
                         "window_nll": w.tolist()})
         result["contexts"][str(ctx)] = {"windows": args.windows, "tokens_scored": args.windows * (ctx - 1),
                                         "methods": out}
+        save()
         if ctx == long_ctx and args.needles:
             lo_d, hi_d = (SINK + 16) / ctx, 1.0 - (RECENT + 64) / ctx
             depths = [lo_d + (hi_d - lo_d) * i / max(args.needles - 1, 1) for i in range(args.needles)]
             spare = held.numel() // ctx - args.windows  # windows the perplexity rows did not read
             filler = (chunks(held, ctx, args.needles, from_end=True) if spare >= args.needles
                       else windows[torch.arange(args.needles) % windows.shape[0]])
-            batch = passkey_batch(tok, filler, depths, seed=0)
+            batch = passkey_batch(tok, filler, depths, seed=args.needle_seed)
             pk = {}
+            result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d],
+                                 "needle_seed": args.needle_seed, "scores": pk}
             chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
             for m in methods:
                 if chosen is not None and m.name not in chosen and m.name != "bf16":
                     continue
                 pk[m.name] = passkey_scores(model, m, batch, fmt)
                 log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
-            result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d], "scores": pk}
+                save()
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result.update({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                    "commit": commit, "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0})
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"recipe_study_{args.model.name}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    save()
     (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
