@@ -42,7 +42,12 @@ from common import commit  # noqa: E402
 
 from oscar_calib.calibration.calibrate import calibrate_model_with_report  # noqa: E402
 from oscar_calib.calibration.capture import decoder_of  # noqa: E402
-from oscar_calib.calibration.job import Choices, max_positions, resolve_holdout_len  # noqa: E402
+from oscar_calib.calibration.job import (  # noqa: E402
+    Choices,
+    max_positions,
+    resolve_batch_size,
+    resolve_holdout_len,
+)
 from oscar_calib.config import AUTO_HOLDOUT_CAP, DataConfig, SolverSettings  # noqa: E402
 from oscar_calib.errors import InputError  # noqa: E402
 from oscar_calib.placement import (  # noqa: E402
@@ -152,9 +157,9 @@ def fill_normal_(t: torch.Tensor, std: float, gen: torch.Generator, buffer: torc
     generator for an offloaded tensor), draw there chunk by chunk into `buffer` (1-D, `t`'s dtype) and copy down.
 
     Why the GPU draws for the host: measured on this project's CPU machine (2 cores), `normal_` fills 0.25 GiB/s of
-    bf16 (about 2 GiB/s on 16 cores: ~8 s for the ~16 GiB a 70B offloads); a GPU draws hundreds of GiB/s and the
-    copy down runs at PCIe speed (~2 s). Tiling one random block was as fast on the CPU (3 GiB/s on 2 cores) but
-    repeats weights; the GPU draw keeps every value independent."""
+    bf16 (so about 2 GiB/s on 16 cores: ~8 s for the ~16 GiB a 70B offloads); a GPU draws hundreds of GiB/s and the
+    copy down is bounded by PCIe (a few seconds, estimated; build_materialise reports it). Tiling one random block
+    was as fast on the CPU (3 GiB/s on 2 cores) but repeats weights; the GPU draw keeps every value independent."""
     if _same_device(gen.device, t.device):
         t.normal_(0.0, std, generator=gen)
         return
@@ -290,11 +295,11 @@ class StageLog:
             torch.cuda.reset_peak_memory_stats()
         self._t = time.perf_counter()
 
-    def end(self, name: str, seconds: float | None = None, note: str = "") -> dict:
+    def end(self, name: str, note: str = "") -> dict:
         if self.cuda:
             sync("cuda")
         wall = time.perf_counter() - self._t
-        row = {"seconds": wall if seconds is None else seconds, "host_rss_gib": _gib(_status_bytes("VmRSS")),
+        row = {"seconds": wall, "host_rss_gib": _gib(_status_bytes("VmRSS")),
                "host_rss_peak_gib": _gib(_status_bytes("VmHWM"))}
         if self.cuda:
             row.update(gpu_allocated_gib=torch.cuda.memory_allocated() / GIB,
@@ -333,7 +338,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--holdout-len", type=int, default=None,
                    help=f"held-out tokens (default: the product's rule, min(max_positions, {AUTO_HOLDOUT_CAP}), "
                         "at least --seq-len)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per forward (default: oscar-calib run's rule, ~16K tokens on a GPU: 8 at 2048)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="default bfloat16 on a GPU, float32 on the CPU")
@@ -352,6 +358,8 @@ def main(argv: list[str] | None = None) -> Path:
     geom = Geometry(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate,
                     args.vocab, args.max_positions, LLAMA_70B.rope_theta)
     cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device}: no CUDA device is visible (expected --device cpu)")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if cuda else torch.float32
     log = StageLog(args.device)
     gpu_name = torch.cuda.get_device_name(torch.device(args.device).index or 0) if cuda else "cpu"
@@ -373,9 +381,12 @@ def main(argv: list[str] | None = None) -> Path:
     data_cfg = resolve_holdout_len(DataConfig(samples=args.samples, seq_len=args.seq_len,
                                               holdout_len=args.holdout_len), geom.max_positions, choices)
     holdout_len = data_cfg.holdout_len
-    log.say(f"holdout_len={holdout_len}: {choices.reasons['holdout_len']}")
+    args.batch_size = resolve_batch_size(args.batch_size, args.device, args.seq_len, choices)
+    for key in ("holdout_len", "batch_size"):
+        log.say(f"{key}={choices.values[key]}: {choices.reasons[key]}")
     estimate = memory_estimate(geom, args.batch_size, args.seq_len, holdout_len, data_cfg.holdout_queries, dtype)
-    log.say(f"beyond the weights the GPU holds about {_size(sum(estimate.values()))} (estimate), of which the "
+    log.say(f"beyond the weights the GPU holds at most about {_size(sum(estimate.values()))} (estimate; the terms do "
+            f"not all coexist), of which the "
             f"held-out capture {_size(estimate['holdout_capture'])} until the clip fit ends")
     importlib.import_module("transformers.models.llama.modeling_llama")  # imported before the build is timed
 
