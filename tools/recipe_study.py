@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floors", default="", metavar="K/V;...",
                    help="rows of the first --artifact with its fitted clips floored, e.g. '0.96/0.92;1/0.92' "
                         "(1 = that side not floored): does the clips' spread below the global ratios cost retrieval?")
+    p.add_argument("--ceilings", default="", metavar="K/V;...",
+                   help="rows of the first --artifact with its fitted clips capped (clip at least this much)")
+    p.add_argument("--mixed", action="store_true",
+                   help="rows of the first --artifact with one side's rotation and fitted clips taken from the "
+                        "fitted Hadamard row (keys Hadamard / values OSCAR, and the other way round)")
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -268,17 +273,29 @@ def main(argv: list[str] | None = None) -> int:
     add("hadamard global clips, centered, min-max", hadamard_tables(True, (0.96, 0.92)))
     add("hadamard global clips, centered, unbiased", hadamard_tables(True, (0.96, 0.92)), "uniform_unbiased")
     add("hadamard global clips, uncentered, min-max", hadamard_tables(False, (0.96, 0.92)))
-    add("hadamard fitlong min-max (fitted clips)", hadamard_tables(True, None))
-    if args.floors and args.artifact:
-        first = args.artifact[0].partition("=")[0]
-        for spec in args.floors.split(";"):
-            kf, _, vf = spec.partition("/")
+    had_fit = hadamard_tables(True, None)
+    add("hadamard fitlong min-max (fitted clips)", had_fit)
+    first = args.artifact[0].partition("=")[0] if args.artifact else None
+    for spec, bound in ((args.floors, "floors"), (args.ceilings, "ceilings")):
+        for part in filter(None, spec.split(";")):
+            kf, _, vf = part.partition("/")
             kf, vf = float(kf), float(vf)
             tabs = tables_of(first, centered=bool(arts[first].key_mean("original").any()))
             for t in tabs.values():
-                t.k_clip = t.k_clip.clamp_min(kf) if kf < 1 else t.k_clip
-                t.v_clip = t.v_clip.clamp_min(vf) if vf < 1 else t.v_clip
-            add(f"{first}, clip floors {kf:g}/{vf:g}", tabs, arts[first].quantizer)
+                if bound == "floors":
+                    t.k_clip = t.k_clip.clamp_min(kf) if kf < 1 else t.k_clip
+                    t.v_clip = t.v_clip.clamp_min(vf) if vf < 1 else t.v_clip
+                else:
+                    t.k_clip, t.v_clip = t.k_clip.clamp_max(kf), t.v_clip.clamp_max(vf)
+            add(f"{first}, clip {bound} {kf:g}/{vf:g}", tabs, arts[first].quantizer)
+    if args.mixed and first:
+        own = tables_of(first, centered=True)
+        add(f"{first}, hadamard keys", {i: LayerTables(h.k_rotation, o.v_rotation, h.k_clip, o.v_clip, h.k_mean,
+                                                        o.v_mean) for (i, o), h in zip(own.items(), had_fit.values())},
+            arts[first].quantizer)
+        add(f"{first}, hadamard values", {i: LayerTables(o.k_rotation, h.v_rotation, o.k_clip, h.v_clip, o.k_mean,
+                                                          h.v_mean) for (i, o), h in zip(own.items(), had_fit.values())},
+            arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
         keep = {"bf16", BASELINE, *args.only.split(";")}
