@@ -151,7 +151,8 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
         try:
             calls = bf16_calls(context, batch, backend)
             rows.append(common.row("decode_attention", f"bf16_sdpa_{name}", shape, graph_times(calls),
-                                   layers=len(calls), bytes_per_call=2 * batch * common.H_KV * context * common.D * 2))
+                                   layers=len(calls), bytes_per_call=2 * batch * common.H_KV * context * common.D * 2,
+                                   **common.gpu_state()))
         except RuntimeError as e:  # a backend that refuses the shape is recorded, not fatal
             rows.append({"op": "decode_attention", "variant": f"bf16_sdpa_{name}", "shape": shape,
                          "error": str(e).splitlines()[0][:160]})
@@ -169,6 +170,7 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
             fshape["options"] = opt_name
         calls, layers, means = oscar_calls(context, batch, fused, fmt, opts)
         t = graph_times(calls)
+        state = common.gpu_state()
         o, _ = calls[0]()
         a = layers[0]
         q, pages, meta, windows = common.decode_records(a, means)
@@ -179,7 +181,7 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
                                gbps=nbytes / t[0] / 1e6, plan=plan_fields(plan),
                                rel_rmse_vs_float64=exact_rel_rmse(a, o, means),
                                splits=list(A.decode_num_splits(q, pages, meta, windows, fused=fused,
-                                                               options=opts))))
+                                                               options=opts)), **state))
         del calls, layers
         torch.cuda.empty_cache()
     return rows

@@ -20,6 +20,8 @@ _NAMED_DEVICES = ("cpu", "disk", "mps", "xpu")
 def _size_bytes(key: str, size, flag: str) -> int:
     from accelerate.utils import convert_file_size_to_int
 
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size)  # a bare byte count: accelerate reads only an int as bytes, the command line gives strings
     try:
         value = convert_file_size_to_int(size)
     except (ValueError, TypeError) as exc:

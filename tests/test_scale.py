@@ -346,8 +346,9 @@ def test_bad_scale_options(model_dir, text_file, tmp_path, monkeypatch, capsys):
 def test_parse_max_memory_and_placement_text():
     assert parse_max_memory(["0=2GiB", "cpu=1MB"]) == {"0": 2**31, "cpu": 1_000_000}
     assert parse_max_memory(['{"1": "1KiB", "disk": 5}']) == {"1": 1024, "disk": 5}
+    assert parse_max_memory(["cpu=1438696", '{"0": "2048"}']) == {"cpu": 1438696, "0": 2048}  # bare byte counts
     assert parse_max_memory(None) is None
-    for bad in (["cpu"], ["{not json"], ["cpu=-1"]):
+    for bad in (["cpu"], ["{not json"], ["cpu=-1"], ["cpu=0"], ["cpu=12 parsecs"]):
         with pytest.raises(InputError, match="--max-memory"):
             parse_max_memory(bad)
     text = describe_placement({"model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0", "model.layers.1": "cuda:0",
