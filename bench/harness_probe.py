@@ -54,15 +54,20 @@ def report(tag: str, graph, n: int) -> None:
           f"power {torch.cuda.power_draw() / 1000:.0f} W", flush=True)
 
 
-def main() -> None:
-    context, batch = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (131072, 8)
-    print(torch.cuda.get_device_name(), common.commit(), f"{context}x{batch}", flush=True)
+def oscar_rows(context: int, batch: int, tag: str) -> None:
+    """Both formats, with 2 distinct layers repeated to 16 calls (the bench) and with 16 distinct layers."""
     for fmt in ("recipe", "fp16_64_256"):
         for distinct in (None, 16):
             (g, n), layers = oscar_graph(context, batch, fmt, distinct)
-            report(f"cold {fmt} distinct={distinct or 2}", g, n)
+            report(f"{tag} {fmt} distinct={distinct or 2}", g, n)
             del g, layers
             torch.cuda.empty_cache()
+
+
+def main() -> None:
+    context, batch = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (131072, 8)
+    print(torch.cuda.get_device_name(), common.commit(), f"{context}x{batch}", flush=True)
+    oscar_rows(context, batch, "cold")
     from torch.nn.attention import SDPBackend
 
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -70,12 +75,7 @@ def main() -> None:
         report(f"bf16 {name}", g, n)
         del g
         torch.cuda.empty_cache()
-    for fmt in ("recipe", "fp16_64_256"):
-        for distinct in (None, 16):
-            (g, n), layers = oscar_graph(context, batch, fmt, distinct)
-            report(f"after bf16 {fmt} distinct={distinct or 2}", g, n)
-            del g, layers
-            torch.cuda.empty_cache()
+    oscar_rows(context, batch, "after bf16")
 
 
 if __name__ == "__main__":

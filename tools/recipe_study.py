@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if (args.floors or args.ceilings or args.mixed) and not args.artifact:
+        p.error("--floors, --ceilings and --mixed change the first --artifact's tables: give --artifact NAME=DIR")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,14 +290,15 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     t.k_clip, t.v_clip = t.k_clip.clamp_max(kf), t.v_clip.clamp_max(vf)
             add(f"{first}, clip {bound} {kf:g}/{vf:g}", tabs, arts[first].quantizer)
-    if args.mixed and first:
-        own = tables_of(first, centered=True)
-        add(f"{first}, hadamard keys", {i: LayerTables(h.k_rotation, o.v_rotation, h.k_clip, o.v_clip, h.k_mean,
-                                                        o.v_mean) for (i, o), h in zip(own.items(), had_fit.values())},
-            arts[first].quantizer)
-        add(f"{first}, hadamard values", {i: LayerTables(o.k_rotation, h.v_rotation, o.k_clip, h.v_clip, o.k_mean,
-                                                          h.v_mean) for (i, o), h in zip(own.items(), had_fit.values())},
-            arts[first].quantizer)
+    if args.mixed:
+        own = tables_of(first, centered=True)  # the fitted Hadamard row is centered, so its partner is too
+        for side in ("k", "v"):
+            def pick(o: LayerTables, h: LayerTables, field: str) -> torch.Tensor | None:
+                return getattr(h if field.startswith(side) else o, field)
+            add(f"{first}, hadamard {'keys' if side == 'k' else 'values'}",
+                {i: LayerTables(*(pick(o, h, f) for f in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_mean",
+                                                          "v_mean")))
+                 for (i, o), h in zip(own.items(), had_fit.values())}, arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
         keep = {"bf16", BASELINE, *args.only.split(";")}
