@@ -192,6 +192,20 @@ def test_decode_grid_matches_the_concatenated_softmax(fused, d, group, whole):
     assert (o[3] == 0).all() and (counters == 0).all()
 
 
+def test_register_cap_reaches_the_launch_and_keeps_the_bits():
+    """DecodeOptions.maxnreg is passed to Triton's launch (a wrong option name would raise) and changes no output
+    bit (the interpreter ignores it; on a GPU the cap changes register allocation, not arithmetic)."""
+    lens = [128, 64]
+    pool = make_pool(lens, 2, 128, 64, seed=71)
+    k_win, v_win = make_window(2, 2, 40, 128, torch.bfloat16, seed=8)
+    args = decode_inputs(pool, k_win, v_win, torch.tensor([1, 0], dtype=torch.int32),
+                         torch.tensor([40, 12], dtype=torch.int32), True)
+    q = make_q(2, 8, 128, torch.bfloat16)
+    o0, lse0 = A.decode_attention(q, *args, backend="triton", num_splits=2)
+    o1, lse1 = A.decode_attention(q, *args, backend="triton", num_splits=2, options=L.DecodeOptions(maxnreg=128))
+    assert torch.equal(o0, o1) and torch.equal(lse0, lse1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_three_launch_decode_matches_the_concatenated_softmax(dtype):
     """fp32 windows (or an explicit window split count) take the history kernel, the window kernel and the reduce."""
@@ -344,6 +358,7 @@ def test_occupancy_cache_key_follows_what_selects_a_kernel():
     masked = key(pages)
     assert masked != key(pages, whole=True)
     assert masked != key(pages, opts=L.DecodeOptions(num_stages=2))
+    assert masked != key(pages, opts=L.DecodeOptions(maxnreg=128))  # a register cap compiles another kernel
     kc, ks = pool[0], pool[1]
     more_pages = torch.zeros(kc.shape[0] + 5, *kc.shape[1:], dtype=kc.dtype)
     more_scales = torch.zeros(ks.shape[0] + 5, *ks.shape[1:], dtype=ks.dtype)
@@ -355,6 +370,10 @@ def test_decode_options_reject_bad_values():
         L.DecodeOptions(block_n=48)
     with pytest.raises(ValueError, match="DecodeOptions.num_warps: expected a positive integer"):
         L.DecodeOptions(num_warps=0)
+    with pytest.raises(ValueError, match=r"DecodeOptions.maxnreg: expected None or an integer in \[24, 255\], got 300"):
+        L.DecodeOptions(maxnreg=300)
+    assert L.DecodeOptions(maxnreg=96).launch_kwargs() == {"num_warps": 1, "num_stages": 3, "maxnreg": 96}
+    assert "maxnreg" not in L.DEFAULT_OPTIONS.launch_kwargs()  # the compiler's choice unless asked
     pool = make_pool([10], h_kv=2, d=64, page=16)
     with pytest.raises(TypeError, match="options: expected a DecodeOptions"):
         A.int2_decode_attention(make_q(1, 8, 64, torch.float32), pages_of(pool), batch_of(pool), backend="triton",

@@ -94,11 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed", action="store_true",
                    help="rows of the first --artifact with one side's rotation and fitted clips taken from the "
                         "fitted Hadamard row (keys Hadamard / values OSCAR, and the other way round)")
+    p.add_argument("--hadamard-key-layers", default="", metavar="A-B;...",
+                   help="rows of the first --artifact with the fitted Hadamard row's keys (rotation, clips, means) in "
+                        "layers A..B only (e.g. '0-14;15-29'): where in depth does the key rotation cost retrieval?")
+    p.add_argument("--key-gain", action="store_true",
+                   help="a row of the first --artifact with the unbiased quantizer on keys only (values as stored)")
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    if (args.floors or args.ceilings or args.mixed) and not args.artifact:
-        p.error("--floors, --ceilings and --mixed change the first --artifact's tables: give --artifact NAME=DIR")
+    if (args.floors or args.ceilings or args.mixed or args.hadamard_key_layers or args.key_gain) and not args.artifact:
+        p.error("--floors, --ceilings, --mixed, --hadamard-key-layers and --key-gain change the first --artifact's "
+                "tables: give --artifact NAME=DIR")
+    try:
+        key_layer_ranges = [tuple(int(x) for x in part.split("-")) for part in filter(None, args.hadamard_key_layers.split(";"))]
+        if any(len(r) != 2 or r[0] > r[1] for r in key_layer_ranges):
+            raise ValueError
+    except ValueError:
+        p.error(f"--hadamard-key-layers: expected ranges like '0-14;15-29', got {args.hadamard_key_layers!r}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,15 +302,27 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     t.k_clip, t.v_clip = t.k_clip.clamp_max(kf), t.v_clip.clamp_max(vf)
             add(f"{first}, clip {bound} {kf:g}/{vf:g}", tabs, arts[first].quantizer)
+    def with_hadamard(side: str, layers: range | None) -> dict:
+        """The first artifact's tables with one side's rotation, fitted clips and means taken from the fitted
+        Hadamard row, in `layers` (None: every layer). Both rows are centered."""
+        own = tables_of(first, centered=True)
+
+        def pick(i: int, o: LayerTables, h: LayerTables, field: str) -> torch.Tensor | None:
+            use_h = field.startswith(side) and (layers is None or i in layers)
+            return getattr(h if use_h else o, field)
+        return {i: LayerTables(*(pick(i, o, h, f) for f in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_mean",
+                                                             "v_mean")))
+                for (i, o), h in zip(own.items(), had_fit.values())}
+
     if args.mixed:
-        own = tables_of(first, centered=True)  # the fitted Hadamard row is centered, so its partner is too
         for side in ("k", "v"):
-            def pick(o: LayerTables, h: LayerTables, field: str) -> torch.Tensor | None:
-                return getattr(h if field.startswith(side) else o, field)
-            add(f"{first}, hadamard {'keys' if side == 'k' else 'values'}",
-                {i: LayerTables(*(pick(o, h, f) for f in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_mean",
-                                                          "v_mean")))
-                 for (i, o), h in zip(own.items(), had_fit.values())}, arts[first].quantizer)
+            add(f"{first}, hadamard {'keys' if side == 'k' else 'values'}", with_hadamard(side, None),
+                arts[first].quantizer)
+    for a, b in key_layer_ranges:
+        add(f"{first}, hadamard keys in layers {a}-{b}", with_hadamard("k", range(a, b + 1)), arts[first].quantizer)
+    if args.key_gain:
+        add(f"{first}, unbiased keys", tables_of(first, centered=bool(arts[first].key_mean("original").any())),
+            "uniform_unbiased", arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
         keep = {"bf16", BASELINE, *args.only.split(";")}

@@ -43,6 +43,8 @@ class DecodeOptions:
     - programs_per_sm: the fixed split rule where the kernel's occupancy is not known (fallback, interpreter).
     - min_split_tokens: never a history chunk shorter than this.
     - window_block, window_split_tokens: window tile and tokens per window program in the production grid.
+    - maxnreg: cap on the registers per thread of the production kernels (None: the compiler's choice); more
+      programs then fit an SM, at the price of spills where the cap is below what the loop keeps live.
     """
 
     block_n: int = TILE_TOKENS
@@ -54,6 +56,7 @@ class DecodeOptions:
     min_split_tokens: int = 4 * TILE_TOKENS
     window_block: int = 16
     window_split_tokens: int = 32
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "num_stages", "waves", "programs_per_sm", "min_split_tokens",
@@ -61,8 +64,17 @@ class DecodeOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"DecodeOptions.{name}: expected a positive integer, got {v!r}")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
+            raise ValueError(f"DecodeOptions.maxnreg: expected None or an integer in [24, 255], got {self.maxnreg!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeOptions.block_n: expected a power of two >= 16, got {self.block_n}")
+
+    def launch_kwargs(self) -> dict:
+        """Triton launch options of the production kernels: warps, stages and (when set) the register cap."""
+        kw = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            kw["maxnreg"] = self.maxnreg
+        return kw
 
 
 DEFAULT_OPTIONS = DecodeOptions()
@@ -354,7 +366,7 @@ def launch_history(q, pages: PagePools, batch: BatchMetadata, plan: DecodePlan, 
     compiled-kernel handle (`warmup`: compile only)."""
     grid = (q.shape[0], pages.kv_heads, num_splits)
     args = _history_args(q, pages, batch, plan, o_part, lse_part, sm_scale, split_offset)
-    kw = dict(**plan.constexprs, num_warps=opts.num_warps, num_stages=opts.num_stages)
+    kw = dict(**plan.constexprs, **opts.launch_kwargs())
     if plan.production:
         if warmup:
             return kernel._int2_decode_kernel.warmup(*args, grid=grid, **kw)
@@ -419,8 +431,7 @@ def launch_grid(q, pages: PagePools, batch: BatchMetadata, windows: Windows, pla
     kw = dict(**plan.constexprs,
               NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=next_pow2(total), MERGE=bool(opts.fused),
-              num_warps=opts.num_warps, num_stages=opts.num_stages)
+              S_MAX=next_pow2(total), MERGE=bool(opts.fused), **opts.launch_kwargs())
     grid = (b, h_kv, total)
     if warmup:
         return fused._decode_grid_kernel.warmup(*args, grid=grid, **kw)
