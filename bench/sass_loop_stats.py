@@ -1,0 +1,142 @@
+"""Offline instruction counts of the production decode kernel's tile loop (no GPU needed).
+
+    python3 bench/sass_loop_stats.py                              # the shipped format (ue5m3, centered, paired V)
+    python3 bench/sass_loop_stats.py --scale-format float16 --uncentered
+    python3 bench/sass_loop_stats.py --maxnreg 128
+
+Builds decode inputs of the Qwen3-8B geometry on the CPU (`common.decode_inputs`), asks the product's own planner for
+the compiled plan (`plan_decode(..., compiled=True)`: the constexprs a GPU launch would use), compiles the history
+kernel `kernel._int2_decode_kernel` for sm_90 with the installed Triton, disassembles it with Triton's bundled
+nvdisasm, and counts the SASS instructions per thread between the tile loop's label and its backward branch: one
+64-token tile of one program (one warp). Prints the count by opcode family, grouped by what they do, and the
+registers per thread. The installed Triton may differ from the GPU machine's (counts then differ a little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from runtime_kernels.attention.int2_decode import kernel, launch  # noqa: E402
+
+OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+# What each opcode family mostly does in this loop (docs/kernels.md, "Where the instructions go").
+GROUPS = {
+    "code unpack (LOP3, SHF, PRMT)": ("LOP3", "SHF", "PRMT"),
+    "tensor-core MMAs (HMMA, IMMA)": ("HMMA", "IMMA"),
+    "float math (FFMA, FMUL, FADD, FMNMX, MUFU, HADD2)": ("FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "HADD2"),
+    "conversions (I2F, I2FP, F2FP, F2F)": ("I2F", "I2FP", "F2FP", "F2F"),
+    "addressing (IMAD, IADD3, LEA, VIADD, UIADD3, MOV)": ("IMAD", "IADD3", "LEA", "VIADD", "UIADD3", "MOV"),
+    "loads and copies (LDGSTS, LDSM, LDS, STS, LDG, LDGDEPBAR, DEPBAR)": ("LDGSTS", "LDSM", "LDS", "STS", "LDG",
+                                                                          "LDGDEPBAR", "DEPBAR"),
+    "lane exchange (SHFL, REDUX)": ("SHFL", "REDUX"),
+}
+
+PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int16: "*i16",
+             torch.uint8: "*u8", torch.int32: "*i32"}
+
+
+def compile_history_kernel(scale_format: str, centered: bool, maxnreg: int | None, num_stages: int):
+    """-> (compiled kernel, plan) of the history kernel for the recipe's pools at Qwen3-8B geometry (batch 8)."""
+    args = common.decode_inputs(8, 8192, seed=0, device="cpu", scale_format=scale_format)
+    q, pages, batch, _ = common.decode_records(args, common.decode_means(0, "cpu") if centered else None)
+    opts = launch.DecodeOptions(num_stages=num_stages, maxnreg=maxnreg)
+    plan = launch.plan_decode(q, pages, None, batch.whole_pages, opts, compiled=True)
+    kc, vc = launch.int16_views(pages.k_codes, pages.v_codes)
+    strides = dict(zip(("stride_kcp", "stride_kch", "stride_kcr", "stride_ksp", "stride_ksh", "stride_ksr",
+                        "stride_vcp", "stride_vch", "stride_vcr", "stride_vsp", "stride_vsh", "stride_vsr"),
+                       launch.pool_strides(q, (kc, vc), pages, batch)[2:14]))
+    const = {**plan.constexprs, **strides}
+    tensors = {"q_ptr": q, "kc_ptr": kc, "ks_ptr": pages.k_scale, "kz_ptr": pages.k_zero, "vc_ptr": vc,
+               "vs_ptr": pages.v_scale, "vz_ptr": pages.v_zero, "bt_ptr": batch.block_table, "len_ptr": batch.hist_len,
+               "o_ptr": torch.empty(0), "lse_ptr": torch.empty(0),
+               "km_ptr": pages.k_mean if centered else q, "vm_ptr": pages.v_mean if centered else q}
+    fn = kernel._int2_decode_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in tensors:
+            sig[name] = PTR_TYPES[tensors[name].dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:  # the remaining strides and split_offset: i32, the strides 16-divisible as a launch specializes them
+            sig[name] = "i32"
+            if name.startswith("stride") and name != "stride_lh":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, sig, {k: v for k, v in const.items() if k in fn.arg_names}, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=opts.launch_kwargs())
+    return compiled, plan
+
+
+def loop_stats(compiled) -> dict:
+    """SASS opcode counts of the innermost backward-branch loop that holds the MMAs, registers per thread."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                             text=True, check=True).stdout
+    lines = sass.splitlines()
+    labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
+    span = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            lo = labels[m.group(1)]
+            if any("MMA" in x for x in lines[lo:i]) and (span is None or i - lo < span[1] - span[0]):
+                span = (lo, i)
+    if span is None:
+        raise SystemExit("sass_loop_stats: no loop with MMAs found in the disassembly")
+    ops = collections.Counter()
+    for ln in lines[span[0]:span[1] + 1]:
+        m = OP.match(ln)
+        if m:
+            ops[m.group(2).split(".")[0]] += 1
+    regs = re.search(r"REG:(\d+)", res)
+    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale-format", default="ue5m3", choices=["ue5m3", "float16"])
+    ap.add_argument("--uncentered", action="store_true")
+    ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--num-stages", type=int, default=launch.DEFAULT_OPTIONS.num_stages)
+    args = ap.parse_args()
+    compiled, plan = compile_history_kernel(args.scale_format, not args.uncentered, args.maxnreg, args.num_stages)
+    st = loop_stats(compiled)
+    print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.scale_format}, "
+          f"{'uncentered' if args.uncentered else 'centered'}, whole pages {plan.whole_pages}, int8 scores "
+          f"{plan.int8_scores}, paired V {plan.paired_v}, maxnreg {args.maxnreg}")
+    print(f"tile loop: {st['loop']} instructions per thread per 64-token tile, {st['regs']} registers per thread")
+    seen = set()
+    for name, fams in GROUPS.items():
+        n = sum(st["ops"].get(f, 0) for f in fams)
+        seen.update(fams)
+        print(f"  {name}: {n} ({100 * n / st['loop']:.0f} %)")
+    rest = {k: v for k, v in st["ops"].items() if k not in seen}
+    print(f"  other: {sum(rest.values())} ({', '.join(f'{k} {v}' for k, v in sorted(rest.items(), key=lambda kv: -kv[1]))})")
+    print("by opcode:", ", ".join(f"{k} {v}" for k, v in st["ops"].most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
