@@ -220,8 +220,8 @@ class Bf16Attention:
 
 
 # ----------------------------------------------------------------------------------------------- timing
-def graph_step_ms(model: Decoder, attention, batch: int, position: int) -> tuple[float, float, float]:
-    """(p50, p20, p80) ms of one decode step replayed from a single CUDA graph (warmed up on a side stream)."""
+def capture_step(model: Decoder, attention, batch: int, position: int) -> torch.cuda.CUDAGraph:
+    """One decode step of `batch` sequences at `position` captured in a CUDA graph (warmed up on a side stream)."""
     tokens = torch.randint(0, model.shape.vocab, (batch,), device="cuda")
     rope = model.rope(position, "cuda")  # fixed: every replay is the same step
     side = torch.cuda.Stream()
@@ -234,6 +234,12 @@ def graph_step_ms(model: Decoder, attention, batch: int, position: int) -> tuple
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         model.step(tokens, rope, attention)
+    return graph
+
+
+def graph_step_ms(model: Decoder, attention, batch: int, position: int) -> tuple[float, float, float]:
+    """(p50, p20, p80) ms of one decode step replayed from a single CUDA graph (`capture_step`)."""
+    graph = capture_step(model, attention, batch, position)
     times = common.time_ms(graph.replay, rep=300)
     del graph
     return times

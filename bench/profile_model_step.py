@@ -30,18 +30,7 @@ def profile_step(model, attention, batch: int, position: int) -> tuple[dict, flo
     """-> ({kernel name: (calls per step, GPU us per step)}, step wall ms) for one graph-captured step."""
     from torch.profiler import ProfilerActivity, profile
 
-    tokens = torch.randint(0, model.shape.vocab, (batch,), device="cuda")
-    rope = model.rope(position, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model.step(tokens, rope, attention)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.step(tokens, rope, attention)
+    graph = bmd.capture_step(model, attention, batch, position)
     step_ms = common.time_ms(graph.replay, rep=100)[0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
