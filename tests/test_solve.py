@@ -10,7 +10,9 @@ from oscar_calib.calibration.solve import (
     canonical_signs,
     hadamard,
     rotation_from_target,
+    rotations_from_targets,
     solve_rotations,
+    target_from_rotation,
 )
 
 
@@ -95,3 +97,15 @@ def test_layer_granularity_uses_mean_target_for_all_heads():
 def test_bad_granularity():
     with pytest.raises(ValueError, match="granularity"):
         solve_rotations(torch.eye(4)[None, None], "token")
+
+
+@pytest.mark.parametrize("d", [8, 64])
+def test_target_from_rotation_inverts_rotations_from_targets(d):
+    targets = torch.stack([torch.stack([_random_spd(d, 10 * a + h) for h in range(3)]) for a in range(2)])
+    r, ev = rotations_from_targets(targets)  # [2, 3, d, d], [2, 3, d]
+    back = target_from_rotation(r, ev)
+    torch.testing.assert_close(back, targets, rtol=1e-9, atol=1e-9 * float(targets.abs().max()))
+    # as an artifact stores them (float32): the target to float32 precision, and its rotation again
+    back32 = target_from_rotation(r.float(), ev.float())
+    torch.testing.assert_close(back32, targets, rtol=1e-4, atol=1e-5 * float(targets.abs().max()))
+    assert float((rotations_from_targets(back32)[0] - r).abs().max()) < 1e-3

@@ -12,7 +12,8 @@ every row costs the same bits), at every `--contexts` length on the same held-ou
 Components varied: the quantizer (min-max, unbiased, unbiased on keys only), the length of the held-out sequence the
 clips are fitted on (2048 as shipped, or the longest context), the length of the statistics sequences, fitted
 against global clips, per head against per layer, centering, the capture dtype, and the rotation itself
-(OSCAR against Hadamard with the same centering, clip fit and quantizer: the claim the method rests on).
+(OSCAR against Hadamard with the same centering, clip fit and quantizer: the claim the method rests on), and, with
+`--window-aware-keys`, the key target (each query weighted by its attention on INT2 keys: `window_target.py`).
 
     python3 tools/recipe_study.py --model ~/.cache/oscar-calib/smollm2-135m --calib calib.txt --heldout heldout.txt \
         --contexts 2048,4096,8192 --windows 16 --needles 32 --out OUT
@@ -99,12 +100,18 @@ def main(argv: list[str] | None = None) -> int:
                         "layers A..B only (e.g. '0-14;15-29'): where in depth does the key rotation cost retrieval?")
     p.add_argument("--key-gain", action="store_true",
                    help="a row of the first --artifact with the unbiased quantizer on keys only (values as stored)")
+    p.add_argument("--window-aware-keys", action="store_true",
+                   help="rows of the first --artifact with keys rotated by R = U H P of a window-aware key target "
+                        "(each held-out query weighted by its attention mass on INT2 keys, by its squared mass, a 50/50 "
+                        "blend of the mass target with the artifact's own, or uniformly: the control) and key clips "
+                        "fitted for it")
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    if (args.floors or args.ceilings or args.mixed or args.hadamard_key_layers or args.key_gain) and not args.artifact:
-        p.error("--floors, --ceilings, --mixed, --hadamard-key-layers and --key-gain change the first --artifact's "
-                "tables: give --artifact NAME=DIR")
+    if (args.floors or args.ceilings or args.mixed or args.hadamard_key_layers or args.key_gain
+            or args.window_aware_keys) and not args.artifact:
+        p.error("--floors, --ceilings, --mixed, --hadamard-key-layers, --key-gain and --window-aware-keys change the "
+                "first --artifact's tables: give --artifact NAME=DIR")
     try:
         key_layer_ranges = [tuple(int(x) for x in part.split("-")) for part in filter(None, args.hadamard_key_layers.split(";"))]
         if any(len(r) != 2 or r[0] > r[1] for r in key_layer_ranges):
@@ -133,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         capture_statistics,
         session_means,
     )
+    from oscar_calib.calibration.solve import solve_rotations, target_from_rotation
+    from oscar_calib.calibration.window_target import blend_targets, window_aware_key_target
     from oscar_calib.config import SolverSettings
 
     class SidedTables(TableInt2):
@@ -314,6 +323,60 @@ def main(argv: list[str] | None = None) -> int:
                                                              "v_mean")))
                 for (i, o), h in zip(own.items(), had_fit.values())}
 
+    def window_aware_key_tables() -> dict[str, dict]:
+        """Label -> the first artifact's tables with its keys rotated by `R = U H P` of a window-aware key target
+        (`oscar_calib.calibration.window_target`, from the held-out capture the clip fit reads) and key clips fitted
+        for that rotation by the artifact's own fit settings. Values (rotation, clips, mean) and the key mean stay the
+        artifact's: means are kept in the model basis (`LayerTables`, `centered_fake_quantize` rotate them with
+        whatever rotation the row uses), so the same key mean centers the new basis."""
+        st = caps["stats2k/fitlong"]
+        layer_ids = st.layer_ids
+        art = arts[first]
+        if art.layer_ids.tolist() != list(layer_ids):
+            raise SystemExit(f"--window-aware-keys: artifact {first} has layers {art.layer_ids.tolist()}, the "
+                             f"capture {list(layer_ids)}")
+        solver = art.calibration.get("solver")
+        if solver is None:  # an imported artifact does not record its fit: the study's own settings then
+            log(f"--window-aware-keys: {first} records no solver settings; key clips fitted with the study's")
+            solver = {"quantizer": art.quantizer}
+        settings = SolverSettings(**{**solver, **base})  # the artifact's fit, for the format every row is read in
+        own = tables_of(first, centered=bool(art.key_mean("original").any()))
+        means = (art.key_mean("original"), art.value_mean("original"))  # model basis; zeros = that side uncentered
+        t = time.perf_counter()
+        # The blend's M_h is the artifact's own key target, rebuilt from its rotation and spectrum (`run` draws its
+        # statistics from other tokens than this study's capture, so the capture's M_h is not the one it solved).
+        m_h = target_from_rotation(art.k_rotation, art.k_eigenvalues)  # [A, H_kv, d, d]
+        # "uniform": the plain query moment of the same held-out queries, clips refitted alike: the control that
+        # separates the weighting from the smaller sample (the held-out queries) the weighted targets come from.
+        targets: dict[str, list[torch.Tensor]] = {"mass": [], "mass^2": [], "blend": [], "uniform": []}
+        for a, layer in enumerate(layer_ids):
+            keys, _, queries, positions = st.holdout[layer].stacked()
+            m_far = window_aware_key_target(keys, queries, positions, st.scaling, settings.kv_format(), "mass").cpu()
+            targets["mass"].append(m_far)
+            targets["mass^2"].append(window_aware_key_target(keys, queries, positions, st.scaling,
+                                                             settings.kv_format(), "mass2").cpu())
+            targets["blend"].append(blend_targets(m_far, m_h[a], 0.5))
+            targets["uniform"].append(window_aware_key_target(keys, queries, positions, st.scaling,
+                                                              settings.kv_format(), "uniform").cpu())
+        log(f"window-aware key targets in {time.perf_counter() - t:.1f}s")
+        out = {}
+        for label, stack in targets.items():
+            t = time.perf_counter()
+            # solve_rotations: rotations_from_targets (R = U H P) with the artifact's granularity and the
+            # orthogonality check of the product's solve.
+            k_rot, _ = solve_rotations(torch.stack(stack), settings.granularity)
+            fit = _fit_all(st, layer_ids, k_rot, art.v_rotation, settings, means=means, o_weights=st.o_weights)
+            kc = torch.stack([fit[i].k_ratio for i in layer_ids])  # the value fit is discarded: values stay as stored
+            fits[f"{first}, window-aware keys ({label})"] = {
+                "capture": "stats2k/fitlong", "key_target": label, "settings": settings.model_dump(mode="json"),
+                "k_clip_ratio_mean": float(kc.mean()), "k_clip_ratio_min": float(kc.min()),
+                "k_rotation_max_diff_vs_artifact": float((k_rot - art.k_rotation).abs().max())}
+            log(f"window-aware keys ({label}): K clips {float(kc.mean()):.3f} (min {float(kc.min()):.3f}) in "
+                f"{time.perf_counter() - t:.1f}s")
+            out[label] = {layer: LayerTables(k_rot[a], o.v_rotation, kc[a], o.v_clip, o.k_mean, o.v_mean)
+                          for a, (layer, o) in enumerate(own.items())}
+        return out
+
     if args.mixed:
         for side in ("k", "v"):
             add(f"{first}, hadamard {'keys' if side == 'k' else 'values'}", with_hadamard(side, None),
@@ -323,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.key_gain:
         add(f"{first}, unbiased keys", tables_of(first, centered=bool(arts[first].key_mean("original").any())),
             "uniform_unbiased", arts[first].quantizer)
+    if args.window_aware_keys:
+        for label, tabs in window_aware_key_tables().items():
+            add(f"{first}, window-aware keys ({label})", tabs, arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
         keep = {"bf16", BASELINE, *args.only.split(";")}

@@ -104,3 +104,27 @@ def solve_rotations(targets: torch.Tensor, granularity: str = "head") -> tuple[t
     if err > ORTHOGONALITY_TOL:
         raise ValueError(f"solver produced a non-orthogonal rotation (max |R R^T - I| = {err:.2e})")
     return rot32, eigenvalues.float().contiguous()
+
+
+def target_from_rotation(rotation: torch.Tensor, eigenvalues: torch.Tensor) -> torch.Tensor:
+    """The symmetric target `U diag(eigenvalues) U^T` whose `rotations_from_targets` gave `rotation` (its inverse).
+
+    An artifact stores `R = (U H)[:, perm]` and the spectrum (descending), not the target; this rebuilds it, e.g. to
+    blend an artifact's key target with another. `perm[j] = s[bitrev(j)]` with `s` the descending order of eigh's
+    ascending eigenvalues, i.e. `s[i] = d - 1 - i` (distinct eigenvalues), so column `perm[j]` of `U H` is `R[:, j]`
+    and the eigenvector of the i-th largest eigenvalue is column `d - 1 - i` of `U = (U H) H`.
+
+    Args:
+        rotation: `[..., d, d]`; eigenvalues `[..., d]` descending (as `rotations_from_targets` and the artifact's
+            `k_eigenvalues` give them).
+    Returns:
+        `[..., d, d]` float64 symmetric.
+    """
+    r = rotation.double()
+    d = r.shape[-1]
+    perm = (d - 1 - bit_reversal_indices(d)).to(r.device)
+    u_h = torch.empty_like(r)
+    u_h[..., perm] = r  # column perm[j] of U H is column j of R
+    u = u_h @ hadamard(d).to(r.device)  # H is symmetric and orthogonal: (U H) H = U
+    ascending = eigenvalues.double().flip(-1)  # column d - 1 - i of U belongs to the i-th largest eigenvalue
+    return (u * ascending[..., None, :]) @ u.transpose(-1, -2)
