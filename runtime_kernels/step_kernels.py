@@ -34,7 +34,8 @@ __all__ = ["append_rows", "rotate_heads"]
 @triton.jit
 def _store_rounded(ptr, y, mask):
     """Store fp32 `y` at `ptr`, rounded to nearest even into the pointer's dtype (fp16, bf16 or fp32), bit for bit as
-    torch's `.to(dtype)`. bf16 is rounded by hand on the fp32 bits (c10's `round_to_nearest_even`, NaN -> 0x7FC0):
+    torch's `.to(dtype)` but for a NaN's payload (torch's own CPU and CUDA casts disagree there). bf16 is rounded by
+    hand on the fp32 bits (c10's `round_to_nearest_even`, NaN -> 0x7FC0):
     the Triton interpreter truncates fp32 -> bf16, so an explicit rounding is the one way the CPU tests check the
     same bits a GPU stores."""
     if ptr.dtype.element_ty == tl.bfloat16:
