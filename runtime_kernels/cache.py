@@ -36,12 +36,19 @@ import torch
 
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
-from runtime_kernels._validate import FLOAT_DTYPES, normalize_device
+from runtime_kernels._validate import FLOAT_DTYPES, normalize_device, resolve_backend
 from runtime_kernels.artifact import OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
+
+
+def _step_kernels():
+    """The Triton kernels of a decode step (`step_kernels`), imported on first use: the torch path runs without Triton."""
+    from runtime_kernels import step_kernels
+
+    return step_kernels
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -218,6 +225,15 @@ class AppendPlan:
     win_slots: torch.Tensor
     win_rows: torch.Tensor
     first_positions: list[int] = field(default_factory=list)  # position of each sequence's first new token
+
+    @property
+    def append_only(self) -> bool:
+        """A decode step in which every new token goes straight to a window row: no window row is read back (no
+        gather), no page is demoted, at most one token per sequence (63 decode steps in 64). `PagedKVCache.write_layer`
+        writes such a step with one Triton launch; prompts keep the batched torch rotation. Index sizes only: no
+        host sync."""
+        return (self.gather_rows.numel() == 0 and self.demote_src.numel() == 0
+                and all(t <= 1 for t in self.num_tokens))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -568,6 +584,10 @@ class PagedKVCache:
     def write_layer(self, layer: int, plan: AppendPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Apply `plan` to one layer: rotate the new tokens, demote (quantize) a page where due, write the window.
 
+        On the Triton backend an append-only step (`AppendPlan.append_only`) is one launch (`step_kernels.append_rows`:
+        rotate, cast, store both windows), or, while the non-finite check runs, the torch rotation, the check and one
+        launch that casts and stores; the window rows are the same bits as on the torch path.
+
         Args:
             layer: index into the cache's layers (the artifact's order).
             keys, values: `[plan.num_new, H, d]` new tokens in the original basis (post-RoPE keys),
@@ -576,9 +596,15 @@ class PagedKVCache:
         pool = self._pool(layer)
         self._check_tokens("keys", keys, plan.num_new)
         self._check_tokens("values", values, plan.num_new)
+        checking = self.check_finite and not self._capturing()
+        fast = plan.append_only and self._triton()
+        if fast and not checking:  # one launch: rotate, cast and store the new rows of both windows
+            _step_kernels().append_rows(keys, values, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots,
+                                        plan.win_rows, pool.k_win, pool.v_win, validate=False)
+            return
         k_rot = rotate_rows(keys, pool.k_rotation)  # fp32 `[N, H, d]`: checked before the cast to the window dtype
         v_rot = rotate_rows(values, pool.v_rotation)
-        if self.check_finite and not self._capturing():
+        if checking:
             problem = self._find_bad_element(layer, plan, k_rot, v_rot)
             if problem is not None:
                 # The plan is booked for every layer, and earlier layers may hold the step: those sequences can
@@ -587,6 +613,10 @@ class PagedKVCache:
                     self._broken[seq_id] = problem
                 raise NonFiniteKVError(f"{problem}; nothing of layer {layer} was written and sequences "
                                        f"{plan.seq_ids} of this step must be freed (free_sequence) and recomputed")
+        if fast:  # rows checked: one launch casts and stores them (the same bits as the loop below)
+            _step_kernels().append_rows(k_rot, v_rot, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots,
+                                        plan.win_rows, pool.k_win, pool.v_win, rotate=False, validate=False)
+            return
         for x, win, clip, codes, scale, zero, mean in (
             (k_rot, pool.k_win, pool.k_clip, pool.k_codes, pool.k_scale, pool.k_zero, pool.k_mean),
             (v_rot, pool.v_win, pool.v_clip, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_mean),
@@ -600,6 +630,10 @@ class PagedKVCache:
                                       mean=mean, quantizer=self.quantizer)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
+
+    def _triton(self) -> bool:
+        """True when this cache's kernels are Triton's (resolved per call: `backend` is a public attribute)."""
+        return resolve_backend(self.backend, self.device) == "triton"
 
     # -- non-finite policy ----------------------------------------------------------------------------------
     def _capturing(self) -> bool:
@@ -739,13 +773,20 @@ class PagedKVCache:
         if empty:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
         meta = self.batch_metadata(seq_ids)
-        q_rot = attn_api.rotate_queries(q.float(), pool.k_rotation).to(pool.k_win.dtype)
+        triton = self._triton()
+        if triton:  # one launch instead of cast, GEMM and cast
+            q_rot = _step_kernels().rotate_heads(q, pool.k_rotation, out_dtype=pool.k_win.dtype, validate=False)
+        else:
+            q_rot = attn_api.rotate_queries(q.float(), pool.k_rotation).to(pool.k_win.dtype)
         pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
                           v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
         o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused)
-        o = attn_api.unrotate_output(o.float(), pool.v_rotation)
+        if triton:
+            o = _step_kernels().rotate_heads(o, pool.v_rotation, transpose=True, validate=False)
+        else:
+            o = attn_api.unrotate_output(o.float(), pool.v_rotation)
         return (o, lse) if return_lse else o
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------

@@ -439,3 +439,32 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     assert rel_rmse(oh, om) < 1e-3 and torch.allclose(lh, lm, atol=2e-3), rel_rmse(oh, om)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
     assert rel_rmse(oh, o_ref) < 2e-2 and torch.allclose(lh, lse_ref, atol=2e-2)
+
+
+def test_step_kernels_compiled_match_the_torch_path():
+    """`step_kernels` compiled at the Qwen3-8B step shape: the appended window rows are `rotate_rows` + cast + index
+    write bit for bit (fp64 sums on the GPU), and the q rotation stays within the fp32 dot-product bound."""
+    from runtime_kernels import step_kernels as sk
+    from runtime_kernels.cache import rotate_rows
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    b, h, h_q, d, w = 32, 8, 32, 128, 1151
+    rk, rv = (torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV, dtype=torch.float64))[0].float()
+              for _ in range(2))
+    qkv = torch.randn(b, h_q + 2 * h, d, generator=gen, device=DEV).bfloat16()
+    keys, values = qkv[:, h_q:h_q + h], qkv[:, h_q + h:]
+    k_win, v_win = (torch.randn(b, h, w, d, generator=gen, device=DEV).bfloat16() for _ in range(2))
+    src, slots = torch.arange(b, device=DEV), torch.randperm(b, generator=gen, device=DEV)
+    rows = torch.randint(0, w, (b,), generator=gen, device=DEV)
+    k_ref, v_ref = k_win.clone(), v_win.clone()
+    k_ref[slots, :, rows] = rotate_rows(keys, rk).bfloat16()
+    v_ref[slots, :, rows] = rotate_rows(values, rv).bfloat16()
+    sk.append_rows(keys, values, rk, rv, src, slots, rows, k_win, v_win)
+    assert torch.equal(k_win.view(torch.int16), k_ref.view(torch.int16))
+    assert torch.equal(v_win.view(torch.int16), v_ref.view(torch.int16))
+    q = qkv[:, :h_q]
+    got = sk.rotate_heads(q, rk)
+    m = rk.repeat_interleave(h_q // h, dim=0).double()
+    exact = torch.einsum("bhd,hde->bhe", q.double(), m)
+    assert ((got.double() - exact).abs() <= d * 2.0 ** -24 * torch.einsum("bhd,hde->bhe", q.double().abs(),
+                                                                        m.abs())).all()

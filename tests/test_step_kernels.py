@@ -1,0 +1,265 @@
+"""The decode-step kernels (runtime_kernels.step_kernels) against their torch references, and PagedKVCache using them.
+
+- `append_rows`: bitwise equal to `rotate_rows` + cast + index write (the window rows a token gets must not depend on
+  the path it took), nothing else in the windows changes; the hand-made bf16 rounding equals torch's `.to`.
+- `rotate_heads`: fp32 products and accumulation in another order than torch's GEMM, so it is compared with the
+  fp64 product under the a-priori bound of an fp32 dot product, `|err| <= d * u * (|x| @ |R|)` (u = 2^-24, d = 64
+  or 128). Measured under the interpreter: worst err / (u * (|x| @ |R|)) = 5.8 over these cases, the same as torch's
+  GEMM (numpy's fp32 matmul gave torch's bits there); a GPU sums in another order, within the same bound. TF32
+  products (err ~ 2^-11 relative) or bf16 inputs would exceed it by orders of magnitude.
+- `PagedKVCache` on the Triton backend (interpreter on CPU): the same pools as the torch backend, step by step, over
+  decode steps that take the one-launch path and one demotion step that must not; the same outputs within fp32
+  rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from format_helpers import PAPER, served
+from kernel_helpers import rel_rmse
+
+from runtime_kernels import attention as attn_api
+from runtime_kernels import step_kernels as sk
+from runtime_kernels.artifact import identity_artifact
+from runtime_kernels.cache import PagedKVCache, rotate_rows
+
+pytestmark = pytest.mark.interpreter
+DEV = "cpu"
+U32 = 2.0 ** -24  # unit roundoff of fp32
+
+
+def orthogonal(h, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+    return q.float().contiguous()
+
+
+def random_windows(slots, h, w, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(slots, h, w, d, generator=gen).to(dtype), torch.randn(slots, h, w, d, generator=gen).to(dtype))
+
+
+def reference_append(keys, values, rk, rv, src, slots, rows, k_win, v_win, rotate=True):
+    """The torch path of `PagedKVCache.write_layer` for an append-only plan, on copies of the windows."""
+    k_ref, v_ref = k_win.clone(), v_win.clone()
+    k_rot = rotate_rows(keys, rk) if rotate else keys
+    v_rot = rotate_rows(values, rv) if rotate else values
+    k_ref[slots, :, rows] = k_rot.to(k_ref.dtype)[src]
+    v_ref[slots, :, rows] = v_rot.to(v_ref.dtype)[src]
+    return k_ref, v_ref
+
+
+# ------------------------------------------------------------------------------------------------ append_rows
+@pytest.mark.parametrize("n,h,d", [(1, 8, 128), (5, 2, 64), (3, 4, 128)])
+@pytest.mark.parametrize("win_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_append_rows_is_rotate_rows_cast_and_index_write_bit_for_bit(n, h, d, win_dtype, in_dtype):
+    gen = torch.Generator().manual_seed(n * 100 + d)
+    slots_n, w = 6, 9
+    # keys as a strided view of a fused [N, 3, H, d] projection (the way a model hands them over)
+    fused = (torch.randn(n, 3, h, d, generator=gen) * 4).to(in_dtype)
+    keys, values = fused[:, 1], fused[:, 2]
+    rk, rv = orthogonal(h, d, 1), orthogonal(h, d, 2)
+    perm = torch.randperm(slots_n * w, generator=gen)[:n]
+    slots, rows = perm // w, perm % w  # distinct (slot, row) pairs, in random order
+    src = torch.randperm(n, generator=gen)
+    k_win, v_win = random_windows(slots_n, h, w, d, win_dtype, seed=n)
+    k_ref, v_ref = reference_append(keys, values, rk, rv, src, slots, rows, k_win, v_win)
+    sk.append_rows(keys, values, rk, rv, src, slots, rows, k_win, v_win)
+    assert torch.equal(k_win.view(torch.int16), k_ref.view(torch.int16))  # bits, and every other row untouched
+    assert torch.equal(v_win.view(torch.int16), v_ref.view(torch.int16))
+    assert not torch.equal(k_win, random_windows(slots_n, h, w, d, win_dtype, seed=n)[0])  # it did write
+
+
+@pytest.mark.parametrize("win_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast to fp16 -> inf
+def test_append_rows_without_rotation_casts_like_torch_including_ties_and_specials(win_dtype):
+    """rotate=False stores given fp32 rows: ties to even, carries into the exponent, overflow to inf, subnormals,
+    signed zeros as torch's `.to(dtype)` (the bf16 path rounds by hand), NaN as a NaN."""
+    d, h = 64, 2
+    one = 1.0
+    special = torch.tensor([one + 2 ** -8, one + 3 * 2 ** -8, one + 2 ** -9, 1.9999999, -(one + 2 ** -8),
+                            3.3961e38, -3.39e38, 65519.0, 65520.0, 1e-40, -1e-40, 6e-8, 0.0, -0.0,
+                            float("inf"), float("-inf"), float("nan"), 2 ** -133, 255.99998, -255.99998],
+                           dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    rows_ = torch.randn(3, h, d, generator=gen) * torch.logspace(-30, 30, d)
+    rows_[0, 0, :special.numel()] = special
+    rows_[2, 1, -special.numel():] = special
+    slots, rows, src = torch.tensor([0, 2, 1]), torch.tensor([4, 0, 7]), torch.tensor([1, 2, 0])
+    k_win, v_win = random_windows(3, h, 8, d, win_dtype, seed=5)
+    k_ref, v_ref = reference_append(rows_, -rows_, None, None, src, slots, rows, k_win, v_win, rotate=False)
+    sk.append_rows(rows_, -rows_, orthogonal(h, d, 0), orthogonal(h, d, 0), src, slots, rows, k_win, v_win,
+                   rotate=False)
+    for got, want in ((k_win, k_ref), (v_win, v_ref)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)  # a NaN stays a NaN; its payload bits differ between torch's own paths
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_append_rows_with_no_rows_writes_nothing():
+    k_win, v_win = random_windows(2, 2, 4, 64, torch.bfloat16, seed=0)
+    before = k_win.clone()
+    e = torch.empty(0, dtype=torch.int64)
+    x = torch.empty(0, 2, 64)
+    sk.append_rows(x, x, orthogonal(2, 64, 0), orthogonal(2, 64, 1), e, e, e, k_win, v_win)
+    assert torch.equal(k_win, before)
+
+
+def test_append_rows_refuses_bad_inputs_naming_them():
+    h, d = 2, 64
+    k_win, v_win = random_windows(2, h, 4, d, torch.bfloat16, seed=0)
+    r = orthogonal(h, d, 0)
+    x = torch.randn(2, h, d)
+    idx = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"keys: expected shape \[N, H=2, d=64\]"):
+        sk.append_rows(torch.randn(2, 3, d), x, r, r, idx, idx, idx, k_win, v_win)
+    with pytest.raises(ValueError, match=r"v_rotation: expected shape \[H, d, d\]"):
+        sk.append_rows(x, x, r, r[:1], idx, idx, idx, k_win, v_win)
+    with pytest.raises(ValueError, match="win_rows: expected 2 entries"):
+        sk.append_rows(x, x, r, r, idx, idx, idx[:1], k_win, v_win)
+    with pytest.raises(TypeError, match="values: dtype must be float32"):
+        sk.append_rows(x, x.bfloat16(), r, r, idx, idx, idx, k_win, v_win, rotate=False)
+    with pytest.raises(ValueError, match="v_win: shape"):
+        sk.append_rows(x, x, r, r, idx, idx, idx, k_win, v_win[:1])
+
+
+# ------------------------------------------------------------------------------------------------ rotate_heads
+def bound(x, rot_t):
+    """d * u * (|x| @ |M|) per output element: the a-priori error bound of an fp32 dot product of length d."""
+    d = x.shape[-1]
+    return d * U32 * torch.einsum("bhd,bhde->bhe", x.double().abs(), rot_t.double().abs())
+
+
+def per_head(rotation, h_q, transpose):
+    """`[H_kv, d, d]` -> the matrix each query head multiplies by, `[H_q, d, d]`."""
+    m = rotation.transpose(-1, -2) if transpose else rotation
+    return m.repeat_interleave(h_q // rotation.shape[0], dim=0)
+
+
+@pytest.mark.parametrize("b,h_q,h_kv,d", [(1, 8, 8, 128), (3, 6, 2, 64), (5, 8, 2, 128), (2, 8, 1, 64),
+                                          (7, 32, 8, 64)])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotate_heads_is_the_fp32_product_within_the_dot_product_bound(b, h_q, h_kv, d, transpose, x_dtype):
+    gen = torch.Generator().manual_seed(b * 10 + h_q)
+    x = (torch.randn(b, h_q + 2, d, generator=gen) * 3).to(x_dtype)[:, 1:-1]  # strided rows of a wider tensor
+    rot = orthogonal(h_kv, d, h_q)
+    got = sk.rotate_heads(x, rot, transpose=transpose)
+    assert got.dtype == torch.float32 and got.shape == (b, h_q, d) and got.is_contiguous()
+    m = per_head(rot, h_q, transpose)[None].expand(b, -1, -1, -1)
+    exact = torch.einsum("bhd,bhde->bhe", x.double(), m.double())
+    lim = bound(x, m)
+    assert ((got.double() - exact).abs() <= lim).all()
+    # and the torch path it replaces, within the two bounds together
+    torch_path = (attn_api.unrotate_output(x.float(), rot) if transpose else
+                  attn_api.rotate_queries(x.float(), rot))
+    assert ((got.double() - torch_path.double()).abs() <= 2 * lim).all()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_rotate_heads_rounds_its_fp32_result_once_to_the_output_dtype(out_dtype):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 12, 128, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    rot = orthogonal(4, 128, 9)
+    f32 = sk.rotate_heads(x, rot)
+    got = sk.rotate_heads(x, rot, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    assert torch.equal(got.view(torch.int16), f32.to(out_dtype).view(torch.int16))
+
+
+def test_rotate_heads_refuses_bad_inputs_naming_them():
+    x = torch.randn(2, 6, 64)
+    with pytest.raises(ValueError, match="x: 6 query heads is not a multiple of the 4 KV heads"):
+        sk.rotate_heads(x, orthogonal(4, 64, 0))
+    with pytest.raises(ValueError, match=r"rotation: expected shape \[H_kv, d, d\] with d=64"):
+        sk.rotate_heads(x, orthogonal(2, 32, 0))
+    with pytest.raises(TypeError, match="rotation: dtype must be float32"):
+        sk.rotate_heads(x, orthogonal(2, 64, 0).double())
+    with pytest.raises(TypeError, match="out_dtype: expected float16, bfloat16 or float32"):
+        sk.rotate_heads(x, orthogonal(2, 64, 0), out_dtype=torch.int8)
+
+
+# ------------------------------------------------------------------------------------------------ PagedKVCache
+S, R, P = 4, 8, 4
+H, HQ, D = 2, 8, 64
+
+
+def artifact():
+    art = identity_artifact(1, H, HQ, D, group_size=16, fmt=PAPER)
+    art.k_rotation, art.v_rotation = orthogonal(H, D, 21)[None], orthogonal(H, D, 22)[None]
+    art.k_clip_ratio = torch.full((1, H), 0.9)
+    art.v_clip_ratio = torch.full((1, H), 0.95)
+    return art.validate()
+
+
+POOLS = ("k_win", "v_win", "k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check_finite, dtype):
+    """Prompts (old path), two append-only steps (one launch), a step in which sequence 1 demotes a page (old path),
+    one more append-only step: the pools equal the torch backend's bit for bit after every step, the outputs agree
+    within fp32 rounding, and the one-launch append ran exactly on the append-only steps (rotating itself unless
+    the non-finite check had already rotated the rows)."""
+    art = artifact()
+    caches = {b: PagedKVCache.from_artifact(art, max_pages=8, max_seqs=3, fmt=served(art, P, S, R), dtype=dtype,
+                                            backend=b, check_finite=check_finite) for b in ("torch", "triton")}
+    launches, rotations = [], []
+    real_append, real_rotate = sk.append_rows, sk.rotate_heads
+    monkeypatch.setattr(sk, "append_rows",
+                        lambda *a, **kw: (launches.append(kw.get("rotate", True)), real_append(*a, **kw))[1])
+    monkeypatch.setattr(sk, "rotate_heads",
+                        lambda *a, **kw: (rotations.append(kw.get("transpose", False)), real_rotate(*a, **kw))[1])
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randn(n, H, D, generator=gen).to(dtype) for n in (9, 13)]
+    steps = [torch.randn(2, H, D, generator=gen).to(dtype) for _ in range(4)]
+    queries = [torch.randn(2, HQ, D, generator=gen).to(dtype) for _ in range(4)]
+    ids = {b: [c.add_sequence(), c.add_sequence()] for b, c in caches.items()}
+    for b, c in caches.items():
+        c.append(ids[b], [prompts], [prompts])
+    assert launches == []  # prompts keep the batched torch rotation
+    for i, (x, q) in enumerate(zip(steps, queries)):
+        plans = {}
+        for b, c in caches.items():
+            plans[b] = c.plan_append(ids[b], [1, 1])
+            c.write_layer(0, plans[b], x, x * 0.5)
+        demoting = plans["triton"].demote_src.numel() > 0
+        assert demoting == (i == 2) and plans["triton"].append_only == (not demoting)
+        assert launches == ([not check_finite] if not demoting else [])
+        launches.clear()
+        for name in POOLS:
+            got, want = getattr(caches["triton"].pools[0], name), getattr(caches["torch"].pools[0], name)
+            assert torch.equal(got, want), (i, name)
+        o = {b: c.decode_attention(0, q, ids[b]) for b, c in caches.items()}
+        assert rotations == [False, True]  # q rotated and o un-rotated by the kernels, on the Triton cache only
+        rotations.clear()
+        with monkeypatch.context() as m:  # the code this replaced: torch rotations around the same Triton attention
+            m.setattr(PagedKVCache, "_triton", lambda self: False)
+            o["before"] = caches["triton"].decode_attention(0, q, ids["triton"])
+        assert rotations == []
+        torch.testing.assert_close(o["triton"], o["before"], atol=2e-3, rtol=0)
+        # the torch backend's attention keeps p in fp32 where the Triton kernel rounds it to the window dtype
+        assert rel_rmse(o["triton"], o["torch"]) < 1e-2
+    assert caches["triton"].hist_len(ids["triton"][1]) == P
+
+
+def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeypatch):
+    """decode_attention with the rotation kernels against the code it replaced (torch rotations around the same
+    Triton attention): equal up to the fp32 rounding of q @ R_K, which can move a bf16 query by one unit."""
+    art = artifact()
+    cache = PagedKVCache.from_artifact(art, max_pages=8, max_seqs=2, fmt=served(art, P, S, R),
+                                       dtype=torch.bfloat16, backend="triton")
+    gen = torch.Generator().manual_seed(8)
+    sid = cache.add_sequence()
+    x = [torch.randn(21, H, D, generator=gen)]
+    cache.append([sid], [x], [x])
+    q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
+    got, lse = cache.decode_attention(0, q, [sid], return_lse=True)
+    monkeypatch.setattr(PagedKVCache, "_triton", lambda self: False)  # the rotations as before, attention unchanged
+    old, old_lse = cache.decode_attention(0, q, [sid], return_lse=True)
+    torch.testing.assert_close(got, old, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, old_lse, atol=2e-2, rtol=2e-2)
+    assert got.dtype == torch.float32 and got.shape == (1, HQ, D)
