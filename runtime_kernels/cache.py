@@ -773,20 +773,14 @@ class PagedKVCache:
         if empty:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
         meta = self.batch_metadata(seq_ids)
-        triton = self._triton()
-        if triton:  # one launch instead of cast, GEMM and cast
-            q_rot = _step_kernels().rotate_heads(q, pool.k_rotation, out_dtype=pool.k_win.dtype, validate=False)
-        else:
-            q_rot = attn_api.rotate_queries(q.float(), pool.k_rotation).to(pool.k_win.dtype)
+        q_rot = attn_api.rotate_queries(q, pool.k_rotation, out_dtype=pool.k_win.dtype, backend=self.backend,
+                                        validate=False)
         pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
                           v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
         o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused)
-        if triton:
-            o = _step_kernels().rotate_heads(o, pool.v_rotation, transpose=True, validate=False)
-        else:
-            o = attn_api.unrotate_output(o.float(), pool.v_rotation)
+        o = attn_api.unrotate_output(o, pool.v_rotation, out_dtype=torch.float32, backend=self.backend, validate=False)
         return (o, lse) if return_lse else o
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------

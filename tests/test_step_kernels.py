@@ -237,7 +237,7 @@ def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check
         assert rotations == [False, True]  # q rotated and o un-rotated by the kernels, on the Triton cache only
         rotations.clear()
         with monkeypatch.context() as m:  # the code this replaced: torch rotations around the same Triton attention
-            m.setattr(PagedKVCache, "_triton", lambda self: False)
+            m.setattr(attn_api, "_rotation_kernels", lambda backend, device: None)
             o["before"] = caches["triton"].decode_attention(0, q, ids["triton"])
         assert rotations == []
         torch.testing.assert_close(o["triton"], o["before"], atol=2e-3, rtol=0)
@@ -258,7 +258,7 @@ def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeyp
     cache.append([sid], [x], [x])
     q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
     got, lse = cache.decode_attention(0, q, [sid], return_lse=True)
-    monkeypatch.setattr(PagedKVCache, "_triton", lambda self: False)  # the rotations as before, attention unchanged
+    monkeypatch.setattr(attn_api, "_rotation_kernels", lambda backend, device: None)  # the rotations as before, attention unchanged
     old, old_lse = cache.decode_attention(0, q, [sid], return_lse=True)
     torch.testing.assert_close(got, old, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, old_lse, atol=2e-2, rtol=2e-2)

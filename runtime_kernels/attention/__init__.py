@@ -318,21 +318,43 @@ def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows
     return _launch().decode(q.contiguous(), pages, batch, windows, scale, num_splits, window_splits, counters, opts)
 
 
-def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor) -> torch.Tensor:
-    """`q [B, H_q, d] @ R_K[h // g]` per query head (g = H_q / H_kv); k_rotation `[H_kv, d, d]`. Returns q's dtype.
-    Done at run time because RoPE sits between q_proj and the rotation, so R_K cannot be folded into q_proj."""
+def _rotation_kernels(backend: str, device: torch.device):
+    """`step_kernels` when `backend` resolves to Triton here (imported on first use: the torch path needs no
+    Triton), else None."""
+    if resolve_backend(backend, device) != "triton":
+        return None
+    from runtime_kernels import step_kernels
+
+    return step_kernels
+
+
+def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor, out_dtype: torch.dtype | None = None,
+                   backend: str = "torch", validate: bool = True) -> torch.Tensor:
+    """`q [B, H_q, d] @ R_K[h // g]` per query head (g = H_q / H_kv); k_rotation `[H_kv, d, d]`. fp32 products and
+    accumulation, one rounding to `out_dtype` (default q's dtype). Done at run time because RoPE sits between q_proj
+    and the rotation, so R_K cannot be folded into q_proj. backend "triton" (or "auto" on a GPU): one launch
+    (`step_kernels.rotate_heads`, validated unless `validate=False`) instead of cast, GEMM and cast."""
+    out_dtype = out_dtype or q.dtype
+    kernels = _rotation_kernels(backend, q.device)
+    if kernels is not None:
+        return kernels.rotate_heads(q, k_rotation, out_dtype=out_dtype, validate=validate)
     b, h_q, d = q.shape
     h_kv = k_rotation.shape[0]
     qg = q.reshape(b, h_kv, h_q // h_kv, d).transpose(0, 1).to(k_rotation.dtype)  # [H_kv, B, g, d]
     out = torch.matmul(qg.reshape(h_kv, -1, d), k_rotation)
-    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(q.dtype)
+    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(out_dtype)
 
 
-def unrotate_output(o: torch.Tensor, v_rotation: torch.Tensor) -> torch.Tensor:
+def unrotate_output(o: torch.Tensor, v_rotation: torch.Tensor, out_dtype: torch.dtype | None = None,
+                    backend: str = "torch", validate: bool = True) -> torch.Tensor:
     """`o [B, H_q, d] @ R_V[h // g]^T` per query head: back from the rotated value basis (can instead be folded
-    into o_proj). v_rotation `[H_kv, d, d]`."""
+    into o_proj). v_rotation `[H_kv, d, d]`; out_dtype default o's dtype; backend as `rotate_queries`."""
+    out_dtype = out_dtype or o.dtype
+    kernels = _rotation_kernels(backend, o.device)
+    if kernels is not None:
+        return kernels.rotate_heads(o, v_rotation, transpose=True, out_dtype=out_dtype, validate=validate)
     b, h_q, d = o.shape
     h_kv = v_rotation.shape[0]
     og = o.reshape(b, h_kv, h_q // h_kv, d).transpose(0, 1).to(v_rotation.dtype)
     out = torch.matmul(og.reshape(h_kv, -1, d), v_rotation.transpose(-1, -2))
-    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(o.dtype)
+    return out.reshape(h_kv, b, h_q // h_kv, d).transpose(0, 1).reshape(b, h_q, d).to(out_dtype)

@@ -485,7 +485,8 @@ class OscarEngine:
         if plan.win_slots.numel():
             kw[plan.win_batch, :, plan.win_pos] = win_k[plan.win_slots, :, plan.win_rows]
             vw[plan.win_batch, :, plan.win_pos] = win_v[plan.win_slots, :, plan.win_rows]
-        q_rot = attn_api.rotate_queries(q.float(), self.k_rotation[li]).to(self.dtype)
+        q_rot = attn_api.rotate_queries(q, self.k_rotation[li], out_dtype=self.dtype, backend=self.backend,
+                                        validate=False)
         slots = plan.slot_ids if plan.slot_ids is not None else torch.arange(bd, dtype=torch.int32,
                                                                              device=q.device)
         pages = replace(pools, k_mean=self.k_mean[li], v_mean=self.v_mean[li])
@@ -493,7 +494,8 @@ class OscarEngine:
                                        win_len=plan.win_len, whole_pages=plan.whole_pages)
         o, _ = attn_api.decode_attention(q_rot, pages, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
                                          backend=self.backend)
-        return attn_api.unrotate_output(o.float(), self.v_rotation[li])
+        return attn_api.unrotate_output(o, self.v_rotation[li], out_dtype=torch.float32, backend=self.backend,
+                                        validate=False)
 
     def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached positions of a request in order, model basis: BF16 window rows and dequantized INT2 rows.
