@@ -49,28 +49,29 @@ def _store_rounded(ptr, y, mask):
 
 # ------------------------------------------------------------------------------------------------ append
 @triton.jit
-def _rotate_store_row(x_ptr, r_ptr, w_ptr, stride_xd, stride_ri, stride_rj,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROTATE: tl.constexpr):
-    """One row: `w[e] = window_dtype(fp32(sum_d fp64(x[d]) * fp64(R[d, e])))`, or (not ROTATE) `w = window_dtype(x)`.
+def _rotate_store_cols(x_ptr, r_ptr, w_ptr, e0, stride_xd, stride_ri, stride_rj,
+                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROTATE: tl.constexpr):
+    """Columns `[e0, e0 + BLOCK_E)` of one row: `w[e] = window_dtype(fp32(sum_d fp64(x[d]) * fp64(R[d, e])))`, or
+    (not ROTATE) `w[e] = window_dtype(x[e])`.
 
     The fp64 products of fp32 (or narrower) operands are exact; only the order of the fp64 sum differs from
     torch's GEMV, which can move the fp32 rounding only when the exact sum lies within ~d * 2^-53 (relative) of an
-    fp32 rounding boundary."""
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
+    fp32 rounding boundary. Each column's sum is the same whichever program computes it, so splitting the columns
+    over programs changes no bit."""
+    offs_e = e0 + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < D
     if ROTATE:
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
         # via fp32: exact for every input dtype (the interpreter would read bf16 -> fp64 as the raw uint16 bits)
         x = tl.load(x_ptr + offs_d * stride_xd, mask=d_ok, other=0.0).to(tl.float32).to(tl.float64)
-        for e0 in tl.static_range(0, D_PAD, BLOCK_E):
-            offs_e = e0 + tl.arange(0, BLOCK_E)
-            e_ok = offs_e < D
-            r = tl.load(r_ptr + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
-                        mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float64)
-            y = tl.sum(x[:, None] * r, axis=0).to(tl.float32)  # one rounding fp64 -> fp32, as rotate_rows
-            _store_rounded(w_ptr + offs_e, y, e_ok)
+        r = tl.load(r_ptr + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
+                    mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float64)
+        y = tl.sum(x[:, None] * r, axis=0).to(tl.float32)  # one rounding fp64 -> fp32, as rotate_rows
+        _store_rounded(w_ptr + offs_e, y, e_ok)
     else:
-        x = tl.load(x_ptr + offs_d * stride_xd, mask=d_ok, other=0.0).to(tl.float32)
-        _store_rounded(w_ptr + offs_d, x, d_ok)
+        x = tl.load(x_ptr + offs_e * stride_xd, mask=e_ok, other=0.0).to(tl.float32)
+        _store_rounded(w_ptr + offs_e, x, e_ok)
 
 
 @triton.jit
@@ -79,20 +80,27 @@ def _append_rows_kernel(
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
     stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROTATE: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, N_E: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """Program `(i, h)`: new row `src[i]` of KV head h, K and V, to window row `(slot[i], h, row[i])`."""
+    """Program `(i, h, j)`: new row `src[i]` of KV head h to window row `(slot[i], h, row[i])`, columns of block
+    `j % N_E` of K (j < N_E) or of V. A decode step appends one row per sequence, so the work is split over columns
+    and K/V for latency: one [D, BLOCK_E] fp64 tile per program, not the whole row of both (a one-row step ran
+    12 us on an H200 with 8 programs)."""
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(2)
+    e0 = (j % N_E) * BLOCK_E
     src = tl.load(src_ptr + i).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     row = tl.load(row_ptr + i).to(tl.int64)
-    _rotate_store_row(k_ptr + src * stride_kt + h * stride_kh, rk_ptr + h * stride_rkh,
-                      kw_ptr + slot * stride_kws + h * stride_kwh + row * stride_kwr,
-                      stride_kd, stride_rki, stride_rkj, D, D_PAD, BLOCK_E, ROTATE)
-    _rotate_store_row(v_ptr + src * stride_vt + h * stride_vh, rv_ptr + h * stride_rvh,
-                      vw_ptr + slot * stride_vws + h * stride_vwh + row * stride_vwr,
-                      stride_vd, stride_rvi, stride_rvj, D, D_PAD, BLOCK_E, ROTATE)
+    if j < N_E:
+        _rotate_store_cols(k_ptr + src * stride_kt + h * stride_kh, rk_ptr + h * stride_rkh,
+                           kw_ptr + slot * stride_kws + h * stride_kwh + row * stride_kwr, e0,
+                           stride_kd, stride_rki, stride_rkj, D, D_PAD, BLOCK_E, ROTATE)
+    else:
+        _rotate_store_cols(v_ptr + src * stride_vt + h * stride_vh, rv_ptr + h * stride_rvh,
+                           vw_ptr + slot * stride_vws + h * stride_vwh + row * stride_vwr, e0,
+                           stride_vd, stride_rvi, stride_rvj, D, D_PAD, BLOCK_E, ROTATE)
 
 
 def _check_append(keys, values, k_rotation, v_rotation, src, slots, rows, k_win, v_win, rotate: bool) -> None:
@@ -141,13 +149,15 @@ def append_rows(keys: torch.Tensor, values: torch.Tensor, k_rotation: torch.Tens
     if m == 0:
         return
     d_pad = next_pow2(d)
-    _append_rows_kernel[(m, h)](
+    block_e = min(d_pad, 32)  # a [d, 32] fp64 tile per program
+    n_e = triton.cdiv(d, block_e)
+    _append_rows_kernel[(m, h, 2 * n_e)](
         keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         k_rotation.stride(0), k_rotation.stride(1), k_rotation.stride(2),
         v_rotation.stride(0), v_rotation.stride(1), v_rotation.stride(2),
         k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
-        D=d, D_PAD=d_pad, BLOCK_E=min(d_pad, 32), ROTATE=bool(rotate),  # 32 columns: a [d, 32] fp64 tile per step
+        D=d, D_PAD=d_pad, BLOCK_E=block_e, N_E=n_e, ROTATE=bool(rotate),
         num_warps=4,
     )
 
@@ -225,7 +235,7 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, *, transpose: bool = F
     rows = max(16, next_pow2(group))  # rows of a program: several sequences' query groups share one R tile
     block_b = max(1, rows // group)
     d_pad = max(16, next_pow2(d))  # tl.dot needs 16 or more along every side
-    block_e = min(d_pad, 64)
+    block_e = min(d_pad, 32)  # narrow column blocks: a batch-1 step still spreads over d / 32 programs per KV head
     si, sj = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     _rotate_heads_kernel[(triton.cdiv(b, block_b), h_kv, triton.cdiv(d, block_e))](
         x, rotation, out, b,

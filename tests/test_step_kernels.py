@@ -51,7 +51,7 @@ def reference_append(keys, values, rk, rv, src, slots, rows, k_win, v_win, rotat
 
 
 # ------------------------------------------------------------------------------------------------ append_rows
-@pytest.mark.parametrize("n,h,d", [(1, 8, 128), (5, 2, 64), (3, 4, 128)])
+@pytest.mark.parametrize("n,h,d", [(1, 8, 128), (5, 2, 64), (3, 4, 128), (2, 3, 80)])  # 80: a partial column block
 @pytest.mark.parametrize("win_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_append_rows_is_rotate_rows_cast_and_index_write_bit_for_bit(n, h, d, win_dtype, in_dtype):
