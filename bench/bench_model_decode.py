@@ -68,8 +68,15 @@ class Decoder:
     token per sequence -> logits `[B, vocab]`; `attention(layer, q [B, H, d], k [B, H_kv, d], v) -> o [B, H, d]`
     (q, k after RoPE) stores the new K/V and attends over the cache."""
 
-    def __init__(self, shape: ModelShape, device, seed: int = 0):
+    def __init__(self, shape: ModelShape, device, seed: int = 0, compiled: bool = False):
         self.shape = shape
+        # compiled: the work around attention through torch.compile (inductor fuses the norms, RoPE, casts, SiLU and
+        # residual adds; the GEMMs stay cuBLAS), as an engine runs a model (vLLM compiles everything but attention
+        # and replays CUDA graphs). The same for both caches: only `attention` differs between them.
+        self._pre, self._post = pre_attention, post_attention
+        if compiled:
+            self._pre = torch.compile(pre_attention, dynamic=False, fullgraph=True)
+            self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)
         gen = torch.Generator(device=device).manual_seed(seed)
         dt = torch.bfloat16
 
@@ -97,21 +104,29 @@ class Decoder:
 
     def step(self, tokens: torch.Tensor, rope: tuple, attention) -> torch.Tensor:
         s = self.shape
-        b = tokens.shape[0]
         cos, sin = rope
         x = self.embed[tokens]
         for i, p in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden,), p["ln1"], s.eps)
-            q, k, v = (h @ p["wqkv"]).split([s.heads * s.head_dim, s.kv_heads * s.head_dim,
-                                             s.kv_heads * s.head_dim], dim=-1)
-            q = F.rms_norm(q.view(b, s.heads, s.head_dim), (s.head_dim,), p["qn"], s.eps)
-            k = F.rms_norm(k.view(b, s.kv_heads, s.head_dim), (s.head_dim,), p["kn"], s.eps)
-            q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
-            o = attention(i, q, k, v.view(b, s.kv_heads, s.head_dim))
-            x = x + o.reshape(b, -1).to(x.dtype) @ p["wo"]
-            g, u = (F.rms_norm(x, (s.hidden,), p["ln2"], s.eps) @ p["wgu"]).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ p["wd"]
+            q, k, v = self._pre(x, p["ln1"], p["wqkv"], p["qn"], p["kn"], cos, sin, s.heads, s.kv_heads, s.eps)
+            x = self._post(x, attention(i, q, k, v), p["wo"], p["ln2"], p["wgu"], p["wd"], s.eps)
         return F.rms_norm(x, (s.hidden,), self.norm, s.eps) @ self.lm_head
+
+
+def pre_attention(x, ln1, wqkv, qn, kn, cos, sin, heads: int, kv_heads: int, eps: float):
+    """`x [B, hidden]` -> q `[B, H, d]`, k, v `[B, H_kv, d]`: RMSNorm, fused QKV, per-head q/k RMSNorm, RoPE."""
+    b, d = x.shape[0], cos.shape[-1]
+    h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
+    q, k, v = (h @ wqkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = F.rms_norm(q.view(b, heads, d), (d,), qn, eps)
+    k = F.rms_norm(k.view(b, kv_heads, d), (d,), kn, eps)
+    return rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v.view(b, kv_heads, d)
+
+
+def post_attention(x, o, wo, ln2, wgu, wd, eps: float):
+    """Residual stream after attention output `o [B, H, d]`: o_proj, RMSNorm, SwiGLU MLP, both residual adds."""
+    x = x + o.reshape(x.shape[0], -1).to(x.dtype) @ wo
+    g, u = (F.rms_norm(x, (x.shape[-1],), ln2, eps) @ wgu).chunk(2, dim=-1)
+    return x + (F.silu(g) * u) @ wd
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -323,11 +338,13 @@ def table(rows: list[dict], budget: dict) -> str:
 
 
 def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, device="cuda", recipe: KVFormat = RECIPE,
-        budget_context: int = BUDGET_CONTEXT, timer=None) -> tuple[list[dict], dict]:
+        budget_context: int = BUDGET_CONTEXT, timer=None, compiled: bool = False) -> tuple[list[dict], dict]:
     """Every point for BF16 and OSCAR, then each at the largest batch whose KV cache fits `budget_gib` at
-    `budget_context`; results written to `out` after every measurement -> (rows, budget summary)."""
+    `budget_context`; results written to `out` after every measurement -> (rows, budget summary). `compiled`: the
+    decoder's work around attention through torch.compile (`Decoder`), results `model_decode_compiled_<GPU>`."""
     t0 = time.perf_counter()
-    model = Decoder(shape, device)
+    model = Decoder(shape, device, compiled=compiled)
+    name = "model_decode_compiled" if compiled else "model_decode"
     print(f"# model built: {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     budget_bytes = int(budget_gib * (1 << 30))
@@ -355,7 +372,7 @@ def run(out: str, points, budget_gib: float, shape: ModelShape = QWEN3_8B, devic
                 budget[f"{key}_tokens_per_s"] = r["tokens_per_s"]
         if "bf16_tokens_per_s" in budget and "oscar_tokens_per_s" in budget:
             budget["throughput_ratio"] = budget["oscar_tokens_per_s"] / budget["bf16_tokens_per_s"]
-        path = common.write_rows(out, "model_decode", rows + [{"op": "kv_budget", "variant": "summary",
+        path = common.write_rows(out, name, rows + [{"op": "kv_budget", "variant": "summary",
                                                               "shape": {"context": budget_context}, **budget}])
     path.with_suffix(".md").write_text(table(rows, budget))
     print(table(rows, budget))
@@ -412,6 +429,9 @@ def main() -> int:
     ap.add_argument("--out", help="directory for model_decode_<GPU>.json and .md (GPU run)")
     ap.add_argument("--points", help="comma-separated CONTEXTxBATCH (default: 32K/64K/128K x 1/8/32)")
     ap.add_argument("--budget-gib", type=float, default=40.0, help="KV budget for the sequences-per-GPU rows")
+    ap.add_argument("--compiled", action="store_true",
+                    help="the work around attention through torch.compile, for both caches (as an engine runs it); "
+                         "writes model_decode_compiled_<GPU>")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU under the Triton interpreter")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -424,7 +444,7 @@ def main() -> int:
         sys.exit("bench_model_decode: needs a CUDA GPU (or --cpu-smoke)")
     points = DEFAULT_POINTS if not args.points else [tuple(int(x) for x in p.split("x"))
                                                      for p in args.points.split(",")]
-    run(args.out, points, args.budget_gib)
+    run(args.out, points, args.budget_gib, compiled=args.compiled)
     return 0
 
 

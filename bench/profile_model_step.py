@@ -60,10 +60,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default="32768x1,131072x1")
+    ap.add_argument("--compiled", action="store_true", help="the decoder's work around attention through "
+                    "torch.compile (bench_model_decode --compiled); writes profile_model_step_compiled_<GPU>")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_model_step: needs a CUDA GPU")
-    model = bmd.Decoder(bmd.QWEN3_8B, "cuda")
+    model = bmd.Decoder(bmd.QWEN3_8B, "cuda", compiled=args.compiled)
+    name = "profile_model_step_compiled" if args.compiled else "profile_model_step"
     text, rows = [], []
     for spec in args.points.split(","):
         context, batch = (int(x) for x in spec.split("x"))
@@ -84,7 +87,7 @@ def main() -> int:
                                                          for k, (n, us) in kernels.items()}})
             del attn
             torch.cuda.empty_cache()
-    path = common.write_rows(args.out, "profile_model_step", rows)
+    path = common.write_rows(args.out, name, rows)
     path.with_suffix(".txt").write_text("\n".join(text))
     print("wrote", path)
     return 0
