@@ -199,7 +199,7 @@ class OscarAttention:
 
     def __call__(self, layer: int, q, k, v):
         self.cache.write_layer(layer, self.plan, k, v)
-        return self.cache.decode_attention(layer, q, self.seq_ids)
+        return self.cache.decode_attention(layer, q, self.seq_ids, out_dtype=q.dtype)  # the model's dtype, no cast
 
 
 class Bf16Attention:

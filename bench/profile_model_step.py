@@ -66,7 +66,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("profile_model_step: needs a CUDA GPU")
     model = bmd.Decoder(bmd.QWEN3_8B, "cuda", compiled=args.compiled)
-    name = "profile_model_step_compiled" if args.compiled else "profile_model_step"
+    results = "profile_model_step_compiled" if args.compiled else "profile_model_step"
     text, rows = [], []
     for spec in args.points.split(","):
         context, batch = (int(x) for x in spec.split("x"))
@@ -87,7 +87,7 @@ def main() -> int:
                                                          for k, (n, us) in kernels.items()}})
             del attn
             torch.cuda.empty_cache()
-    path = common.write_rows(args.out, name, rows)
+    path = common.write_rows(args.out, results, rows)
     path.with_suffix(".txt").write_text("\n".join(text))
     print("wrote", path)
     return 0

@@ -741,7 +741,8 @@ class PagedKVCache:
         return meta
 
     def decode_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[int],
-                         sm_scale: float | None = None, return_lse: bool = False, fused: bool | None = None):
+                         sm_scale: float | None = None, return_lse: bool = False, fused: bool | None = None,
+                         out_dtype: torch.dtype = torch.float32):
         """One decode query per sequence over sink + recent (full precision) and the INT2 history, merged exactly.
 
         Args:
@@ -752,8 +753,10 @@ class PagedKVCache:
             sm_scale: softmax scale (default `1 / sqrt(d)`).
             fused: one kernel launch instead of two on the Triton path (None: `DecodeOptions.fused`, False);
                 fewer host microseconds for eager callers, slower under CUDA graphs at small batch (docs/kernels.md).
+            out_dtype: o's dtype (fp32, or the model's bf16 / fp16: stored so by the kernel that un-rotates it,
+                with no cast after).
         Returns:
-            o fp32 `[B, H_q, d]` in the model's value basis (`R_V^T` applied), and with `return_lse` also
+            o `[B, H_q, d]` (out_dtype) in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
         """
         pool = self._pool(layer)
@@ -777,10 +780,11 @@ class PagedKVCache:
                                         validate=False)
         pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
                           v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
         o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
-                                           fused=fused)
-        o = attn_api.unrotate_output(o, pool.v_rotation, out_dtype=torch.float32, backend=self.backend, validate=False)
+                                           fused=fused, v_rotation=pool.v_rotation, out_dtype=out_dtype)
         return (o, lse) if return_lse else o
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------

@@ -26,25 +26,9 @@ import triton.language as tl
 
 from runtime_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_tensor
 from runtime_kernels.launch_util import next_pow2
+from runtime_kernels.triton_rounding import store_rounded
 
 __all__ = ["append_rows", "rotate_heads"]
-
-
-# ------------------------------------------------------------------------------------------------ rounding
-@triton.jit
-def _store_rounded(ptr, y, mask):
-    """Store fp32 `y` at `ptr`, rounded to nearest even into the pointer's dtype (fp16, bf16 or fp32), bit for bit as
-    torch's `.to(dtype)` but for a NaN's payload (torch's own CPU and CUDA casts disagree there). bf16 is rounded by
-    hand on the fp32 bits (c10's `round_to_nearest_even`, NaN -> 0x7FC0):
-    the Triton interpreter truncates fp32 -> bf16, so an explicit rounding is the one way the CPU tests check the
-    same bits a GPU stores."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        r = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        r = tl.where(y != y, 0x7FC0, r)
-        tl.store(ptr.to(tl.pointer_type(tl.uint16), bitcast=True), r.to(tl.uint16), mask=mask)
-    else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ append
@@ -68,10 +52,10 @@ def _rotate_store_cols(x_ptr, r_ptr, w_ptr, e0, stride_xd, stride_ri, stride_rj,
         r = tl.load(r_ptr + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
                     mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float64)
         y = tl.sum(x[:, None] * r, axis=0).to(tl.float32)  # one rounding fp64 -> fp32, as rotate_rows
-        _store_rounded(w_ptr + offs_e, y, e_ok)
+        store_rounded(w_ptr + offs_e, y, e_ok)
     else:
         x = tl.load(x_ptr + offs_e * stride_xd, mask=e_ok, other=0.0).to(tl.float32)
-        _store_rounded(w_ptr + offs_e, x, e_ok)
+        store_rounded(w_ptr + offs_e, x, e_ok)
 
 
 @triton.jit
@@ -193,7 +177,7 @@ def _rotate_heads_kernel(
                 mask=d_ok[:, None] & e_ok[None, :], other=0.0)  # [D_PAD, BLOCK_E] fp32
     # fp32 products and accumulation ("ieee": no TF32 on a GPU); the interpreter multiplies the same fp32 tiles.
     y = tl.dot(x, m, input_precision="ieee")  # [ROWS, BLOCK_E] fp32
-    _store_rounded(o_ptr + b[:, None].to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_e[None, :], y,
+    store_rounded(o_ptr + b[:, None].to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_e[None, :], y,
                    r_ok[:, None] & e_ok[None, :])
 
 

@@ -22,6 +22,7 @@ from kernel_helpers import rel_rmse
 from runtime_kernels import attention as attn_api
 from runtime_kernels import step_kernels as sk
 from runtime_kernels.artifact import identity_artifact
+from runtime_kernels.attention.int2_decode import merge
 from runtime_kernels.cache import PagedKVCache, rotate_rows
 
 pytestmark = pytest.mark.interpreter
@@ -169,6 +170,33 @@ def test_rotate_heads_rounds_its_fp32_result_once_to_the_output_dtype(out_dtype)
     assert torch.equal(got.view(torch.int16), f32.to(out_dtype).view(torch.int16))
 
 
+@pytest.mark.parametrize("b,h_q,h_kv,d,s", [(1, 8, 2, 128, 37), (2, 6, 3, 80, 5), (3, 4, 4, 64, 70)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_split_reduce_with_the_value_rotation_is_reduce_then_unrotate(b, h_q, h_kv, d, s, out_dtype):
+    """`reduce_splits_triton(..., v_rotation, out_dtype)` (the un-rotation inside the reduce, no launch of its own)
+    against the fp64 merge and product: the merged row (the plain reduce's fp32 row exactly) times R_V^T within the
+    fp32 dot-product bound, rounded once to out_dtype; lse as the plain reduce's. Some partials are empty (-inf) and
+    one row has none at all (o = 0, lse = -inf)."""
+    gen = torch.Generator().manual_seed(b * 100 + d)
+    o_part = torch.randn(b, h_q, s, d, generator=gen) * 2
+    lse_part = torch.randn(b, h_q, s, generator=gen) * 3
+    lse_part[torch.rand(b, h_q, s, generator=gen) < 0.2] = float("-inf")
+    lse_part[0, 1] = float("-inf")
+    rot = orthogonal(h_kv, d, s)
+    got, got_lse = merge.reduce_splits_triton(o_part, lse_part, rot, out_dtype)
+    plain, plain_lse = merge.reduce_splits_triton(o_part, lse_part)
+    assert got.dtype == out_dtype and got.shape == (b, h_q, d) and got_lse.dtype == torch.float32
+    assert torch.equal(got_lse, plain_lse) and torch.isneginf(got_lse[0, 1])
+    m = per_head(rot, h_q, True)[None].expand(b, -1, -1, -1)
+    exact = torch.einsum("bhd,bhde->bhe", plain.double(), m.double())
+    f32 = got.double() if out_dtype == torch.float32 else exact
+    assert ((f32 - exact).abs() <= bound(plain, m)).all()
+    if out_dtype != torch.float32:  # one rounding of a value within the bound: at most one unit of out_dtype apart
+        ulp = (exact.abs().to(out_dtype).double() * 2.0 ** -7).clamp_min(2.0 ** -133)
+        assert ((got.double() - exact).abs() <= ulp).all()
+    assert (got[0, 1] == 0).all()
+
+
 def test_rotate_heads_refuses_bad_inputs_naming_them():
     x = torch.randn(2, 6, 64)
     with pytest.raises(ValueError, match="x: 6 query heads is not a multiple of the 4 KV heads"):
@@ -197,6 +225,17 @@ def artifact():
 POOLS = ("k_win", "v_win", "k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
+def rotations_as_before(m, real_reduce) -> None:
+    """Patch (on monkeypatch `m`) the code the rotation kernels replaced: torch's q rotation, the split reduce
+    without R_V, then torch's un-rotation."""
+    def reduce(o_part, lse_part, v_rotation=None, out_dtype=torch.float32):
+        o, lse = real_reduce(o_part, lse_part)
+        return (o if v_rotation is None else attn_api.unrotate_output(o, v_rotation, out_dtype=out_dtype)), lse
+
+    m.setattr(attn_api, "_rotation_kernels", lambda backend, device: None)
+    m.setattr(merge, "reduce_splits_triton", reduce)
+
+
 @pytest.mark.parametrize("check_finite", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check_finite, dtype):
@@ -207,12 +246,15 @@ def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check
     art = artifact()
     caches = {b: PagedKVCache.from_artifact(art, max_pages=8, max_seqs=3, fmt=served(art, P, S, R), dtype=dtype,
                                             backend=b, check_finite=check_finite) for b in ("torch", "triton")}
-    launches, rotations = [], []
-    real_append, real_rotate = sk.append_rows, sk.rotate_heads
+    launches, rotations, reduces = [], [], []
+    real_append, real_rotate, real_reduce = sk.append_rows, sk.rotate_heads, merge.reduce_splits_triton
     monkeypatch.setattr(sk, "append_rows",
                         lambda *a, **kw: (launches.append(kw.get("rotate", True)), real_append(*a, **kw))[1])
     monkeypatch.setattr(sk, "rotate_heads",
                         lambda *a, **kw: (rotations.append(kw.get("transpose", False)), real_rotate(*a, **kw))[1])
+    monkeypatch.setattr(merge, "reduce_splits_triton",
+                        lambda o, lse, v_rotation=None, out_dtype=torch.float32: (
+                            reduces.append(v_rotation is not None), real_reduce(o, lse, v_rotation, out_dtype))[1])
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randn(n, H, D, generator=gen).to(dtype) for n in (9, 13)]
     steps = [torch.randn(2, H, D, generator=gen).to(dtype) for _ in range(4)]
@@ -234,10 +276,11 @@ def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check
             got, want = getattr(caches["triton"].pools[0], name), getattr(caches["torch"].pools[0], name)
             assert torch.equal(got, want), (i, name)
         o = {b: c.decode_attention(0, q, ids[b]) for b, c in caches.items()}
-        assert rotations == [False, True]  # q rotated and o un-rotated by the kernels, on the Triton cache only
-        rotations.clear()
+        # q rotated by its kernel and o un-rotated inside the split reduce, on the Triton cache only
+        assert rotations == [False] and reduces == [True]
+        rotations.clear(), reduces.clear()
         with monkeypatch.context() as m:  # the code this replaced: torch rotations around the same Triton attention
-            m.setattr(attn_api, "_rotation_kernels", lambda backend, device: None)
+            rotations_as_before(m, real_reduce)
             o["before"] = caches["triton"].decode_attention(0, q, ids["triton"])
         assert rotations == []
         torch.testing.assert_close(o["triton"], o["before"], atol=2e-3, rtol=0)
@@ -258,8 +301,28 @@ def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeyp
     cache.append([sid], [x], [x])
     q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
     got, lse = cache.decode_attention(0, q, [sid], return_lse=True)
-    monkeypatch.setattr(attn_api, "_rotation_kernels", lambda backend, device: None)  # the rotations as before, attention unchanged
+    rotations_as_before(monkeypatch, merge.reduce_splits_triton)  # the rotations as before, attention unchanged
     old, old_lse = cache.decode_attention(0, q, [sid], return_lse=True)
     torch.testing.assert_close(got, old, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, old_lse, atol=2e-2, rtol=2e-2)
     assert got.dtype == torch.float32 and got.shape == (1, HQ, D)
+
+
+def test_cache_decode_attention_out_dtype_and_the_one_launch_form_unrotate_the_same_output():
+    """out_dtype=bf16 is the fp32 output rounded once (the reduce stores it so); the one-launch form (no separate
+    reduce: un-rotated by `rotate_heads` after) gives the two-launch output within fp32 rounding."""
+    art = artifact()
+    cache = PagedKVCache.from_artifact(art, max_pages=8, max_seqs=2, fmt=served(art, P, S, R),
+                                       dtype=torch.bfloat16, backend="triton")
+    gen = torch.Generator().manual_seed(9)
+    sid = cache.add_sequence()
+    x = [torch.randn(21, H, D, generator=gen)]
+    cache.append([sid], [x], [x])
+    q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
+    f32 = cache.decode_attention(0, q, [sid])
+    bf16 = cache.decode_attention(0, q, [sid], out_dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16.view(torch.int16), f32.bfloat16().view(torch.int16))
+    one = cache.decode_attention(0, q, [sid], fused=True)
+    torch.testing.assert_close(one, f32, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="out_dtype: expected float16, bfloat16 or float32"):
+        cache.decode_attention(0, q, [sid], out_dtype=torch.int8)

@@ -277,10 +277,14 @@ def decode_plan(q, pages: PagePools, windows: Windows | None = None, *, whole_pa
 def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows, *, sm_scale: float | None = None,
                      num_splits: int | None = None, window_splits: int | None = None, backend: str = "auto",
                      validate: bool = True, counters: torch.Tensor | None = None, fused: bool | None = None,
-                     options=None):
+                     options=None, v_rotation: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Full decode attention over history (INT2) + window (BF16). Arguments as in `int2_decode_attention` and
     `window_attention` (`batch` needs all four tensors). Returns o fp32 `[B, H_q, d]` (R_V basis), lse fp32
     `[B, H_q]`.
+
+    With `v_rotation` (fp32 `[H_kv, d, d]`) o comes back in the model's value basis, `unrotate_output(o, v_rotation,
+    out_dtype)` (out_dtype default fp32): on the Triton path inside the split reduce, with no launch of its own (a
+    batch-1 decode step is launch-bound; docs/kernels.md), but for the one-launch form (no separate reduce).
 
     Triton path, for the inputs the production kernel takes with half windows: two launches (history and window
     programs in one grid, then the split reduce; the faster form under CUDA graphs), or one with `fused=True`
@@ -304,18 +308,30 @@ def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows
         if windows.k_win.shape[1] != pages.kv_heads:
             raise ValueError(f"windows.k_win: {windows.k_win.shape[1]} KV heads, but pages.k_codes has "
                              f"{pages.kv_heads}")
+        if v_rotation is not None:
+            check_tensor("v_rotation", v_rotation, dtypes=(torch.float32,), ndim=3, device=q.device)
+            if tuple(v_rotation.shape) != (pages.kv_heads, q.shape[2], q.shape[2]):
+                raise ValueError(f"v_rotation: expected shape [H_kv, d, d] = {[pages.kv_heads, q.shape[2], q.shape[2]]}"
+                                 f", got {tuple(v_rotation.shape)}")
+    out_dtype = out_dtype or torch.float32
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
     scale = _scale(sm_scale, q.shape[2])
     if resolve_backend(backend, q.device) == "torch":
         o_h, l_h = _history_ref(q, pages, batch, scale)
         o_w, l_w = _window_ref(q, windows, batch, scale)
-        return paged_ref.merge_pair(o_h, l_h, o_w, l_w)
+        o, lse = paged_ref.merge_pair(o_h, l_h, o_w, l_w)
+        if v_rotation is None:
+            return o, lse
+        return unrotate_output(o, v_rotation, out_dtype=out_dtype, validate=False), lse
     opts = _options(options, fused)
     if opts.fused and counters is not None and validate:
         check_tensor("counters", counters, dtypes=(torch.int32,), ndim=1, device=q.device)
         if counters.numel() < q.shape[0] * pages.kv_heads or not counters.is_contiguous():
             raise ValueError(f"counters: expected a contiguous int32 tensor of at least B * H_kv = "
                              f"{q.shape[0] * pages.kv_heads} elements, got shape {tuple(counters.shape)}")
-    return _launch().decode(q.contiguous(), pages, batch, windows, scale, num_splits, window_splits, counters, opts)
+    return _launch().decode(q.contiguous(), pages, batch, windows, scale, num_splits, window_splits, counters, opts,
+                            v_rotation, out_dtype)
 
 
 def _rotation_kernels(backend: str, device: torch.device):

@@ -493,9 +493,8 @@ class OscarEngine:
         batch = attn_api.BatchMetadata(block_table=plan.block_table, hist_len=plan.hist_len, slot_ids=slots,
                                        win_len=plan.win_len, whole_pages=plan.whole_pages)
         o, _ = attn_api.decode_attention(q_rot, pages, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
-                                         backend=self.backend)
-        return attn_api.unrotate_output(o, self.v_rotation[li], out_dtype=torch.float32, backend=self.backend,
-                                        validate=False)
+                                         backend=self.backend, v_rotation=self.v_rotation[li])
+        return o
 
     def _dense_past(self, li, seg: SegmentIndex, pools, win_k, win_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached positions of a request in order, model basis: BF16 window rows and dequantized INT2 rows.

@@ -475,9 +475,12 @@ def windows_only(q, windows: Windows, batch: BatchMetadata, sm_scale: float, num
 
 
 def decode(q, pages: PagePools, batch: BatchMetadata, windows: Windows, sm_scale: float, num_splits: int | None,
-           window_splits: int | None, counters: torch.Tensor | None, opts: DecodeOptions):
-    """History + window decode attention on the Triton path -> (o fp32 `[B, H_q, d]`, lse fp32 `[B, H_q]`).
-    One plan per call (logged at DEBUG) picks the kernel, its constexprs and the split rule."""
+           window_splits: int | None, counters: torch.Tensor | None, opts: DecodeOptions,
+           v_rotation: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32):
+    """History + window decode attention on the Triton path -> (o `[B, H_q, d]`, lse fp32 `[B, H_q]`).
+    One plan per call (logged at DEBUG) picks the kernel, its constexprs and the split rule. With `v_rotation` o is
+    un-rotated (`o @ R_V[h // g]^T`) and stored in out_dtype: by the split reduce (`merge.reduce_splits_triton`), or,
+    in the one-launch form, which has no separate reduce, by `step_kernels.rotate_heads` after it."""
     plan = _logged(plan_decode(q, pages, windows, batch.whole_pages, opts, window_splits))
     if plan.kernel == "grid":
         if not opts.fused:
@@ -489,14 +492,20 @@ def decode(q, pages: PagePools, batch: BatchMetadata, windows: Windows, sm_scale
         else:
             s_h, s_w = grid_num_splits(q, pages, batch, windows, plan, opts)
         out = launch_grid(q, pages, batch, windows, plan, counters, sm_scale, s_h, s_w, opts)
-        return out if opts.fused else merge.reduce_splits_triton(*out)
+        if not opts.fused:
+            return merge.reduce_splits_triton(*out, v_rotation, out_dtype)
+        if v_rotation is None:
+            return out
+        from runtime_kernels import step_kernels
+
+        return step_kernels.rotate_heads(out[0], v_rotation, transpose=True, out_dtype=out_dtype, validate=False), out[1]
     s_h = num_splits or history_num_splits(q, pages, batch, plan, opts)
     s_w = window_splits or window_num_splits(q, windows, opts)
     o_part, lse_part = _partials(q, s_h + s_w)
     launch_history(q, pages, batch, plan, o_part, lse_part, sm_scale, s_h, 0, opts)
     window.launch_window_decode(q, windows.k_win, windows.v_win, batch.slot_ids, batch.win_len, o_part, lse_part,
                                 sm_scale, s_w, s_h, opts.block_n)
-    return merge.reduce_splits_triton(o_part, lse_part)
+    return merge.reduce_splits_triton(o_part, lse_part, v_rotation, out_dtype)
 
 
 def decode_num_splits(q, pages: PagePools, batch: BatchMetadata, windows: Windows,

@@ -12,8 +12,14 @@ import triton
 import triton.language as tl
 
 from runtime_kernels.launch_util import next_pow2
+from runtime_kernels.triton_rounding import store_rounded
 
 __all__ = ["reduce_splits_triton"]
+
+# Partials per round of a reduce program that merges every channel (`_reduce_unrotate_kernel`): a `[S_BLOCK, D_PAD]`
+# fp32 tile of _TILE_ELEMS over _UNROTATE_WARPS warps.
+_TILE_ELEMS = 8192
+_UNROTATE_WARPS = 4
 
 
 @triton.jit
@@ -103,11 +109,64 @@ def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
                 tl.program_id(1) * D_BLK, D, D_BLK, S_BLOCK, S_MAX)
 
 
-def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows."""
+@triton.jit(do_not_specialize=["S"])
+def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh, stride_ri, stride_rj,
+                            H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                            BLOCK_E: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
+    """Program (row, column block): row = (batch, query head) of contiguous `o_part [rows, S, D]`, `lse_part
+    [rows, S]`. Merges all D channels of the row's S partials (as `_reduce_row`), then stores columns `[e0, e0 +
+    BLOCK_E)` of `o @ M` with `M[i, j]` at `r_ptr + h_kv * stride_rh + i * stride_ri + j * stride_rj` (R_V^T of the
+    row's KV head: R's strides swapped), fp32 products and sum, rounded once into o_ptr's dtype. Every column block
+    re-merges the row (partials read from L2 D / BLOCK_E times) so that a batch-1 step keeps as many programs as
+    the channel-blocked reduce; the rotation's launch it replaces cost more than the re-reads (docs/kernels.md)."""
+    row = tl.program_id(0).to(tl.int64)
+    eb = tl.program_id(1)
+    h_kv = (row % H_Q) // GROUP
+    op_row = op_ptr + row * S * D
+    lp_row = lp_ptr + row * S
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    offs_s = tl.arange(0, S_MAX)
+    m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, S, S_BLOCK):
+        offs = s0 + tl.arange(0, S_BLOCK)
+        s_ok = offs < S
+        w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
+        o = tl.load(op_row + offs[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    inv, lse = _merge_finish(m_safe, tot)
+    o = acc * inv  # [D_PAD] fp32: the merged row, as `_reduce_row` stores it
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < D
+    m = tl.load(r_ptr + h_kv * stride_rh + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
+                mask=d_ok[:, None] & e_ok[None, :], other=0.0)  # [D_PAD, BLOCK_E] fp32
+    store_rounded(o_ptr + row * D + offs_e, tl.sum(o[:, None] * m, axis=0), e_ok)
+    if eb == 0:
+        tl.store(lse_ptr + row, lse)
+
+
+def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, v_rotation: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows.
+
+    With `v_rotation` (fp32 `[H_kv, d, d]`) the same launch also takes o back to the model's value basis, `o @
+    R_V[h // g]^T` per query head (`attention.unrotate_output`'s math: fp32 products and sum, summed in another
+    order), stored in `out_dtype` (fp32, bf16 or fp16); without it o stays fp32 in the rotated basis. lse is fp32.
+    """
     b, h, s, d = o_part.shape
-    o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
+    if v_rotation is not None:
+        o = torch.empty(b, h, d, dtype=out_dtype, device=o_part.device)
+        d_pad = max(16, next_pow2(d))
+        block_e = min(d_pad, 32)
+        _reduce_unrotate_kernel[(b * h, triton.cdiv(d, block_e))](
+            o_part, lse_part, v_rotation, o, lse, s,
+            v_rotation.stride(0), v_rotation.stride(2), v_rotation.stride(1),  # swapped: M = R^T
+            H_Q=h, GROUP=h // v_rotation.shape[0], D=d, D_PAD=d_pad, BLOCK_E=block_e,
+            S_BLOCK=max(1, min(next_pow2(s), _TILE_ELEMS // d_pad)), S_MAX=next_pow2(s), num_warps=_UNROTATE_WARPS)
+        return o, lse
+    o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     d_blk = min(32, next_pow2(d))
     _reduce_splits_kernel[(b * h, triton.cdiv(d, d_blk))](
         o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, next_pow2(s)),
