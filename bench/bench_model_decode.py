@@ -6,8 +6,8 @@
 One decode step = embedding, 36 decoder layers (RMSNorm, fused QKV, per-head q/k RMSNorm, RoPE, attention, o_proj,
 SwiGLU MLP), final norm and LM head, for one new token per sequence, all captured in ONE CUDA graph and replayed.
 Attention per layer:
-- OSCAR: `PagedKVCache.write_layer` (rotate the new K/V, write the BF16 window) then `PagedKVCache.decode_attention`
-  (rotate q, INT2 history + BF16 windows, un-rotate), at the shipped layout: ue5m3 scales, centered K/V, 128/1024
+- OSCAR: `PagedKVCache.decode_step` (rotate the new K/V into the BF16 window and rotate q, in one launch; INT2 history
+  + BF16 windows; un-rotate inside the split reduce), at the shipped layout: ue5m3 scales, centered K/V, 128/1024
   BF16 windows, page 64. The step is one where no page is demoted (63 steps in 64; `bench_demotion.py` times the
   page demotion of the 64th, amortised per step).
 - BF16: a static cache `[B, H_kv, context, d]` per layer, the new K/V written at its position, then
@@ -198,8 +198,8 @@ class OscarAttention:
         self.position = n_after - 1
 
     def __call__(self, layer: int, q, k, v):
-        self.cache.write_layer(layer, self.plan, k, v)
-        return self.cache.decode_attention(layer, q, self.seq_ids, out_dtype=q.dtype)  # the model's dtype, no cast
+        # write the new K/V and attend, the output in the model's dtype (no cast after)
+        return self.cache.decode_step(layer, self.plan, q, k, v, self.seq_ids, out_dtype=q.dtype)
 
 
 class Bf16Attention:

@@ -759,6 +759,36 @@ class PagedKVCache:
             o `[B, H_q, d]` (out_dtype) in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
         """
+        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)
+        q_rot = attn_api.rotate_queries(q, pool.k_rotation, out_dtype=pool.k_win.dtype, backend=self.backend,
+                                        validate=False)
+        return self._attend(pool, q_rot, meta, sm_scale, return_lse, fused, out_dtype)
+
+    def decode_step(self, layer: int, plan: AppendPlan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    seq_ids: Sequence[int], sm_scale: float | None = None, return_lse: bool = False,
+                    fused: bool | None = None, out_dtype: torch.dtype = torch.float32):
+        """One layer of a decode step as an engine's attention call runs it: `write_layer(layer, plan, keys,
+        values)`, then `decode_attention(layer, q, seq_ids, ...)`, with the same results.
+
+        On the Triton backend, for an append-only plan (`AppendPlan.append_only`) while the non-finite check is off
+        (or under CUDA-graph capture), the append and the query rotation share one launch
+        (`step_kernels.append_rows_rotate_queries`): a batch-1 step is launch-bound. q and seq_ids are checked
+        before anything is written.
+        """
+        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)
+        checking = self.check_finite and not self._capturing()
+        if not (plan.append_only and self._triton() and not checking):
+            self.write_layer(layer, plan, keys, values)
+            return self.decode_attention(layer, q, seq_ids, sm_scale, return_lse, fused, out_dtype)
+        self._check_tokens("keys", keys, plan.num_new)
+        self._check_tokens("values", values, plan.num_new)
+        q_rot = _step_kernels().append_rows_rotate_queries(
+            keys, values, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots, plan.win_rows, pool.k_win,
+            pool.v_win, q, out_dtype=pool.k_win.dtype, validate=False)
+        return self._attend(pool, q_rot, meta, sm_scale, return_lse, fused, out_dtype)
+
+    def _decode_inputs(self, layer: int, q, seq_ids, out_dtype) -> tuple:
+        """Check a decode call's q, seq_ids and out_dtype -> (layer pool, seq_ids as ints, batch metadata)."""
         pool = self._pool(layer)
         seq_ids = [int(s) for s in seq_ids]
         if not isinstance(q, torch.Tensor):
@@ -771,17 +801,18 @@ class PagedKVCache:
                              f"d={self.head_dim}], got {list(q.shape)}")
         if q.device != self.device:
             raise ValueError(f"q: expected device {self.device} (the cache's), got {q.device}")
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
         self._refuse_broken(seq_ids)
         empty = [s for s in seq_ids if self._state(s).length == 0]
         if empty:
             raise ValueError(f"seq_ids: sequences {empty} hold no tokens yet; prefill them before decoding")
-        meta = self.batch_metadata(seq_ids)
-        q_rot = attn_api.rotate_queries(q, pool.k_rotation, out_dtype=pool.k_win.dtype, backend=self.backend,
-                                        validate=False)
+        return pool, seq_ids, self.batch_metadata(seq_ids)
+
+    def _attend(self, pool, q_rot, meta, sm_scale, return_lse: bool, fused, out_dtype):
+        """Attention of rotated queries over the layer's pools and windows, un-rotated into out_dtype."""
         pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
                           v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
-        if out_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
         o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused, v_rotation=pool.v_rotation, out_dtype=out_dtype)

@@ -463,9 +463,9 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             raise ValueError(f"query: expected one token per row in a decode step, got shape {list(query.shape)}")
         # generate() calls every layer eagerly, so the host time of the launch counts: one fused launch.
         o = cache.paged.decode_attention(layer.local_idx, query[:, :, 0], cache.seq_ids, sm_scale=scaling,
-                                         fused=True)
+                                         fused=True, out_dtype=query.dtype)
         layer.mode = None
-        return o.to(query.dtype).unsqueeze(1), None  # [B, 1, H_q, d]
+        return o.unsqueeze(1), None  # [B, 1, H_q, d]
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     **kwargs)
     cache._commit_prefill(layer, attention_mask)

@@ -3,15 +3,16 @@
 One decode step per layer rotates the new K and V rows, casts them and writes them into the full-precision windows
 (`PagedKVCache.write_layer`), rotates the queries and un-rotates the attention output (`decode_attention`). In torch
 that is about 17 small kernels per layer (fp64 GEMVs, casts, index gathers and scatters, fp32 GEMMs); here it is
-three launches:
+one launch before attention (`append_rows_rotate_queries`, for `PagedKVCache.decode_step`) or two (the calls below),
+and the un-rotation happens inside the attention's split reduce (`merge.reduce_splits_triton`):
 
 - `append_rows`: the new rows of an append-only step (no window row moves, no page is demoted) rotated per KV head
   (`rotate_rows`' contract: exact products, accumulated in fp64, rounded once to fp32, then cast to the window
   dtype) and stored at `(win_slots[i], h, win_rows[i])` of both windows. With `rotate=False` the rows are already
   rotated (fp32) and are only cast and stored (the eager path that checks them for non-finite values first).
 - `rotate_heads`: `x [B, H_q, d] @ R[h // g]` (or `R[h // g]^T`) per query head with fp32 products and fp32
-  accumulation, stored in the output dtype: the query rotation (out = window dtype) and the output un-rotation
-  (transpose, out = fp32) of `decode_attention`.
+  accumulation, stored in the output dtype: the query rotation (out = window dtype) of `decode_attention`, and the
+  un-rotation (transpose) where the attention has no separate reduce (its one-launch form).
 
 Nothing here synchronises with the host or allocates beyond the returned outputs, so a CUDA graph can capture it.
 The torch references are `runtime_kernels.cache.rotate_rows` and `runtime_kernels.attention.rotate_queries` /
@@ -28,7 +29,11 @@ from runtime_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_tensor
 from runtime_kernels.launch_util import next_pow2
 from runtime_kernels.triton_rounding import store_rounded
 
-__all__ = ["append_rows", "rotate_heads"]
+__all__ = ["append_rows", "append_rows_rotate_queries", "rotate_heads"]
+
+# Columns per append program: a [d, _APPEND_BLOCK_E] fp64 tile (d = 128, one row: 64 programs for 8 KV heads).
+_APPEND_BLOCK_E = 32
+_STEP_WARPS = 4  # warps per program of the append / rotation launches
 
 
 # ------------------------------------------------------------------------------------------------ append
@@ -59,20 +64,18 @@ def _rotate_store_cols(x_ptr, r_ptr, w_ptr, e0, stride_xd, stride_ri, stride_rj,
 
 
 @triton.jit
-def _append_rows_kernel(
-    k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
+def _append_block(
+    i, h, j, k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
     stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, N_E: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """Program `(i, h, j)`: new row `src[i]` of KV head h to window row `(slot[i], h, row[i])`, columns of block
+    """Block `(i, h, j)`: new row `src[i]` of KV head h to window row `(slot[i], h, row[i])`, columns of block
     `j % N_E` of K (j < N_E) or of V. A decode step appends one row per sequence, so the work is split over columns
     and K/V for latency: one [D, BLOCK_E] fp64 tile per program, not the whole row of both (a one-row step ran
     12 us on an H200 with 8 programs)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(2)
+    h = h.to(tl.int64)
     e0 = (j % N_E) * BLOCK_E
     src = tl.load(src_ptr + i).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -85,6 +88,23 @@ def _append_rows_kernel(
         _rotate_store_cols(v_ptr + src * stride_vt + h * stride_vh, rv_ptr + h * stride_rvh,
                            vw_ptr + slot * stride_vws + h * stride_vwh + row * stride_vwr, e0,
                            stride_vd, stride_rvi, stride_rvj, D, D_PAD, BLOCK_E, ROTATE)
+
+
+@triton.jit
+def _append_rows_kernel(
+    k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
+    stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, N_E: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """Program `(i, h, j)`: `_append_block(i, h, j)`."""
+    _append_block(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
+                  stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                  stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
+                  stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
+                  D, D_PAD, BLOCK_E, N_E, ROTATE)
 
 
 def _check_append(keys, values, k_rotation, v_rotation, src, slots, rows, k_win, v_win, rotate: bool) -> None:
@@ -129,40 +149,41 @@ def append_rows(keys: torch.Tensor, values: torch.Tensor, k_rotation: torch.Tens
     """
     if validate:
         _check_append(keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win, rotate)
-    m, h, d = win_src.shape[0], k_win.shape[1], k_win.shape[3]
-    if m == 0:
+    if win_src.shape[0] == 0:
         return
+    args, consts, blocks = _append_launch(keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win,
+                                          v_win)
+    _append_rows_kernel[blocks](*args, **consts, ROTATE=bool(rotate), num_warps=_STEP_WARPS)
+
+
+def _append_launch(keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win):
+    """(arguments, constexprs, blocks `(M, H, 2 * N_E)`) of `_append_block` for these tensors."""
+    m, h, d = win_src.shape[0], k_win.shape[1], k_win.shape[3]
     d_pad = next_pow2(d)
-    block_e = min(d_pad, 32)  # a [d, 32] fp64 tile per program
+    block_e = min(d_pad, _APPEND_BLOCK_E)
     n_e = triton.cdiv(d, block_e)
-    _append_rows_kernel[(m, h, 2 * n_e)](
-        keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win,
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        k_rotation.stride(0), k_rotation.stride(1), k_rotation.stride(2),
-        v_rotation.stride(0), v_rotation.stride(1), v_rotation.stride(2),
-        k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
-        D=d, D_PAD=d_pad, BLOCK_E=block_e, N_E=n_e, ROTATE=bool(rotate),
-        num_warps=4,
-    )
+    args = (keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win,
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            k_rotation.stride(0), k_rotation.stride(1), k_rotation.stride(2),
+            v_rotation.stride(0), v_rotation.stride(1), v_rotation.stride(2),
+            k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2))
+    return args, dict(D=d, D_PAD=d_pad, BLOCK_E=block_e, N_E=n_e), (m, h, 2 * n_e)
 
 
 # ------------------------------------------------------------------------------------------------ per-head rotation
-@triton.jit(do_not_specialize=["B"])
-def _rotate_heads_kernel(
-    x_ptr, r_ptr, o_ptr, B,
+@triton.jit
+def _rotate_block(
+    bb, h, eb, x_ptr, r_ptr, o_ptr, B,
     stride_xb, stride_xh, stride_xd,
     stride_rh, stride_ri, stride_rj,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Program `(bb, h, eb)`: rows `(b, h * GROUP + j)` for b in `[bb * BLOCK_B, (bb + 1) * BLOCK_B)` and j < GROUP
+    """Block `(bb, h, eb)`: rows `(b, h * GROUP + j)` for b in `[bb * BLOCK_B, (bb + 1) * BLOCK_B)` and j < GROUP
     (ROWS >= max(16, BLOCK_B * GROUP) padded rows), output columns `[eb * BLOCK_E, (eb + 1) * BLOCK_E)`; R of KV head h is
     read once for all of them. `o = x @ M` with `M[i, j]` at `r_ptr + h * stride_rh + i * stride_ri + j * stride_rj`
     (swapped strides give R^T), fp32 products and accumulation."""
-    bb = tl.program_id(0)
-    h = tl.program_id(1)
-    eb = tl.program_id(2)
     offs_r = tl.arange(0, ROWS)
     b = bb * BLOCK_B + offs_r // GROUP
     head = h * GROUP + offs_r % GROUP
@@ -178,7 +199,22 @@ def _rotate_heads_kernel(
     # fp32 products and accumulation ("ieee": no TF32 on a GPU); the interpreter multiplies the same fp32 tiles.
     y = tl.dot(x, m, input_precision="ieee")  # [ROWS, BLOCK_E] fp32
     store_rounded(o_ptr + b[:, None].to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_e[None, :], y,
-                   r_ok[:, None] & e_ok[None, :])
+                  r_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["B"])
+def _rotate_heads_kernel(
+    x_ptr, r_ptr, o_ptr, B,
+    stride_xb, stride_xh, stride_xd,
+    stride_rh, stride_ri, stride_rj,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Program `(bb, h, eb)`: `_rotate_block(bb, h, eb)`."""
+    _rotate_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, r_ptr, o_ptr, B,
+                  stride_xb, stride_xh, stride_xd, stride_rh, stride_ri, stride_rj, stride_ob, stride_oh,
+                  GROUP, BLOCK_B, ROWS, D, D_PAD, BLOCK_E)
 
 
 def _check_rotate(x, rotation, out_dtype) -> None:
@@ -210,23 +246,91 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, *, transpose: bool = F
     """
     if validate:
         _check_rotate(x, rotation, out_dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    args, consts, blocks = _rotate_launch(x, rotation, out, transpose)
+    _rotate_heads_kernel[blocks](*args, **consts, num_warps=_STEP_WARPS)
+    return out
+
+
+def _rotate_launch(x, rotation, out, transpose: bool):
+    """(arguments, constexprs, blocks `(B / BLOCK_B, H_kv, d / BLOCK_E)`) of `_rotate_block` for these tensors."""
     b, h_q, d = x.shape
     h_kv = rotation.shape[0]
     group = h_q // h_kv
-    out = torch.empty((b, h_q, d), dtype=out_dtype, device=x.device)
-    if b == 0:
-        return out
     rows = max(16, next_pow2(group))  # rows of a program: several sequences' query groups share one R tile
     block_b = max(1, rows // group)
     d_pad = max(16, next_pow2(d))  # tl.dot needs 16 or more along every side
     block_e = min(d_pad, 32)  # narrow column blocks: a batch-1 step still spreads over d / 32 programs per KV head
     si, sj = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
-    _rotate_heads_kernel[(triton.cdiv(b, block_b), h_kv, triton.cdiv(d, block_e))](
-        x, rotation, out, b,
-        x.stride(0), x.stride(1), x.stride(2),
-        rotation.stride(0), si, sj,
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_B=block_b, ROWS=rows, D=d, D_PAD=d_pad, BLOCK_E=block_e,
-        num_warps=4,
+    args = (x, rotation, out, b, x.stride(0), x.stride(1), x.stride(2), rotation.stride(0), si, sj,
+            out.stride(0), out.stride(1))
+    consts = dict(GROUP=group, BLOCK_B=block_b, ROWS=rows, D=d, D_PAD=d_pad, BLOCK_E=block_e)
+    return args, consts, (triton.cdiv(b, block_b), h_kv, triton.cdiv(d, block_e))
+
+
+# ------------------------------------------------------------------------------------------------ both, one launch
+@triton.jit(do_not_specialize=["B", "N_APPEND"])
+def _append_rotate_kernel(
+    k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
+    stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
+    x_ptr, r_ptr, o_ptr, B, stride_xb, stride_xh, stride_xd, stride_rh, stride_ri, stride_rj, stride_ob, stride_oh,
+    N_APPEND,
+    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, N_E: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, Q_D_PAD: tl.constexpr, Q_BLOCK_E: tl.constexpr,
+    N_EQ: tl.constexpr,
+):
+    """Program p < N_APPEND: append block `(i, h, j)` of `_append_rows_kernel` (p in row-major order over
+    `(M, H, 2 * N_E)`); after them, rotation block `(bb, h, eb)` of `_rotate_heads_kernel` (over `(B / BLOCK_B, H,
+    N_EQ)`). The two sets touch disjoint memory, so one grid runs both."""
+    pid = tl.program_id(0)
+    if pid < N_APPEND:
+        per_row = H * 2 * N_E
+        r = pid % per_row
+        _append_block(pid // per_row, r // (2 * N_E), r % (2 * N_E),
+                      k_ptr, v_ptr, rk_ptr, rv_ptr, src_ptr, slot_ptr, row_ptr, kw_ptr, vw_ptr,
+                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                      stride_rkh, stride_rki, stride_rkj, stride_rvh, stride_rvi, stride_rvj,
+                      stride_kws, stride_kwh, stride_kwr, stride_vws, stride_vwh, stride_vwr,
+                      D, D_PAD, BLOCK_E, N_E, True)
+    else:
+        r = pid - N_APPEND
+        per_bb = H * N_EQ
+        _rotate_block(r // per_bb, (r % per_bb) // N_EQ, r % N_EQ, x_ptr, r_ptr, o_ptr, B,
+                      stride_xb, stride_xh, stride_xd, stride_rh, stride_ri, stride_rj, stride_ob, stride_oh,
+                      GROUP, BLOCK_B, ROWS, D, Q_D_PAD, Q_BLOCK_E)
+
+
+def append_rows_rotate_queries(keys: torch.Tensor, values: torch.Tensor, k_rotation: torch.Tensor,
+                               v_rotation: torch.Tensor, win_src: torch.Tensor, win_slots: torch.Tensor,
+                               win_rows: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, q: torch.Tensor, *,
+                               out_dtype: torch.dtype | None = None, validate: bool = True) -> torch.Tensor:
+    """`append_rows(keys, values, ...)` and `rotate_heads(q, k_rotation, out_dtype=out_dtype)` in one launch: the
+    work before a decode step's attention (a batch-1 step is launch-bound: one launch fewer per layer). The same
+    programs as the two calls, so the same bits.
+
+    Args: as `append_rows` (rotating) and `rotate_heads`; q `[B, H_q, d]`; out_dtype default the windows' dtype.
+    Returns: the rotated queries, `[B, H_q, d]` contiguous, out_dtype.
+    """
+    out_dtype = out_dtype or k_win.dtype
+    if validate:
+        _check_append(keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows, k_win, v_win, True)
+        _check_rotate(q, k_rotation, out_dtype)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    a_args, a_consts, a_blocks = _append_launch(keys, values, k_rotation, v_rotation, win_src, win_slots, win_rows,
+                                                k_win, v_win)
+    r_args, r_consts, r_blocks = _rotate_launch(q, k_rotation, out, transpose=False)
+    n_append = a_blocks[0] * a_blocks[1] * a_blocks[2]
+    n_rotate = r_blocks[0] * r_blocks[1] * r_blocks[2]
+    if n_append + n_rotate == 0:
+        return out
+    _append_rotate_kernel[(n_append + n_rotate,)](
+        *a_args, *r_args, n_append, H=a_blocks[1], D=a_consts["D"], D_PAD=a_consts["D_PAD"],
+        BLOCK_E=a_consts["BLOCK_E"], N_E=a_consts["N_E"], GROUP=r_consts["GROUP"], BLOCK_B=r_consts["BLOCK_B"],
+        ROWS=r_consts["ROWS"], Q_D_PAD=r_consts["D_PAD"], Q_BLOCK_E=r_consts["BLOCK_E"], N_EQ=r_blocks[2],
+        num_warps=_STEP_WARPS,
     )
     return out

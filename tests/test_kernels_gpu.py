@@ -443,7 +443,8 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
 
 def test_step_kernels_compiled_match_the_torch_path():
     """`step_kernels` compiled at the Qwen3-8B step shape: the appended window rows are `rotate_rows` + cast + index
-    write bit for bit (fp64 sums on the GPU), and the q rotation stays within the fp32 dot-product bound."""
+    write bit for bit (fp64 sums on the GPU), also when one launch appends and rotates q; the q rotation, and the
+    un-rotation inside the split reduce, stay within the fp32 dot-product bound."""
     from runtime_kernels import step_kernels as sk
     from runtime_kernels.cache import rotate_rows
 
@@ -457,12 +458,29 @@ def test_step_kernels_compiled_match_the_torch_path():
     src, slots = torch.arange(b, device=DEV), torch.randperm(b, generator=gen, device=DEV)
     rows = torch.randint(0, w, (b,), generator=gen, device=DEV)
     k_ref, v_ref = k_win.clone(), v_win.clone()
+    before = (k_win.clone(), v_win.clone())
     k_ref[slots, :, rows] = rotate_rows(keys, rk).bfloat16()
     v_ref[slots, :, rows] = rotate_rows(values, rv).bfloat16()
     sk.append_rows(keys, values, rk, rv, src, slots, rows, k_win, v_win)
     assert torch.equal(k_win.view(torch.int16), k_ref.view(torch.int16))
     assert torch.equal(v_win.view(torch.int16), v_ref.view(torch.int16))
     q = qkv[:, :h_q]
+    # the append and the query rotation in one launch: the two launches' bits
+    k_win.copy_(before[0]), v_win.copy_(before[1])
+    q_one = sk.append_rows_rotate_queries(keys, values, rk, rv, src, slots, rows, k_win, v_win, q)
+    assert torch.equal(q_one.view(torch.int16), sk.rotate_heads(q, rk, out_dtype=torch.bfloat16).view(torch.int16))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip((k_win, v_win), (k_ref, v_ref)))
+    # the split reduce with R_V^T inside: the plain reduce then the product, within the fp32 dot-product bound
+    from runtime_kernels.attention.int2_decode import merge
+
+    o_part = torch.randn(1, h_q, 236, d, generator=gen, device=DEV)
+    lse_part = torch.randn(1, h_q, 236, generator=gen, device=DEV)
+    plain, _ = merge.reduce_splits_triton(o_part, lse_part)
+    un, _ = merge.reduce_splits_triton(o_part, lse_part, rv, torch.float32)
+    mv = rv.transpose(-1, -2).repeat_interleave(h_q // h, dim=0).double()
+    exact = torch.einsum("bhd,hde->bhe", plain.double(), mv)
+    assert ((un.double() - exact).abs() <= d * 2.0 ** -24 * torch.einsum("bhd,hde->bhe", plain.double().abs(),
+                                                                       mv.abs())).all()
     got = sk.rotate_heads(q, rk)
     m = rk.repeat_interleave(h_q // h, dim=0).double()
     exact = torch.einsum("bhd,hde->bhe", q.double(), m)

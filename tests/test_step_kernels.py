@@ -326,3 +326,61 @@ def test_cache_decode_attention_out_dtype_and_the_one_launch_form_unrotate_the_s
     torch.testing.assert_close(one, f32, atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="out_dtype: expected float16, bfloat16 or float32"):
         cache.decode_attention(0, q, [sid], out_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("n,h,d,b,h_q", [(1, 8, 128, 1, 32), (3, 2, 64, 3, 6), (2, 3, 80, 5, 3)])
+def test_append_and_query_rotation_in_one_launch_are_the_two_launches_bit_for_bit(n, h, d, b, h_q):
+    """`append_rows_rotate_queries` runs the programs of `append_rows` and `rotate_heads` in one grid: the windows
+    and the rotated queries are the same bits as the two calls' (and nothing else of the windows is written)."""
+    gen = torch.Generator().manual_seed(n * 7 + d)
+    fused = (torch.randn(n, 3, h, d, generator=gen) * 4).to(torch.bfloat16)
+    keys, values = fused[:, 1], fused[:, 2]
+    rk, rv = orthogonal(h, d, 3), orthogonal(h, d, 4)
+    perm = torch.randperm(5 * 7, generator=gen)[:n]
+    slots, rows, src = perm // 7, perm % 7, torch.randperm(n, generator=gen)
+    q = (torch.randn(b, h_q + 1, d, generator=gen) * 2).to(torch.bfloat16)[:, 1:]  # strided
+    one = random_windows(5, h, 7, d, torch.bfloat16, seed=n)
+    two = tuple(w.clone() for w in one)
+    q_one = sk.append_rows_rotate_queries(keys, values, rk, rv, src, slots, rows, *one, q)
+    sk.append_rows(keys, values, rk, rv, src, slots, rows, *two)
+    q_two = sk.rotate_heads(q, rk, out_dtype=torch.bfloat16)
+    assert q_one.dtype == torch.bfloat16 and q_one.shape == (b, h_q, d)
+    assert torch.equal(q_one.view(torch.int16), q_two.view(torch.int16))
+    for got, want in zip(one, two):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_cache_decode_step_is_write_layer_then_decode_attention(monkeypatch, check_finite):
+    """`PagedKVCache.decode_step` against `write_layer` + `decode_attention` on twin Triton caches, over
+    append-only steps and one that demotes a page: pools and outputs the same bits; the one-launch append + query
+    rotation ran exactly on the append-only steps with the non-finite check off; bad q is refused before anything
+    is written."""
+    art = artifact()
+    caches = [PagedKVCache.from_artifact(art, max_pages=8, max_seqs=3, fmt=served(art, P, S, R), dtype=torch.bfloat16,
+                                         backend="triton", check_finite=check_finite) for _ in range(2)]
+    launches = []
+    real = sk.append_rows_rotate_queries
+    monkeypatch.setattr(sk, "append_rows_rotate_queries", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1])
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randn(n, H, D, generator=gen).bfloat16() for n in (9, 13)]
+    ids = [[c.add_sequence(), c.add_sequence()] for c in caches]
+    for c, i in zip(caches, ids):
+        c.append(i, [prompts], [prompts])
+    for step in range(4):
+        x = torch.randn(2, H, D, generator=gen).bfloat16()
+        q = torch.randn(2, HQ, D, generator=gen).bfloat16()
+        plans = [c.plan_append(i, [1, 1]) for c, i in zip(caches, ids)]
+        caches[0].write_layer(0, plans[0], x, x * 0.5)
+        want = caches[0].decode_attention(0, q, ids[0], out_dtype=torch.bfloat16)
+        got = caches[1].decode_step(0, plans[1], q, x, x * 0.5, ids[1], out_dtype=torch.bfloat16)
+        assert launches == ([1] if plans[1].append_only and not check_finite else [])
+        launches.clear()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), step
+        for name in POOLS:
+            assert torch.equal(getattr(caches[1].pools[0], name), getattr(caches[0].pools[0], name)), (step, name)
+    before = caches[1].pools[0].k_win.clone()
+    plan = caches[1].plan_append(ids[1], [1, 1])
+    with pytest.raises(ValueError, match=r"q: expected shape \[B=2, H_q"):
+        caches[1].decode_step(0, plan, torch.zeros(2, HQ, D + 1), x, x, ids[1])
+    assert torch.equal(caches[1].pools[0].k_win, before)
