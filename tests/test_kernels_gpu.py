@@ -473,14 +473,15 @@ def test_step_kernels_compiled_match_the_torch_path():
     # the split reduce with R_V^T inside: the plain reduce then the product, within the fp32 dot-product bound
     from runtime_kernels.attention.int2_decode import merge
 
-    o_part = torch.randn(1, h_q, 236, d, generator=gen, device=DEV)
-    lse_part = torch.randn(1, h_q, 236, generator=gen, device=DEV)
-    plain, _ = merge.reduce_splits_triton(o_part, lse_part)
-    un, _ = merge.reduce_splits_triton(o_part, lse_part, rv, torch.float32)
-    mv = rv.transpose(-1, -2).repeat_interleave(h_q // h, dim=0).double()
-    exact = torch.einsum("bhd,hde->bhe", plain.double(), mv)
-    assert ((un.double() - exact).abs() <= d * 2.0 ** -24 * torch.einsum("bhd,hde->bhe", plain.double().abs(),
-                                                                       mv.abs())).all()
+    for rows, splits in ((1, 236), (8, 62)):  # few rows (column blocks apart) and many (one program per row)
+        o_part = torch.randn(rows, h_q, splits, d, generator=gen, device=DEV)
+        lse_part = torch.randn(rows, h_q, splits, generator=gen, device=DEV)
+        plain, _ = merge.reduce_splits_triton(o_part, lse_part)
+        un, _ = merge.reduce_splits_triton(o_part, lse_part, rv, torch.float32)
+        mv = rv.transpose(-1, -2).repeat_interleave(h_q // h, dim=0).double()
+        exact = torch.einsum("bhd,hde->bhe", plain.double(), mv)
+        assert ((un.double() - exact).abs() <= d * 2.0 ** -24 * torch.einsum("bhd,hde->bhe", plain.double().abs(),
+                                                                           mv.abs())).all()
     got = sk.rotate_heads(q, rk)
     m = rk.repeat_interleave(h_q // h, dim=0).double()
     exact = torch.einsum("bhd,hde->bhe", q.double(), m)

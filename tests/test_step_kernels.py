@@ -170,7 +170,8 @@ def test_rotate_heads_rounds_its_fp32_result_once_to_the_output_dtype(out_dtype)
     assert torch.equal(got.view(torch.int16), f32.to(out_dtype).view(torch.int16))
 
 
-@pytest.mark.parametrize("b,h_q,h_kv,d,s", [(1, 8, 2, 128, 37), (2, 6, 3, 80, 5), (3, 4, 4, 64, 70)])
+@pytest.mark.parametrize("b,h_q,h_kv,d,s", [(1, 8, 2, 128, 37), (2, 6, 3, 80, 5), (3, 4, 4, 64, 70),
+                                             (24, 8, 2, 80, 9)])  # 192 rows: one program per row
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_split_reduce_with_the_value_rotation_is_reduce_then_unrotate(b, h_q, h_kv, d, s, out_dtype):
     """`reduce_splits_triton(..., v_rotation, out_dtype)` (the un-rotation inside the reduce, no launch of its own)

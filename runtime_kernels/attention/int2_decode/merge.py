@@ -16,10 +16,13 @@ from runtime_kernels.triton_rounding import store_rounded
 
 __all__ = ["reduce_splits_triton"]
 
-# Partials per round of a reduce program that merges every channel (`_reduce_unrotate_kernel`): a `[S_BLOCK, D_PAD]`
-# fp32 tile of _TILE_ELEMS over _UNROTATE_WARPS warps.
-_TILE_ELEMS = 8192
-_UNROTATE_WARPS = 4
+# Launch shapes of `_reduce_unrotate_kernel`, measured on an H200 (docs/kernels.md): partials per round of a program
+# (a `[S_BLOCK, D_PAD]` fp32 tile) and its warps. Few rows (batch 1: 32 rows): every column block its own program,
+# each re-merging the row (more programs, more of them in flight). Many rows: one program per row, no re-reads
+# (4x re-reads of the partials took 21 us at 1024 rows, the separate reduce and rotation 13 us).
+_FEW_ROWS = 128
+_FEW_ROWS_TILE, _FEW_ROWS_WARPS = 16384, 4
+_MANY_ROWS_TILE, _MANY_ROWS_WARPS = 8192, 2
 
 
 @triton.jit
@@ -112,13 +115,13 @@ def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
 @triton.jit(do_not_specialize=["S"])
 def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh, stride_ri, stride_rj,
                             H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                            BLOCK_E: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
-    """Program (row, column block): row = (batch, query head) of contiguous `o_part [rows, S, D]`, `lse_part
-    [rows, S]`. Merges all D channels of the row's S partials (as `_reduce_row`), then stores columns `[e0, e0 +
-    BLOCK_E)` of `o @ M` with `M[i, j]` at `r_ptr + h_kv * stride_rh + i * stride_ri + j * stride_rj` (R_V^T of the
-    row's KV head: R's strides swapped), fp32 products and sum, rounded once into o_ptr's dtype. Every column block
-    re-merges the row (partials read from L2 D / BLOCK_E times) so that a batch-1 step keeps as many programs as
-    the channel-blocked reduce; the rotation's launch it replaces cost more than the re-reads (docs/kernels.md)."""
+                            BLOCK_E: tl.constexpr, E_BLOCKS: tl.constexpr, S_BLOCK: tl.constexpr,
+                            S_MAX: tl.constexpr):
+    """Program (row, g): row = (batch, query head) of contiguous `o_part [rows, S, D]`, `lse_part [rows, S]`. Merges
+    all D channels of the row's S partials (as `_reduce_row`), then stores column blocks `g * E_BLOCKS + k` (k <
+    E_BLOCKS; BLOCK_E columns each) of `o @ M` with `M[i, j]` at `r_ptr + h_kv * stride_rh + i * stride_ri + j *
+    stride_rj` (R_V^T of the row's KV head: R's strides swapped), fp32 products and sum, rounded once into o_ptr's
+    dtype. With E_BLOCKS < D / BLOCK_E several programs re-merge the same row: more programs for a small batch."""
     row = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1)
     h_kv = (row % H_Q) // GROUP
@@ -137,11 +140,12 @@ def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh,
         acc += tl.sum(w[:, None] * o, axis=0)
     inv, lse = _merge_finish(m_safe, tot)
     o = acc * inv  # [D_PAD] fp32: the merged row, as `_reduce_row` stores it
-    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = offs_e < D
-    m = tl.load(r_ptr + h_kv * stride_rh + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
-                mask=d_ok[:, None] & e_ok[None, :], other=0.0)  # [D_PAD, BLOCK_E] fp32
-    store_rounded(o_ptr + row * D + offs_e, tl.sum(o[:, None] * m, axis=0), e_ok)
+    for k in tl.static_range(E_BLOCKS):
+        offs_e = (eb * E_BLOCKS + k) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = offs_e < D
+        m = tl.load(r_ptr + h_kv * stride_rh + offs_d[:, None] * stride_ri + offs_e[None, :] * stride_rj,
+                    mask=d_ok[:, None] & e_ok[None, :], other=0.0)  # [D_PAD, BLOCK_E] fp32
+        store_rounded(o_ptr + row * D + offs_e, tl.sum(o[:, None] * m, axis=0), e_ok)
     if eb == 0:
         tl.store(lse_ptr + row, lse)
 
@@ -160,11 +164,15 @@ def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, v_rotatio
         o = torch.empty(b, h, d, dtype=out_dtype, device=o_part.device)
         d_pad = max(16, next_pow2(d))
         block_e = min(d_pad, 32)
-        _reduce_unrotate_kernel[(b * h, triton.cdiv(d, block_e))](
+        n_e = triton.cdiv(d, block_e)
+        few = b * h < _FEW_ROWS
+        tile, warps = (_FEW_ROWS_TILE, _FEW_ROWS_WARPS) if few else (_MANY_ROWS_TILE, _MANY_ROWS_WARPS)
+        e_blocks = 1 if few else n_e
+        _reduce_unrotate_kernel[(b * h, n_e // e_blocks)](
             o_part, lse_part, v_rotation, o, lse, s,
             v_rotation.stride(0), v_rotation.stride(2), v_rotation.stride(1),  # swapped: M = R^T
-            H_Q=h, GROUP=h // v_rotation.shape[0], D=d, D_PAD=d_pad, BLOCK_E=block_e,
-            S_BLOCK=max(1, min(next_pow2(s), _TILE_ELEMS // d_pad)), S_MAX=next_pow2(s), num_warps=_UNROTATE_WARPS)
+            H_Q=h, GROUP=h // v_rotation.shape[0], D=d, D_PAD=d_pad, BLOCK_E=block_e, E_BLOCKS=e_blocks,
+            S_BLOCK=max(1, min(next_pow2(s), tile // d_pad)), S_MAX=next_pow2(s), num_warps=warps)
         return o, lse
     o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
     d_blk = min(32, next_pow2(d))
