@@ -49,15 +49,14 @@ def _load_l2(ptrs, mask, other):
 
 
 @triton.jit
-def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os, d0,
-                D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
-    """Merge the S partials of one (batch, query head) row, channels `[d0, d0 + D_BLK)`: o `op_row + s * stride_os
-    + d`, lse `lp_row + s` -> o_row `[D]` (those channels), lse_row (fp32, written by the d0 == 0 program)."""
-    offs_d = d0 + tl.arange(0, D_BLK)
-    d_ok = offs_d < D
+def _merge_channels(op_row, lp_row, S, stride_os, offs_d, d_ok, N_D: tl.constexpr, S_MAX: tl.constexpr,
+                    S_BLOCK: tl.constexpr):
+    """Merge the S partials of one (batch, query head) row at the N_D channels `offs_d` (valid where d_ok): o at
+    `op_row + s * stride_os + d`, lse at `lp_row + s` -> (merged o fp32 `[N_D]`, merged lse), S_BLOCK partials a
+    round."""
     offs_s = tl.arange(0, S_MAX)
     m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
-    acc = tl.zeros([D_BLK], tl.float32)
+    acc = tl.zeros([N_D], tl.float32)
     for s0 in range(0, S, S_BLOCK):
         offs = s0 + tl.arange(0, S_BLOCK)
         s_ok = offs < S
@@ -66,7 +65,18 @@ def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os, d0,
                     other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
     inv, lse = _merge_finish(m_safe, tot)
-    tl.store(o_row + offs_d, acc * inv, mask=d_ok)
+    return acc * inv, lse
+
+
+@triton.jit
+def _reduce_row(op_row, lp_row, o_row, lse_row, S, stride_os, d0,
+                D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
+    """Merge the S partials of one (batch, query head) row, channels `[d0, d0 + D_BLK)`: o `op_row + s * stride_os
+    + d`, lse `lp_row + s` -> o_row `[D]` (those channels), lse_row (fp32, written by the d0 == 0 program)."""
+    offs_d = d0 + tl.arange(0, D_BLK)
+    d_ok = offs_d < D
+    o, lse = _merge_channels(op_row, lp_row, S, stride_os, offs_d, d_ok, D_BLK, S_MAX, S_BLOCK)
+    tl.store(o_row + offs_d, o, mask=d_ok)
     if d0 == 0:
         tl.store(lse_row, lse)
 
@@ -129,17 +139,7 @@ def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh,
     lp_row = lp_ptr + row * S
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    offs_s = tl.arange(0, S_MAX)
-    m_safe, tot = _merge_stats(tl.load(lp_row + offs_s, mask=offs_s < S, other=float("-inf")), 0)
-    acc = tl.zeros([D_PAD], tl.float32)
-    for s0 in range(0, S, S_BLOCK):
-        offs = s0 + tl.arange(0, S_BLOCK)
-        s_ok = offs < S
-        w = tl.exp(tl.load(lp_row + offs, mask=s_ok, other=float("-inf")) - m_safe)
-        o = tl.load(op_row + offs[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    inv, lse = _merge_finish(m_safe, tot)
-    o = acc * inv  # [D_PAD] fp32: the merged row, as `_reduce_row` stores it
+    o, lse = _merge_channels(op_row, lp_row, S, D, offs_d, d_ok, D_PAD, S_MAX, S_BLOCK)  # [D_PAD] fp32, as `_reduce_row`
     for k in tl.static_range(E_BLOCKS):
         offs_e = (eb * E_BLOCKS + k) * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = offs_e < D
