@@ -775,16 +775,18 @@ class PagedKVCache:
         (`step_kernels.append_rows_rotate_queries`): a batch-1 step is launch-bound. q and seq_ids are checked
         before anything is written.
         """
-        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)
+        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)  # booked state: valid before the write
         checking = self.check_finite and not self._capturing()
-        if not (plan.append_only and self._triton() and not checking):
+        if plan.append_only and self._triton() and not checking:
+            self._check_tokens("keys", keys, plan.num_new)
+            self._check_tokens("values", values, plan.num_new)
+            q_rot = _step_kernels().append_rows_rotate_queries(
+                keys, values, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots, plan.win_rows,
+                pool.k_win, pool.v_win, q, out_dtype=pool.k_win.dtype, validate=False)
+        else:
             self.write_layer(layer, plan, keys, values)
-            return self.decode_attention(layer, q, seq_ids, sm_scale, return_lse, fused, out_dtype)
-        self._check_tokens("keys", keys, plan.num_new)
-        self._check_tokens("values", values, plan.num_new)
-        q_rot = _step_kernels().append_rows_rotate_queries(
-            keys, values, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots, plan.win_rows, pool.k_win,
-            pool.v_win, q, out_dtype=pool.k_win.dtype, validate=False)
+            q_rot = attn_api.rotate_queries(q, pool.k_rotation, out_dtype=pool.k_win.dtype, backend=self.backend,
+                                            validate=False)
         return self._attend(pool, q_rot, meta, sm_scale, return_lse, fused, out_dtype)
 
     def _decode_inputs(self, layer: int, q, seq_ids, out_dtype) -> tuple:
