@@ -16,29 +16,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 from runtime_kernels import step_kernels as sk  # noqa: E402
 from runtime_kernels.attention.int2_decode import merge  # noqa: E402
 
 
-def graph_us(fn, n: int = 50, rep: int = 30) -> float:
-    """Median microseconds per call of `fn`, n calls captured in one CUDA graph."""
+def graph_us(fn, n: int = 50, reps: int = 30) -> float:
+    """Median microseconds per call of `fn`, n calls captured in one CUDA graph (`common.events_ms`)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(n):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n * 1e3)
-    return sorted(times)[rep // 2]
+    return common.events_ms(graph, n, reps) * 1e3
 
 
 def main() -> int:

@@ -115,6 +115,23 @@ def time_graph_ms(fn, rep: int = 200) -> tuple[float, float, float]:
     return time_ms(graph.replay, rep)
 
 
+def events_ms(graph: torch.cuda.CUDAGraph, n: int, reps: int = 50) -> float:
+    """Median milliseconds per call of a CUDA graph holding `n` calls back to back, by CUDA events around whole
+    replays (no L2 flush: the calls run as an engine's step runs them), after 5 warm-up replays."""
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return sorted(times)[reps // 2]
+
+
 def commit() -> str:
     """The git commit of the tree the benchmark runs from ('unknown' outside a checkout)."""
     try:

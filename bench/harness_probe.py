@@ -20,21 +20,6 @@ import common  # noqa: E402
 from runtime_kernels import attention as A  # noqa: E402
 
 
-def events_ms(graph, n: int, reps: int = 50) -> float:
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / n)
-    return sorted(times)[reps // 2]
-
-
 def oscar_graph(context: int, batch: int, fmt: str, distinct: int | None):
     scale_format, centered, sink, recent = B.FORMATS[fmt]
     window = sink + recent
@@ -49,7 +34,7 @@ def oscar_graph(context: int, batch: int, fmt: str, distinct: int | None):
 
 def report(tag: str, graph, n: int) -> None:
     dob = common.time_ms(graph.replay, rep=300)[0] / n
-    ev = events_ms(graph, n)
+    ev = common.events_ms(graph, n)
     print(f"{tag:42s} do_bench {dob:.4f} ms  events {ev:.4f} ms  sm_clock {torch.cuda.clock_rate()} MHz  "
           f"power {torch.cuda.power_draw() / 1000:.0f} W", flush=True)
 
