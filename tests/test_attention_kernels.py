@@ -233,6 +233,28 @@ def test_decode_rejects_a_bad_counters_buffer():
         A.decode_attention(*args, backend="triton", counters=torch.zeros(2, dtype=torch.int64), fused=True)
 
 
+@pytest.mark.parametrize("backend,form", [("triton", {}), ("triton", {"window_splits": 2}), ("triton", {"fused": True}),
+                                          ("torch", {})])
+def test_decode_with_the_value_rotation_returns_the_model_basis(backend, form):
+    """`decode_attention(v_rotation=R_V, out_dtype=bf16)` on every path (two launches, three, one, torch) is the
+    rotated output times R_V^T (`unrotate_output` in fp32) rounded once to bf16, with the same lse. The fp32 sums
+    differ in order from torch's GEMM: within one bf16 unit."""
+    pool = make_pool([100, 64], h_kv=2, d=64, page=64, seed=73)
+    k_win, v_win = make_window(2, 2, 16, 64, torch.bfloat16)
+    args = (make_q(2, 4, 64, torch.bfloat16), *decode_inputs(pool, k_win, v_win, torch.tensor([1, 0], dtype=torch.int32),
+                                                              torch.tensor([8, 16], dtype=torch.int32)))
+    rot = torch.linalg.qr(torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(5)))[0].contiguous()
+    o, lse = A.decode_attention(*args, backend=backend, **form)
+    got, got_lse = A.decode_attention(*args, backend=backend, v_rotation=rot, out_dtype=torch.bfloat16, **form)
+    want = A.unrotate_output(o, rot)
+    assert got.dtype == torch.bfloat16 and torch.equal(got_lse, lse)
+    assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+    with pytest.raises(ValueError, match=r"v_rotation: expected shape \[H_kv, d, d\] = \[2, 64, 64\]"):
+        A.decode_attention(*args, backend=backend, v_rotation=rot[:1], **form)
+    with pytest.raises(TypeError, match="out_dtype: expected float16, bfloat16 or float32"):
+        A.decode_attention(*args, backend=backend, v_rotation=rot, out_dtype=torch.int32, **form)
+
+
 # -------------------------------------------------------------------------------------- merge
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 2 ** 31 - 1), st.lists(st.integers(0, 9), min_size=1, max_size=6), st.sampled_from([16, 48]))
