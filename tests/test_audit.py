@@ -142,6 +142,7 @@ def test_capture_and_error_measures(model, tmp_path):
     ident.k_clip_ratio[:] = 1.0
     rows = au.audit_artifact(au.load_raw(write_artifact(ident, tmp_path / "i")), acts)["heads"]
     for r in rows:  # identity rotation, no clip: OSCAR is exactly naive INT2
+        assert r["history_mass"] is None  # 40 tokens: every one of them in a window
         assert r["k_err_oscar"] == pytest.approx(r["k_err_naive"], rel=1e-9)
         assert r["v_err_oscar"] == pytest.approx(r["v_err_naive"], rel=1e-9)
         assert r["k_kurtosis_after"] == pytest.approx(r["k_kurtosis_before"], rel=1e-9)
@@ -179,6 +180,34 @@ def test_capture_and_error_measures(model, tmp_path):
     k_hat = ((torch.clamp(torch.floor(kr / scale + zero + 0.5), 0, 3) - zero) * scale) @ h.T
     ref = float(((q @ (k_hat - k).T) ** 2).mean() / ((q @ k.T) ** 2).mean())
     assert r["k_err_hadamard"] == pytest.approx(ref, rel=1e-3)
+
+
+def test_history_mass_against_a_per_query_loop_and_constructed_attention():
+    """`history_mass` against an explicit loop over the chosen queries (causal softmax, the tokens outside sink and
+    recent); a query that attends to one token only gives 1 when that token is history and 0 when a window holds
+    it; no position with a history gives None."""
+    gen = torch.Generator().manual_seed(4)
+    n, g, t, d, sink, recent = 2, 3, 40, 16, 4, 8
+    q, k = torch.randn(n, g, t, d, generator=gen) * 2, torch.randn(n, t, d, generator=gen)
+    got = au.history_mass(q, k, sink, recent, max_queries=20)
+    pos = torch.arange(sink + recent, t)
+    picks = torch.linspace(0, n * g * pos.numel() - 1, 20).long()
+    want = []
+    for i in picks.tolist():
+        b, rest = divmod(i, g * pos.numel())
+        h, j = divmod(rest, pos.numel())
+        p = int(pos[j])
+        w = torch.softmax((k[b, :p + 1].double() @ q[b, h, p].double()) / d ** 0.5, 0)
+        want.append(float(w[sink:p + 1 - recent].sum()))
+    assert got == pytest.approx(sum(want) / len(want), rel=1e-12)
+    one = torch.zeros(1, 1, t, d)
+    one[0, 0, :, 0] = 1000.0  # every query reads key 4 alone
+    keys = torch.zeros(1, t, d)
+    keys[0, 4, 0] = 1.0
+    assert au.history_mass(one, keys, 4, recent, 64) == pytest.approx(1.0)  # first history token from p = 12 on
+    assert au.history_mass(one, keys, 6, recent, 64) == pytest.approx(0.0, abs=1e-12)  # key 4: inside the sink
+    assert au.history_mass(one, keys, 3, recent, 64) == pytest.approx(28 / 29)  # p = 11: history is key 3 alone
+    assert au.history_mass(q, k, sink, t - sink, 10) is None
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -6,7 +6,8 @@ sits at the lowest ratio of the calibration grid). With activations (a model and
 measures of keys and values before and after the rotation (kurtosis, max/median channel RMS), and the
 simulated INT2 error of naive (no rotation), Hadamard (no clip) and OSCAR (the artifact) per head:
 keys by the relative logit error `E[(q . (k_hat - k))^2] / E[(q . k)^2]` over the head's query group,
-values by the relative error `|v_hat - v|^2 / |v|^2`.
+values by the relative error `|v_hat - v|^2 / |v|^2`; and the head's history mass: the share of its queries'
+attention that falls on the INT2 history under the artifact's windows (key error can only reach a query through it).
 
 Flags: `non-orthogonal`, `nan`, `degenerate-spectrum` (non-positive top eigenvalue, negative
 eigenvalues or an all-equal spectrum, which leaves the eigenbasis arbitrary), `clip-at-grid-edge` (the fitted
@@ -157,6 +158,27 @@ def key_logit_error(k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> fl
     return num / den if den > 0 else float("nan")
 
 
+def history_mass(q: torch.Tensor, k: torch.Tensor, sink: int, recent: int, max_queries: int) -> float | None:
+    """Mean share of attention on the INT2 history: for a query at position p, the softmax weight (scale
+    1 / sqrt(d), causal) on keys at `[sink, p + 1 - recent)`, the tokens neither window keeps.
+
+    q `[N, G, T, d]` (a KV head's query group), k `[N, T, d]`; up to `max_queries` queries, evenly spread over the
+    positions that have a history (p >= sink + recent). None when no position has one (T <= sink + recent)."""
+    n, g, t, d = q.shape
+    first = sink + recent
+    if t <= first:
+        return None
+    pos = torch.arange(first, t)
+    picks = torch.linspace(0, n * g * pos.numel() - 1, min(max_queries, n * g * pos.numel())).long()
+    seq, rest = picks // (g * pos.numel()), picks % (g * pos.numel())
+    head, p = rest // pos.numel(), pos[rest % pos.numel()]
+    scores = torch.einsum("qd,qtd->qt", q[seq, head, p].double(), k[seq].double()) / math.sqrt(d)
+    tokens = torch.arange(t)
+    probs = scores.masked_fill(tokens[None] > p[:, None], float("-inf")).softmax(-1)
+    hist = (tokens[None] >= sink) & (tokens[None] < (p[:, None] + 1 - recent))
+    return float((probs * hist).sum(-1).mean())
+
+
 def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     den = float(x.double().pow(2).sum())
     return float((x_hat.double() - x.double()).pow(2).sum()) / den if den > 0 else float("nan")
@@ -236,6 +258,14 @@ def _search_floor(metadata: dict[str, str], grid: list[float] | None) -> float |
     return grid[0] if grid and len(grid) > 1 else None
 
 
+def _windows(metadata: dict[str, str]) -> tuple[int, int] | None:
+    """(sink, recent) tokens the artifact's format keeps at full precision; None where it records none."""
+    try:
+        return int(metadata["sink_tokens"]), int(metadata["recent_tokens"])
+    except (KeyError, ValueError):
+        return None
+
+
 def _head_means(raw: RawArtifact, a: int, h: int, rk: torch.Tensor, rv: torch.Tensor):
     """(key mean, value mean) `[d]` of one head in the model basis, or None where the artifact has none (v1/zero)."""
     out = []
@@ -259,6 +289,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     if quantizer not in naive.QUANTIZERS:  # a codebook artifact: its rotations are still compared, min-max
         quantizer = "uniform_minmax"
     grids = {"k": _clip_grid(raw.metadata, "k"), "v": _clip_grid(raw.metadata, "v")}
+    windows = _windows(raw.metadata)
     floors = {kind: _search_floor(raw.metadata, grid) for kind, grid in grids.items()}
     had = None
     if acts is not None:
@@ -292,6 +323,10 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
             if acts is not None and layer in acts.k and finite:
                 _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries, quantizer,
                                   _head_means(raw, a, h, rk, rv))
+            if acts is not None and layer in acts.k and windows is not None:
+                g = acts.q[layer].shape[1] // h_kv
+                row["history_mass"] = history_mass(acts.q[layer][:, h * g:(h + 1) * g], acts.k[layer][:, h],
+                                                   *windows, max_queries)
             heads.append(row)
     heads.sort(key=_badness, reverse=True)
     return {"artifact": raw.source, "model_id": raw.metadata.get("model_id"),

@@ -40,14 +40,15 @@ def _table(report: dict, top: int | None):
     cols = ["layer", "head", "k_clip", "v_clip", "k_top1_share", "v_top1_share", "k_effective_rank"]
     if acts:
         cols += ["k_kurtosis_before", "k_kurtosis_after", "k_channel_ratio_before", "k_channel_ratio_after",
-                 "k_err_naive", "k_err_hadamard", "k_err_oscar", "v_err_naive", "v_err_hadamard", "v_err_oscar"]
+                 "k_err_naive", "k_err_hadamard", "k_err_oscar", "v_err_naive", "v_err_hadamard", "v_err_oscar",
+                 "history_mass"]
     t = Table(title=f"{report['artifact']} ({report['granularity']} rotations), worst first; "
                     f"{report['flags_total']} flag(s)")
     short = {"k_top1_share": "K top1", "v_top1_share": "V top1", "k_effective_rank": "K eff.rank",
              "k_kurtosis_before": "K kurt", "k_kurtosis_after": "K kurt rot", "k_channel_ratio_before": "K max/med",
              "k_channel_ratio_after": "K max/med rot", "k_err_naive": "K err naive", "k_err_hadamard": "K err had",
              "k_err_oscar": "K err oscar", "v_err_naive": "V err naive", "v_err_hadamard": "V err had",
-             "v_err_oscar": "V err oscar"}
+             "v_err_oscar": "V err oscar", "history_mass": "INT2 attn"}
     for c in cols:
         t.add_column(short.get(c, c), justify="right")
     t.add_column("flags")
