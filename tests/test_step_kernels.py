@@ -290,17 +290,22 @@ def test_cache_decode_steps_on_triton_match_the_torch_backend(monkeypatch, check
     assert caches["triton"].hist_len(ids["triton"][1]) == P
 
 
-def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeypatch):
-    """decode_attention with the rotation kernels against the code it replaced (torch rotations around the same
-    Triton attention): equal up to the fp32 rounding of q @ R_K, which can move a bf16 query by one unit."""
+def one_sequence_cache(seed: int):
+    """A bf16 Triton cache holding one sequence of 21 random tokens -> (cache, its id, a bf16 query `[1, HQ, D]`)."""
     art = artifact()
     cache = PagedKVCache.from_artifact(art, max_pages=8, max_seqs=2, fmt=served(art, P, S, R),
                                        dtype=torch.bfloat16, backend="triton")
-    gen = torch.Generator().manual_seed(8)
+    gen = torch.Generator().manual_seed(seed)
     sid = cache.add_sequence()
     x = [torch.randn(21, H, D, generator=gen)]
     cache.append([sid], [x], [x])
-    q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
+    return cache, sid, torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
+
+
+def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeypatch):
+    """decode_attention with the rotation kernels against the code it replaced (torch rotations around the same
+    Triton attention): equal up to the fp32 rounding of q @ R_K, which can move a bf16 query by one unit."""
+    cache, sid, q = one_sequence_cache(seed=8)
     got, lse = cache.decode_attention(0, q, [sid], return_lse=True)
     rotations_as_before(monkeypatch, merge.reduce_splits_triton)  # the rotations as before, attention unchanged
     old, old_lse = cache.decode_attention(0, q, [sid], return_lse=True)
@@ -312,14 +317,7 @@ def test_cache_decode_attention_on_triton_matches_the_previous_rotations(monkeyp
 def test_cache_decode_attention_out_dtype_and_the_one_launch_form_unrotate_the_same_output():
     """out_dtype=bf16 is the fp32 output rounded once (the reduce stores it so); the one-launch form (no separate
     reduce: un-rotated by `rotate_heads` after) gives the two-launch output within fp32 rounding."""
-    art = artifact()
-    cache = PagedKVCache.from_artifact(art, max_pages=8, max_seqs=2, fmt=served(art, P, S, R),
-                                       dtype=torch.bfloat16, backend="triton")
-    gen = torch.Generator().manual_seed(9)
-    sid = cache.add_sequence()
-    x = [torch.randn(21, H, D, generator=gen)]
-    cache.append([sid], [x], [x])
-    q = torch.randn(1, HQ, D, generator=gen, dtype=torch.bfloat16)
+    cache, sid, q = one_sequence_cache(seed=9)
     f32 = cache.decode_attention(0, q, [sid])
     bf16 = cache.decode_attention(0, q, [sid], out_dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16.view(torch.int16), f32.bfloat16().view(torch.int16))
