@@ -253,6 +253,8 @@ def test_decode_with_the_value_rotation_returns_the_model_basis(backend, form):
         A.decode_attention(*args, backend=backend, v_rotation=rot[:1], **form)
     with pytest.raises(TypeError, match="out_dtype: expected float16, bfloat16 or float32"):
         A.decode_attention(*args, backend=backend, v_rotation=rot, out_dtype=torch.int32, **form)
+    with pytest.raises(ValueError, match="out_dtype: only with v_rotation"):
+        A.decode_attention(*args, backend=backend, out_dtype=torch.bfloat16, **form)
 
 
 # -------------------------------------------------------------------------------------- merge

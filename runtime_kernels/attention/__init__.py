@@ -313,6 +313,8 @@ def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows
             if tuple(v_rotation.shape) != (pages.kv_heads, q.shape[2], q.shape[2]):
                 raise ValueError(f"v_rotation: expected shape [H_kv, d, d] = {[pages.kv_heads, q.shape[2], q.shape[2]]}"
                                  f", got {tuple(v_rotation.shape)}")
+    if out_dtype is not None and v_rotation is None:  # o stays in the rotated basis, fp32: nothing would honour it
+        raise ValueError("out_dtype: only with v_rotation (the kernel that un-rotates o stores it in out_dtype)")
     out_dtype = out_dtype or torch.float32
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")

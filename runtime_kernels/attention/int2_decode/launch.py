@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime_kernels import step_kernels
 from runtime_kernels.attention.int2_decode import fallback, fused, kernel, merge, window
 from runtime_kernels.attention.int2_decode.common import interpreting
 from runtime_kernels.attention.int2_decode.pools import paired_v_pools
@@ -496,8 +497,6 @@ def decode(q, pages: PagePools, batch: BatchMetadata, windows: Windows, sm_scale
             return merge.reduce_splits_triton(*out, v_rotation, out_dtype)
         if v_rotation is None:
             return out
-        from runtime_kernels import step_kernels
-
         return step_kernels.rotate_heads(out[0], v_rotation, transpose=True, out_dtype=out_dtype, validate=False), out[1]
     s_h = num_splits or history_num_splits(q, pages, batch, plan, opts)
     s_w = window_splits or window_num_splits(q, windows, opts)
