@@ -17,6 +17,9 @@ from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
 # (oscar_calib.calibration.clipfit), so no fitted ratio sits at the edge of what was searched.
 DEFAULT_K_CLIP_GRID: tuple[float, ...] = (0.94, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
 DEFAULT_V_CLIP_GRID: tuple[float, ...] = (0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
+# History mass above which a layer's keys take the Hadamard rotation (oscar_calib.calibration.key_basis);
+# 1.0 = never, the attention-aware rotation everywhere. Chosen on SmolLM2-135M at 8K (docs/recipe.md).
+DEFAULT_HADAMARD_KEY_MASS = 1.0
 
 
 # The longest held-out sequence chosen automatically: the clip fit's held-out capture keeps every key and value of
@@ -66,6 +69,11 @@ class SolverSettings(_Strict):
                                          "with the unbiased quantizer it retrieves far tokens about as well as the "
                                          "default at +0.4-0.5 % perplexity on the fixtures (docs/quality.md, "
                                          "far-token retrieval).")
+    hadamard_key_mass: float = Field(
+        DEFAULT_HADAMARD_KEY_MASS, ge=0.0, le=1.0,
+        description="Keys take the Hadamard rotation (clips fitted for it) in layers whose held-out queries put more "
+                    "than this share of their attention on the INT2 history (the tokens neither BF16 window keeps); "
+                    "1 = the attention-aware rotation in every layer (docs/recipe.md).")
     # The KV format fields (`kv_format()` turns them into the one value; their defaults are DEFAULT_FORMAT's).
     center_keys: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated per-(layer, KV head) key "
                                                                    "mean before quantizing (exact for attention: "

@@ -69,6 +69,18 @@ def paired_pct_ci(a: torch.Tensor, b: torch.Tensor, n_boot: int = 4000, seed: in
     return 100 * float(torch.expm1(a.double().mean() - b.double().mean())), lo, hi
 
 
+def parse_layer_set(spec: str) -> tuple[str, list[int]]:
+    """'0,3-8' -> ('0,3-8', [0, 3, 4, 5, 6, 7, 8]); a single range 'A-B' keeps the tables' older labels ('7-7')."""
+    layers: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.strip().partition("-")
+        lo, hi = int(a), int(b or a)
+        if lo > hi:
+            raise ValueError(part)
+        layers.update(range(lo, hi + 1))
+    return spec, sorted(layers)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
@@ -95,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed", action="store_true",
                    help="rows of the first --artifact with one side's rotation and fitted clips taken from the "
                         "fitted Hadamard row (keys Hadamard / values OSCAR, and the other way round)")
-    p.add_argument("--hadamard-key-layers", default="", metavar="A-B;...",
+    p.add_argument("--hadamard-key-layers", default="", metavar="A-B[,C-D];...",
                    help="rows of the first --artifact with the fitted Hadamard row's keys (rotation, clips, means) in "
-                        "layers A..B only (e.g. '0-14;15-29'): where in depth does the key rotation cost retrieval?")
+                        "the given layers only, one row per ';'-separated set of ','-separated ranges (e.g. "
+                        "'0-14;15-29;0,3-8'): where in depth does the key rotation cost retrieval?")
     p.add_argument("--key-gain", action="store_true",
                    help="a row of the first --artifact with the unbiased quantizer on keys only (values as stored)")
     p.add_argument("--window-aware-keys", action="store_true",
@@ -113,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--floors, --ceilings, --mixed, --hadamard-key-layers, --key-gain and --window-aware-keys change the "
                 "first --artifact's tables: give --artifact NAME=DIR")
     try:
-        key_layer_ranges = [tuple(int(x) for x in part.split("-")) for part in filter(None, args.hadamard_key_layers.split(";"))]
-        if any(len(r) != 2 or r[0] > r[1] for r in key_layer_ranges):
-            raise ValueError
+        key_layer_sets = [parse_layer_set(part) for part in filter(None, args.hadamard_key_layers.split(";"))]
     except ValueError:
-        p.error(f"--hadamard-key-layers: expected ranges like '0-14;15-29', got {args.hadamard_key_layers!r}")
+        p.error(f"--hadamard-key-layers: expected sets of ranges like '0-14;15-29;0,3-8', got "
+                f"{args.hadamard_key_layers!r}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -311,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     t.k_clip, t.v_clip = t.k_clip.clamp_max(kf), t.v_clip.clamp_max(vf)
             add(f"{first}, clip {bound} {kf:g}/{vf:g}", tabs, arts[first].quantizer)
-    def with_hadamard(side: str, layers: range | None) -> dict:
+    def with_hadamard(side: str, layers: list[int] | None) -> dict:
         """The first artifact's tables with one side's rotation, fitted clips and means taken from the fitted
         Hadamard row, in `layers` (None: every layer). Both rows are centered."""
         own = tables_of(first, centered=True)
@@ -381,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("k", "v"):
             add(f"{first}, hadamard {'keys' if side == 'k' else 'values'}", with_hadamard(side, None),
                 arts[first].quantizer)
-    for a, b in key_layer_ranges:
-        add(f"{first}, hadamard keys in layers {a}-{b}", with_hadamard("k", range(a, b + 1)), arts[first].quantizer)
+    for spec, layers in key_layer_sets:
+        add(f"{first}, hadamard keys in layers {spec}", with_hadamard("k", layers), arts[first].quantizer)
     if args.key_gain:
         add(f"{first}, unbiased keys", tables_of(first, centered=bool(arts[first].key_mean("original").any())),
             "uniform_unbiased", arts[first].quantizer)

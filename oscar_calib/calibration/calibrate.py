@@ -26,6 +26,7 @@ from oscar_calib.calibration.capture import (
     unsupported_attention_reason,
 )
 from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
+from oscar_calib.calibration.key_basis import hadamard_key_layers, holdout_history_mass
 from oscar_calib.calibration.solve import solve_rotations
 from oscar_calib.calibration.stats import LayerStats
 from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
@@ -55,6 +56,7 @@ class CalibrationReport:
     comparison: dict[str, dict[str, float]] = field(default_factory=dict)
     key_objective: str = "attn_kl"
     means: tuple[torch.Tensor, torch.Tensor] | None = None  # ([A, H_kv, d], [A, H_kv, d]) model basis
+    hadamard_key_layers: list[int] = field(default_factory=list)  # keys rotated by Hadamard (key_basis)
 
     def summary(self) -> dict:
         """JSON-ready headline numbers: mean held-out errors at the fitted ratios vs the global ratios and no clip."""
@@ -83,6 +85,7 @@ class CalibrationReport:
             "v_clip_ratio_min": float(v_ratios.min()),
             "clip_at_grid_edge": edges,
             "alternatives": self.comparison,
+            "hadamard_key_layers": self.hadamard_key_layers,
         }
 
 
@@ -330,6 +333,8 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     with one_cpu_thread():  # the same bits whatever the thread count (torchrun sets OMP_NUM_THREADS=1 per rank)
         k_rot, k_eig, v_rot, v_eig = _solve_all(session, layer_ids, settings, settings.value_target,
                                                 settings.granularity)
+    masses, key_hadamard = history_hadamard_keys(session, layer_ids, settings)
+    k_rot = with_hadamard_keys(k_rot, layer_ids, key_hadamard)
     means = session_means(session, layer_ids)
     o_weights = statistics.o_weights if settings.key_clip_objective == "block_out" else None
     if settings.key_clip_objective == "block_out" and o_weights is None:
@@ -357,6 +362,9 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
+    calib["key_basis"] = {"hadamard_layers": key_hadamard, "hadamard_key_mass": settings.hadamard_key_mass,
+                          "history_mass": {str(i): round(float(m.mean()), 4) for i, m in masses.items()
+                                           if m is not None}}
     # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     k_mean = (means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous()
     v_mean = (means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous()
@@ -378,8 +386,35 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
                                holdout_tokens=holdout_tokens, timings=timings, fits=fits,
                                k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,
                                means=means,
-                               key_objective=settings.key_clip_objective)
+                               key_objective=settings.key_clip_objective, hadamard_key_layers=key_hadamard)
     return artifact, report
+
+
+def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSettings
+                          ) -> tuple[dict[int, torch.Tensor | None], list[int]]:
+    """Each layer's held-out history mass `{layer: [H_kv] or None}` under the settings' windows, and the layers
+    whose keys take the Hadamard rotation (mass above `settings.hadamard_key_mass`; none when it is 1)."""
+    masses = {}
+    if settings.hadamard_key_mass >= 1.0:
+        return masses, []
+    for layer in layer_ids:
+        keys, _, queries, positions = session.holdout[layer].stacked()
+        masses[layer] = holdout_history_mass(keys, queries, positions, session.scaling, settings.sink_tokens,
+                                             settings.recent_tokens)
+    return masses, hadamard_key_layers(masses, settings.hadamard_key_mass)
+
+
+def with_hadamard_keys(k_rot: torch.Tensor, layer_ids: list[int], layers: list[int]) -> torch.Tensor:
+    """`k_rot` `[A, H_kv, d, d]` with every head of `layers` rotated by the normalised Hadamard matrix."""
+    if not layers:
+        return k_rot
+    from oscar_calib.calibration.solve import hadamard
+
+    out = k_rot.clone()
+    h = hadamard(k_rot.shape[-1]).to(k_rot.dtype)
+    for layer in layers:
+        out[layer_ids.index(layer)] = h
+    return out
 
 
 def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit],

@@ -343,7 +343,21 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     k, v = summary["key_error"], summary["value_rel_out_err"]
     console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
                   f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")
+    if report.hadamard_key_layers:
+        console.print(f"keys rotated by Hadamard in layers {layer_list(report.hadamard_key_layers)} (INT2-history "
+                      f"attention share above {config.solver.hadamard_key_mass:g})")
     return out_dir
+
+
+def layer_list(layers: list[int]) -> str:
+    """[0, 3, 4, 5, 8] -> '0, 3-5, 8'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, data, batch_size: int,

@@ -103,6 +103,11 @@ QuantizerOpt = Annotated[Quantizer, typer.Option(
                         "that keeps the row's projection on the unclipped one, so far tokens keep their attention "
                         "logits) or uniform_minmax (the reference's).")]
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
+HadamardKeyMassOpt = Annotated[float, typer.Option(
+    "--hadamard-key-mass", min=0.0, max=1.0,
+    help="Keys take the Hadamard rotation in layers whose held-out queries put more than this share of their "
+         "attention on the INT2 history (the tokens neither BF16 window keeps): those queries are the ones key error "
+         "reaches; 1 = the attention-aware rotation in every layer.")]
 
 
 def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
@@ -126,7 +131,7 @@ DEFAULT_CENTERED = DEFAULT_FORMAT.centered
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
                     v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
-                    scale_dtype: ScaleDtype, clip: bool, quantizer: Quantizer):
+                    scale_dtype: ScaleDtype, clip: bool, quantizer: Quantizer, hadamard_key_mass: float):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag).
     The KV format is built from them once, by `SolverSettings.kv_format()`; windows left unset are DEFAULT_FORMAT's."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
@@ -137,7 +142,7 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
                           key_clip_objective=key_objective.value, group_size=group_size,
                           center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
-                          quantizer=quantizer.value, **windows)
+                          quantizer=quantizer.value, hadamard_key_mass=hadamard_key_mass, **windows)
 
 
 # KVFormat field -> the flag that sets it (commands that take a format from flags: eval, import).

@@ -25,6 +25,7 @@ from oscar_calib.cli.options import (
     Granularity,
     GranularityOpt,
     GroupSizeOpt,
+    HadamardKeyMassOpt,
     JsonOpt,
     KGridOpt,
     QuantizerOpt,
@@ -40,6 +41,7 @@ from oscar_calib.cli.options import (
 )
 from oscar_calib.cli.output import Output
 from oscar_calib.config import (
+    DEFAULT_HADAMARD_KEY_MASS,
     CalibrationConfig,
     DataConfig,
 )
@@ -100,6 +102,7 @@ def run(
     center_values: CenterValuesOpt = DEFAULT_CENTERED,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     quantizer: QuantizerOpt = DEFAULT_QUANTIZER,
+    hadamard_key_mass: HadamardKeyMassOpt = DEFAULT_HADAMARD_KEY_MASS,
     clip: ClipOpt = True,
     sink: SinkOpt = None,
     recent: RecentOpt = None,
@@ -142,7 +145,7 @@ def run(
                             seq_len=2048 if seq_len is None else seq_len, holdout_len=holdout_len, seed=seed, chat_template=chat_template),
             solver=solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
                                    center_values, sink, recent, group_size, scale_dtype,
-                                   clip, quantizer),
+                                   clip, quantizer, hadamard_key_mass),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )

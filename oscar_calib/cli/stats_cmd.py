@@ -23,6 +23,7 @@ from oscar_calib.cli.options import (
     Granularity,
     GranularityOpt,
     GroupSizeOpt,
+    HadamardKeyMassOpt,
     JsonOpt,
     KGridOpt,
     OutDirOpt,
@@ -37,6 +38,7 @@ from oscar_calib.cli.options import (
     validation_message,
 )
 from oscar_calib.cli.output import Output
+from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS
 from oscar_calib.errors import InputError
 
 stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True,
@@ -64,6 +66,7 @@ def refit_cmd(
     center_values: CenterValuesOpt = DEFAULT_CENTERED,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     quantizer: QuantizerOpt = DEFAULT_QUANTIZER,
+    hadamard_key_mass: HadamardKeyMassOpt = DEFAULT_HADAMARD_KEY_MASS,
     clip: ClipOpt = True,
     sink: SinkOpt = None,
     recent: RecentOpt = None,

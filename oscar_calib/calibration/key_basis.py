@@ -1,0 +1,57 @@
+"""Where keys take the Hadamard rotation instead of the attention-aware one: the layers that read the INT2 history.
+
+The attention-aware key basis (`R = U H P` of the query-moment target) spends its precision on the directions the
+*average* calibration query reads. Key error reaches a query only through the attention it puts on the INT2
+history (the tokens neither BF16 window keeps), and a retrieval query, which is not average, reads that history
+hardest. On SmolLM2-135M at its 8K context the layers whose attention-aware keys cost passkey retrieval are among
+those whose queries put the most attention on the history (docs/recipe.md, the history-mass table); the Hadamard
+rotation, which spreads the error evenly over every direction, buys retrieval back there. So each layer whose
+held-out queries put more than a threshold of their attention on the history takes the Hadamard key rotation,
+with key clips fitted for it like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def holdout_history_mass(keys: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, scaling: float,
+                         sink: int, recent: int) -> torch.Tensor | None:
+    """Each KV head's mean share of attention on the INT2 history, over its held-out queries that have one.
+
+    A query at position p attends causally (softmax of `scaling * q . k` over keys 0..p); its history mass is the
+    weight on keys at `[sink, p + 1 - recent)`. Queries with p < sink + recent have no history and are left out.
+
+    Args:
+        keys: `[S, H_kv, T, d]` held-out keys (post-RoPE, as attention sees them).
+        queries: `[S, H_q, n, d]` held-out queries at `positions` `[S, n]`; H_q is a multiple of H_kv (GQA groups
+            are consecutive query heads).
+    Returns:
+        `[H_kv]` float64, or None when no held-out query has a history (the sequence fits in the windows).
+    """
+    s, h_kv, t, _ = keys.shape
+    group = queries.shape[1] // h_kv
+    first = sink + recent
+    tokens = torch.arange(t, device=keys.device)
+    total = torch.zeros(h_kv, dtype=torch.float64)
+    count = 0
+    for i in range(s):
+        has = positions[i] >= first
+        if not bool(has.any()):
+            continue
+        p = positions[i][has].to(keys.device)  # [m]
+        hist = (tokens[None] >= sink) & (tokens[None] < (p[:, None] + 1 - recent))  # [m, T]
+        causal = tokens[None] > p[:, None]
+        for h in range(h_kv):  # one KV head at a time: [G, m, T] scores stay small at long context
+            q = queries[i, h * group:(h + 1) * group][:, has].float()
+            scores = torch.einsum("gmd,td->gmt", q, keys[i, h].float()) * scaling
+            probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+            total[h] += float((probs * hist).sum(-1).double().sum())
+        count += int(has.sum()) * group
+    return total / count if count else None
+
+
+def hadamard_key_layers(masses: dict[int, torch.Tensor | None], threshold: float) -> list[int]:
+    """Layers whose KV heads' mean history mass (`masses[layer]` `[H_kv]`) exceeds `threshold`, ascending.
+    A layer without a history (None) keeps the attention-aware basis."""
+    return sorted(layer for layer, m in masses.items() if m is not None and float(m.mean()) > threshold)

@@ -1,0 +1,106 @@
+"""Hadamard keys in the layers that read the INT2 history: the held-out history mass and the per-layer choice."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from tiny_models import tiny_model
+
+from oscar_calib.analysis.audit import history_mass
+from oscar_calib.calibration.calibrate import calibrate_model_with_report
+from oscar_calib.calibration.key_basis import hadamard_key_layers, holdout_history_mass
+from oscar_calib.calibration.solve import hadamard
+from oscar_calib.config import SolverSettings
+
+SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+
+
+def test_history_mass_matches_the_audit_on_every_query():
+    """Held-out queries at every position against the audit's own per-head mass (a separate implementation:
+    it indexes a full query tensor and spreads its picks with linspace), at the scale 1 / sqrt(d) both assume."""
+    gen = torch.Generator().manual_seed(0)
+    s, h_kv, g, t, d, sink, recent = 2, 2, 3, 40, 16, 4, 8
+    keys = torch.randn(s, h_kv, t, d, generator=gen) * 2
+    queries = torch.randn(s, h_kv * g, t, d, generator=gen) * 2
+    positions = torch.arange(t).expand(s, t)
+    got = holdout_history_mass(keys, queries, positions, d ** -0.5, sink, recent)
+    for h in range(h_kv):
+        want = history_mass(queries[:, h * g:(h + 1) * g], keys[:, h], sink, recent, max_queries=10**6)
+        assert got[h].item() == pytest.approx(want, rel=1e-5)
+
+
+def test_history_mass_of_constructed_attention():
+    """One query that attends only to a history token has mass 1; one that attends only to its own (recent)
+    token has mass 0; queries before sink + recent have no history and do not count."""
+    t, d, sink, recent = 16, 4, 2, 4
+    keys = torch.zeros(1, 1, t, d)
+    keys[0, 0, 5, 0] = 1.0  # token 5 is history for a query at p >= 5 + recent
+    keys[0, 0, 12, 1] = 1.0
+    big = 1e4
+    q_hist = torch.tensor([big, 0.0, 0.0, 0.0])  # reads token 5
+    q_self = torch.tensor([0.0, big, 0.0, 0.0])  # reads token 12, in its own recent window
+    queries = torch.stack([q_hist, q_self, q_hist]).reshape(1, 1, 3, d)
+    positions = torch.tensor([[12, 12, 3]])  # the last one has no history: left out
+    mass = holdout_history_mass(keys, queries, positions, 1.0, sink, recent)
+    assert mass.tolist() == [pytest.approx(0.5)]
+    assert holdout_history_mass(keys, queries, torch.tensor([[1, 2, 3]]), 1.0, sink, recent) is None
+
+
+def test_layers_above_the_threshold():
+    masses = {0: torch.tensor([0.32, 0.2]), 1: torch.tensor([0.1, 0.1]), 2: None, 3: torch.tensor([0.25, 0.25])}
+    assert hadamard_key_layers(masses, 0.25) == [0]  # above, not at: layer 3 sits on it
+    assert hadamard_key_layers(masses, 0.0) == [0, 1, 3]
+    assert hadamard_key_layers(masses, 1.0) == []
+
+
+def _calibrate(settings):
+    model = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=64, num_layers=3, seed=1)
+    ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(2))
+    return calibrate_model_with_report(model, ids, settings, holdout_queries=32, compare_alternatives=False)
+
+
+def test_threshold_zero_rotates_every_key_by_hadamard_and_keeps_values():
+    base, _ = _calibrate(SMALL)
+    art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": 0.0}))
+    assert report.hadamard_key_layers == [0, 1, 2]
+    h = hadamard(64).float()
+    assert torch.equal(art.k_rotation, h.expand_as(art.k_rotation))
+    assert torch.equal(art.v_rotation, base.v_rotation) and torch.equal(art.v_clip_ratio, base.v_clip_ratio)
+    assert torch.equal(art.k_mean, base.k_mean)
+    basis = json.loads(art.metadata["calibration"])["key_basis"]
+    assert basis["hadamard_layers"] == [0, 1, 2] and basis["hadamard_key_mass"] == 0.0
+    assert all(0.0 < m < 1.0 for m in basis["history_mass"].values())
+    assert report.summary()["hadamard_key_layers"] == [0, 1, 2]
+
+
+def test_threshold_between_layers_picks_exactly_the_layers_above_it():
+    """The recorded per-layer masses decide: a threshold between them rotates exactly the layers above it."""
+    art0, _ = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": 0.0}))
+    masses = {int(k): v for k, v in json.loads(art0.metadata["calibration"])["key_basis"]["history_mass"].items()}
+    lo, hi = sorted(masses.values())[0], sorted(masses.values())[-1]
+    assert hi - lo > 1e-3, masses
+    tau = (lo + hi) / 2
+    base, _ = _calibrate(SMALL)
+    art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": tau}))
+    assert report.hadamard_key_layers == sorted(i for i, m in masses.items() if m > tau)
+    h = hadamard(64).float()
+    for a in range(3):
+        want = h.expand_as(art.k_rotation[a]) if a in report.hadamard_key_layers else base.k_rotation[a]
+        assert torch.equal(art.k_rotation[a], want), a
+
+
+def test_default_keeps_the_attention_aware_keys():
+    art, report = _calibrate(SMALL)
+    assert report.hadamard_key_layers == []
+    assert json.loads(art.metadata["calibration"])["key_basis"]["hadamard_layers"] == []
+    assert not torch.allclose(art.k_rotation[0, 0], hadamard(64).float(), atol=1e-3)
+
+
+def test_threshold_out_of_range_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="hadamard_key_mass"):
+        SolverSettings(hadamard_key_mass=1.5)
+    monkeypatch.setenv("COLUMNS", "200")  # one line per message in the error box
+    code, _, err = run_cli(["run", "--hadamard-key-mass", "1.5", "--out", str(tmp_path / "a")], monkeypatch, capsys)
+    assert code == 2 and "'--hadamard-key-mass'" in err and "less than or equal to 1" in err, err
+    assert not (tmp_path / "a").exists()
