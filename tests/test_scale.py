@@ -20,6 +20,7 @@ from tiny_models import tiny_model
 
 from oscar_calib.calibration.calibrate import artifact_from_statistics, capture_statistics
 from oscar_calib.calibration.job import shard_range
+from oscar_calib.calibration.solve import hadamard
 from oscar_calib.calibration.stats_file import (
     STATS_FILENAME,
     load_statistics,
@@ -127,6 +128,15 @@ def test_refit_reproduces_the_run_byte_for_byte(reference, tmp_path, monkeypatch
     assert code == 0, stderr
     art = read_artifact(tmp_path / "l")
     assert art.metadata["granularity"] == "layer" and torch.equal(art.k_rotation[:, 0], art.k_rotation[:, 1])
+    # --hadamard-key-mass reaches the refit: at 0 every layer whose queries read the history takes Hadamard keys.
+    code, _, stderr = run_cli(["refit", str(reference), "--out", str(tmp_path / "h"), "--hadamard-key-mass", "0",
+                               *WINDOWS], monkeypatch, capsys)
+    assert code == 0, stderr
+    art, ref = read_artifact(tmp_path / "h"), read_artifact(reference)
+    chosen = json.loads(art.metadata["calibration"])["key_basis"]["hadamard_layers"]
+    assert chosen == [0, 1]
+    assert torch.equal(art.k_rotation, hadamard(64).float().expand_as(art.k_rotation))
+    assert torch.equal(art.v_rotation, ref.v_rotation)
     log = json.loads((reference / "calibration_log.json").read_text())
     d, h_kv, layers = 64, 2, 2
     assert log["memory"]["accumulator_bytes"] == layers * (3 * h_kv * d * d + h_kv + 2 * h_kv * d) * 8  # O(A H_kv d^2)

@@ -1,7 +1,11 @@
 """Each layer's INT2-history attention mass from a statistics file, and the layers each threshold would give
 Hadamard keys (`oscar-calib run/refit --hadamard-key-mass`): the numbers behind docs/recipe.md's threshold.
 
-    python3 tools/history_mass.py ART/oscar_stats.safetensors --thresholds 0.2,0.25,0.3 [--json OUT.json]
+    python3 tools/history_mass.py ART/oscar_stats.safetensors --thresholds 0.2,0.25,0.3 [--json OUT.json] [--costs]
+
+--costs also fits key clips for both bases in every layer (the run's own settings and held-out objective) and prints
+each layer's held-out key error with the attention-aware rotation and with Hadamard: what a swap costs the average
+query, beside how much the layer's queries read the history.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sink", type=int, default=None, help="default: the format's (DEFAULT_FORMAT)")
     p.add_argument("--recent", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--costs", action="store_true", help="held-out key error of each basis, per layer (slow on a CPU)")
     args = p.parse_args(argv)
 
     from oscar_calib.calibration.calibrate import history_hadamard_keys
@@ -39,10 +44,34 @@ def main(argv: list[str] | None = None) -> int:
         layers = hadamard_key_layers(masses, tau)
         picks[str(tau)] = layers
         print(f"--hadamard-key-mass {tau:g}: layers {layer_list(layers) or 'none'}")
+    report = {"stats": str(args.stats), "history_mass": mean, "hadamard_layers": picks}
+    if args.costs:
+        report["key_error"] = key_costs(stats, SolverSettings(**windows))
     if args.json:
-        args.json.write_text(json.dumps({"stats": str(args.stats), "history_mass": mean, "hadamard_layers": picks},
-                                        indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def key_costs(stats, settings) -> dict[str, dict[str, float]]:
+    """Layer -> held-out key error (the settings' objective, fitted clips, mean over KV heads) with the
+    attention-aware rotation and with Hadamard, as `artifact_from_statistics` fits them."""
+    from oscar_calib.calibration.calibrate import _fit_all, _solve_all, session_means, with_hadamard_keys
+
+    layer_ids = stats.layer_ids
+    k_rot, _, v_rot, _ = _solve_all(stats, layer_ids, settings, settings.value_target, settings.granularity)
+    means = session_means(stats, layer_ids)
+    o_weights = stats.o_weights if settings.key_clip_objective == "block_out" else None
+    keys_only = settings.model_copy(update={"v_clip_grid": (1.0,)})  # values are not compared: a short search
+    out = {}
+    for name, rot in (("attention_aware", k_rot), ("hadamard", with_hadamard_keys(k_rot, layer_ids, layer_ids))):
+        fits = _fit_all(stats, layer_ids, rot, v_rot, keys_only, means=means, o_weights=o_weights)
+        for layer in layer_ids:
+            out.setdefault(str(layer), {})[name] = float(fits[layer].k_errors.min(dim=0).values.mean())
+    print("layer  key error: attention-aware  hadamard  ratio")
+    for layer, e in out.items():
+        e["ratio"] = e["hadamard"] / e["attention_aware"] if e["attention_aware"] > 0 else float("nan")
+        print(f"{int(layer):5d}  {e['attention_aware']:.4g}  {e['hadamard']:.4g}  {e['ratio']:.3f}")
+    return out
 
 
 if __name__ == "__main__":

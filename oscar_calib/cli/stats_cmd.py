@@ -82,7 +82,7 @@ def refit_cmd(
     try:
         settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
                                    center_values, sink, recent, group_size, scale_dtype,
-                                   clip, quantizer)
+                                   clip, quantizer, hadamard_key_mass)
     except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
         raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):
