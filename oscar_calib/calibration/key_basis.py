@@ -7,7 +7,8 @@ hardest. On SmolLM2-135M at its 8K context the layers whose attention-aware keys
 those whose queries put the most attention on the history (docs/recipe.md, the history-mass table); the Hadamard
 rotation, which spreads the error evenly over every direction, buys retrieval back there. So each layer whose
 held-out queries put more than a threshold of their attention on the history takes the Hadamard key rotation,
-with key clips fitted for it like any other.
+with key clips fitted for it like any other. It is off by default (`--hadamard-key-mass 1`): at 0.25 it buys 8
+points of passkey retrieval on that model for 2.3 points of perplexity, which the default does not spend.
 """
 
 from __future__ import annotations
