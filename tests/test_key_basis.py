@@ -16,15 +16,35 @@ from oscar_calib.config import SolverSettings
 SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
 
 
-def test_history_mass_matches_the_audit_on_every_query():
-    """Held-out queries at every position against the audit's own per-head mass (a separate implementation:
-    it indexes a full query tensor and spreads its picks with linspace), at the scale 1 / sqrt(d) both assume."""
+def test_history_mass_against_a_per_query_loop():
+    """Each KV head's mass against an explicit loop over its group's held-out queries (causal softmax in fp64,
+    summed over the keys neither window keeps), with queries before sink + recent left out."""
     gen = torch.Generator().manual_seed(0)
     s, h_kv, g, t, d, sink, recent = 2, 2, 3, 40, 16, 4, 8
     keys = torch.randn(s, h_kv, t, d, generator=gen) * 2
-    queries = torch.randn(s, h_kv * g, t, d, generator=gen) * 2
-    positions = torch.arange(t).expand(s, t)
+    positions = torch.tensor([[3, 11, 12, 20, 39], [0, 12, 25, 30, 38]])  # 3, 11, 0: no history
+    queries = torch.randn(s, h_kv * g, positions.shape[1], d, generator=gen) * 2
     got = holdout_history_mass(keys, queries, positions, d ** -0.5, sink, recent)
+    for h in range(h_kv):
+        want = []
+        for i in range(s):
+            for j, p in enumerate(positions[i].tolist()):
+                if p < sink + recent:
+                    continue
+                for qh in range(h * g, (h + 1) * g):
+                    w = torch.softmax(keys[i, h, :p + 1].double() @ queries[i, qh, j].double() / d ** 0.5, 0)
+                    want.append(float(w[sink:p + 1 - recent].sum()))
+        assert got[h].item() == pytest.approx(sum(want) / len(want), rel=1e-5)
+
+
+def test_the_audit_reports_the_same_mass():
+    """`oscar-calib audit`'s per-head mass (every query of a full capture) and calibration's (given held-out
+    positions) are one statistic: with every position held out they agree."""
+    gen = torch.Generator().manual_seed(1)
+    s, h_kv, g, t, d, sink, recent = 2, 2, 3, 40, 16, 4, 8
+    keys = torch.randn(s, h_kv, t, d, generator=gen) * 2
+    queries = torch.randn(s, h_kv * g, t, d, generator=gen) * 2
+    got = holdout_history_mass(keys, queries, torch.arange(t).expand(s, t), d ** -0.5, sink, recent)
     for h in range(h_kv):
         want = history_mass(queries[:, h * g:(h + 1) * g], keys[:, h], sink, recent, max_queries=10**6)
         assert got[h].item() == pytest.approx(want, rel=1e-5)

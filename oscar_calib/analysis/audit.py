@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_calib.calibration.key_basis import history_share
 from oscar_calib.errors import InputError
 from oscar_calib.interception import AttentionInterception
 from runtime_kernels.artifact import (
@@ -173,10 +174,7 @@ def history_mass(q: torch.Tensor, k: torch.Tensor, sink: int, recent: int, max_q
     seq, rest = picks // (g * pos.numel()), picks % (g * pos.numel())
     head, p = rest // pos.numel(), pos[rest % pos.numel()]
     scores = torch.einsum("qd,qtd->qt", q[seq, head, p].double(), k[seq].double()) / math.sqrt(d)
-    tokens = torch.arange(t)
-    probs = scores.masked_fill(tokens[None] > p[:, None], float("-inf")).softmax(-1)
-    hist = (tokens[None] >= sink) & (tokens[None] < (p[:, None] + 1 - recent))
-    return float((probs * hist).sum(-1).mean())
+    return float(history_share(scores, p, sink, recent).mean())
 
 
 def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -16,6 +16,16 @@ from __future__ import annotations
 import torch
 
 
+def history_share(scores: torch.Tensor, positions: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Each query's causal softmax weight on the INT2 history: `scores` `[..., m, T]` (scaled logits of queries at
+    `positions` `[m]` against keys 0..T-1) -> `[..., m]`, the weight on keys at `[sink, p + 1 - recent)`.
+    The one definition of the history mass (`oscar-calib audit` reports it per head too)."""
+    tokens = torch.arange(scores.shape[-1], device=scores.device)
+    p = positions.to(scores.device)[:, None]
+    probs = scores.masked_fill(tokens > p, float("-inf")).softmax(-1)
+    return (probs * ((tokens >= sink) & (tokens < p + 1 - recent))).sum(-1)
+
+
 def holdout_history_mass(keys: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, scaling: float,
                          sink: int, recent: int) -> torch.Tensor | None:
     """Each KV head's mean share of attention on the INT2 history, over its held-out queries that have one.
@@ -30,24 +40,18 @@ def holdout_history_mass(keys: torch.Tensor, queries: torch.Tensor, positions: t
     Returns:
         `[H_kv]` float64, or None when no held-out query has a history (the sequence fits in the windows).
     """
-    s, h_kv, t, _ = keys.shape
+    s, h_kv, _, _ = keys.shape
     group = queries.shape[1] // h_kv
-    first = sink + recent
-    tokens = torch.arange(t, device=keys.device)
     total = torch.zeros(h_kv, dtype=torch.float64)
     count = 0
     for i in range(s):
-        has = positions[i] >= first
+        has = positions[i] >= sink + recent
         if not bool(has.any()):
             continue
-        p = positions[i][has].to(keys.device)  # [m]
-        hist = (tokens[None] >= sink) & (tokens[None] < (p[:, None] + 1 - recent))  # [m, T]
-        causal = tokens[None] > p[:, None]
         for h in range(h_kv):  # one KV head at a time: [G, m, T] scores stay small at long context
-            q = queries[i, h * group:(h + 1) * group][:, has].float()
+            q = queries[i, h * group:(h + 1) * group][:, has.to(queries.device)].float()
             scores = torch.einsum("gmd,td->gmt", q, keys[i, h].float()) * scaling
-            probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-            total[h] += float((probs * hist).sum(-1).double().sum())
+            total[h] += float(history_share(scores, positions[i][has], sink, recent).double().sum())
         count += int(has.sum()) * group
     return total / count if count else None
 
