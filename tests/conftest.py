@@ -1,10 +1,31 @@
-"""Test setup: Triton runs in its CPU interpreter when there is no GPU (must be set before triton is imported)."""
+"""Test setup: Triton runs in its CPU interpreter when there is no GPU (must be set before triton is imported), and
+numpy's BLAS runs one kernel on every x86-64 machine (must be set before numpy is imported)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import sys
+from pathlib import Path
 
-import torch
+
+def _pin_blas_kernel() -> None:
+    """The interpreter computes `tl.dot` with numpy's OpenBLAS, which picks its matmul kernel by CPU (AVX2 or AVX-512),
+    and the kernels sum in different orders: the decode outputs then differ in their last bits between machines, and
+    tests that compare recorded bits (tests/test_decode_bitwise.py) hold on one kind only. Every x86-64 CPU with AVX2
+    runs OpenBLAS's Haswell kernel and numpy's AVX2 loops, so they are the ones chosen wherever they can run."""
+    if "numpy" in sys.modules:
+        return  # too late: OpenBLAS chose its kernel when numpy was imported
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if platform.machine() in ("x86_64", "AMD64") and " avx2" in flags:
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
+        # numpy's own loops (exp, sums) dispatch to AVX-512 versions where the CPU has them: keep them at AVX2 too.
+        os.environ.setdefault("NPY_DISABLE_CPU_FEATURES", "X86_V4 AVX512_ICL AVX512_SPR")
+
+
+_pin_blas_kernel()
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

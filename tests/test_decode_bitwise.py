@@ -2,7 +2,10 @@
 
 `tests/data/decode_reference.safetensors` holds inputs and outputs recorded under TRITON_INTERPRET=1 by a throw-away
 script (`git show b5e2c6b:tests/data/make_decode_reference.py`), run at commit b5e2c6b, whose kernels are those of
-main at 90430f9, i.e. before the kernel folder was rebuilt. The cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8 and fp16 scores,
+main at 90430f9, i.e. before the kernel folder was rebuilt; re-recorded there on 2026-12-04 with numpy's OpenBLAS
+pinned to its Haswell kernel, as tests/conftest.py pins it (the interpreter's dots go through OpenBLAS, whose
+AVX2 and AVX-512 kernels round differently, so bits recorded on one kind of CPU did not hold on the other). The
+cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8 and fp16 scores,
 paired and separate V pools) and a masked tail, one and several splits, the one- and two-launch grid, history-only
 calls, empty histories and the fallback kernel (fp32 queries, 32-channel scale groups). On the GPU the same claim
 is checked by `bench/compare_decode_bitwise.py` at docs/kernels.md's decode points.
