@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", action="store_true", help="held-out key error of each basis, per layer (slow on a CPU)")
     args = p.parse_args(argv)
 
-    from oscar_calib.calibration.calibrate import history_hadamard_keys
+    from oscar_calib.calibration.calibrate import history_masses
     from oscar_calib.calibration.job import layer_list
     from oscar_calib.calibration.key_basis import hadamard_key_layers
     from oscar_calib.calibration.stats_file import load_statistics
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stats = load_statistics(args.stats)
     windows = {k: v for k, v in (("sink_tokens", args.sink), ("recent_tokens", args.recent)) if v is not None}
-    masses, _ = history_hadamard_keys(stats, stats.layer_ids, SolverSettings(hadamard_key_mass=0.0, **windows))
+    settings = SolverSettings(**windows)
+    masses = history_masses(stats, stats.layer_ids, settings.sink_tokens, settings.recent_tokens)
     mean = {layer: (None if m is None else round(float(m.mean()), 4)) for layer, m in masses.items()}
     print("layer  mass (mean of KV heads; per head)")
     for layer, m in masses.items():
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--hadamard-key-mass {tau:g}: layers {layer_list(layers) or 'none'}")
     report = {"stats": str(args.stats), "history_mass": mean, "hadamard_layers": picks}
     if args.costs:
-        report["key_error"] = key_costs(stats, SolverSettings(**windows))
+        report["key_error"] = key_costs(stats, settings)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

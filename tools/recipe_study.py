@@ -409,13 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     for spec, layers in key_layer_sets:
         add(f"{first}, hadamard keys in layers {spec}", with_hadamard("k", layers), arts[first].quantizer)
     if key_head_masses:
-        from oscar_calib.calibration.key_basis import holdout_history_mass
+        from oscar_calib.calibration.calibrate import history_masses
 
         st = caps["stats2k/fitlong"]
-        masses = {}
-        for layer in st.layer_ids:
-            keys, _, queries, positions = st.holdout[layer].stacked()
-            masses[layer] = holdout_history_mass(keys, queries, positions, st.scaling, SINK, RECENT)
+        masses = history_masses(st, st.layer_ids, SINK, RECENT)
         for tau in key_head_masses:
             heads = {i: (m > tau) if m is not None else torch.zeros(st.geometry[1], dtype=torch.bool)
                      for i, m in masses.items()}

@@ -390,17 +390,22 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     return artifact, report
 
 
-def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSettings
-                          ) -> tuple[dict[int, torch.Tensor | None], list[int]]:
-    """Each layer's held-out history mass `{layer: [H_kv] or None}` under the settings' windows, and the layers
-    whose keys take the Hadamard rotation (mass above `settings.hadamard_key_mass`; none when it is 1)."""
+def history_masses(session, layer_ids: list[int], sink: int, recent: int) -> dict[int, torch.Tensor | None]:
+    """Each layer's held-out history mass `{layer: [H_kv] or None}` (key_basis) under windows sink / recent."""
     masses = {}
-    if settings.hadamard_key_mass >= 1.0:
-        return masses, []
     for layer in layer_ids:
         keys, _, queries, positions = session.holdout[layer].stacked()
-        masses[layer] = holdout_history_mass(keys, queries, positions, session.scaling, settings.sink_tokens,
-                                             settings.recent_tokens)
+        masses[layer] = holdout_history_mass(keys, queries, positions, session.scaling, sink, recent)
+    return masses
+
+
+def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSettings
+                          ) -> tuple[dict[int, torch.Tensor | None], list[int]]:
+    """The history masses under the settings' windows and the layers whose keys take the Hadamard rotation (mass
+    above `settings.hadamard_key_mass`); neither is computed when it is 1."""
+    if settings.hadamard_key_mass >= 1.0:
+        return {}, []
+    masses = history_masses(session, layer_ids, settings.sink_tokens, settings.recent_tokens)
     return masses, hadamard_key_layers(masses, settings.hadamard_key_mass)
 
 
