@@ -17,7 +17,7 @@ from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
 # (oscar_calib.calibration.clipfit), so no fitted ratio sits at the edge of what was searched.
 DEFAULT_K_CLIP_GRID: tuple[float, ...] = (0.94, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
 DEFAULT_V_CLIP_GRID: tuple[float, ...] = (0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
-# History mass above which a layer's keys take the Hadamard rotation (oscar_calib.calibration.key_basis);
+# History mass above which a KV head's keys take the Hadamard rotation (oscar_calib.calibration.key_basis);
 # 1.0 = never, the attention-aware rotation everywhere. Chosen on SmolLM2-135M at 8K (docs/recipe.md).
 DEFAULT_HADAMARD_KEY_MASS = 1.0
 
@@ -71,9 +71,9 @@ class SolverSettings(_Strict):
                                          "far-token retrieval).")
     hadamard_key_mass: float = Field(
         DEFAULT_HADAMARD_KEY_MASS, ge=0.0, le=1.0,
-        description="Keys take the Hadamard rotation (clips fitted for it) in layers whose held-out queries put more "
-                    "than this share of their attention on the INT2 history (the tokens neither BF16 window keeps); "
-                    "1 = the attention-aware rotation in every layer (docs/recipe.md).")
+        description="Keys take the Hadamard rotation (clips fitted for it) in KV heads whose held-out queries put "
+                    "more than this share of their attention on the INT2 history (the tokens neither BF16 window keeps); "
+                    "1 = the attention-aware rotation in every head (docs/recipe.md).")
     # The KV format fields (`kv_format()` turns them into the one value; their defaults are DEFAULT_FORMAT's).
     center_keys: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated per-(layer, KV head) key "
                                                                    "mean before quantizing (exact for attention: "

@@ -9,7 +9,8 @@ from tiny_models import tiny_model
 
 from oscar_calib.analysis.audit import history_mass
 from oscar_calib.calibration.calibrate import calibrate_model_with_report
-from oscar_calib.calibration.key_basis import hadamard_key_layers, holdout_history_mass
+from oscar_calib.calibration.job import head_list
+from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import hadamard
 from oscar_calib.config import SolverSettings
 
@@ -67,11 +68,15 @@ def test_history_mass_of_constructed_attention():
     assert holdout_history_mass(keys, queries, torch.tensor([[1, 2, 3]]), 1.0, sink, recent) is None
 
 
-def test_layers_above_the_threshold():
-    masses = {0: torch.tensor([0.32, 0.2]), 1: torch.tensor([0.1, 0.1]), 2: None, 3: torch.tensor([0.25, 0.25])}
-    assert hadamard_key_layers(masses, 0.25) == [0]  # above, not at: layer 3 sits on it
-    assert hadamard_key_layers(masses, 0.0) == [0, 1, 3]
-    assert hadamard_key_layers(masses, 1.0) == []
+def test_heads_above_the_threshold():
+    masses = {0: torch.tensor([0.32, 0.2]), 1: torch.tensor([0.1, 0.1]), 2: None, 3: torch.tensor([0.25, 0.26])}
+    assert hadamard_key_heads(masses, 0.25) == {0: [0], 3: [1]}  # above, not at: head 3:0 sits on it
+    assert hadamard_key_heads(masses, 0.0) == {0: [0, 1], 1: [0, 1], 3: [0, 1]}
+    assert hadamard_key_heads(masses, 1.0) == {}
+
+
+def test_head_list_names_layers_and_head_ranges():
+    assert head_list({0: [0], 5: [1, 2], 7: [0, 2, 3]}) == "0:0, 5:1-2, 7:0,2-3"
 
 
 def _calibrate(settings):
@@ -83,37 +88,44 @@ def _calibrate(settings):
 def test_threshold_zero_rotates_every_key_by_hadamard_and_keeps_values():
     base, _ = _calibrate(SMALL)
     art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": 0.0}))
-    assert report.hadamard_key_layers == [0, 1, 2]
+    every = {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    assert report.hadamard_key_heads == every
     h = hadamard(64).float()
     assert torch.equal(art.k_rotation, h.expand_as(art.k_rotation))
     assert torch.equal(art.v_rotation, base.v_rotation) and torch.equal(art.v_clip_ratio, base.v_clip_ratio)
     assert torch.equal(art.k_mean, base.k_mean)
     basis = json.loads(art.metadata["calibration"])["key_basis"]
-    assert basis["hadamard_layers"] == [0, 1, 2] and basis["hadamard_key_mass"] == 0.0
-    assert all(0.0 < m < 1.0 for m in basis["history_mass"].values())
-    assert report.summary()["hadamard_key_layers"] == [0, 1, 2]
+    assert basis["hadamard_heads"] == {str(k): v for k, v in every.items()} and basis["hadamard_key_mass"] == 0.0
+    assert all(len(m) == 2 and all(0.0 < x < 1.0 for x in m) for m in basis["history_mass"].values())
+    assert report.summary()["hadamard_key_heads"] == {str(k): v for k, v in every.items()}
 
 
-def test_threshold_between_layers_picks_exactly_the_layers_above_it():
-    """The recorded per-layer masses decide: a threshold between them rotates exactly the layers above it."""
+def test_threshold_between_heads_swaps_exactly_the_heads_above_it():
+    """The recorded per-head masses decide: a threshold between them rotates exactly the KV heads above it, and every
+    other head keeps the default's key rotation and key clip (a head's clip fit reads its own rotation only)."""
     art0, _ = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": 0.0}))
     masses = {int(k): v for k, v in json.loads(art0.metadata["calibration"])["key_basis"]["history_mass"].items()}
-    lo, hi = sorted(masses.values())[0], sorted(masses.values())[-1]
-    assert hi - lo > 1e-3, masses
-    tau = (lo + hi) / 2
+    flat = sorted(x for m in masses.values() for x in m)
+    assert flat[-1] - flat[0] > 1e-3, masses
+    tau = (flat[len(flat) // 2 - 1] + flat[len(flat) // 2]) / 2  # half the heads above it
     base, _ = _calibrate(SMALL)
     art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": tau}))
-    assert report.hadamard_key_layers == sorted(i for i, m in masses.items() if m > tau)
+    want_heads = {i: [j for j, x in enumerate(m) if x > tau] for i, m in masses.items()}
+    assert report.hadamard_key_heads == {i: hs for i, hs in want_heads.items() if hs}
+    assert sum(map(len, report.hadamard_key_heads.values())) == len(flat) // 2
     h = hadamard(64).float()
     for a in range(3):
-        want = h.expand_as(art.k_rotation[a]) if a in report.hadamard_key_layers else base.k_rotation[a]
-        assert torch.equal(art.k_rotation[a], want), a
+        for j in range(2):
+            swapped = j in want_heads[a]
+            assert torch.equal(art.k_rotation[a, j], h if swapped else base.k_rotation[a, j]), (a, j)
+            if not swapped:
+                assert torch.equal(art.k_clip_ratio[a, j], base.k_clip_ratio[a, j]), (a, j)
 
 
 def test_default_keeps_the_attention_aware_keys():
     art, report = _calibrate(SMALL)
-    assert report.hadamard_key_layers == []
-    assert json.loads(art.metadata["calibration"])["key_basis"]["hadamard_layers"] == []
+    assert report.hadamard_key_heads == {}
+    assert json.loads(art.metadata["calibration"])["key_basis"]["hadamard_heads"] == {}
     assert not torch.allclose(art.k_rotation[0, 0], hadamard(64).float(), atol=1e-3)
 
 

@@ -128,13 +128,13 @@ def test_refit_reproduces_the_run_byte_for_byte(reference, tmp_path, monkeypatch
     assert code == 0, stderr
     art = read_artifact(tmp_path / "l")
     assert art.metadata["granularity"] == "layer" and torch.equal(art.k_rotation[:, 0], art.k_rotation[:, 1])
-    # --hadamard-key-mass reaches the refit: at 0 every layer whose queries read the history takes Hadamard keys.
+    # --hadamard-key-mass reaches the refit: at 0 every KV head whose queries read the history takes Hadamard keys.
     code, _, stderr = run_cli(["refit", str(reference), "--out", str(tmp_path / "h"), "--hadamard-key-mass", "0",
                                *WINDOWS], monkeypatch, capsys)
     assert code == 0, stderr
     art, ref = read_artifact(tmp_path / "h"), read_artifact(reference)
-    chosen = json.loads(art.metadata["calibration"])["key_basis"]["hadamard_layers"]
-    assert chosen == [0, 1]
+    chosen = json.loads(art.metadata["calibration"])["key_basis"]["hadamard_heads"]
+    assert chosen == {"0": [0, 1], "1": [0, 1]}
     assert torch.equal(art.k_rotation, hadamard(64).float().expand_as(art.k_rotation))
     assert torch.equal(art.v_rotation, ref.v_rotation)
     log = json.loads((reference / "calibration_log.json").read_text())

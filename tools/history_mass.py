@@ -1,4 +1,4 @@
-"""Each layer's INT2-history attention mass from a statistics file, and the layers each threshold would give
+"""Each KV head's INT2-history attention mass from a statistics file, and the heads each threshold would give
 Hadamard keys (`oscar-calib run/refit --hadamard-key-mass`): the numbers behind docs/recipe.md's threshold.
 
     python3 tools/history_mass.py ART/oscar_stats.safetensors --thresholds 0.2,0.25,0.3 [--json OUT.json] [--costs]
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from oscar_calib.calibration.calibrate import history_masses
-    from oscar_calib.calibration.job import layer_list
-    from oscar_calib.calibration.key_basis import hadamard_key_layers
+    from oscar_calib.calibration.job import head_list
+    from oscar_calib.calibration.key_basis import hadamard_key_heads
     from oscar_calib.calibration.stats_file import load_statistics
     from oscar_calib.config import SolverSettings
 
@@ -36,16 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     windows = {k: v for k, v in (("sink_tokens", args.sink), ("recent_tokens", args.recent)) if v is not None}
     settings = SolverSettings(**windows)
     masses = history_masses(stats, stats.layer_ids, settings.sink_tokens, settings.recent_tokens)
-    mean = {layer: (None if m is None else round(float(m.mean()), 4)) for layer, m in masses.items()}
+    per_head = {layer: (None if m is None else [round(float(x), 4) for x in m]) for layer, m in masses.items()}
     print("layer  mass (mean of KV heads; per head)")
     for layer, m in masses.items():
         print(f"{layer:5d}  " + ("-" if m is None else f"{float(m.mean()):.3f}  " + " ".join(f"{x:.3f}" for x in m)))
     picks = {}
     for tau in (float(t) for t in args.thresholds.split(",")):
-        layers = hadamard_key_layers(masses, tau)
-        picks[str(tau)] = layers
-        print(f"--hadamard-key-mass {tau:g}: layers {layer_list(layers) or 'none'}")
-    report = {"stats": str(args.stats), "history_mass": mean, "hadamard_layers": picks}
+        heads = hadamard_key_heads(masses, tau)
+        picks[str(tau)] = {str(layer): hs for layer, hs in heads.items()}
+        n = sum(map(len, heads.values()))
+        print(f"--hadamard-key-mass {tau:g}: {n} KV heads (layer:heads) {head_list(heads) or 'none'}")
+    report = {"stats": str(args.stats), "history_mass": per_head, "hadamard_heads": picks}
     if args.costs:
         report["key_error"] = key_costs(stats, settings)
     if args.json:
@@ -64,7 +65,8 @@ def key_costs(stats, settings) -> dict[str, dict[str, float]]:
     o_weights = stats.o_weights if settings.key_clip_objective == "block_out" else None
     keys_only = settings.model_copy(update={"v_clip_grid": (1.0,)})  # values are not compared: a short search
     out = {}
-    for name, rot in (("attention_aware", k_rot), ("hadamard", with_hadamard_keys(k_rot, layer_ids, layer_ids))):
+    every = {layer: list(range(k_rot.shape[1])) for layer in layer_ids}
+    for name, rot in (("attention_aware", k_rot), ("hadamard", with_hadamard_keys(k_rot, layer_ids, every))):
         fits = _fit_all(stats, layer_ids, rot, v_rot, keys_only, means=means, o_weights=o_weights)
         for layer in layer_ids:
             out.setdefault(str(layer), {})[name] = float(fits[layer].k_errors.min(dim=0).values.mean())

@@ -111,10 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows of the first --artifact with the fitted Hadamard row's keys (rotation, clips, means) in "
                         "the given layers only, one row per ';'-separated set of ','-separated ranges (e.g. "
                         "'0-14;15-29;0,3-8'): where in depth does the key rotation cost retrieval?")
-    p.add_argument("--hadamard-key-heads", default="", metavar="T;...",
-                   help="rows of the first --artifact with the fitted Hadamard row's keys in the KV heads (not layers) "
-                        "whose held-out queries put more than T of their attention on the INT2 history (the "
-                        "calibration capture's held-out sequence, as `--hadamard-key-mass` measures layers)")
     p.add_argument("--key-gain", action="store_true",
                    help="a row of the first --artifact with the unbiased quantizer on keys only (values as stored)")
     p.add_argument("--window-aware-keys", action="store_true",
@@ -125,19 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    if (args.floors or args.ceilings or args.mixed or args.hadamard_key_layers or args.hadamard_key_heads
+    if (args.floors or args.ceilings or args.mixed or args.hadamard_key_layers
             or args.key_gain or args.window_aware_keys) and not args.artifact:
-        p.error("--floors, --ceilings, --mixed, --hadamard-key-layers, --hadamard-key-heads, --key-gain and "
+        p.error("--floors, --ceilings, --mixed, --hadamard-key-layers, --key-gain and "
                 "--window-aware-keys change the first --artifact's tables: give --artifact NAME=DIR")
     try:
         key_layer_sets = [parse_layer_set(part) for part in filter(None, args.hadamard_key_layers.split(";"))]
     except ValueError:
         p.error(f"--hadamard-key-layers: expected sets of ranges like '0-14;15-29;0,3-8', got "
                 f"{args.hadamard_key_layers!r}")
-    try:
-        key_head_masses = [float(t) for t in filter(None, args.hadamard_key_heads.split(";"))]
-    except ValueError:
-        p.error(f"--hadamard-key-heads: expected thresholds like '0.3;0.35', got {args.hadamard_key_heads!r}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -331,18 +323,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     t.k_clip, t.v_clip = t.k_clip.clamp_max(kf), t.v_clip.clamp_max(vf)
             add(f"{first}, clip {bound} {kf:g}/{vf:g}", tabs, arts[first].quantizer)
-    def with_hadamard(side: str, layers: list[int] | None, heads: dict[int, torch.Tensor] | None = None) -> dict:
+    def with_hadamard(side: str, layers: list[int] | None) -> dict:
         """The first artifact's tables with one side's rotation, fitted clips and means taken from the fitted
-        Hadamard row, in `layers` (None: every layer), or in the KV heads `heads[layer]` (`[H_kv]` bool) marks.
-        Both rows are centered."""
+        Hadamard row, in `layers` (None: every layer). Both rows are centered."""
         own = tables_of(first, centered=True)
 
         def pick(i: int, o: LayerTables, h: LayerTables, field: str) -> torch.Tensor | None:
             if not field.startswith(side):
                 return getattr(o, field)
-            if heads is not None:
-                mark = heads[i].reshape(-1, *([1] * (getattr(o, field).dim() - 1)))
-                return torch.where(mark, getattr(h, field), getattr(o, field))
             return getattr(h if (layers is None or i in layers) else o, field)
         return {i: LayerTables(*(pick(i, o, h, f) for f in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_mean",
                                                              "v_mean")))
@@ -408,19 +396,6 @@ def main(argv: list[str] | None = None) -> int:
                 arts[first].quantizer)
     for spec, layers in key_layer_sets:
         add(f"{first}, hadamard keys in layers {spec}", with_hadamard("k", layers), arts[first].quantizer)
-    if key_head_masses:
-        from oscar_calib.calibration.calibrate import history_masses
-
-        st = caps["stats2k/fitlong"]
-        masses = history_masses(st, st.layer_ids, SINK, RECENT)
-        for tau in key_head_masses:
-            heads = {i: (m > tau) if m is not None else torch.zeros(st.geometry[1], dtype=torch.bool)
-                     for i, m in masses.items()}
-            chosen = [(i, int(j)) for i, mark in heads.items() for j in mark.nonzero().flatten()]
-            fits[f"{first}, hadamard keys in heads above {tau:g}"] = {"heads": chosen}
-            log(f"hadamard keys in heads above {tau:g}: {len(chosen)} heads {chosen}")
-            add(f"{first}, hadamard keys in heads above {tau:g}", with_hadamard("k", None, heads),
-                arts[first].quantizer)
     if args.key_gain:
         add(f"{first}, unbiased keys", tables_of(first, centered=bool(arts[first].key_mean("original").any())),
             "uniform_unbiased", arts[first].quantizer)

@@ -26,7 +26,7 @@ from oscar_calib.calibration.capture import (
     unsupported_attention_reason,
 )
 from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
-from oscar_calib.calibration.key_basis import hadamard_key_layers, holdout_history_mass
+from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import solve_rotations
 from oscar_calib.calibration.stats import LayerStats
 from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
@@ -56,7 +56,7 @@ class CalibrationReport:
     comparison: dict[str, dict[str, float]] = field(default_factory=dict)
     key_objective: str = "attn_kl"
     means: tuple[torch.Tensor, torch.Tensor] | None = None  # ([A, H_kv, d], [A, H_kv, d]) model basis
-    hadamard_key_layers: list[int] = field(default_factory=list)  # keys rotated by Hadamard (key_basis)
+    hadamard_key_heads: dict[int, list[int]] = field(default_factory=dict)  # {layer: KV heads} keys by Hadamard
 
     def summary(self) -> dict:
         """JSON-ready headline numbers: mean held-out errors at the fitted ratios vs the global ratios and no clip."""
@@ -85,7 +85,7 @@ class CalibrationReport:
             "v_clip_ratio_min": float(v_ratios.min()),
             "clip_at_grid_edge": edges,
             "alternatives": self.comparison,
-            "hadamard_key_layers": self.hadamard_key_layers,
+            "hadamard_key_heads": {str(k): v for k, v in self.hadamard_key_heads.items()},
         }
 
 
@@ -362,8 +362,9 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
-    calib["key_basis"] = {"hadamard_layers": key_hadamard, "hadamard_key_mass": settings.hadamard_key_mass,
-                          "history_mass": {str(i): round(float(m.mean()), 4) for i, m in masses.items()
+    calib["key_basis"] = {"hadamard_heads": {str(i): hs for i, hs in key_hadamard.items()},
+                          "hadamard_key_mass": settings.hadamard_key_mass,
+                          "history_mass": {str(i): [round(float(x), 4) for x in m] for i, m in masses.items()
                                            if m is not None}}
     # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
     k_mean = (means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous()
@@ -386,7 +387,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
                                holdout_tokens=holdout_tokens, timings=timings, fits=fits,
                                k_grid=settings.k_clip_grid, v_grid=settings.v_clip_grid, comparison=comparison,
                                means=means,
-                               key_objective=settings.key_clip_objective, hadamard_key_layers=key_hadamard)
+                               key_objective=settings.key_clip_objective, hadamard_key_heads=key_hadamard)
     return artifact, report
 
 
@@ -400,25 +401,25 @@ def history_masses(session, layer_ids: list[int], sink: int, recent: int) -> dic
 
 
 def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSettings
-                          ) -> tuple[dict[int, torch.Tensor | None], list[int]]:
-    """The history masses under the settings' windows and the layers whose keys take the Hadamard rotation (mass
-    above `settings.hadamard_key_mass`); neither is computed when it is 1."""
+                          ) -> tuple[dict[int, torch.Tensor | None], dict[int, list[int]]]:
+    """The history masses under the settings' windows and the KV heads whose keys take the Hadamard rotation (mass
+    above `settings.hadamard_key_mass`, `{layer: [heads]}`); neither is computed when it is 1."""
     if settings.hadamard_key_mass >= 1.0:
-        return {}, []
+        return {}, {}
     masses = history_masses(session, layer_ids, settings.sink_tokens, settings.recent_tokens)
-    return masses, hadamard_key_layers(masses, settings.hadamard_key_mass)
+    return masses, hadamard_key_heads(masses, settings.hadamard_key_mass)
 
 
-def with_hadamard_keys(k_rot: torch.Tensor, layer_ids: list[int], layers: list[int]) -> torch.Tensor:
-    """`k_rot` `[A, H_kv, d, d]` with every head of `layers` rotated by the normalised Hadamard matrix."""
-    if not layers:
+def with_hadamard_keys(k_rot: torch.Tensor, layer_ids: list[int], heads: dict[int, list[int]]) -> torch.Tensor:
+    """`k_rot` `[A, H_kv, d, d]` with the KV heads `heads[layer]` rotated by the normalised Hadamard matrix."""
+    if not heads:
         return k_rot
     from oscar_calib.calibration.solve import hadamard
 
     out = k_rot.clone()
     h = hadamard(k_rot.shape[-1]).to(k_rot.dtype)
-    for layer in layers:
-        out[layer_ids.index(layer)] = h
+    for layer, hs in heads.items():
+        out[layer_ids.index(layer), hs] = h
     return out
 
 

@@ -343,9 +343,10 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
     k, v = summary["key_error"], summary["value_rel_out_err"]
     console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
                   f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")
-    if report.hadamard_key_layers:
-        console.print(f"keys rotated by Hadamard in layers {layer_list(report.hadamard_key_layers)} (INT2-history "
-                      f"attention share above {config.solver.hadamard_key_mass:g})")
+    if report.hadamard_key_heads:
+        n = sum(map(len, report.hadamard_key_heads.values()))
+        console.print(f"keys rotated by Hadamard in {n} KV heads (layer:heads {head_list(report.hadamard_key_heads)};"
+                      f" INT2-history attention share above {config.solver.hadamard_key_mass:g})")
     return out_dir
 
 
@@ -358,6 +359,11 @@ def layer_list(layers: list[int]) -> str:
         else:
             runs.append([layer, layer])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def head_list(heads: dict[int, list[int]]) -> str:
+    """{0: [0], 5: [1, 2]} -> '0:0, 5:1-2' (layer:KV heads)."""
+    return ", ".join(f"{layer}:{layer_list(hs).replace(', ', ',')}" for layer, hs in heads.items())
 
 
 def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, data, batch_size: int,

@@ -1,14 +1,14 @@
-"""Where keys take the Hadamard rotation instead of the attention-aware one: the layers that read the INT2 history.
+"""Where keys take the Hadamard rotation instead of the attention-aware one: the KV heads that read the INT2 history.
 
 The attention-aware key basis (`R = U H P` of the query-moment target) spends its precision on the directions the
 *average* calibration query reads. Key error reaches a query only through the attention it puts on the INT2
 history (the tokens neither BF16 window keeps), and a retrieval query, which is not average, reads that history
 hardest. On SmolLM2-135M at its 8K context the layers whose attention-aware keys cost passkey retrieval are among
 those whose queries put the most attention on the history (docs/recipe.md, the history-mass table); the Hadamard
-rotation, which spreads the error evenly over every direction, buys retrieval back there. So each layer whose
-held-out queries put more than a threshold of their attention on the history takes the Hadamard key rotation,
-with key clips fitted for it like any other. It is off by default (`--hadamard-key-mass 1`): at 0.25 it buys 8
-points of passkey retrieval on that model for 2.3 points of perplexity, which the default does not spend.
+rotation, which spreads the error evenly over every direction, buys retrieval back there. So each KV head whose
+held-out queries (its GQA group's) put more than a threshold of their attention on the history takes the Hadamard
+key rotation, with key clips fitted for it like any other; its values and every other head keep their bases.
+Heads, not layers: within a layer the masses differ by up to 2x, and a swap costs perplexity wherever it is made.
 """
 
 from __future__ import annotations
@@ -56,7 +56,14 @@ def holdout_history_mass(keys: torch.Tensor, queries: torch.Tensor, positions: t
     return total / count if count else None
 
 
-def hadamard_key_layers(masses: dict[int, torch.Tensor | None], threshold: float) -> list[int]:
-    """Layers whose KV heads' mean history mass (`masses[layer]` `[H_kv]`) exceeds `threshold`, ascending.
-    A layer without a history (None) keeps the attention-aware basis."""
-    return sorted(layer for layer, m in masses.items() if m is not None and float(m.mean()) > threshold)
+def hadamard_key_heads(masses: dict[int, torch.Tensor | None], threshold: float) -> dict[int, list[int]]:
+    """`{layer: [KV heads]}` (ascending, layers with none left out) whose history mass (`masses[layer]` `[H_kv]`)
+    exceeds `threshold`. A layer without a history (None) keeps the attention-aware basis."""
+    out = {}
+    for layer in sorted(masses):
+        m = masses[layer]
+        heads = [] if m is None else [int(h) for h in (m > threshold).nonzero().flatten()]
+        if heads:
+            out[layer] = heads
+    return out
+

@@ -105,9 +105,9 @@ QuantizerOpt = Annotated[Quantizer, typer.Option(
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
 HadamardKeyMassOpt = Annotated[float, typer.Option(
     "--hadamard-key-mass", min=0.0, max=1.0,
-    help="Keys take the Hadamard rotation in layers whose held-out queries put more than this share of their "
+    help="Keys take the Hadamard rotation in KV heads whose held-out queries put more than this share of their "
          "attention on the INT2 history (the tokens neither BF16 window keeps): those queries are the ones key error "
-         "reaches; 1 = the attention-aware rotation in every layer.")]
+         "reaches; 1 = the attention-aware rotation in every head.")]
 
 
 def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
