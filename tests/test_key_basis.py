@@ -12,9 +12,10 @@ from oscar_calib.calibration.calibrate import calibrate_model_with_report
 from oscar_calib.calibration.job import head_list
 from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import hadamard
-from oscar_calib.config import SolverSettings
+from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS, SolverSettings
 
 SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+OFF = SMALL.model_copy(update={"hadamard_key_mass": 1.0})  # the attention-aware key basis in every head
 
 
 def test_history_mass_against_a_per_query_loop():
@@ -86,7 +87,7 @@ def _calibrate(settings):
 
 
 def test_threshold_zero_rotates_every_key_by_hadamard_and_keeps_values():
-    base, _ = _calibrate(SMALL)
+    base, _ = _calibrate(OFF)
     art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": 0.0}))
     every = {0: [0, 1], 1: [0, 1], 2: [0, 1]}
     assert report.hadamard_key_heads == every
@@ -108,7 +109,7 @@ def test_threshold_between_heads_swaps_exactly_the_heads_above_it():
     flat = sorted(x for m in masses.values() for x in m)
     assert flat[-1] - flat[0] > 1e-3, masses
     tau = (flat[len(flat) // 2 - 1] + flat[len(flat) // 2]) / 2  # half the heads above it
-    base, _ = _calibrate(SMALL)
+    base, _ = _calibrate(OFF)
     art, report = _calibrate(SMALL.model_copy(update={"hadamard_key_mass": tau}))
     want_heads = {i: [j for j, x in enumerate(m) if x > tau] for i, m in masses.items()}
     assert report.hadamard_key_heads == {i: hs for i, hs in want_heads.items() if hs}
@@ -122,11 +123,23 @@ def test_threshold_between_heads_swaps_exactly_the_heads_above_it():
                 assert torch.equal(art.k_clip_ratio[a, j], base.k_clip_ratio[a, j]), (a, j)
 
 
-def test_default_keeps_the_attention_aware_keys():
-    art, report = _calibrate(SMALL)
+def test_threshold_one_keeps_the_attention_aware_keys():
+    art, report = _calibrate(OFF)
     assert report.hadamard_key_heads == {}
-    assert json.loads(art.metadata["calibration"])["key_basis"]["hadamard_heads"] == {}
+    basis = json.loads(art.metadata["calibration"])["key_basis"]
+    assert basis["hadamard_heads"] == {} and basis["history_mass"] == {}  # not even measured
     assert not torch.allclose(art.k_rotation[0, 0], hadamard(64).float(), atol=1e-3)
+
+
+def test_default_threshold_swaps_the_heads_above_it():
+    """The default settings apply the default threshold: exactly the heads above it, from the recorded masses."""
+    assert SolverSettings().hadamard_key_mass == DEFAULT_HADAMARD_KEY_MASS < 1.0
+    art, report = _calibrate(SMALL)
+    basis = json.loads(art.metadata["calibration"])["key_basis"]
+    assert basis["hadamard_key_mass"] == DEFAULT_HADAMARD_KEY_MASS
+    want = {int(k): [j for j, x in enumerate(m) if x > DEFAULT_HADAMARD_KEY_MASS]
+            for k, m in basis["history_mass"].items()}
+    assert report.hadamard_key_heads == {k: v for k, v in want.items() if v}
 
 
 def test_threshold_out_of_range_is_refused_by_name(tmp_path, monkeypatch, capsys):
