@@ -131,6 +131,15 @@ def _v_operand(pv, ROWS: tl.constexpr, NQ: tl.constexpr):
 
 
 @triton.jit
+def _heads(t, ROWS: tl.constexpr, GP: tl.constexpr):
+    """The query heads' own columns `[ROWS, GP]` of a V dot's `[ROWS, 2 GP]` result (column (i, 0) of head i; the
+    copy column (i, 1) is dropped: `_v_operand`). An MMA lane holds both columns of a head, so this moves no data;
+    the chunk accumulators then carry 4 registers per code position instead of 8."""
+    real, _ = tl.split(tl.reshape(t, [ROWS, GP, 2]))
+    return real
+
+
+@triton.jit
 def _tile_masked(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -152,20 +161,19 @@ def _tile_masked(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6
     pvf = pv.to(tl.float32)
     acc_z = acc_z * alpha + tl.sum(pvf * vz[:, None], axis=0)
     pb = _v_operand(pv, BLOCK_N, NQ)
-    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])
     y0, y1, y2, y3, y4, y5, y6, y7 = _codes8_subn(vw, ASM)
     # Fresh per-tile dot added by an fp32 FFMA (round to nearest): tensor cores truncate, so chaining the MMA onto
     # the chunk accumulator drifts low over a long chunk. tl.fma, not `+`: Triton would fuse `acc + dot(a, b, 0)`
     # back into the MMA's accumulator.
     zero = tl.zeros([U_PAD, NQ], tl.float32)
-    acc0 = tl.fma(acc0, a2[None, :], _dot_acc(y0, pb, zero, INTERP))
-    acc1 = tl.fma(acc1, a2[None, :], _dot_acc(y1, pb, zero, INTERP))
-    acc2 = tl.fma(acc2, a2[None, :], _dot_acc(y2, pb, zero, INTERP))
-    acc3 = tl.fma(acc3, a2[None, :], _dot_acc(y3, pb, zero, INTERP))
-    acc4 = tl.fma(acc4, a2[None, :], _dot_acc(y4, pb, zero, INTERP))
-    acc5 = tl.fma(acc5, a2[None, :], _dot_acc(y5, pb, zero, INTERP))
-    acc6 = tl.fma(acc6, a2[None, :], _dot_acc(y6, pb, zero, INTERP))
-    acc7 = tl.fma(acc7, a2[None, :], _dot_acc(y7, pb, zero, INTERP))
+    acc0 = tl.fma(acc0, alpha[None, :], _heads(_dot_acc(y0, pb, zero, INTERP), U_PAD, GP))
+    acc1 = tl.fma(acc1, alpha[None, :], _heads(_dot_acc(y1, pb, zero, INTERP), U_PAD, GP))
+    acc2 = tl.fma(acc2, alpha[None, :], _heads(_dot_acc(y2, pb, zero, INTERP), U_PAD, GP))
+    acc3 = tl.fma(acc3, alpha[None, :], _heads(_dot_acc(y3, pb, zero, INTERP), U_PAD, GP))
+    acc4 = tl.fma(acc4, alpha[None, :], _heads(_dot_acc(y4, pb, zero, INTERP), U_PAD, GP))
+    acc5 = tl.fma(acc5, alpha[None, :], _heads(_dot_acc(y5, pb, zero, INTERP), U_PAD, GP))
+    acc6 = tl.fma(acc6, alpha[None, :], _heads(_dot_acc(y6, pb, zero, INTERP), U_PAD, GP))
+    acc7 = tl.fma(acc7, alpha[None, :], _heads(_dot_acc(y7, pb, zero, INTERP), U_PAD, GP))
     return m_new, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -386,7 +394,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     mx = _max4(sa0, sa1, sa2, sa3)
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
-    a2 = tl.reshape(tl.join(alpha, alpha), [NQ])[None, :]
+    a1 = alpha[None, :]
     # Fresh per-tile V dots (the pieces chained in the MMA accumulator), added to the chunk accumulators by an FFMA.
     z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
@@ -395,9 +403,10 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
         NQ, U, U_PAD, ASM, INTERP, VPAIR)
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
     acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
-    return (m_new, l_i, acc_z, tl.fma(acc0, a2, t0), tl.fma(acc1, a2, t1), tl.fma(acc2, a2, t2),
-            tl.fma(acc3, a2, t3), tl.fma(acc4, a2, t4), tl.fma(acc5, a2, t5), tl.fma(acc6, a2, t6),
-            tl.fma(acc7, a2, t7))
+    return (m_new, l_i, acc_z, tl.fma(acc0, a1, _heads(t0, U_PAD, GP)), tl.fma(acc1, a1, _heads(t1, U_PAD, GP)),
+            tl.fma(acc2, a1, _heads(t2, U_PAD, GP)), tl.fma(acc3, a1, _heads(t3, U_PAD, GP)),
+            tl.fma(acc4, a1, _heads(t4, U_PAD, GP)), tl.fma(acc5, a1, _heads(t5, U_PAD, GP)),
+            tl.fma(acc6, a1, _heads(t6, U_PAD, GP)), tl.fma(acc7, a1, _heads(t7, U_PAD, GP)))
 
 
 @triton.jit
@@ -523,14 +532,14 @@ def _int2_chunk(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc_z = tl.zeros([GP], tl.float32)
-    acc0 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc1 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc2 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc3 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc4 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc5 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc6 = tl.zeros([U_PAD, NQ], tl.float32)
-    acc7 = tl.zeros([U_PAD, NQ], tl.float32)
+    acc0 = tl.zeros([U_PAD, GP], tl.float32)
+    acc1 = tl.zeros([U_PAD, GP], tl.float32)
+    acc2 = tl.zeros([U_PAD, GP], tl.float32)
+    acc3 = tl.zeros([U_PAD, GP], tl.float32)
+    acc4 = tl.zeros([U_PAD, GP], tl.float32)
+    acc5 = tl.zeros([U_PAD, GP], tl.float32)
+    acc6 = tl.zeros([U_PAD, GP], tl.float32)
+    acc7 = tl.zeros([U_PAD, GP], tl.float32)
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     # Page ids come NPV at a time into registers and each tile's id is picked out of them, so every load address of
@@ -590,14 +599,13 @@ def _int2_chunk(
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                     INTERP, ASM, not FULL_TILES)
 
-    inv, lse = _softmax_finish(m_i, l_i)
-    inv2 = tl.reshape(tl.join(inv, inv), [NQ])
-    z2 = tl.reshape(tl.join(acc_z, acc_z), [NQ])
-    o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + c_head)[None, :] * stride_oh
-              + (split_offset + sp) * stride_os)
-    omask = u_ok[:, None] & (c_ok & (c_half == 0))[None, :]
-    US: tl.constexpr = 16777216.0  # the V operands carried a factor 2^-24
+    inv2, lse = _softmax_finish(m_i, l_i)
+    z2 = acc_z
     offs_g = tl.arange(0, GP)
+    o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[None, :] * stride_oh
+              + (split_offset + sp) * stride_os)
+    omask = u_ok[:, None] & (offs_g < GROUP)[None, :]
+    US: tl.constexpr = 16777216.0  # the V operands carried a factor 2^-24
     if CENTER:
         D_PAD: tl.constexpr = 8 * U_PAD
         offs_d = tl.arange(0, D_PAD)
@@ -608,7 +616,7 @@ def _int2_chunk(
         mk = tl.load(km_ptr + h * (4 * Q) + offs_d, mask=d_ok, other=0.0)
         lse = lse + tl.sum(qf * mk[None, :], axis=1) * (qk_scale * 0.6931471805599453)  # -inf stays -inf
         vm_h = vm_ptr + h * (4 * Q)
-        vm_ok = tl.reshape(tl.join(l_i > 0.0, l_i > 0.0), [NQ])
+        vm_ok = l_i > 0.0
         _store_pos_centered(o_cols, acc0, z2, inv2, offs_u, omask, vm_h, vm_ok, 0, Q, US * 1.0)
         _store_pos_centered(o_cols, acc1, z2, inv2, offs_u, omask, vm_h, vm_ok, 1, Q, US * 0.25)
         _store_pos_centered(o_cols, acc2, z2, inv2, offs_u, omask, vm_h, vm_ok, 2, Q, US * 0.0625)
