@@ -58,6 +58,13 @@ def test_run_local_model_and_txt(model_dir, text_file, tmp_path, monkeypatch, ca
     want = lambda n: ((n - 12) * (2 + 2 * 8 / 64) + 12 * 16) / n  # noqa: E731
     assert f"{want(131072):.3f} bits per KV element at 128K context, {want(32768):.3f} at 32K" in card
     assert "quantizer `uniform_minmax`, scales `ue5m3`" in card
+    # the card names the KV heads whose keys took the Hadamard rotation, as the artifact records them
+    heads = {int(k): v for k, v in calib["key_basis"]["hadamard_heads"].items()}
+    if heads:
+        n = sum(map(len, heads.values()))
+        assert f"| key basis | Hadamard keys in {n} of {art.k_rotation.shape[:2].numel()} KV heads (layer:heads " in card
+    else:
+        assert "| key basis | the attention-aware rotation in every KV head (no head's held-out queries" in card
     log = json.loads((out / "calibration_log.json").read_text())
     assert log["choices"]["device"]["reason"] == "no GPU visible"
     assert set(log["timings"]) >= {"load_s", "forward_capture_s", "solve_s", "write_s", "total_s"}

@@ -9,10 +9,10 @@ from tiny_models import tiny_model
 
 from oscar_calib.analysis.audit import history_mass
 from oscar_calib.calibration.calibrate import calibrate_model_with_report
-from oscar_calib.calibration.job import head_list
 from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import hadamard
 from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS, SolverSettings
+from oscar_calib.zoo.model_card import head_list
 
 SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
 OFF = SMALL.model_copy(update={"hadamard_key_mass": 1.0})  # the attention-aware key basis in every head
@@ -149,3 +149,16 @@ def test_threshold_out_of_range_is_refused_by_name(tmp_path, monkeypatch, capsys
     code, _, err = run_cli(["run", "--hadamard-key-mass", "1.5", "--out", str(tmp_path / "a")], monkeypatch, capsys)
     assert code == 2 and "'--hadamard-key-mass'" in err and "less than or equal to 1" in err, err
     assert not (tmp_path / "a").exists()
+
+
+def test_model_card_names_the_swapped_heads():
+    """The card's key-basis cell, from the artifact's `calibration.key_basis`, in all three cases."""
+    from oscar_calib.zoo.model_card import key_basis_summary
+
+    swapped = {"hadamard_heads": {"0": [0, 1], "3": [2]}, "hadamard_key_mass": 0.3}
+    assert key_basis_summary(swapped, 12) == ("Hadamard keys in 3 of 12 KV heads (layer:heads 0:0-1, 3:2; held-out "
+                                       "INT2-history attention above 0.3), the attention-aware rotation in the others")
+    assert "no head's held-out queries put more than 0.3" in key_basis_summary({"hadamard_heads": {},
+                                                                         "hadamard_key_mass": 0.3}, 12)
+    assert key_basis_summary({"hadamard_heads": {}, "hadamard_key_mass": 1.0}, 12).endswith("(`--hadamard-key-mass 1`)")
+    assert key_basis_summary(None, 12) == "the attention-aware rotation in every KV head"

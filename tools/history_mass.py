@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from oscar_calib.calibration.calibrate import history_masses
-    from oscar_calib.calibration.job import head_list
     from oscar_calib.calibration.key_basis import hadamard_key_heads
     from oscar_calib.calibration.stats_file import load_statistics
     from oscar_calib.config import SolverSettings
+    from oscar_calib.zoo.model_card import head_list
 
     stats = load_statistics(args.stats)
     windows = {k: v for k, v in (("sink_tokens", args.sink), ("recent_tokens", args.recent)) if v is not None}

@@ -38,7 +38,7 @@ from oscar_calib.loading import load_model as _load_model
 from oscar_calib.loading import load_tokenizer as _load_tokenizer
 from oscar_calib.placement import describe_placement, placement_summary
 from oscar_calib.progress import Stages, log_console
-from oscar_calib.zoo.model_card import render_model_card
+from oscar_calib.zoo.model_card import head_list, render_model_card
 from runtime_kernels.artifact import (
     ARTIFACT_FILENAME,
     model_geometry,
@@ -348,22 +348,6 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         console.print(f"keys rotated by Hadamard in {n} KV heads (layer:heads {head_list(report.hadamard_key_heads)};"
                       f" INT2-history attention share above {config.solver.hadamard_key_mass:g})")
     return out_dir
-
-
-def layer_list(layers: list[int]) -> str:
-    """[0, 3, 4, 5, 8] -> '0, 3-5, 8'."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def head_list(heads: dict[int, list[int]]) -> str:
-    """{0: [0], 5: [1, 2]} -> '0:0, 5:1-2' (layer:KV heads)."""
-    return ", ".join(f"{layer}:{layer_list(hs).replace(', ', ',')}" for layer, hs in heads.items())
 
 
 def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, data, batch_size: int,

@@ -52,6 +52,37 @@ def _why_the_default(alternatives: dict, granularity: str, value_target: str) ->
             "end, with confidence intervals.")
 
 
+def _ranges(ids: list[int], sep: str) -> str:
+    """[0, 3, 4, 5, 8] -> '0<sep>3-5<sep>8' (ascending ids)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def head_list(heads: dict[int, list[int]]) -> str:
+    """{0: [0], 5: [1, 2]} -> '0:0, 5:1-2' (layer:KV heads; for logs and model cards)."""
+    return ", ".join(f"{layer}:{_ranges(hs, ',')}" for layer, hs in heads.items())
+
+
+def key_basis_summary(basis: dict | None, kv_heads: int) -> str:
+    """The card's key-basis cell: which KV heads carry Hadamard keys instead of the attention-aware rotation."""
+    if not basis:  # an artifact from before the rule, or imported
+        return "the attention-aware rotation in every KV head"
+    heads = {int(k): v for k, v in basis.get("hadamard_heads", {}).items()}
+    tau = basis.get("hadamard_key_mass")
+    if not heads:
+        why = "`--hadamard-key-mass 1`" if tau is not None and tau >= 1 else \
+            f"no head's held-out queries put more than {tau:g} of their attention on the INT2 history"
+        return f"the attention-aware rotation in every KV head ({why})"
+    n = sum(map(len, heads.values()))
+    return (f"Hadamard keys in {n} of {kv_heads} KV heads (layer:heads {head_list(heads)}; held-out INT2-history "
+            f"attention above {tau:g}), the attention-aware rotation in the others")
+
+
 def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
     """Markdown with YAML front matter (base_model, tags) for the Hub."""
     meta = artifact.metadata
@@ -85,6 +116,7 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         f"| granularity | {meta['granularity']} |",
         f"| INT2 encoding | quantizer `{artifact.quantizer}`, scales `{fmt.scale_format}`, groups of {g} |",
         f"| key target | {meta['key_target']} (query second moment of the GQA group) |",
+        f"| key basis | {key_basis_summary(calib.get('key_basis'), artifact.k_rotation.shape[:2].numel())} |",
         f"| value target | {meta['value_target']} |",
         f"| group size | {g} |",
         f"| calibrated layers | {len(report.layer_ids)} (skipped: {report.skipped_layers or 'none'}) |",
