@@ -74,6 +74,9 @@ def test_heads_above_the_threshold():
     assert hadamard_key_heads(masses, 0.25) == {0: [0], 3: [1]}  # above, not at: head 3:0 sits on it
     assert hadamard_key_heads(masses, 0.0) == {0: [0, 1], 1: [0, 1], 3: [0, 1]}
     assert hadamard_key_heads(masses, 1.0) == {}
+    # one rotation per layer: a layer swaps all its heads or none, by their mean (layer 0: 0.26, layer 3: 0.255)
+    assert hadamard_key_heads(masses, 0.255, "layer") == {0: [0, 1]}
+    assert hadamard_key_heads(masses, 0.25, "layer") == {0: [0, 1], 3: [0, 1]}
 
 
 def test_head_list_names_layers_and_head_ranges():

@@ -403,11 +403,12 @@ def history_masses(session, layer_ids: list[int], sink: int, recent: int) -> dic
 def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSettings
                           ) -> tuple[dict[int, torch.Tensor | None], dict[int, list[int]]]:
     """The history masses under the settings' windows and the KV heads whose keys take the Hadamard rotation (mass
-    above `settings.hadamard_key_mass`, `{layer: [heads]}`); neither is computed when it is 1."""
+    above `settings.hadamard_key_mass`, `{layer: [heads]}`; whole layers at `granularity` "layer"); neither is
+    computed when it is 1."""
     if settings.hadamard_key_mass >= 1.0:
         return {}, {}
     masses = history_masses(session, layer_ids, settings.sink_tokens, settings.recent_tokens)
-    return masses, hadamard_key_heads(masses, settings.hadamard_key_mass)
+    return masses, hadamard_key_heads(masses, settings.hadamard_key_mass, settings.granularity)
 
 
 def with_hadamard_keys(k_rot: torch.Tensor, layer_ids: list[int], heads: dict[int, list[int]]) -> torch.Tensor:

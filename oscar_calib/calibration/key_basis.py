@@ -56,12 +56,16 @@ def holdout_history_mass(keys: torch.Tensor, queries: torch.Tensor, positions: t
     return total / count if count else None
 
 
-def hadamard_key_heads(masses: dict[int, torch.Tensor | None], threshold: float) -> dict[int, list[int]]:
+def hadamard_key_heads(masses: dict[int, torch.Tensor | None], threshold: float,
+                       granularity: str = "head") -> dict[int, list[int]]:
     """`{layer: [KV heads]}` (ascending, layers with none left out) whose history mass (`masses[layer]` `[H_kv]`)
-    exceeds `threshold`. A layer without a history (None) keeps the attention-aware basis."""
+    exceeds `threshold`. A layer without a history (None) keeps the attention-aware basis. With `granularity`
+    "layer" (one rotation per layer) a layer swaps all its heads or none, by the mean of its heads' masses."""
     out = {}
     for layer in sorted(masses):
         m = masses[layer]
+        if m is not None and granularity == "layer":
+            m = m.mean().expand_as(m)
         heads = [] if m is None else [int(h) for h in (m > threshold).nonzero().flatten()]
         if heads:
             out[layer] = heads
