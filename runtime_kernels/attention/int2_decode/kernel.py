@@ -6,7 +6,8 @@ the GROUP query heads of h and writes the chunk's normalised partial output and 
 
 Both dots are transposed so the tokens sit on the MMA's M dimension (no padding rows at GQA 4):
     S^T [tokens, NQ] = sum_p X_p [tokens, U] @ QB_p [U, NQ]      O^T_p [U, NQ] += Y_p [U, tokens] @ PB [tokens, NQ]
-with NQ = 2 GP columns (GP = query heads padded to >= 4). The code pools are read as int16 words (8 codes each, U
+with NQ = 2 GP columns (GP = query heads padded to >= 4; the V dots' copy columns are dropped before the chunk
+accumulators, which hold `[U, GP]`). The code pools are read as int16 words (8 codes each, U
 words per row); code position p of a word, masked in place, is an exact fp16 subnormal `M_p * code * 2^-24`
 (M_p = 4^(bit position / 2)); M_p is folded into the query operand and the output, 2^24 into the fp32 scales.
 
@@ -89,20 +90,21 @@ def _qb(q_cols, offs_u, u_ok, c_half, c_ok, POS: tl.constexpr, Q: tl.constexpr, 
 
 
 @triton.jit
-def _store_pos(o_cols, acc, z2, inv2, offs_u, omask, POS: tl.constexpr, Q: tl.constexpr, INV_M: tl.constexpr):
-    """Store code position POS of the output: channels 2u + POS // 4 + (POS % 4) * Q, `(acc / M - z) / l`."""
+def _store_pos(o_cols, acc, z, inv, offs_u, omask, POS: tl.constexpr, Q: tl.constexpr, INV_M: tl.constexpr):
+    """Store code position POS of the output: channels 2u + POS // 4 + (POS % 4) * Q, `(acc / M - z) / l` (acc
+    `[U_PAD, GP]`, z and inv = 1 / l `[GP]`)."""
     ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
-    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :], mask=omask)
+    tl.store(o_cols + ch[:, None], (acc * INV_M - z[None, :]) * inv[None, :], mask=omask)
 
 
 @triton.jit
-def _store_pos_centered(o_cols, acc, z2, inv2, offs_u, omask, vm_h, vm_ok, POS: tl.constexpr, Q: tl.constexpr,
+def _store_pos_centered(o_cols, acc, z, inv, offs_u, omask, vm_h, vm_ok, POS: tl.constexpr, Q: tl.constexpr,
                         INV_M: tl.constexpr):
     """`_store_pos` of a centered cache: the history's V mean `vm_h [d]` (this KV head) added to the normalised
-    output of every column with tokens (vm_ok `[NQ]`; an empty chunk stays 0)."""
+    output of every head with tokens (vm_ok `[GP]`; an empty chunk stays 0)."""
     ch = 2 * offs_u + POS // 4 + (POS % 4) * Q
     mv = tl.load(vm_h + ch, mask=ch < 4 * Q, other=0.0)
-    tl.store(o_cols + ch[:, None], (acc * INV_M - z2[None, :]) * inv2[None, :]
+    tl.store(o_cols + ch[:, None], (acc * INV_M - z[None, :]) * inv[None, :]
              + tl.where(vm_ok[None, :], mv[:, None], 0.0), mask=omask)
 
 
@@ -599,8 +601,7 @@ def _int2_chunk(
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                     INTERP, ASM, not FULL_TILES)
 
-    inv2, lse = _softmax_finish(m_i, l_i)
-    z2 = acc_z
+    inv, lse = _softmax_finish(m_i, l_i)
     offs_g = tl.arange(0, GP)
     o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[None, :] * stride_oh
               + (split_offset + sp) * stride_os)
@@ -617,23 +618,23 @@ def _int2_chunk(
         lse = lse + tl.sum(qf * mk[None, :], axis=1) * (qk_scale * 0.6931471805599453)  # -inf stays -inf
         vm_h = vm_ptr + h * (4 * Q)
         vm_ok = l_i > 0.0
-        _store_pos_centered(o_cols, acc0, z2, inv2, offs_u, omask, vm_h, vm_ok, 0, Q, US * 1.0)
-        _store_pos_centered(o_cols, acc1, z2, inv2, offs_u, omask, vm_h, vm_ok, 1, Q, US * 0.25)
-        _store_pos_centered(o_cols, acc2, z2, inv2, offs_u, omask, vm_h, vm_ok, 2, Q, US * 0.0625)
-        _store_pos_centered(o_cols, acc3, z2, inv2, offs_u, omask, vm_h, vm_ok, 3, Q, US * 0.015625)
-        _store_pos_centered(o_cols, acc4, z2, inv2, offs_u, omask, vm_h, vm_ok, 4, Q, US * 0.00390625)
-        _store_pos_centered(o_cols, acc5, z2, inv2, offs_u, omask, vm_h, vm_ok, 5, Q, US * 0.0625)
-        _store_pos_centered(o_cols, acc6, z2, inv2, offs_u, omask, vm_h, vm_ok, 6, Q, US * 0.015625)
-        _store_pos_centered(o_cols, acc7, z2, inv2, offs_u, omask, vm_h, vm_ok, 7, Q, US * 0.00390625)
+        _store_pos_centered(o_cols, acc0, acc_z, inv, offs_u, omask, vm_h, vm_ok, 0, Q, US * 1.0)
+        _store_pos_centered(o_cols, acc1, acc_z, inv, offs_u, omask, vm_h, vm_ok, 1, Q, US * 0.25)
+        _store_pos_centered(o_cols, acc2, acc_z, inv, offs_u, omask, vm_h, vm_ok, 2, Q, US * 0.0625)
+        _store_pos_centered(o_cols, acc3, acc_z, inv, offs_u, omask, vm_h, vm_ok, 3, Q, US * 0.015625)
+        _store_pos_centered(o_cols, acc4, acc_z, inv, offs_u, omask, vm_h, vm_ok, 4, Q, US * 0.00390625)
+        _store_pos_centered(o_cols, acc5, acc_z, inv, offs_u, omask, vm_h, vm_ok, 5, Q, US * 0.0625)
+        _store_pos_centered(o_cols, acc6, acc_z, inv, offs_u, omask, vm_h, vm_ok, 6, Q, US * 0.015625)
+        _store_pos_centered(o_cols, acc7, acc_z, inv, offs_u, omask, vm_h, vm_ok, 7, Q, US * 0.00390625)
     else:
-        _store_pos(o_cols, acc0, z2, inv2, offs_u, omask, 0, Q, US * 1.0)
-        _store_pos(o_cols, acc1, z2, inv2, offs_u, omask, 1, Q, US * 0.25)
-        _store_pos(o_cols, acc2, z2, inv2, offs_u, omask, 2, Q, US * 0.0625)
-        _store_pos(o_cols, acc3, z2, inv2, offs_u, omask, 3, Q, US * 0.015625)
-        _store_pos(o_cols, acc4, z2, inv2, offs_u, omask, 4, Q, US * 0.00390625)
-        _store_pos(o_cols, acc5, z2, inv2, offs_u, omask, 5, Q, US * 0.0625)
-        _store_pos(o_cols, acc6, z2, inv2, offs_u, omask, 6, Q, US * 0.015625)
-        _store_pos(o_cols, acc7, z2, inv2, offs_u, omask, 7, Q, US * 0.00390625)
+        _store_pos(o_cols, acc0, acc_z, inv, offs_u, omask, 0, Q, US * 1.0)
+        _store_pos(o_cols, acc1, acc_z, inv, offs_u, omask, 1, Q, US * 0.25)
+        _store_pos(o_cols, acc2, acc_z, inv, offs_u, omask, 2, Q, US * 0.0625)
+        _store_pos(o_cols, acc3, acc_z, inv, offs_u, omask, 3, Q, US * 0.015625)
+        _store_pos(o_cols, acc4, acc_z, inv, offs_u, omask, 4, Q, US * 0.00390625)
+        _store_pos(o_cols, acc5, acc_z, inv, offs_u, omask, 5, Q, US * 0.0625)
+        _store_pos(o_cols, acc6, acc_z, inv, offs_u, omask, 6, Q, US * 0.015625)
+        _store_pos(o_cols, acc7, acc_z, inv, offs_u, omask, 7, Q, US * 0.00390625)
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + (h * GROUP + offs_g) * stride_lh + split_offset + sp,
              lse, mask=offs_g < GROUP)
 
