@@ -3,6 +3,7 @@
     python3 bench/sass_loop_stats.py                              # the shipped format (ue5m3, centered, paired V)
     python3 bench/sass_loop_stats.py --scale-format float16 --uncentered
     python3 bench/sass_loop_stats.py --maxnreg 128
+    python3 bench/sass_loop_stats.py --whole                     # also what each program pays once
 
 Builds decode inputs of the Qwen3-8B geometry on the CPU (`common.decode_inputs`), asks the product's own planner for
 the compiled plan (`plan_decode(..., compiled=True)`: the constexprs a GPU launch would use), compiles the history
@@ -84,8 +85,15 @@ def compile_history_kernel(scale_format: str, centered: bool, maxnreg: int | Non
     return compiled, plan
 
 
+def _opcodes(lines: list[str]) -> collections.Counter:
+    """Opcode family -> count over SASS lines."""
+    return collections.Counter(m.group(2).split(".")[0] for m in map(OP.match, lines) if m)
+
+
 def loop_stats(compiled) -> dict:
-    """SASS opcode counts of the innermost backward-branch loop that holds the MMAs, registers per thread."""
+    """SASS opcode counts of the innermost backward-branch loop that holds the MMAs, registers per thread, and the
+    static opcode counts of the parts around it: the prologue (before the outermost loop with MMAs), the rest of that
+    outer loop (the per-block page-id work around the tile loop) and the epilogue (after it)."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -96,22 +104,21 @@ def loop_stats(compiled) -> dict:
                              text=True, check=True).stdout
     lines = sass.splitlines()
     labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
-    span = None
+    loops = []  # (first line, backward branch line) of every loop with MMAs
     for i, ln in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
-        if m and m.group(1) in labels and labels[m.group(1)] < i:
-            lo = labels[m.group(1)]
-            if any("MMA" in x for x in lines[lo:i]) and (span is None or i - lo < span[1] - span[0]):
-                span = (lo, i)
-    if span is None:
+        if m and m.group(1) in labels and labels[m.group(1)] < i and any("MMA" in x for x in lines[labels[m.group(1)]:i]):
+            loops.append((labels[m.group(1)], i))
+    if not loops:
         raise SystemExit("sass_loop_stats: no loop with MMAs found in the disassembly")
-    ops = collections.Counter()
-    for ln in lines[span[0]:span[1] + 1]:
-        m = OP.match(ln)
-        if m:
-            ops[m.group(2).split(".")[0]] += 1
+    inner = min(loops, key=lambda span: span[1] - span[0])
+    outer = (min(a for a, _ in loops), max(b for _, b in loops))
+    ops = _opcodes(lines[inner[0]:inner[1] + 1])
     regs = re.search(r"REG:(\d+)", res)
-    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None}
+    parts = {"prologue": _opcodes(lines[:outer[0]]),
+             "outer loop, outside the tile loop": _opcodes(lines[outer[0]:inner[0]] + lines[inner[1] + 1:outer[1] + 1]),
+             "epilogue": _opcodes(lines[outer[1] + 1:])}
+    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None, "parts": parts}
 
 
 def main() -> int:
@@ -120,6 +127,9 @@ def main() -> int:
     ap.add_argument("--uncentered", action="store_true")
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--num-stages", type=int, default=launch.DEFAULT_OPTIONS.num_stages)
+    ap.add_argument("--whole", action="store_true",
+                    help="also the static instruction counts of the prologue, the outer page-id loop and the epilogue "
+                         "(what every program pays once, whatever its chunk's length)")
     args = ap.parse_args()
     compiled, plan = compile_history_kernel(args.scale_format, not args.uncentered, args.maxnreg, args.num_stages)
     st = loop_stats(compiled)
@@ -135,6 +145,10 @@ def main() -> int:
     rest = {k: v for k, v in st["ops"].items() if k not in seen}
     print(f"  other: {sum(rest.values())} ({', '.join(f'{k} {v}' for k, v in sorted(rest.items(), key=lambda kv: -kv[1]))})")
     print("by opcode:", ", ".join(f"{k} {v}" for k, v in st["ops"].most_common()))
+    if args.whole:
+        for name, ops in st["parts"].items():
+            print(f"{name}: {sum(ops.values())} static instructions;",
+                  ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
     return 0
 
 
