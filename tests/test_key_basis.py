@@ -165,3 +165,16 @@ def test_model_card_names_the_swapped_heads():
                                                                          "hadamard_key_mass": 0.3}, 12)
     assert key_basis_summary({"hadamard_heads": {}, "hadamard_key_mass": 1.0}, 12).endswith("(`--hadamard-key-mass 1`)")
     assert key_basis_summary(None, 12) == "the attention-aware rotation in every KV head"
+
+
+def test_alternatives_follow_the_same_key_basis():
+    """The card's table of alternatives compares value targets and granularities, not key bases: at threshold 0
+    every key is Hadamard in the chosen rotations and in each alternative alike, so the per-head alternative with the
+    other value target has exactly the chosen row's key error, and so does Hadamard-only."""
+    model = tiny_model("qwen3", num_heads=4, num_kv_heads=2, head_dim=64, num_layers=3, seed=1)
+    ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(2))
+    _, report = calibrate_model_with_report(model, ids, SMALL.model_copy(update={"hadamard_key_mass": 0.0}),
+                                            holdout_queries=32)
+    alt = report.comparison
+    assert alt["head/logit_weighted"]["key"] == alt["head/attn_output"]["key"] == alt["hadamard_only"]["key"]
+    assert alt["layer/attn_output"]["key"] == alt["head/attn_output"]["key"]

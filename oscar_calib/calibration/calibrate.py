@@ -344,7 +344,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
                     tick=tick("clip fit"))
     comparison = {}
     if compare_alternatives:
-        comparison = _compare_alternatives(session, layer_ids, settings, fits, means, o_weights,
+        comparison = _compare_alternatives(session, layer_ids, settings, fits, masses, means, o_weights,
                                            tick("alternatives"))
     if fit_progress is not None:
         fit_progress("done", total, total)
@@ -425,10 +425,13 @@ def with_hadamard_keys(k_rot: torch.Tensor, layer_ids: list[int], heads: dict[in
 
 
 def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: dict[int, ClipFit],
-                          means=None, o_weights=None, tick: Callable[[], None] | None = None) -> dict:
+                          masses: dict[int, torch.Tensor | None], means=None, o_weights=None,
+                          tick: Callable[[], None] | None = None) -> dict:
     """Held-out errors (best clip per head) of the other value target and granularity, for the record.
 
-    This is how the defaults were decided: the alternative with the lower attention-aware error wins.
+    This is how the defaults were decided: the alternative with the lower attention-aware error wins. Each
+    alternative's keys follow the same key-basis rule as the chosen rotations (the history `masses`, at its own
+    granularity), so a row differs from the chosen one only in what its name says.
     """
     def best(fits: dict[int, ClipFit], kind: str) -> float:
         errs = [(f.k_errors if kind == "k" else f.v_errors).min(dim=0).values.mean() for f in fits.values()]
@@ -441,6 +444,7 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
             if name in out:
                 continue
             k_rot, _, v_rot, _ = _solve_all(session, layer_ids, settings, vt, gran)
+            k_rot = with_hadamard_keys(k_rot, layer_ids, hadamard_key_heads(masses, settings.hadamard_key_mass, gran))
             fits = _fit_all(session, layer_ids, k_rot, v_rot, settings, means=means, o_weights=o_weights, tick=tick)
             out[name] = {"key": best(fits, "k"), "value": best(fits, "v")}
     # Baseline without the eigen-basis (Hadamard only) for context.
