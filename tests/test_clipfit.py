@@ -133,6 +133,33 @@ def test_fit_layer_ratios_are_the_minima_of_what_it_searched():
             assert i > 0 or grid[0] <= MIN_RATIO, "a fitted ratio at the low end means the search stopped early"
 
 
+def test_a_fit_scores_each_candidate_as_a_fresh_call_would():
+    """fit_layer shares the held-out attention and each side's rotated, sorted rows across its candidates and grid
+    extensions: every error it reports equals a one-off `clip_errors` of that candidate alone (centered, both
+    sides), so nothing cached leaks from one candidate, side or extension into another."""
+    keys, values, queries, positions, rot = _data(seed=1, d=32, offset=1.0)
+    k_mean, v_mean = keys.mean(dim=(0, 2)), values.mean(dim=(0, 2)) * 0.5
+    w_o = torch.randn(24, queries.shape[1] * 32, generator=torch.Generator().manual_seed(3))
+    v_rot = rot.flip(0)  # a different rotation per side
+    fit = fit_layer(keys, values, queries, positions, rot, v_rot, (0.94, 0.97, 1.0), 0.25, W48, key_objective="block_out",
+                    k_mean=k_mean, v_mean=v_mean, o_weight=w_o)
+    assert len(fit.k_grid) > 3 and len(fit.v_grid) > 3, "the data must make both searches extend their grids"
+    for i, r in enumerate(fit.k_grid):
+        k1, _ = clip_errors(keys, values, queries, positions, rot, v_rot, (r,), 0.25, W48, key_objective="block_out",
+                            v_grid=(), k_mean=k_mean, v_mean=v_mean, o_weight=w_o)
+        assert torch.equal(fit.k_errors[i], k1[0])
+    for i, r in enumerate(fit.v_grid):
+        _, v1 = clip_errors(keys, values, queries, positions, rot, v_rot, (), 0.25, W48, key_objective="block_out",
+                            v_grid=(r,), k_mean=k_mean, v_mean=v_mean, o_weight=w_o)
+        assert torch.equal(fit.v_errors[i], v1[0])
+
+
+def test_clip_rows_with_presorted_magnitudes_is_clip_rows():
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1))
+    ratio = torch.tensor([0.8, 0.9, 1.0, 0.95, 0.5])
+    assert torch.equal(naive.clip_rows(x, ratio), naive.clip_rows(x, ratio, x.abs().sort(dim=-1).values))
+
+
 def test_extended_grid_stops_at_the_floor():
     assert extended_grid((0.94, 1.0)) == (0.92, 0.94, 1.0)
     assert extended_grid((MIN_RATIO, 1.0)) == (MIN_RATIO, 1.0)

@@ -76,22 +76,36 @@ def quantized_pair_mask(positions: torch.Tensor, seq_len: int, fmt: KVFormat) ->
     return mask
 
 
-def _fake_quant_rotated(x: torch.Tensor, rotation: torch.Tensor, ratio: float | torch.Tensor, fmt: KVFormat,
-                        mean: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[S, H, T, d]` -> `fq(x - mean) + mean` in the rotated basis, then back; same shape, fp32. `fq` encodes as
-    `fmt` does (group, scale format, quantizer).
+@dataclass
+class _RotatedRows:
+    """One side's held-out rows, shared by every candidate clip ratio: x `[S, H, T, d]` fp32 (model basis), and
+    xr = `(x - mean) @ rotation` with its sorted magnitudes (rotating and sorting are most of a candidate's cost
+    and do not depend on the ratio). rotation `[H, d, d]` fp32; mean `[H, d]` (model basis) or None."""
 
-    ratio: a scalar or per head `[H]`; mean `[H, d]` (model basis) or None.
-    """
-    xf = x.float() if mean is None else x.float() - mean.float()[None, :, None, :]
-    xr = torch.einsum("shtd,hde->shte", xf, rotation.float())
+    x: torch.Tensor
+    rotation: torch.Tensor
+    mean: torch.Tensor | None
+    xr: torch.Tensor
+    sorted_abs: torch.Tensor
+
+
+def _rotated_rows(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None) -> _RotatedRows:
+    xf = x.float()
+    xc = xf if mean is None else xf - mean.float()[None, :, None, :]
+    xr = torch.einsum("shtd,hde->shte", xc, rotation.float())
+    return _RotatedRows(xf, rotation.float(), None if mean is None else mean.float(), xr,
+                        xr.abs().sort(dim=-1).values)
+
+
+def _quant_error(rows: _RotatedRows, ratio: float | torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """`fq(x - mean) + mean - x` `[S, H, T, d]` fp32, `fq` in the rotated basis and back, encoded as `fmt` does
+    (group, scale format, quantizer). ratio: a scalar or per head `[H]`."""
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
-    codes, scale, zero = naive.quantize_rows(xr, clip, fmt.group_size, scale_format=fmt.scale_format,
-                                               quantizer=fmt.quantizer)
-    xq = naive.dequantize(codes, scale, zero)
-    out = torch.einsum("shte,hde->shtd", xq, rotation.float())
-    return out if mean is None else out + mean.float()[None, :, None, :]
+    codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt.group_size, scale_format=fmt.scale_format,
+                                               quantizer=fmt.quantizer, sorted_abs=rows.sorted_abs)
+    out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero), rows.rotation)
+    return (out if rows.mean is None else out + rows.mean[None, :, None, :]) - rows.x
 
 
 @dataclass
@@ -102,6 +116,7 @@ class _HeldOut:
     k: torch.Tensor  # [S, H, T, d]
     v: torch.Tensor
     qmask: torch.Tensor  # [S, H, g*n_q, T] bool, INT2 pairs
+    probs_q: torch.Tensor  # probs on the INT2 pairs (0 elsewhere): what a value error is weighted by
     scores: torch.Tensor  # masked causal scores
     probs: torch.Tensor
     log_p: torch.Tensor
@@ -109,6 +124,7 @@ class _HeldOut:
     g: int
     scaling: float
     o_weight: torch.Tensor | None  # [H, g, d, hidden]: W_o's columns of each query head, transposed
+    energy: torch.Tensor | None = None  # [H]: the relative output errors' denominator (set by _held_out)
 
     def project(self, delta: torch.Tensor) -> torch.Tensor:
         """Output error `[S, H, g*n_q, d]` -> `[S, H, n_q, hidden]` through o_proj (summed over the group)."""
@@ -116,15 +132,10 @@ class _HeldOut:
         dg = delta.reshape(s, h, self.g, gn // self.g, d)
         return torch.einsum("shgnd,hgdo->shno", dg, self.o_weight)
 
-    def energy(self) -> torch.Tensor:
-        """Denominator `[H]` of the relative output errors."""
-        ref = self.out if self.o_weight is None else self.project(self.out)
-        return ref.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)
-
     def out_err(self, delta: torch.Tensor) -> torch.Tensor:
         """`[H]` relative output error of an output perturbation `[S, H, g*n_q, d]`."""
         d = delta if self.o_weight is None else self.project(delta)
-        return d.pow(2).sum(dim=(0, 2, 3)) / self.energy()
+        return d.pow(2).sum(dim=(0, 2, 3)) / self.energy
 
 
 def _held_out(keys, values, queries, positions, scaling, fmt: KVFormat, o_weight) -> _HeldOut:
@@ -145,8 +156,11 @@ def _held_out(keys, values, queries, positions, scaling, fmt: KVFormat, o_weight
     if o_weight is not None:
         # o_proj weight [hidden, H_q * d]: query head i reads columns [i*d, (i+1)*d).
         w = o_weight.float().to(k.device).reshape(-1, h_kv, g, d).permute(1, 2, 3, 0).contiguous()
-    return _HeldOut(q, k, v, qmask, scores, probs, torch.log_softmax(scores, dim=-1),
-                    torch.einsum("shqt,shtd->shqd", probs, v), g, scaling, w)
+    ho = _HeldOut(q, k, v, qmask, probs * qmask, scores, probs, torch.log_softmax(scores, dim=-1),
+                  torch.einsum("shqt,shtd->shqd", probs, v), g, scaling, w)
+    ref = ho.out if w is None else ho.project(ho.out)
+    ho.energy = ref.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)
+    return ho
 
 
 def _key_error(ho: _HeldOut, dk: torch.Tensor, objective: str) -> torch.Tensor:
@@ -163,7 +177,48 @@ def _key_error(ho: _HeldOut, dk: torch.Tensor, objective: str) -> torch.Tensor:
 
 
 def _value_error(ho: _HeldOut, dv: torch.Tensor) -> torch.Tensor:
-    return ho.out_err(torch.einsum("shqt,shtd->shqd", ho.probs * ho.qmask, dv))
+    return ho.out_err(torch.einsum("shqt,shtd->shqd", ho.probs_q, dv))
+
+
+class _LayerErrors:
+    """The held-out attention of one layer and each side's rotated rows, built once and shared by every candidate
+    ratio of a fit (its grid extensions included); arguments as in `clip_errors`."""
+
+    def __init__(self, keys, values, queries, positions, k_rotation, v_rotation, scaling: float, fmt: KVFormat,
+                 key_objective: str, k_mean=None, v_mean=None, o_weight=None):
+        if key_objective not in KEY_OBJECTIVES:
+            raise InputError(f"key clip objective '{key_objective}': expected one of {', '.join(KEY_OBJECTIVES)}")
+        if key_objective == "block_out" and o_weight is None:
+            raise InputError("key clip objective 'block_out' needs the layer's o_proj weight")
+        self.ho = _held_out(keys, values, queries, positions, scaling, fmt,
+                            o_weight if key_objective == "block_out" else None)
+        self.objective = "out_err" if key_objective == "block_out" else key_objective
+        self.fmt = fmt
+        self.h_kv = keys.shape[1]
+        self._sides = {"k": (k_rotation, k_mean), "v": (v_rotation, v_mean)}
+        self._rows: dict[str, _RotatedRows] = {}
+
+    def release(self, side: str) -> None:
+        """Drop a side's rotated rows once its search is done (they are as large as the held-out keys)."""
+        self._rows.pop(side, None)
+
+    def _rotated(self, side: str) -> _RotatedRows:
+        if side not in self._rows:
+            rotation, mean = self._sides[side]
+            self._rows[side] = _rotated_rows(self.ho.k if side == "k" else self.ho.v, rotation, mean)
+        return self._rows[side]
+
+    def _stack(self, errs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(errs).double().cpu() if errs else torch.zeros(0, self.h_kv, dtype=torch.float64)
+
+    def keys(self, grid: tuple[float, ...]) -> torch.Tensor:
+        """Key errors `[len(grid), H_kv]` float64 (CPU); an empty grid gives `[0, H_kv]`."""
+        return self._stack([_key_error(self.ho, _quant_error(self._rotated("k"), r, self.fmt), self.objective)
+                            for r in grid])
+
+    def values(self, grid: tuple[float, ...]) -> torch.Tensor:
+        """Value errors `[len(grid), H_kv]` float64 (CPU); an empty grid gives `[0, H_kv]`."""
+        return self._stack([_value_error(self.ho, _quant_error(self._rotated("v"), r, self.fmt)) for r in grid])
 
 
 def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor,
@@ -184,20 +239,9 @@ def clip_errors(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         key errors `[len(grid), H_kv]`, value errors `[len(v_grid), H_kv]`, float64 (on CPU); an empty grid
         skips that side.
     """
-    if key_objective not in KEY_OBJECTIVES:
-        raise InputError(f"key clip objective '{key_objective}': expected one of {', '.join(KEY_OBJECTIVES)}")
-    if key_objective == "block_out" and o_weight is None:
-        raise InputError("key clip objective 'block_out' needs the layer's o_proj weight")
-    ho = _held_out(keys, values, queries, positions, scaling, fmt, o_weight if key_objective == "block_out" else None)
-    objective = "out_err" if key_objective == "block_out" else key_objective
-    v_grid = grid if v_grid is None else v_grid
-    fq = lambda x, rot, r, mu: _fake_quant_rotated(x, rot, r, fmt, mu) - x  # noqa: E731
-    k_err = [_key_error(ho, fq(ho.k, k_rotation, r, k_mean), objective) for r in grid]
-    v_err = [_value_error(ho, fq(ho.v, v_rotation, r, v_mean)) for r in v_grid]
-    empty = torch.zeros(0, keys.shape[1], dtype=torch.float64)  # an empty grid skips that side
-    return (torch.stack(k_err).double().cpu() if k_err else empty,
-            torch.stack(v_err).double().cpu() if v_err else empty)
-
+    errors = _LayerErrors(keys, values, queries, positions, k_rotation, v_rotation, scaling, fmt, key_objective,
+                          k_mean, v_mean, o_weight)
+    return errors.keys(grid), errors.values(grid if v_grid is None else v_grid)
 
 
 def pick_ratios(errors: torch.Tensor, grid: tuple[float, ...]) -> torch.Tensor:
@@ -243,16 +287,16 @@ def fit_layer(keys, values, queries, positions, k_rotation, v_rotation, grid, sc
     down to MIN_RATIO) until the error turns up.
     """
     v_grid = grid if v_grid is None else v_grid
-    kw = dict(scaling=scaling, fmt=fmt, key_objective=key_objective, k_mean=k_mean, v_mean=v_mean, o_weight=o_weight)
+    errors = _LayerErrors(keys, values, queries, positions, k_rotation, v_rotation, scaling, fmt, key_objective,
+                          k_mean, v_mean, o_weight)
     if not extend:
-        k_err, v_err = clip_errors(keys, values, queries, positions, k_rotation, v_rotation, grid, v_grid=v_grid, **kw)
+        k_err, v_err = errors.keys(grid), errors.values(v_grid)
         kr, vr = pick_ratios(k_err, grid), pick_ratios(v_err, v_grid)
         return ClipFit(kr, vr, k_err, v_err, tuple(grid), tuple(v_grid), kr == min(grid), vr == min(v_grid))
     # Each side searched on its own (the key error does not depend on the value clip, nor the other way round).
-    k_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, g,
-                                                v_grid=(), **kw)[0], grid)
-    v_fit = _fit_one_side(lambda g: clip_errors(keys, values, queries, positions, k_rotation, v_rotation, (),
-                                                v_grid=g, **kw)[1], v_grid)
+    k_fit = _fit_one_side(errors.keys, grid)
+    errors.release("k")
+    v_fit = _fit_one_side(errors.values, v_grid)
     floor_k = torch.tensor(min(k_fit[2]) <= MIN_RATIO + 1e-9)
     floor_v = torch.tensor(min(v_fit[2]) <= MIN_RATIO + 1e-9)
     return ClipFit(k_fit[0], v_fit[0], k_fit[1], v_fit[1], k_fit[2], v_fit[2], k_fit[3] & floor_k, v_fit[3] & floor_v)

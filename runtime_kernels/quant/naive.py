@@ -89,15 +89,18 @@ def clip_index(ratio: float | torch.Tensor, d: int) -> torch.Tensor:
     return torch.clamp(torch.floor(r * d), max=d - 1).to(torch.int64)
 
 
-def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
+def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor, sorted_abs: torch.Tensor | None = None) -> torch.Tensor:
     """Clamp each row of `x [..., d]` to `[-tau, tau]`, `tau` = the c-th smallest `|x|` of the row.
 
     `ratio` is a scalar or broadcastable to `x.shape[:-1]` (e.g. `[H_kv]` for `x [T, H_kv, d]`).
     A ratio of 1 keeps the row unchanged (tau is then the row maximum).
+    `sorted_abs`: `x.abs().sort(dim=-1).values`, when the caller clips the same rows at several ratios (the sort
+    is most of the cost).
     """
     d = x.shape[-1]
     idx = clip_index(ratio, d).to(x.device)
-    sorted_abs = x.abs().sort(dim=-1).values
+    if sorted_abs is None:
+        sorted_abs = x.abs().sort(dim=-1).values
     idx = idx.expand(x.shape[:-1]).unsqueeze(-1)
     tau = sorted_abs.gather(-1, idx)
     return torch.minimum(torch.maximum(x, -tau), tau)
@@ -199,12 +202,14 @@ def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, group_size: int | None =
 
 
 def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_size: int | None = None, *,
-                  scale_format: str, quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale_format: str, quantizer: str, sorted_abs: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clip and quantize rows already rotated (and centered) `xr [..., d]` with `quantizer` (QUANTIZERS).
 
-    Returns codes `[..., d]`, scale and zero `[..., d // group_size]` as `quantize` does.
+    Returns codes `[..., d]`, scale and zero `[..., d // group_size]` as `quantize` does. `sorted_abs`: as in
+    `clip_rows` (the same rows quantized at several clip ratios).
     """
-    xc = clip_rows(xr, clip_ratio) if clip_ratio is not None else xr.float()
+    xc = clip_rows(xr, clip_ratio, sorted_abs) if clip_ratio is not None else xr.float()
     codes, scale, zero = quantize(xc, group_size, scale_format=scale_format)
     if check_quantizer(quantizer) == "uniform_minmax":
         return codes, scale, zero
