@@ -30,6 +30,14 @@ def lm():
     return model, tok, torch.cat([w.long, w.packed])[:8]
 
 
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """The runtime's torch backend, as on a CPU without TRITON_INTERPRET (`resolve_backend`): these tests are about
+    the probes and the cache's place in the model, not the kernels, and the interpreter took ~10 minutes per test
+    (the kernels against the torch backend: tests/test_step_kernels.py, tests/test_cache.py)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 class Forgetful(KVMethod):
     """Every history key and value read as zero: whatever a needle said is gone."""
 
@@ -86,7 +94,7 @@ def test_verbatim_recall_equals_a_greedy_loop_through_generate(lm):
     assert got == pytest.approx(float((tail == win[start + cue:start + passage]).float().mean()))
 
 
-def test_verbatim_recall_through_the_runtime_equals_bf16_when_the_windows_hold_everything(lm):
+def test_verbatim_recall_through_the_runtime_equals_bf16_when_the_windows_hold_everything(lm, torch_backend):
     model, _, filler = lm
     win, start, passage, gen, cue = filler[2, :300], 40, 32, 16, 6
     cfg = model.config
@@ -105,7 +113,7 @@ def test_run_probes_refuses_windows_without_a_history(lm):
         run_probes(model, tok, [KVMethod()], {}, filler, 2, PAPER.with_(sink_tokens=256, recent_tokens=256))
 
 
-def test_eval_probes_flag_reports_both_probes(tmp_path, monkeypatch, capsys):
+def test_eval_probes_flag_reports_both_probes(tmp_path, monkeypatch, capsys, torch_backend):
     import json
 
     from cli_helpers import run_cli
