@@ -71,7 +71,6 @@ SLOW_TESTS = (
     "tests/test_cli_ux.py::test_eval_picks_cpu_sized_defaults_and_says_so",  # 77 s: a whole CPU eval
     "tests/test_cli_ux.py::test_clip_fit_reports_progress_over_every_layer_fit",  # 15 s
     "tests/test_eval.py",  # evaluations of the fixture, method by method
-    "tests/test_probes.py",  # passkey / verbatim probes through the runtime
     "tests/test_fuzz.py",  # hypothesis: hundreds of examples
     # the module fixture `reference` calibrates once (18 s), then each of these re-runs or resumes it
     "tests/test_scale.py::test_refit_reproduces_the_run_byte_for_byte",  # 23 s
