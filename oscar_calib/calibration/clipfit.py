@@ -27,6 +27,7 @@ sits at the edge of what was searched (unless the floor `MIN_RATIO` is reached; 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -124,13 +125,18 @@ class _HeldOut:
     g: int
     scaling: float
     o_weight: torch.Tensor | None  # [H, g, d, hidden]: W_o's columns of each query head, transposed
-    energy: torch.Tensor | None = None  # [H]: the relative output errors' denominator (set by _held_out)
 
     def project(self, delta: torch.Tensor) -> torch.Tensor:
         """Output error `[S, H, g*n_q, d]` -> `[S, H, n_q, hidden]` through o_proj (summed over the group)."""
         s, h, gn, d = delta.shape
         dg = delta.reshape(s, h, self.g, gn // self.g, d)
         return torch.einsum("shgnd,hgdo->shno", dg, self.o_weight)
+
+    @cached_property
+    def energy(self) -> torch.Tensor:
+        """Denominator `[H]` of the relative output errors (computed once: every candidate divides by it)."""
+        ref = self.out if self.o_weight is None else self.project(self.out)
+        return ref.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)
 
     def out_err(self, delta: torch.Tensor) -> torch.Tensor:
         """`[H]` relative output error of an output perturbation `[S, H, g*n_q, d]`."""
@@ -156,11 +162,8 @@ def _held_out(keys, values, queries, positions, scaling, fmt: KVFormat, o_weight
     if o_weight is not None:
         # o_proj weight [hidden, H_q * d]: query head i reads columns [i*d, (i+1)*d).
         w = o_weight.float().to(k.device).reshape(-1, h_kv, g, d).permute(1, 2, 3, 0).contiguous()
-    ho = _HeldOut(q, k, v, qmask, probs * qmask, scores, probs, torch.log_softmax(scores, dim=-1),
-                  torch.einsum("shqt,shtd->shqd", probs, v), g, scaling, w)
-    ref = ho.out if w is None else ho.project(ho.out)
-    ho.energy = ref.pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)
-    return ho
+    return _HeldOut(q, k, v, qmask, probs * qmask, scores, probs, torch.log_softmax(scores, dim=-1),
+                    torch.einsum("shqt,shtd->shqd", probs, v), g, scaling, w)
 
 
 def _key_error(ho: _HeldOut, dk: torch.Tensor, objective: str) -> torch.Tensor:
