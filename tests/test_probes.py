@@ -34,7 +34,14 @@ def lm():
 def torch_backend(monkeypatch):
     """The runtime's torch backend, as on a CPU without TRITON_INTERPRET (`resolve_backend`): these tests are about
     the probes and the cache's place in the model, not the kernels, and the interpreter took ~10 minutes per test
-    (the kernels against the torch backend: tests/test_step_kernels.py, tests/test_cache.py)."""
+    (the kernels against the torch backend: tests/test_step_kernels.py, tests/test_cache.py).
+
+    The kernel modules are imported first: Triton reads TRITON_INTERPRET when a kernel is defined, so one first
+    imported while the variable is unset would stay compiled-only for the rest of the session's interpreter tests."""
+    import runtime_kernels.attention.int2_decode.launch  # noqa: F401
+    import runtime_kernels.quant.triton_quant  # noqa: F401
+    import runtime_kernels.step_kernels  # noqa: F401
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 

@@ -87,15 +87,18 @@ class _RotatedRows:
     rotation: torch.Tensor
     mean: torch.Tensor | None
     xr: torch.Tensor
-    sorted_abs: torch.Tensor
+
+    @cached_property
+    def sorted_abs(self) -> torch.Tensor:
+        """`|xr|` sorted along d, on first use: a fit with no ratio below 1 never clips, so never sorts."""
+        return self.xr.abs().sort(dim=-1).values
 
 
 def _rotated_rows(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None) -> _RotatedRows:
     xf = x.float()
     xc = xf if mean is None else xf - mean.float()[None, :, None, :]
     xr = torch.einsum("shtd,hde->shte", xc, rotation.float())
-    return _RotatedRows(xf, rotation.float(), None if mean is None else mean.float(), xr,
-                        xr.abs().sort(dim=-1).values)
+    return _RotatedRows(xf, rotation.float(), None if mean is None else mean.float(), xr)
 
 
 def _quant_error(rows: _RotatedRows, ratio: float | torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -104,7 +107,8 @@ def _quant_error(rows: _RotatedRows, ratio: float | torch.Tensor, fmt: KVFormat)
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
     codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt.group_size, scale_format=fmt.scale_format,
-                                               quantizer=fmt.quantizer, sorted_abs=rows.sorted_abs)
+                                               quantizer=fmt.quantizer,
+                                               sorted_abs=None if clip is None else rows.sorted_abs)
     out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero), rows.rotation)
     return (out if rows.mean is None else out + rows.mean[None, :, None, :]) - rows.x
 
