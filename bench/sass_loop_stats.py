@@ -4,6 +4,8 @@
     python3 bench/sass_loop_stats.py --scale-format float16 --uncentered
     python3 bench/sass_loop_stats.py --maxnreg 128
     python3 bench/sass_loop_stats.py --whole                     # also what each program pays once
+    PYTHONPATH=/opt/tr36:. python3 bench/sass_loop_stats.py      # with the H200 image's Triton (pip install
+                                                                 # --target /opt/tr36 --no-deps triton==3.6.0)
 
 Builds decode inputs of the Qwen3-8B geometry on the CPU (`common.decode_inputs`), asks the product's own planner for
 the compiled plan (`plan_decode(..., compiled=True)`: the constexprs a GPU launch would use), compiles the history
@@ -46,6 +48,11 @@ GROUPS = {
                                                                           "LDGDEPBAR", "DEPBAR"),
     "lane exchange (SHFL, REDUX)": ("SHFL", "REDUX"),
 }
+
+# Opcode families Hopper issues to its integer ALU pipe (half a warp instruction per cycle and scheduler: 16 lanes),
+# the pipe Nsight Compute found busiest in this loop (docs/kernels.md, "Integer ALU work per tile"). IMAD and the
+# float multiply-adds go to the FMA pipes instead, I2F and MUFU to XU.
+ALU_PIPE = ("LOP3", "SHF", "PRMT", "IADD3", "VIADD", "LEA", "FMNMX", "ISETP", "FSETP", "SEL", "FSEL", "I2FP", "F2FP")
 
 PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int16: "*i16",
              torch.uint8: "*u8", torch.int32: "*i32"}
@@ -144,6 +151,9 @@ def main() -> int:
         print(f"  {name}: {n} ({100 * n / st['loop']:.0f} %)")
     rest = {k: v for k, v in st["ops"].items() if k not in seen}
     print(f"  other: {sum(rest.values())} ({', '.join(f'{k} {v}' for k, v in sorted(rest.items(), key=lambda kv: -kv[1]))})")
+    alu = sum(st["ops"].get(f, 0) for f in ALU_PIPE)
+    print(f"integer ALU pipe: {alu} ({100 * alu / st['loop']:.0f} %), at least {2 * alu} issue cycles per tile "
+          f"against {st['loop']} for the whole loop")
     print("by opcode:", ", ".join(f"{k} {v}" for k, v in st["ops"].most_common()))
     if args.whole:
         for name, ops in st["parts"].items():

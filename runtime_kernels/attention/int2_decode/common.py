@@ -62,6 +62,40 @@ def _u8_words(ptr, offs):
 
 
 @triton.jit
+def _u8_word(ptr, offs):
+    """The 32-bit words that hold the uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer, and
+    each element's byte index in its word -> (int32 words, int32 byte indices 0-3). For the byte decoders below."""
+    return tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2)), (offs & 3).to(tl.int32)
+
+
+@triton.jit
+def _ue5m3_in_word(w, k, ASM: tl.constexpr):
+    """The ue5m3 scale in byte k of word w -> fp32 (`_scale_f32`'s value, bit for bit). ASM: one byte permute puts
+    the code at bits 16-23 and one integer multiply-add makes `(code << 20) + (896 << 20)`, instead of a shift, a
+    mask and an add on the integer ALU, which bounds the tile loop (docs/kernels.md)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 16, 939524096; }", "=r,r,r",
+            [w, 0x4044 | (k << 8)], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return _scale_f32((w >> (k * 8)) & 255)
+
+
+@triton.jit
+def _zero_in_word(w, k, ASM: tl.constexpr):
+    """The uint8 zero point in byte k of word w -> fp32 codes z / 64 (`_zero_f32`'s value, bit for bit). ASM: one
+    byte permute writes the float `2^23 + z` and one FMA gives `(2^23 + z) / 64 - 2^17`, exactly z / 64, instead of a
+    shift and an integer-to-float conversion."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, c; mov.b32 c, 0x4B000000; prmt.b32 t, $1, c, $2; "
+            "fma.rn.f32 $0, t, 0f3C800000, 0fC8000000; }", "=r,r,r",
+            [w, 0x7540 | k], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return _zero_f32((w >> (k * 8)) & 255)
+
+
+@triton.jit
 def _scale_f32(raw):
     """A stored scale -> fp32. Its dtype is the format (`runtime_kernels.quant.naive.SCALE_FORMATS`): fp16 as is,
     uint8 (or int32 from `_u8_words`) a ue5m3 code (5 exponent bits with bias 15, 3 mantissa bits), decoded exactly through the fp32 bits."""

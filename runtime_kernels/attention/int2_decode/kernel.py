@@ -27,8 +27,11 @@ from runtime_kernels.attention.int2_decode.common import (
     _chunk_bounds,
     _scale_f32,
     _softmax_finish,
+    _u8_word,
     _u8_words,
+    _ue5m3_in_word,
     _zero_f32,
+    _zero_in_word,
 )
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
@@ -201,24 +204,30 @@ def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, 
     return (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
 
 
+# The four channel quarters of four code bytes with one shift: quarters 0 and 2 masked in place (codes times 1 and
+# 16), quarters 1 and 3 masked in place after one shift right by 2 (times 1 and 16); all at most 48, valid int8.
+_ASM_QUARTERS = tl.constexpr(
+    "{ .reg .b32 t; "
+    "and.b32 $0, $4, 0x03030303; "
+    "and.b32 $2, $4, 0x30303030; "
+    "shr.b32 t, $4, 2; "
+    "and.b32 $1, t, 0x03030303; "
+    "and.b32 $3, t, 0x30303030; }")
+
+
 @triton.jit
-def _codes_i8(kb, J: tl.constexpr, ASM: tl.constexpr):
-    """Code position J of each byte of a code tile (channel quarter J) as int8 0..3: one `shr` and one `and` per four
-    codes (J = 0: the `and` alone), as inline PTX on 32-bit registers (Triton alone spends byte permutes on it)."""
-    if not ASM:
-        return ((kb >> (2 * J)) & 3).to(tl.int8)
-    elif J == 0:
-        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x03030303;", "=r,r", [kb], dtype=tl.int8,
+def _quarters_i8(kb, ASM: tl.constexpr):
+    """Code bytes kb (int8) -> the int8 operands of channel quarters 0..3: `(code, code, 16 code, 16 code)` of
+    positions 0, 1, 2, 3 (`(byte >> 2k) & 3` is quarter k). Quarters 2 and 3 stay 16x their codes, so the four come
+    out of one shift and four `and`s per four bytes (the shift per quarter cost three) and the caller sums the two
+    pairs' MMAs as `16 (Q0 + Q1) + (Q2 + Q3)`, an exact 16x. Inline PTX on 32-bit registers (Triton alone spends
+    byte permutes on it)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_ASM_QUARTERS, "=r,=r,=r,=r,r", [kb], dtype=(tl.int8,) * 4,
                                          is_pure=True, pack=4)
-    elif J == 1:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
-    elif J == 2:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
     else:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }", "=r,r",
-                                         [kb], dtype=tl.int8, is_pure=True, pack=4)
+        t = kb >> 2
+        return kb & 3, t & 3, kb & 0x30, t & 0x30
 
 
 @triton.jit
@@ -236,15 +245,16 @@ def _qi8_quarter(qj, c_half, sq):
 @triton.jit
 def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, qz8, csc8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece from its code bytes kb `[16, Q]` int8: one m16n8k32 integer MMA
-    per channel quarter, exact int32 sums; the hi and lo columns of each head recombine as 254 hi + lo (exact in
-    fp32 for d <= 256). qz8 `[GP]`: the same combination of the query operands' sums (the zero term); csc8 `[GP]`:
-    the log2 softmax scale times sq / 254."""
-    acc = tl.zeros([16, NQ], tl.int32)
-    acc = tl.dot(_codes_i8(kb, 0, ASM), qi0, acc, out_dtype=tl.int32)
-    acc = tl.dot(_codes_i8(kb, 1, ASM), qi1, acc, out_dtype=tl.int32)
-    acc = tl.dot(_codes_i8(kb, 2, ASM), qi2, acc, out_dtype=tl.int32)
-    acc = tl.dot(_codes_i8(kb, 3, ASM), qi3, acc, out_dtype=tl.int32)
-    hi, lo = tl.split(tl.reshape(acc, [16, GP, 2]))
+    per channel quarter, exact int32 sums of 16x the scores (`_quarters_i8`); the hi and lo columns of each head
+    recombine as 254 hi + lo, a multiple of 16 below 2^28, so its fp32 value is 16x the unscaled sum's, rounding
+    included. qz8 `[GP]`: 16x the same combination of the query operands' sums (the zero term); csc8 `[GP]`: the
+    log2 softmax scale times sq / (254 * 16). Every factor 16 is a power of two, so the logits are bit for bit
+    those of unscaled sums."""
+    c0, c1, c2, c3 = _quarters_i8(kb, ASM)
+    z = tl.zeros([16, NQ], tl.int32)
+    a1 = tl.dot(c1, qi1, tl.dot(c0, qi0, z, out_dtype=tl.int32), out_dtype=tl.int32)
+    a16 = tl.dot(c3, qi3, tl.dot(c2, qi2, z, out_dtype=tl.int32), out_dtype=tl.int32)
+    hi, lo = tl.split(tl.reshape(a1 * 16 + a16, [16, GP, 2]))
     sc = (hi * 254 + lo).to(tl.float32)
     return (sc - kz[:, None] * qz8[None, :]) * (ks[:, None] * csc8[None, :])
 
@@ -289,13 +299,15 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
     # fp16 pools: 4 B per lane, cp.async; uint8 pools: their 32-bit words (`_u8_words`: no 8-bit vector to move).
     if ks_ptr.dtype.element_ty == tl.uint8:
-        ks_raw = _u8_words(ks_ptr, srow)
-        kz_raw = _u8_words(kz_ptr, srow)
+        ks_w, ks_k = _u8_word(ks_ptr, srow)
+        kz_w, kz_k = _u8_word(kz_ptr, srow)
+        ks64 = _ue5m3_in_word(ks_w, ks_k, ASM)
+        kz64 = _zero_in_word(kz_w, kz_k, ASM)
     else:
-        ks_raw = tl.load(ks_ptr + srow)
-        kz_raw = tl.load(kz_ptr + srow)
-    ks0, ks1, ks2, ks3 = _split4(_scale_f32(ks_raw))
-    kz0, kz1, kz2, kz3 = _split4(_zero_f32(kz_raw))
+        ks64 = _scale_f32(tl.load(ks_ptr + srow))
+        kz64 = _zero_f32(tl.load(kz_ptr + srow))
+    ks0, ks1, ks2, ks3 = _split4(ks64)
+    kz0, kz1, kz2, kz3 = _split4(kz64)
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -336,24 +348,27 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
     if VPAIR and vs_ptr.dtype.element_ty == tl.uint8:
         # Paired uint8 pools: a row's scale and zero are adjacent bytes at an even offset, so one 32-bit word holds
-        # both (`_u8_words`).
-        o_s = page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr
-        w = tl.load(vs_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (o_s >> 2))
-        sh = ((o_s & 3) * 8).to(tl.int32)
-        vs64 = (w >> sh) & 255
-        vz64 = (w >> (sh + 8)) & 255
+        # both (bytes k and k + 1, `_u8_word`).
+        w, k = _u8_word(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
+        vs64 = _ue5m3_in_word(w, k, ASM)
+        vz64 = _zero_in_word(w, k + 1, ASM)
     elif VPAIR:
         # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
         # dots, brings the zeros along.
         sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
                      + tl.arange(0, 2)[None, :])
-        vs64, vz64 = tl.split(sz)
+        vs_raw, vz_raw = tl.split(sz)
+        vs64 = _scale_f32(vs_raw)
+        vz64 = _zero_f32(vz_raw)
     elif vs_ptr.dtype.element_ty == tl.uint8:
-        vs64 = _u8_words(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
+        w, k = _u8_word(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
+        vs64 = _ue5m3_in_word(w, k, ASM)
+        vz64 = _zero_f32(vz64)
     else:
-        vs64 = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
-    vs0, vs1, vs2, vs3 = _split4(_scale_f32(vs64))
-    vz0, vz1, vz2, vz3 = _split4(_zero_f32(vz64))
+        vs64 = _scale_f32(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr))
+        vz64 = _zero_f32(vz64)
+    vs0, vs1, vs2, vs3 = _split4(vs64)
+    vz0, vz1, vz2, vz3 = _split4(vz64)
     p0 = tl.exp2(s0 - m_new[None, :])
     p1 = tl.exp2(s1 - m_new[None, :])
     p2 = tl.exp2(s2 - m_new[None, :])
@@ -521,8 +536,10 @@ def _int2_chunk(
         wcol = tl.where(c_half == 0, 254.0, 1.0)
         colsum = (tl.sum(qb0.to(tl.float32), axis=0) + tl.sum(qb1.to(tl.float32), axis=0)
                   + tl.sum(qb2.to(tl.float32), axis=0) + tl.sum(qb3.to(tl.float32), axis=0))
-        qsum_s = tl.sum(tl.reshape(colsum * wcol, [GP, 2]), axis=1)  # [GP]: sum of (254 hi + lo) per head
-        ksc_s = tl.max(tl.reshape(qk_scale * sq / 254.0, [GP, 2]), axis=1)  # [GP]
+        # [GP]: 16x the sum of (254 hi + lo) per head, and the column scale over 16: `_score16_i8` sums 16x the
+        # scores (powers of two, so the same logits bit for bit).
+        qsum_s = tl.sum(tl.reshape(colsum * wcol, [GP, 2]), axis=1) * 16.0
+        ksc_s = tl.max(tl.reshape(qk_scale * sq / 254.0, [GP, 2]), axis=1) * 0.0625
         # Convert the operands to the MMA's register layout once, outside the loop: as loop invariants Triton
         # converted them at each dot (8 SHFL + 8 SEL per tile). These dots of zeros need the same conversions, which
         # CSE then shares with the loop; the sum * 0.0 keeps them alive.
