@@ -145,7 +145,7 @@ def _heads(t, ROWS: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _tile_masked(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+def _tile_masked(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  INTERP: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
@@ -155,7 +155,7 @@ def _tile_masked(kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6
     x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
     sc = _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, BLOCK_N, GP, NQ,
                           INTERP)  # [BLOCK_N, GP]
-    s = (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
+    s = (sc + kz[:, None] * nqsum_s[None, :]) * (ks * ksc_s)[:, None]
     if MASKED:
         s = tl.where(t_ok[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile holds at least one valid token
@@ -196,12 +196,12 @@ def _split4(x):
 
 
 @triton.jit
-def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, qsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
+def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, nqsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
              ASM: tl.constexpr, INTERP: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
     sc = _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, 16, GP, NQ, INTERP)
-    return (sc - kz[:, None] * qsum_s[None, :]) * (ks * ksc_s)[:, None]
+    return (sc + kz[:, None] * nqsum_s[None, :]) * (ks * ksc_s)[:, None]
 
 
 # The four channel quarters of four code bytes with one shift: quarters 0 and 2 masked in place (codes times 1 and
@@ -243,11 +243,11 @@ def _qi8_quarter(qj, c_half, sq):
 
 
 @triton.jit
-def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, qz8, csc8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
+def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, nqz8, csc8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
     """Scaled logits `[16, GP]` of a 16-token piece from its code bytes kb `[16, Q]` int8: one m16n8k32 integer MMA
     per channel quarter, exact int32 sums of 16x the scores (`_quarters_i8`); the hi and lo columns of each head
     recombine as 254 hi + lo, a multiple of 16 below 2^28, so its fp32 value is 16x the unscaled sum's, rounding
-    included. qz8 `[GP]`: 16x the same combination of the query operands' sums (the zero term); csc8 `[GP]`: the
+    included. nqz8 `[GP]`: -16x the same combination of the query operands' sums (the zero term); csc8 `[GP]`: the
     log2 softmax scale times sq / (254 * 16). Every factor 16 is a power of two, so the logits are bit for bit
     those of unscaled sums."""
     c0, c1, c2, c3 = _quarters_i8(kb, ASM)
@@ -256,7 +256,7 @@ def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, qz8, csc8, GP: tl.constexpr, NQ:
     a16 = tl.dot(c3, qi3, tl.dot(c2, qi2, z, out_dtype=tl.int32), out_dtype=tl.int32)
     hi, lo = tl.split(tl.reshape(a1 * 16 + a16, [16, GP, 2]))
     sc = (hi * 254 + lo).to(tl.float32)
-    return (sc - kz[:, None] * qz8[None, :]) * (ks[:, None] * csc8[None, :])
+    return (sc + kz[:, None] * nqz8[None, :]) * (ks[:, None] * csc8[None, :])
 
 
 @triton.jit
@@ -288,12 +288,12 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 
 @triton.jit
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
-                 stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                 stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr,
                  INTERP: tl.constexpr, KI8: tl.constexpr):
     """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces. KI8: the
     code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
-    operands, qsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
+    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
@@ -314,24 +314,24 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
         kb8 = kc_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + 2 * (page * stride_kcp + h * stride_kch
                                                                         + r0 * stride_kcr)
         b_offs = o16[:, None] * (2 * stride_kcr) + tl.arange(0, 2 * U)[None, :]  # [16, Q]
-        s0 = _score16_i8(tl.load(kb8 + b_offs), qb0, qb1, qb2, qb3, kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM)
-        s1 = _score16_i8(tl.load(kb8 + 16 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz1, ks1, qsum_s, ksc_s,
+        s0 = _score16_i8(tl.load(kb8 + b_offs), qb0, qb1, qb2, qb3, kz0, ks0, nqsum_s, ksc_s, GP, NQ, ASM)
+        s1 = _score16_i8(tl.load(kb8 + 16 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz1, ks1, nqsum_s, ksc_s,
                          GP, NQ, ASM)
-        s2 = _score16_i8(tl.load(kb8 + 32 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz2, ks2, qsum_s, ksc_s,
+        s2 = _score16_i8(tl.load(kb8 + 32 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz2, ks2, nqsum_s, ksc_s,
                          GP, NQ, ASM)
-        s3 = _score16_i8(tl.load(kb8 + 48 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz3, ks3, qsum_s, ksc_s,
+        s3 = _score16_i8(tl.load(kb8 + 48 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz3, ks3, nqsum_s, ksc_s,
                          GP, NQ, ASM)
     else:
         kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
         k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
         s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
-                      kz0, ks0, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      kz0, ks0, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
         s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz1, ks1, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz1, ks1, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
         s2 = _score16(_load_piece(kb + 32 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz2, ks2, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz2, ks2, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
         s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz3, ks3, qsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz3, ks3, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
     return s0, s1, s2, s3
 
 
@@ -399,7 +399,7 @@ def _max4(s0, s1, s2, s3):
 def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                  stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-                 offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                 offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr):
@@ -407,7 +407,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     `_tile_masked` without masks): the tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched)."""
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
-                                      qb4, qb5, qb6, qb7, qsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP, KI8)
+                                      qb4, qb5, qb6, qb7, nqsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP, KI8)
     mx = _max4(sa0, sa1, sa2, sa3)
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -517,7 +517,10 @@ def _int2_chunk(
                     + 64.0 * qb6.to(tl.float32) + 256.0 * qb7.to(tl.float32), axis=0)
     qsum = tl.sum(tl.reshape(qsum_c, [GP, 2]), axis=1)  # [GP], = 16 * sum_j q_j
     # The score dot gives 2^-24 * (16 q . code): the zero term and the scale move by 2^24.
-    qsum_s = qsum * 5.9604644775390625e-08  # 2^-24: fp16 subnormal bits n = n * 2^-24
+    # The zero term's sum enters negated (-2^-24: fp16 subnormal bits n = n * 2^-24), so a logit is one FMA
+    # `sc + kz * nqsum_s`: from `sc - kz * qsum` the compiler negated each row's zero point in the loop (an integer
+    # `xor` per value once the zero comes out of a byte permute) instead of this loop-invariant sum.
+    nqsum_s = qsum * -5.9604644775390625e-08
     ksc_s = qk_scale * 0.0625 * 16777216.0
     if KI8:
         # The query as int8 hi/lo pairs per head (`_qi8_quarter`): the hi/lo operands replace qb0-qb3, and the zero
@@ -536,9 +539,9 @@ def _int2_chunk(
         wcol = tl.where(c_half == 0, 254.0, 1.0)
         colsum = (tl.sum(qb0.to(tl.float32), axis=0) + tl.sum(qb1.to(tl.float32), axis=0)
                   + tl.sum(qb2.to(tl.float32), axis=0) + tl.sum(qb3.to(tl.float32), axis=0))
-        # [GP]: 16x the sum of (254 hi + lo) per head, and the column scale over 16: `_score16_i8` sums 16x the
+        # [GP]: -16x the sum of (254 hi + lo) per head, and the column scale over 16: `_score16_i8` sums 16x the
         # scores (powers of two, so the same logits bit for bit).
-        qsum_s = tl.sum(tl.reshape(colsum * wcol, [GP, 2]), axis=1) * 16.0
+        nqsum_s = tl.sum(tl.reshape(colsum * wcol, [GP, 2]), axis=1) * -16.0
         ksc_s = tl.max(tl.reshape(qk_scale * sq / 254.0, [GP, 2]), axis=1) * 0.0625
         # Convert the operands to the MMA's register layout once, outside the loop: as loop invariants Triton
         # converted them at each dot (8 SHFL + 8 SEL per tile). These dots of zeros need the same conversions, which
@@ -600,7 +603,7 @@ def _int2_chunk(
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                     stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
-                    offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                    offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
                     VPAIR, KI8)
             else:
@@ -614,7 +617,7 @@ def _int2_chunk(
                     vs = tl.where(t_ok, vs, 0.0)
                     vz = tl.where(t_ok, vz, 0.0)
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_masked(
-                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, qsum_s, ksc_s,
+                    kw, vw, ks, kz, vs, vz, t_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                     INTERP, ASM, not FULL_TILES)
 
