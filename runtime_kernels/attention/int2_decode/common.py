@@ -52,39 +52,47 @@ def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _u8_words(ptr, offs):
-    """The uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer -> int32 codes (0-255), read as
-    the 32-bit words that hold them (lanes sharing a word load the same address). The whole-page loop reads ue5m3
-    pools this way: compiled 8-bit vectors that the register split moved between layouts gave wrong outputs on an
-    H200 (Triton 3.6) while the interpreter matched (docs/kernels.md, "ue5m3 scale pools")."""
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2))
-    return (w >> ((offs & 3) * 8).to(tl.int32)) & 255
-
-
-@triton.jit
 def _u8_word(ptr, offs):
     """The 32-bit words that hold the uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer, and
-    each element's byte index in its word -> (int32 words, int32 byte indices 0-3). For the byte decoders below."""
+    each element's byte index in its word -> (int32 words, int32 byte indices 0-3); lanes sharing a word load the
+    same address. The whole-page loop reads ue5m3 pools this way: compiled 8-bit vectors that the register split
+    moved between layouts gave wrong outputs on an H200 (Triton 3.6) while the interpreter matched (docs/kernels.md,
+    "ue5m3 scale pools")."""
     return tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2)), (offs & 3).to(tl.int32)
 
 
 @triton.jit
+def _byte_in_word(w, k):
+    """Byte k (0-3) of int32 words w -> int32 0-255."""
+    return (w >> (k * 8)) & 255
+
+
+@triton.jit
+def _u8_words(ptr, offs):
+    """The uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer -> int32 codes (0-255), read
+    through their words (`_u8_word`)."""
+    w, k = _u8_word(ptr, offs)
+    return _byte_in_word(w, k)
+
+
+@triton.jit
 def _ue5m3_in_word(w, k, ASM: tl.constexpr):
-    """The ue5m3 scale in byte k of word w -> fp32 (`_scale_f32`'s value, bit for bit). ASM: one byte permute puts
-    the code at bits 16-23 and one integer multiply-add makes `(code << 20) + (896 << 20)`, instead of a shift, a
-    mask and an add on the integer ALU, which bounds the tile loop (docs/kernels.md)."""
+    """The ue5m3 scale in byte k of word w -> fp32 (`_scale_f32`'s value, bit for bit). ASM: a byte permute puts the
+    code at bits 16-23 and one shift-add (ptxas emits a LEA) makes `(code << 20) + (896 << 20)`: two integer-ALU
+    instructions where the shift, mask, add and shift of the plain form took four, on the pipe that bounds the tile
+    loop (docs/kernels.md, "Integer ALU work per tile")."""
     if ASM:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 16, 939524096; }", "=r,r,r",
             [w, 0x4044 | (k << 8)], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return _scale_f32((w >> (k * 8)) & 255)
+        return _scale_f32(_byte_in_word(w, k))
 
 
 @triton.jit
 def _zero_in_word(w, k, ASM: tl.constexpr):
-    """The uint8 zero point in byte k of word w -> fp32 codes z / 64 (`_zero_f32`'s value, bit for bit). ASM: one
-    byte permute writes the float `2^23 + z` and one FMA gives `(2^23 + z) / 64 - 2^17`, exactly z / 64, instead of a
+    """The uint8 zero point in byte k of word w -> fp32 codes z / 64 (`_zero_f32`'s value, bit for bit). ASM: a byte
+    permute writes the float `2^23 + z` and one FMA gives `(2^23 + z) / 64 - 2^17`, exactly z / 64, instead of a
     shift and an integer-to-float conversion."""
     if ASM:
         return tl.inline_asm_elementwise(
@@ -92,7 +100,7 @@ def _zero_in_word(w, k, ASM: tl.constexpr):
             "fma.rn.f32 $0, t, 0f3C800000, 0fC8000000; }", "=r,r,r",
             [w, 0x7540 | k], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return _zero_f32((w >> (k * 8)) & 255)
+        return _zero_f32(_byte_in_word(w, k))
 
 
 @triton.jit

@@ -297,7 +297,7 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
-    # fp16 pools: 4 B per lane, cp.async; uint8 pools: their 32-bit words (`_u8_words`: no 8-bit vector to move).
+    # fp16 pools: 4 B per lane, cp.async; uint8 pools: their 32-bit words (`_u8_word`: no 8-bit vector to move).
     if ks_ptr.dtype.element_ty == tl.uint8:
         ks_w, ks_k = _u8_word(ks_ptr, srow)
         kz_w, kz_k = _u8_word(kz_ptr, srow)
