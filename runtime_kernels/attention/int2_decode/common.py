@@ -104,6 +104,27 @@ def _zero_in_word(w, k, ASM: tl.constexpr):
 
 
 @triton.jit
+def _scales_at(ptr, offs, ASM: tl.constexpr):
+    """The stored scales at element offsets `offs` of a scale pool -> fp32: a uint8 (ue5m3) pool through its words
+    (`_u8_word`, `_ue5m3_in_word`), an fp16 one loaded as is."""
+    if ptr.dtype.element_ty == tl.uint8:
+        w, k = _u8_word(ptr, offs)
+        return _ue5m3_in_word(w, k, ASM)
+    else:
+        return _scale_f32(tl.load(ptr + offs))
+
+
+@triton.jit
+def _zeros_at(ptr, offs, ASM: tl.constexpr):
+    """The stored zero points at element offsets `offs` of a zero pool -> fp32 codes (`_scales_at`'s reads)."""
+    if ptr.dtype.element_ty == tl.uint8:
+        w, k = _u8_word(ptr, offs)
+        return _zero_in_word(w, k, ASM)
+    else:
+        return _zero_f32(tl.load(ptr + offs))
+
+
+@triton.jit
 def _scale_f32(raw):
     """A stored scale -> fp32. Its dtype is the format (`runtime_kernels.quant.naive.SCALE_FORMATS`): fp16 as is,
     uint8 (or int32 from `_u8_words`) a ue5m3 code (5 exponent bits with bias 15, 3 mantissa bits), decoded exactly through the fp32 bits."""

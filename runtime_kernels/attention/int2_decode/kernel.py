@@ -26,12 +26,14 @@ import triton.language as tl
 from runtime_kernels.attention.int2_decode.common import (
     _chunk_bounds,
     _scale_f32,
+    _scales_at,
     _softmax_finish,
     _u8_word,
     _u8_words,
     _ue5m3_in_word,
     _zero_f32,
     _zero_in_word,
+    _zeros_at,
 )
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
@@ -296,18 +298,10 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
     operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
-    # Scale vectors as whole [64] loads, decoded (`_scale_f32` / `_zero_f32`: fp16 or ue5m3) and split in registers.
-    # fp16 pools: 4 B per lane, cp.async; uint8 pools: their 32-bit words (`_u8_word`: no 8-bit vector to move).
-    if ks_ptr.dtype.element_ty == tl.uint8:
-        ks_w, ks_k = _u8_word(ks_ptr, srow)
-        kz_w, kz_k = _u8_word(kz_ptr, srow)
-        ks64 = _ue5m3_in_word(ks_w, ks_k, ASM)
-        kz64 = _zero_in_word(kz_w, kz_k, ASM)
-    else:
-        ks64 = _scale_f32(tl.load(ks_ptr + srow))
-        kz64 = _zero_f32(tl.load(kz_ptr + srow))
-    ks0, ks1, ks2, ks3 = _split4(ks64)
-    kz0, kz1, kz2, kz3 = _split4(kz64)
+    # Scale vectors as whole [64] loads, decoded (fp16 or ue5m3) and split in registers. fp16 pools: 4 B per lane,
+    # cp.async; uint8 pools: their 32-bit words (`_u8_word`: no 8-bit vector to move).
+    ks0, ks1, ks2, ks3 = _split4(_scales_at(ks_ptr, srow, ASM))
+    kz0, kz1, kz2, kz3 = _split4(_zeros_at(kz_ptr, srow, ASM))
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -360,12 +354,8 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t
         vs_raw, vz_raw = tl.split(sz)
         vs64 = _scale_f32(vs_raw)
         vz64 = _zero_f32(vz_raw)
-    elif vs_ptr.dtype.element_ty == tl.uint8:
-        w, k = _u8_word(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
-        vs64 = _ue5m3_in_word(w, k, ASM)
-        vz64 = _zero_f32(vz64)
     else:
-        vs64 = _scale_f32(tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr))
+        vs64 = _scales_at(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr, ASM)
         vz64 = _zero_f32(vz64)
     vs0, vs1, vs2, vs3 = _split4(vs64)
     vz0, vz1, vz2, vz3 = _split4(vz64)
