@@ -5,7 +5,7 @@
 Formats (`FORMATS`): `recipe` is what `oscar-calib run` ships (ue5m3 scales, centered K/V, 128/1024 BF16 windows) and
 gives the headline rows; `fp16_64_256` is the layout of docs/kernels.md's decode table (fp16 scales, uncentered,
 64/256); `ue5m3_64_256` and `fp16_128_1024` separate the scale format from the windows. Every OSCAR row records the
-`DecodePlan` its calls took (kernel, whole pages, int8 scores, paired V pools, and why a faster choice was declined).
+`DecodePlan` its calls took (kernel, whole pages, int8 scores, scale/zero layout, and why a faster choice was declined).
 
 Why graphs: at small shapes an eager call is bound by host launch time; a serving engine replays graphs. One graph
 holds calls over distinct per-layer caches (at least 3x the L2 of bytes per pass, and MIN_CALLS calls), so every
@@ -242,7 +242,7 @@ def main() -> int:
             print(r["variant"], context, batch, f"{r.get('p50_ms', float('nan')):.4f} ms",
                   f"x{r['speedup_vs_best_bf16']:.2f}" if "speedup_vs_best_bf16" in r else "",
                   "" if "plan" not in r else f"plan={r['plan']['kernel']}/whole={r['plan']['whole_pages']}"
-                  f"/ki8={r['plan']['int8_scores']}/pair={r['plan']['paired_v']} {r['plan']['reason']}", flush=True)
+                  f"/ki8={r['plan']['int8_scores']}/sz={r['plan']['scale_layout']} {r['plan']['reason']}", flush=True)
         print(f"# {context}x{batch}: {time.perf_counter() - t0:.1f} s", flush=True)
         path = common.write_rows(args.out, "decode_graph", rows)  # after every point: a timeout keeps what ran
     path.with_suffix(".md").write_text(table(rows, formats))

@@ -29,7 +29,7 @@ from bench_decode_graph import graph_times  # noqa: E402
 from common import H_KV, PAGE, D, commit  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
-from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools  # noqa: E402
+from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools  # noqa: E402
 
 DEV = "cuda"
 
@@ -74,13 +74,11 @@ def main() -> None:
     impl_key = "oscar_recipe_two_launch" if "oscar_recipe_two_launch" in variants else "oscar_two_launch"
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
-    # The pools as `PagedKVCache` allocates them at one group per row: V scale and zero side by side in one buffer.
+    # The pools as `PagedKVCache` allocates them at one group per row: a row's four scale/zero entries side by side.
     sdt = quant.scale_storage_dtype(args.scale_format)
-    pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=sdt, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, 1, dtype=sdt, device=DEV),
-             torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV),
-             *alloc_paired_v_pools(n_pages, H_KV, PAGE, DEV, dtype=sdt))
+    ks, kz, vs, vz = alloc_quad_pools(n_pages, H_KV, PAGE, DEV, dtype=sdt)
+    pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV), ks, kz,
+             torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV), vs, vz)
     per_batch = {}
     for batch in sorted({r["shape"]["batch"] for r in att["rows"]}) if att else (1, 8, 32):
         res = {}

@@ -36,13 +36,15 @@ DECODE_POINTS = [(c, b) for c in (131072, 32768, 8192) for b in (1, 8, 32)]
 
 
 def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", scale_format: str = "float16",
-                  window: int = WIN) -> tuple:
+                  window: int = WIN, layout: str = "quad") -> tuple:
     """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - window` history
-    tokens rounded down to whole pages (random code bytes, scales in [0.1, 0.6), zeros in [0, 3) codes, paired V
-    scale/zero pools, pages scattered over the pool), `window` full BF16 window rows (sink + recent), bf16 queries.
-    scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same draws, rounded to ue5m3 and
+    tokens rounded down to whole pages (random code bytes, scales in [0.1, 0.6), zeros in [0, 3) codes, scale/zero
+    pools interleaved per row as the cache's, pages scattered over the pool), `window` full BF16 window rows (sink +
+    recent), bf16 queries. scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same draws, rounded to ue5m3 and
     1/64 codes). Deterministic in `seed` for a given torch build and device (the float16 default draws what it always
-    did: `compare_decode_bitwise.py` compares against recorded outputs)."""
+    did: `compare_decode_bitwise.py` compares against recorded outputs). layout: "quad" (the cache's) or "paired_v"
+    (V scale and zero in one `[.., 2]` buffer, K scale and zero apart: what the cache allocated before the quads,
+    for comparisons with trees that do not read quads); the same values either way."""
     from runtime_kernels.quant.naive import SCALE_STORAGE, ZERO_STEPS, encode_ue5m3
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -52,9 +54,17 @@ def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", sca
     sdt = SCALE_STORAGE[scale_format]
     kc, vc = (torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=device, generator=gen)
               for _ in range(2))
-    ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=sdt, device=device) for _ in range(2))
-    pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=sdt, device=device)  # paired V pools, as the cache
-    vs, vz = pair[..., 0:1], pair[..., 1:2]
+    # One [.., 4] buffer of (K scale, K zero, V scale, V zero) per row, as the cache allocates them
+    # (`int2_decode.pools.alloc_quad_pools`; written out so that older trees can read these inputs too).
+    if layout == "quad":
+        quad = torch.empty(n_pages, H_KV, PAGE, 4, dtype=sdt, device=device)
+        ks, kz, vs, vz = quad[..., 0:1], quad[..., 1:2], quad[..., 2:3], quad[..., 3:4]
+    elif layout == "paired_v":
+        ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=sdt, device=device) for _ in range(2))
+        pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=sdt, device=device)
+        vs, vz = pair[..., 0:1], pair[..., 1:2]
+    else:
+        raise ValueError(f"layout: expected 'quad' or 'paired_v', got {layout!r}")
 
     def scales(shape):
         x = torch.rand(shape, device=device, generator=gen) * 0.5 + 0.1

@@ -7,7 +7,9 @@ The reference tree (a `git archive` of the commit into a temp dir, or a given di
 only that tree on its import path; it records its split counts and outputs for the same seeded inputs (built by
 this file's `bench/common.py`, passed by path), then this process runs its own kernels with the same split counts
 and compares with `torch.equal`. `--scale-format ue5m3` compares uint8 scale pools (the shipped format; the
-reference tree must decode them), fp16 by default. Both processes check which `runtime_kernels` they imported, so a tree cannot be
+reference tree must decode them), fp16 by default. `--old-layout paired_v` gives the reference tree the same values
+in the scale/zero layout the cache allocated before quad pools (a tree without the quad loop would take the masked
+tiles on quad pools, which sum in another order). Both processes check which `runtime_kernels` they imported, so a tree cannot be
 compared with itself. Writes OUT/decode_bitwise_<GPU>.json (one row per point and launch form) and exits 1 on any
 difference.
 """
@@ -40,7 +42,7 @@ def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = Non
     return tuple(splits), out
 
 
-def child(old_tree: str, out_dir: str, scale_format: str) -> None:
+def child(old_tree: str, out_dir: str, scale_format: str, layout: str) -> None:
     """Runs in the reference tree's interpreter: record (splits, o, lse) of every point and launch form, on inputs
     with `scale_format` pools."""
     import torch
@@ -55,7 +57,7 @@ def child(old_tree: str, out_dir: str, scale_format: str) -> None:
     import common
 
     for context, batch in common.DECODE_POINTS:
-        args = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format)
+        args = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format, layout=layout)
         for form, fused in FORMS.items():
             splits, (o, lse) = run_decode(A, common, args, fused)
             torch.save({"splits": splits, "o": o.cpu(), "lse": lse.cpu()},
@@ -84,10 +86,12 @@ def main() -> int:
     p.add_argument("--old-tree", help="reference tree (a directory holding runtime_kernels/), instead of a commit")
     p.add_argument("--scale-format", default="float16", choices=["float16", "ue5m3"],
                    help="scale and zero pools of the compared inputs (default float16)")
+    p.add_argument("--old-layout", default="quad", choices=["quad", "paired_v"],
+                   help="scale/zero layout of the reference tree's inputs (default quad, as this tree's)")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._child:
-        child(*args._child, args.scale_format)
+        child(*args._child, args.scale_format, args.old_layout)
         return 0
 
     import torch
@@ -107,9 +111,8 @@ def main() -> int:
         rec = os.path.join(tmp, "rec")
         os.makedirs(rec)
         env = {**os.environ, "PYTHONPATH": old}
-        subprocess.run([sys.executable, __file__, "--out", args.out, "--scale-format", args.scale_format, "--_child", old,
-                        rec], env=env, check=True,
-                       cwd=tmp)
+        subprocess.run([sys.executable, __file__, "--out", args.out, "--scale-format", args.scale_format,
+                        "--old-layout", args.old_layout, "--_child", old, rec], env=env, check=True, cwd=tmp)
         rows, same = [], True
         for context, batch in common.DECODE_POINTS:
             inputs = common.decode_inputs(batch, context, seed=context + batch, scale_format=args.scale_format)
@@ -132,7 +135,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.scale_format == "float16" else f"_{args.scale_format}"
     path = out / f"decode_bitwise_{common.gpu_tag()}{suffix}.json"
-    path.write_text(json.dumps({"meta": {**common.meta(), "reference": args.old_tree or args.old_commit},
+    path.write_text(json.dumps({"meta": {**common.meta(), "reference": args.old_tree or args.old_commit,
+                                         "reference_layout": args.old_layout},
                                 "rows": rows}, indent=1))
     print(f"wrote {path}; all bit-identical: {same}")
     return 0 if same else 1

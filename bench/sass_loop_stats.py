@@ -1,6 +1,6 @@
 """Offline instruction counts of the production decode kernel's tile loop (no GPU needed).
 
-    python3 bench/sass_loop_stats.py                              # the shipped format (ue5m3, centered, paired V)
+    python3 bench/sass_loop_stats.py                              # the shipped format (ue5m3, centered, quad pools)
     python3 bench/sass_loop_stats.py --scale-format float16 --uncentered
     python3 bench/sass_loop_stats.py --maxnreg 128
     python3 bench/sass_loop_stats.py --whole                     # also what each program pays once
@@ -142,7 +142,7 @@ def main() -> int:
     st = loop_stats(compiled)
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.scale_format}, "
           f"{'uncentered' if args.uncentered else 'centered'}, whole pages {plan.whole_pages}, int8 scores "
-          f"{plan.int8_scores}, paired V {plan.paired_v}, maxnreg {args.maxnreg}")
+          f"{plan.int8_scores}, scale layout {plan.scale_layout}, maxnreg {args.maxnreg}")
     print(f"tile loop: {st['loop']} instructions per thread per 64-token tile, {st['regs']} registers per thread")
     seen = set()
     for name, fams in GROUPS.items():

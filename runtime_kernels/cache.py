@@ -38,7 +38,7 @@ from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device, resolve_backend
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
@@ -183,8 +183,9 @@ class LayerPool:
 
     Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16 or uint8 (ue5m3);
     windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
-    With one group per row (G = d), v_scale and v_zero are the two halves of one `[num_pages, H, P, 2]` buffer
-    (row strides 2, last dim contiguous); every other pool is contiguous.
+    With one group per row (G = d), k_scale, k_zero, v_scale and v_zero are the four quarters of one
+    `[num_pages, H, P, 4]` buffer (row strides 4, `int2_decode.pools.alloc_quad_pools`); every other pool is
+    contiguous.
     """
 
     k_codes: torch.Tensor
@@ -328,22 +329,22 @@ class PagedKVCache:
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
 
-        def v_scale_zero():
-            # One group per row: each row's V scale and zero side by side (one `[pages, H, P, 2]` buffer, same bytes),
-            # so the whole-page decode loop reads both with one asynchronous load (1-6 % faster calls at all nine
-            # points of the H200 table, docs/kernels.md).
+        def scale_zero_pools():
+            # One group per row: a row's K scale, K zero, V scale and V zero side by side (one `[pages, H, P, 4]`
+            # buffer, same bytes), so the whole-page decode loop reads all four with one load per row
+            # (docs/kernels.md, "Scale and zero pools").
             if d // g == 1:
-                return alloc_paired_v_pools(n_pages, h, p, self.device, dtype=sdt)
-            return zeros((n_pages, h, p, d // g), sdt), zeros((n_pages, h, p, d // g), sdt)
+                return alloc_quad_pools(n_pages, h, p, self.device, dtype=sdt)
+            return tuple(zeros((n_pages, h, p, d // g), sdt) for _ in range(4))
 
         self.pools: list[LayerPool] = []
         for i in range(a):
-            v_scale, v_zero = v_scale_zero()
+            k_scale, k_zero, v_scale, v_zero = scale_zero_pools()
             self.pools.append(LayerPool(
                 k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
                 v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                k_scale=zeros((n_pages, h, p, d // g), sdt),
-                k_zero=zeros((n_pages, h, p, d // g), sdt),
+                k_scale=k_scale,
+                k_zero=k_zero,
                 v_scale=v_scale,
                 v_zero=v_zero,
                 k_win=zeros((s, h, w, d), dtype),
@@ -428,15 +429,14 @@ class PagedKVCache:
 
         new_pools = []
         for pool in self.pools:
-            paired = pool.v_zero.data_ptr() == pool.v_scale.data_ptr() + pool.v_scale.element_size()
-            if paired:  # keep V scale and zero side by side in one buffer (the layout the kernel reads at once)
-                v_scale, v_zero = alloc_paired_v_pools(n, self.num_kv_heads, self.page_size, self.device,
-                                                       dtype=pool.v_scale.dtype)
-                v_scale[:old], v_zero[:old] = pool.v_scale, pool.v_zero
+            old_sz = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
+            if quad_pools(*old_sz):  # keep a row's four scale/zero entries in one buffer (read with one load)
+                new_sz = alloc_quad_pools(n, self.num_kv_heads, self.page_size, self.device, dtype=pool.k_scale.dtype)
+                for new, cur in zip(new_sz, old_sz):
+                    new[:old] = cur
             else:
-                v_scale, v_zero = grown(pool.v_scale), grown(pool.v_zero)
-            new_pools.append((grown(pool.k_codes), grown(pool.v_codes), grown(pool.k_scale), grown(pool.k_zero),
-                              v_scale, v_zero))
+                new_sz = tuple(grown(t) for t in old_sz)
+            new_pools.append((grown(pool.k_codes), grown(pool.v_codes), *new_sz))
         for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):
             pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero = kc, vc, ks, kz, vs, vz
         self.allocator.grow(n)

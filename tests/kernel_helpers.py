@@ -6,6 +6,12 @@ import torch
 
 from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.attention.int2_decode.pools import (
+    alloc_paired_v_pools,
+    alloc_quad_pools,
+    paired_v_pools,
+    quad_pools,
+)
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.quant import naive as qnaive
 
@@ -23,13 +29,46 @@ def assert_lse_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None
     assert torch.allclose(got[fin], want[fin], rtol=0, atol=atol), (got[fin] - want[fin]).abs().max()
 
 
+SCALE_LAYOUTS = ("separate", "paired_v", "quad")
+
+
+def pool_layout(pool) -> str:
+    """The scale/zero layout of a `make_pool` tuple: "quad", "paired_v" or "separate" (`int2_decode.pools`)."""
+    return "quad" if quad_pools(pool[1], pool[2], pool[4], pool[5]) else \
+        "paired_v" if paired_v_pools(pool[4], pool[5]) else "separate"
+
+
+def relayout(pool, layout: str):
+    """`pool` (a `make_pool` tuple, one group per row for the interleaved layouts) with its four scale/zero pools
+    copied into `layout`: "separate" (four buffers), "paired_v" (V scale and zero in one `[.., 2]` buffer) or
+    "quad" (all four in one `[.., 4]` buffer, what the cache allocates)."""
+    ks, kz, vs, vz = pool[1], pool[2], pool[4], pool[5]
+    shape, dev, dt = ks.shape[:3], ks.device, ks.dtype
+    if layout == "quad":
+        new = alloc_quad_pools(*shape, dev, dtype=dt)
+    elif layout == "paired_v":
+        new = (torch.empty_like(ks, memory_format=torch.contiguous_format),
+               torch.empty_like(kz, memory_format=torch.contiguous_format),
+               *alloc_paired_v_pools(*shape, dev, dtype=dt))
+    elif layout == "separate":
+        new = tuple(torch.empty(t.shape, dtype=dt, device=dev) for t in (ks, kz, vs, vz))
+    else:
+        raise ValueError(f"layout: expected one of {SCALE_LAYOUTS}, got {layout!r}")
+    for dst, src in zip(new, (ks, kz, vs, vz)):
+        dst.copy_(src)
+    out = list(pool)
+    out[1], out[2], out[4], out[5] = new
+    assert pool_layout(out) == layout
+    return tuple(out)
+
+
 def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, device="cpu", scale_format="float16",
-              paired_v=False):
+              layout="separate"):
     """Random INT2 pools + a shuffled block table for sequences of the given history lengths.
 
     Returns codes/scale/zero for K and V (`[num_pages, H, P, *]`; scale/zero fp16, or uint8 for ue5m3), block_table
-    int32 `[B, max_pages]`, hist_len int32 `[B]`. paired_v: V scale and zero as the two halves of one buffer (one
-    group per row only), the layout the cache allocates.
+    int32 `[B, max_pages]`, hist_len int32 `[B]`. layout: how the scale/zero pools sit in memory (`relayout`; one
+    group per row for "paired_v" and "quad", the layout the cache allocates).
     """
     gen = torch.Generator().manual_seed(seed)
     g = group_size or d
@@ -45,16 +84,10 @@ def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, devic
 
     kc, ks, kz = pool()
     vc, vs, vz = pool()
-    if paired_v:
-        from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools
-
-        pvs, pvz = alloc_paired_v_pools(n_pages, h_kv, page, device, dtype=vs.dtype)
-        pvs.copy_(vs)
-        pvz.copy_(vz)
-        vs, vz = pvs, pvz
     table = torch.randperm(n_pages, generator=gen)[: len(lens) * max_pages].reshape(len(lens), max_pages)
-    return (kc, ks, kz, vc, vs, vz, table.to(torch.int32).to(device),
-            torch.tensor(lens, dtype=torch.int32, device=device))
+    out = (kc, ks, kz, vc, vs, vz, table.to(torch.int32).to(device),
+           torch.tensor(lens, dtype=torch.int32, device=device))
+    return out if layout == "separate" else relayout(out, layout)
 
 
 def pages_of(pool, means=None) -> PagePools:

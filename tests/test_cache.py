@@ -13,7 +13,7 @@ from format_helpers import PAPER, served
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.attention.int2_decode.pools import paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.quant import naive as quant_naive
 
@@ -323,20 +323,22 @@ def test_pool_layout_matches_the_contract():
                                            pool.v_zero, pool.k_win, pool.v_win))
 
 
-def test_one_group_per_row_interleaves_v_scale_and_zero():
-    """With one group per row the V scale and zero pools are the two halves of one `[pages, H, P, 2]` buffer (what
-    the whole-page decode loop reads with one load, `int2_decode.pools.paired_v_pools`); same shapes and bytes."""
+def test_one_group_per_row_interleaves_the_four_scale_and_zero_pools():
+    """With one group per row the K scale, K zero, V scale and V zero pools are the four quarters of one
+    `[pages, H, P, 4]` buffer (what the whole-page decode loop reads with one load per row,
+    `int2_decode.pools.quad_pools`); same shapes and bytes."""
     art = random_artifact(num_layers=2, group=D)
     cache = make_cache(art, max_pages=10, max_seqs=3)
     for pool in cache.pools:
-        assert pool.v_scale.shape == pool.v_zero.shape == (10, H, P, 1)
-        assert paired_v_pools(pool.v_scale, pool.v_zero)
-        assert pool.v_scale.untyped_storage().nbytes() == 10 * H * P * 2 * 2  # one buffer, nothing else
-        pool.v_scale[3, 1, 2, 0] = 5.0
-        pool.v_zero[3, 1, 2, 0] = -7.0
-        pair = pool.v_scale.as_strided((10, H, P, 2), (H * P * 2, P * 2, 2, 1))
-        assert pair[3, 1, 2].tolist() == [5.0, -7.0]
-    assert cache.pools[0].v_scale.data_ptr() != cache.pools[1].v_scale.data_ptr()  # one buffer per layer
+        sz = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
+        assert all(t.shape == (10, H, P, 1) for t in sz)
+        assert quad_pools(*sz)
+        assert pool.k_scale.untyped_storage().nbytes() == 10 * H * P * 4 * 2  # one buffer, nothing else
+        for t, v in zip(sz, (5.0, -7.0, 3.0, 0.5)):
+            t[3, 1, 2, 0] = v
+        quad = pool.k_scale.as_strided((10, H, P, 4), (H * P * 4, P * 4, 4, 1))
+        assert quad[3, 1, 2].tolist() == [5.0, -7.0, 3.0, 0.5]
+    assert cache.pools[0].k_scale.data_ptr() != cache.pools[1].k_scale.data_ptr()  # one buffer per layer
     w = S + R + P - 1
     assert cache.memory_bytes() == 2 * (2 * 10 * H * P * (D // 4 + 2 * 2) + 2 * 3 * H * w * D * 4)
 

@@ -16,7 +16,7 @@ from runtime_kernels.attention import BatchMetadata, Windows
 from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.format import DEFAULT_FORMAT
-from tests.kernel_helpers import batch_of, decode_inputs, make_pool, make_q, make_window, pages_of
+from tests.kernel_helpers import batch_of, decode_inputs, make_pool, make_q, make_window, pages_of, relayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_decode_graph as bench  # noqa: E402
@@ -86,26 +86,27 @@ def recipe_plans(monkeypatch, compiled: bool):
 def test_the_shipped_format_takes_the_production_grid_at_the_bench_shapes(monkeypatch, compiled):
     """ue5m3 pools, centered, recipe windows, page 64, Qwen3-8B heads: the production grid in one or two launches,
     for the interpreter and for a compiled GPU launch. Under the interpreter (where the ue5m3 whole-page loop is
-    tested bit for bit) also the whole-page loop, int8 scores and paired V pools, and nothing declined."""
+    tested bit for bit) also the whole-page loop, int8 scores and quad scale/zero pools, and nothing declined."""
     for where, plan in recipe_plans(monkeypatch, compiled):
         fused = where[2]
         assert (plan.kernel, plan.launches, plan.scale_format, plan.centered, plan.compiled) == \
             ("grid", 1 if fused else 2, "ue5m3", True, compiled), (where, plan)
         if not compiled:
-            assert (plan.whole_pages, plan.int8_scores, plan.paired_v, plan.reason) == (True, True, True, ""), where
+            assert (plan.whole_pages, plan.int8_scores, plan.scale_layout, plan.reason) == \
+                (True, True, "quad", ""), where
 
 
 def test_the_shipped_format_takes_the_whole_page_loop_in_a_compiled_launch(monkeypatch):
-    """The plan a GPU launch takes: whole pages, int8 scores, paired V pools, nothing declined (the H200 checks the
-    loop's bits: tests/test_kernels_gpu.py::test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu)."""
+    """The plan a GPU launch takes: whole pages, int8 scores, quad scale/zero pools, nothing declined (the H200
+    checks the loop's bits: tests/test_kernels_gpu.py::test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu)."""
     for where, plan in recipe_plans(monkeypatch, compiled=True):
-        assert (plan.whole_pages, plan.int8_scores, plan.paired_v, plan.reason) == (True, True, True, ""), where
+        assert (plan.whole_pages, plan.int8_scores, plan.scale_layout, plan.reason) == (True, True, "quad", ""), where
 
 
 def test_the_compiled_plan_differs_from_the_interpreted_one_only_where_the_target_matters():
     """fp16 pools have no guard: a compiled launch's plan is the interpreter's, except the target itself (and the
     INTERP constexpr that follows it)."""
-    pool = make_pool([128], 2, 128, 64, seed=1, paired_v=True)
+    pool = make_pool([128], 2, 128, 64, seed=1, layout="quad")
     q = make_q(1, 8, 128, torch.bfloat16)
     k_win, _ = make_window(1, 2, 8, 128, torch.bfloat16)
     windows = Windows(k_win, k_win)
@@ -115,7 +116,7 @@ def test_the_compiled_plan_differs_from_the_interpreted_one_only_where_the_targe
     assert (interp.constexprs["INTERP"], gpu.constexprs["INTERP"]) == (True, False)
     assert {k: v for k, v in interp.constexprs.items() if k != "INTERP"} == \
         {k: v for k, v in gpu.constexprs.items() if k != "INTERP"}
-    fields = ("kernel", "launches", "whole_pages", "int8_scores", "paired_v", "scale_format", "centered", "reason")
+    fields = ("kernel", "launches", "whole_pages", "int8_scores", "scale_layout", "scale_format", "centered", "reason")
     assert [getattr(interp, f) for f in fields] == [getattr(gpu, f) for f in fields]
     assert A.decode_plan(q, pages_of(pool), windows, whole_pages=True).compiled is False  # this process: interpreter
 
@@ -129,8 +130,13 @@ def test_the_plan_says_why_a_fast_path_is_not_taken():
     plan = A.decode_plan(q, pages_of(pool), whole_pages=False)
     assert plan.kernel == "production" and not plan.whole_pages and "whole_pages not promised" in plan.reason
     plan = A.decode_plan(q, pages_of(pool), whole_pages=True)
-    assert (plan.whole_pages, plan.int8_scores, plan.paired_v) == (True, False, False)
-    assert "head_dim 64: fp16 scores" in plan.reason and "not paired" in plan.reason
+    assert (plan.whole_pages, plan.int8_scores, plan.scale_layout) == (True, False, "separate")
+    assert "head_dim 64: fp16 scores" in plan.reason and "four loads per row" in plan.reason
+    plan = A.decode_plan(q, pages_of(relayout(pool, "paired_v")), whole_pages=True)
+    assert plan.scale_layout == "paired_v" and "a second load per row for the K scale and zero" in plan.reason
+    plan = A.decode_plan(q, pages_of(relayout(pool, "quad")), whole_pages=True)
+    assert plan.scale_layout == "quad"
+    assert plan.reason == "head_dim 64: fp16 scores (int8 scores need head_dim 128 or 256)"
     k_win = torch.zeros(1, 2, 8, 64)
     plan = A.decode_plan(q, pages_of(pool), Windows(k_win, k_win), whole_pages=True)
     assert (plan.kernel, plan.launches) == ("production", 3) and "torch.float32 windows" in plan.reason
@@ -145,7 +151,7 @@ def test_the_plan_says_why_a_fast_path_is_not_taken():
 @pytest.mark.interpreter
 def test_every_call_logs_its_plan_and_reason_at_debug(caplog):
     """One DEBUG line per decode call, with the kernel and the reason: history-only, the grid, three launches."""
-    pool = make_pool([64, 0], 2, 128, 64, seed=2, scale_format="ue5m3", paired_v=True)
+    pool = make_pool([64, 0], 2, 128, 64, seed=2, scale_format="ue5m3", layout="quad")
     q = make_q(2, 8, 128, torch.bfloat16)
     slots, win_len = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([3, 8], dtype=torch.int32)
     calls = [

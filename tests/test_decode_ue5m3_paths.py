@@ -5,8 +5,8 @@ The independent check is a transcription: every ue5m3 scale code and 1/64 zero p
 holding the decoded values encodes the same dequantized history. On one path the kernel then has to give the same
 bits for both pools (the scale format only changes how a scale is read), and the fp16 path itself is checked
 against the dense reference elsewhere (test_attention_kernels.py). The whole-page path (int8 scores at head_dim
-128, 16-token pieces, paired V pools) and the masked-tile path are not bit-identical to each other (other MMA
-shapes and summation orders): they agree within PATH_BOUND, and each within HALF_BOUND of the dense reference.
+128, 16-token pieces, quad or paired scale/zero pools) and the masked-tile path are not bit-identical to each other
+(other MMA shapes and summation orders): they agree within PATH_BOUND, and each within HALF_BOUND of the dense reference.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention.int2_decode import naive as paged_ref
-from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
 from runtime_kernels.quant import naive as qnaive
 from tests.kernel_helpers import (
     assert_lse_close,
@@ -27,7 +26,9 @@ from tests.kernel_helpers import (
     make_q,
     make_window,
     pages_of,
+    pool_layout,
     rel_rmse,
+    relayout,
 )
 
 pytestmark = pytest.mark.interpreter
@@ -37,20 +38,16 @@ PATH_BOUND = 5e-4  # whole-page vs masked-tile path, same pools (measured <= 1.1
 
 
 def as_fp16_pool(pool):
-    """The same pools with ue5m3 scale codes and 1/64 zero points written as fp16 numbers (exact). Paired V pools
-    stay paired."""
+    """The same pools with ue5m3 scale codes and 1/64 zero points written as fp16 numbers (exact), in the same
+    scale/zero layout."""
     out = list(pool)
     for i in (1, 4):
         scale, zero = qnaive.scale_zero_fp32(pool[i], pool[i + 1])
         s16, z16 = scale.half(), zero.half()
         assert torch.equal(s16.float(), scale) and torch.equal(z16.float(), zero)  # the transcription is exact
-        if paired_v_pools(pool[i], pool[i + 1]):
-            ps, pz = alloc_paired_v_pools(*pool[i].shape[:3], pool[i].device)
-            ps.copy_(s16)
-            pz.copy_(z16)
-            s16, z16 = ps, pz
         out[i], out[i + 1] = s16, z16
-    return out
+    layout = pool_layout(pool)
+    return out if layout == "separate" else relayout(out, layout)
 
 
 def centered_means(h_kv, d, seed=5):
@@ -70,14 +67,16 @@ def reference(q, pool, lens, means):
     return paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
 
 
-@pytest.mark.parametrize("d,paired,centered", [(128, True, True), (128, False, False), (64, True, False)])
-def test_ue5m3_pools_take_the_whole_page_path_and_equal_their_fp16_transcription(d, paired, centered):
+@pytest.mark.parametrize("d,layout,centered", [(128, "quad", True), (128, "separate", False), (64, "quad", False),
+                                               (128, "paired_v", True)])
+def test_ue5m3_pools_take_the_whole_page_path_and_equal_their_fp16_transcription(d, layout, centered):
     lens = [128, 0, 64]
-    pool = make_pool(lens, 2, d, 64, seed=d + paired, scale_format="ue5m3", paired_v=paired)
+    pool = make_pool(lens, 2, d, 64, seed=d + len(layout), scale_format="ue5m3", layout=layout)
     q = make_q(3, 8, d, torch.bfloat16, seed=2)
     means = centered_means(2, d) if centered else None
     plan = A.decode_plan(q, pages_of(pool, means), whole_pages=True)
-    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v) == ("production", True, d == 128, paired)
+    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.scale_layout) == \
+        ("production", True, d == 128, layout)
     assert plan.scale_format == "ue5m3"
     o, lse = run_history(q, pool, True, means)
     o16, lse16 = run_history(q, as_fp16_pool(pool), True, means)
@@ -109,9 +108,9 @@ def test_a_plain_cast_of_the_ue5m3_codes_would_fail_the_bound():
 @pytest.mark.parametrize("fused", [False, True])
 def test_ue5m3_grid_decode_with_windows_equals_its_fp16_transcription(fused):
     """The production grid (history + window programs; one launch with the in-kernel reduce, or two) at the
-    default recipe's layout: ue5m3, centered, paired V pools, whole pages, bf16 queries and windows."""
+    default recipe's layout: ue5m3, centered, quad scale/zero pools, whole pages, bf16 queries and windows."""
     lens = [128, 0, 64]
-    pool = make_pool(lens, 2, 128, 64, seed=40, scale_format="ue5m3", paired_v=True)
+    pool = make_pool(lens, 2, 128, 64, seed=40, scale_format="ue5m3", layout="quad")
     k_win, v_win = make_window(4, 2, 24, 128, torch.bfloat16, seed=7)
     slot_ids = torch.tensor([3, 0, 1], dtype=torch.int32)
     win_len = torch.tensor([24, 9, 0], dtype=torch.int32)
@@ -135,7 +134,7 @@ def test_unaligned_ue5m3_pools_take_the_masked_tiles_and_say_why():
     """The whole-page loop reads uint8 pools as 32-bit words, so a pool view that does not start 4-byte aligned is
     sent to the masked tiles (with the reason in the plan), and gives the bits the aligned pool gives there."""
     lens = [128, 64]
-    pool = make_pool(lens, 2, 128, 64, seed=4, scale_format="ue5m3", paired_v=True)
+    pool = make_pool(lens, 2, 128, 64, seed=4, scale_format="ue5m3", layout="paired_v")
     q = make_q(2, 8, 128, torch.bfloat16, seed=3)
     shifted = list(pool)
     buf = torch.zeros(pool[1].numel() + 4, dtype=torch.uint8)

@@ -4,7 +4,7 @@ and compare with a fake-quant reference built from the loaded artifact (`quant.n
 segment of a plain full-precision cache).
 
 The cache keeps bf16 windows, as served: every decode call then takes the production grid (history and window
-programs in one grid) at head_dim 128 with whole 64-token pages, int8 scores and paired V pools, which the test
+programs in one grid) at head_dim 128 with whole 64-token pages, int8 scores and quad scale/zero pools, which the test
 reads from the plan each call logs (`runtime_kernels.attention.int2_decode.launch`, DEBUG). The reference rounds
 where the cache does (the rotated rows and the rotated query to bf16, the history quantized from the bf16 rows) and
 is otherwise exact fp32 attention; what is left is the kernel's own arithmetic (bf16 window probabilities, the int8
@@ -120,7 +120,7 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     plans = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(plans) == (NEW_TOKENS - 1) * len(loaded.layer_ids)
     for plan in plans:
-        for field in ("kernel='grid'", "whole_pages=True", "int8_scores=True", "paired_v=True", "reason=''"):
+        for field in ("kernel='grid'", "whole_pages=True", "int8_scores=True", "scale_layout='quad'", "reason=''"):
             assert field in plan, plan
 
     AttentionInterface.register("e2e_fakequant", fake_quant_attention(loaded))

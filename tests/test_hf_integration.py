@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from runtime_kernels.artifact import ArtifactError, identity_artifact, write_artifact
+from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.hf import OscarCache, OscarLayer, enable_oscar_attention
 from runtime_kernels.quant import naive as quant_naive
@@ -350,8 +351,9 @@ def test_assisted_decoding_is_refused_with_the_reason():
 
 
 @torch.no_grad()
-def test_grow_pages_keeps_every_page_and_the_decode_output():
-    art = random_artifact()
+@pytest.mark.parametrize("group", [G, D])  # D: one group per row, the four scale/zero pools in one quad buffer
+def test_grow_pages_keeps_every_page_and_the_decode_output(group):
+    art = random_artifact(group_size=group)
     paged = PagedKVCache.from_artifact(art, max_pages=3, max_seqs=2, fmt=served(art, P, S, R), backend="torch")
     gen = torch.Generator().manual_seed(12)
     sids = [paged.add_sequence(), paged.add_sequence()]
@@ -361,11 +363,15 @@ def test_grow_pages_keeps_every_page_and_the_decode_output():
         paged.write_layer(layer, plan, torch.randn(2 * n, H, D, generator=gen), torch.randn(2 * n, H, D, generator=gen))
     q = torch.randn(2, HQ, D, generator=gen)
     before = paged.decode_attention(0, q, sids)
-    pools = [t.clone() for t in (paged.pools[0].k_codes, paged.pools[0].v_scale, paged.pools[0].v_zero)]
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+    pools = [getattr(paged.pools[0], n).clone() for n in names]
+    quad = quad_pools(*(getattr(paged.pools[0], n) for n in names[2:]))
+    assert quad == (group == D)
     paged.grow_pages(7)
     assert paged.allocator.num_pages == 7 and paged.allocator.num_free == 5
-    for old, new in zip(pools, (paged.pools[0].k_codes, paged.pools[0].v_scale, paged.pools[0].v_zero)):
+    for old, new in zip(pools, (getattr(paged.pools[0], n) for n in names)):
         assert new.shape[0] == 7 and torch.equal(new[:3], old)
+    assert quad_pools(*(getattr(paged.pools[0], n) for n in names[2:])) == quad  # the layout survives growth
     assert torch.equal(paged.decode_attention(0, q, sids), before)
     assert paged.pages_needed(sids, [P, 0]) == 1 and paged.allocator.allocate(5)  # the new ids are usable
 

@@ -10,9 +10,9 @@ from runtime_kernels import attention as A
 from runtime_kernels import quant
 from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import naive as paged_ref
-from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.quant import naive
-from tests.kernel_helpers import batch_of, decode_inputs, decode_records, pages_of
+from tests.kernel_helpers import batch_of, decode_inputs, decode_records, pages_of, pool_layout, relayout
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -181,16 +181,14 @@ def test_fused_decode_under_graph_replay_on_gpu():
         assert torch.allclose(lse, lse3, atol=1e-4)
 
 
-def test_paired_v_scale_and_zero_pools_on_gpu():
-    """Paired V pools (the layout `PagedKVCache` allocates at one group per row): V scale and zero as views of one
-    `[pages, H, P, 2]` buffer give the same answer as the separate pools, in both launch forms and under graph
-    replay."""
+@pytest.mark.parametrize("layout", ["quad", "paired_v"])
+def test_interleaved_scale_and_zero_pools_on_gpu(layout):
+    """Interleaved scale/zero pools (quad: a row's four entries in one `[pages, H, P, 4]` buffer, what
+    `PagedKVCache` allocates at one group per row; paired_v: V scale and zero in one `[.., 2]` buffer) give the same
+    bits as separate pools, in both launch forms and under graph replay."""
     args = mixed_decode_batch([64 * (37 + 11 * i) for i in range(8)], pool_seed=20, seed=13, min_window=1)
-    vs, vz = alloc_paired_v_pools(*args[5].shape[:3], args[5].device)
-    vs.copy_(args[5])
-    vz.copy_(args[6])
-    paired = args[:5] + (vs, vz) + args[7:]
-    assert paired_v_pools(paired[5], paired[6])
+    paired = (args[0], *relayout(args[1:9], layout), *args[9:])
+    assert L.tile_path(decode_records(paired, True)[1], True, L.DEFAULT_OPTIONS)[2] == layout
     for fused in (True, False):  # the two-launch result (the last) is what the graph replays
         # The same split counts for both layouts: each compiles its own kernel, whose registers set the splits.
         # (An explicit window_splits would select the three-launch path: the grid derives its own.)
@@ -277,7 +275,8 @@ def test_paged_cache_serving_shapes_on_gpu():
     for dev, backend in (("cuda", "auto"), ("cpu", "torch")):
         cache = PagedKVCache.from_artifact(art, max_pages=128, max_seqs=3, device=dev, dtype=torch.bfloat16,
                                            backend=backend)
-        assert paired_v_pools(cache.pools[0].v_scale, cache.pools[0].v_zero)  # the VPAIR loop runs
+        pool0 = cache.pools[0]
+        assert quad_pools(pool0.k_scale, pool0.k_zero, pool0.v_scale, pool0.v_zero)  # the QUAD loop runs
         ids = [cache.add_sequence() for _ in prompts]
         cache.append(ids, [[p.to(dev) for p in prompts]], [[p.to(dev) for p in prompts]])
         for x in steps:
@@ -356,20 +355,17 @@ def test_unbiased_quantize_bit_exact_on_gpu(clip_mode, scale_format, group_size)
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("d,group_size,paired", [(128, None, True), (128, None, False), (64, None, True),
-                                                 (64, None, False), (128, 32, False)])
+@pytest.mark.parametrize("d,group_size,layout", [(128, None, "quad"), (128, None, "paired_v"),
+                                                 (128, None, "separate"), (64, None, "quad"),
+                                                 (64, None, "separate"), (128, 32, "separate")])
 @pytest.mark.parametrize("whole", [True, False])
-def test_ue5m3_decode_on_gpu(d, group_size, paired, whole):
-    """uint8 scale pools through the production kernel (paired or separate V pools; int8 scores at whole pages and
-    head_dim 128, float scores at 64) and the fallback (several groups per row)."""
+def test_ue5m3_decode_on_gpu(d, group_size, layout, whole):
+    """uint8 scale pools through the production kernel (quad, paired V or separate scale/zero pools; int8 scores at
+    whole pages and head_dim 128, float scores at 64) and the fallback (several groups per row)."""
     lens = [0, 64, 4096, 20032] if whole else [0, 7, 63, 257, 4099, 20000]
     pool = make_pool(lens, 2, d, group_size=group_size, seed=31, scale_format="ue5m3")
-    if paired:
-        vs, vz = alloc_paired_v_pools(*pool[4].shape[:3], DEV, dtype=torch.uint8)
-        vs.copy_(pool[4])
-        vz.copy_(pool[5])
-        pool[4], pool[5] = vs, vz
-        assert paired_v_pools(pool[4], pool[5])
+    if layout != "separate":
+        pool = list(relayout(pool, layout))
     q = torch.randn(len(lens), 8, d, device=DEV, dtype=torch.bfloat16)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
     o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole))
@@ -381,34 +377,26 @@ def test_ue5m3_decode_on_gpu(d, group_size, paired, whole):
 
 def fp16_twin(pool):
     """The pools with the ue5m3 scale codes and 1/64 zero points written as fp16 numbers (exact, see
-    tests/test_decode_ue5m3_paths.py); paired V pools stay paired."""
+    tests/test_decode_ue5m3_paths.py), in the same scale/zero layout."""
     out = list(pool)
     for i in (1, 4):
         scale, zero = naive.scale_zero_fp32(pool[i], pool[i + 1])
         s16, z16 = scale.half(), zero.half()
         assert torch.equal(s16.float(), scale) and torch.equal(z16.float(), zero)
-        if paired_v_pools(pool[i], pool[i + 1]):
-            ps, pz = alloc_paired_v_pools(*pool[i].shape[:3], DEV)
-            ps.copy_(s16)
-            pz.copy_(z16)
-            s16, z16 = ps, pz
         out[i], out[i + 1] = s16, z16
-    return out
+    layout = pool_layout(pool)
+    return out if layout == "separate" else list(relayout(out, layout))
 
 
 @pytest.mark.parametrize("context,batch", [(32768, 8), (131072, 1), (8192, 32)])
 def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context, batch):
-    """The shipped layout at the bench's shapes (ue5m3 scales, centered, paired V pools, 128/1024 windows, page 64,
-    Qwen3-8B heads): the production grid with whole pages and int8 scores, in both launch forms, gives the same bits
+    """The shipped layout at the bench's shapes (ue5m3 scales, centered, quad scale/zero pools, 128/1024 windows,
+    page 64, Qwen3-8B heads): the production grid with whole pages and int8 scores, in both launch forms, gives the same bits
     as the same history written with fp16 scales (what the H200 got wrong before the piece loop decoded ue5m3);
     the masked-tile path likewise; whole-page and masked-tile paths agree, and both match the torch reference."""
     win, rows = 128 + 1024, 128 + 1024 + 63
     hist = (context - win) // 64 * 64
-    pool = make_pool([hist] * batch, 8, 128, seed=context + batch, scale_format="ue5m3")
-    vs, vz = alloc_paired_v_pools(*pool[4].shape[:3], DEV, dtype=torch.uint8)
-    vs.copy_(pool[4])
-    vz.copy_(pool[5])
-    pool[4], pool[5] = vs, vz
+    pool = list(relayout(make_pool([hist] * batch, 8, 128, seed=context + batch, scale_format="ue5m3"), "quad"))
     twin = fp16_twin(pool)
     gen = torch.Generator(device=DEV).manual_seed(batch)
     km, vm = (torch.randn(8, 128, generator=gen, device=DEV) * 0.3 for _ in range(2))
@@ -419,8 +407,8 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     rec = decode_inputs(pool, k_win, v_win, slot_ids, win_len, True, (km, vm))
     rec16 = decode_inputs(twin, k_win, v_win, slot_ids, win_len, True, (km, vm))
     plan = A.decode_plan(q, rec[0], rec[2], whole_pages=True)
-    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v, plan.reason) == \
-        ("grid", True, True, True, "")
+    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.scale_layout, plan.reason) == \
+        ("grid", True, True, "quad", "")
     s_h, _ = A.decode_num_splits(q, *rec)  # the same splits for both pools
     for fused in (False, True):
         o, lse = A.decode_attention(q, *rec, fused=fused, num_splits=s_h)

@@ -11,7 +11,6 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant as Q
-from runtime_kernels.attention.int2_decode.pools import paired_v_pools
 from runtime_kernels.quant import naive
 from tests.kernel_helpers import (
     assert_lse_close,
@@ -116,15 +115,16 @@ HALF_BOUND, HALF_LSE, FP32_BOUND = 8e-4, 2e-3, 1e-5
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("whole,paired", [(True, True), (True, False), (False, False)])
-def test_production_kernel_on_ue5m3_pools_matches_the_reference(whole, paired):
+@pytest.mark.parametrize("whole,layout", [(True, "quad"), (True, "separate"), (False, "quad")])
+def test_production_kernel_on_ue5m3_pools_matches_the_reference(whole, layout):
     lens = [128, 0, 64] if whole else [130, 0, 71]
-    pool = make_pool(lens, 2, 128, 64, seed=11, scale_format="ue5m3", paired_v=paired)
-    assert pool[1].dtype == torch.uint8 and paired_v_pools(pool[4], pool[5]) == paired
+    pool = make_pool(lens, 2, 128, 64, seed=11, scale_format="ue5m3", layout=layout)
+    assert pool[1].dtype == torch.uint8
     q = make_q(3, 8, 128, torch.bfloat16)
-    # uint8 pools take the whole-page loop (int8 scores, paired V pools) like fp16 ones (under the interpreter)
+    # uint8 pools take the whole-page loop (int8 scores, quad pools) like fp16 ones (under the interpreter)
     plan = A.decode_plan(q, pages_of(pool), whole_pages=whole)
-    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.paired_v) == ("production", whole, whole, paired)
+    assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.scale_layout) == \
+        ("production", whole, whole, layout if whole else "separate")
     o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole), backend="triton",
                                      num_splits=2)
     want_o, want_lse = dense_reference(q, pool, lens)

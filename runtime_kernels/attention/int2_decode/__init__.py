@@ -6,11 +6,17 @@
   split reduce in the same launch when asked); `merge.py`: the split reduce.
 - `launch.py`: `DecodeOptions` and the host side (the launch plan `DecodePlan`, split counts, launches).
 - `records.py`: a call's inputs as records, `PagePools`, `BatchMetadata`, `Windows` (no Triton import).
-- `pools.py`: torch-only helpers for the paired V scale/zero layout (no Triton import).
+- `pools.py`: torch-only helpers for the interleaved scale/zero layouts, quad and paired V (no Triton import).
 The bit tricks are explained in README.md. Importing this package does not import Triton; `launch` does.
 """
 
-from runtime_kernels.attention.int2_decode.pools import alloc_paired_v_pools, paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import (
+    alloc_paired_v_pools,
+    alloc_quad_pools,
+    paired_v_pools,
+    quad_pools,
+)
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 
-__all__ = ["BatchMetadata", "PagePools", "Windows", "alloc_paired_v_pools", "paired_v_pools"]
+__all__ = ["BatchMetadata", "PagePools", "Windows", "alloc_paired_v_pools", "alloc_quad_pools", "paired_v_pools",
+           "quad_pools"]

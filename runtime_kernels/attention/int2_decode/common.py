@@ -124,6 +124,51 @@ def _zeros_at(ptr, offs, ASM: tl.constexpr):
         return _zero_f32(tl.load(ptr + offs))
 
 
+# A quad row's four ue5m3-pool bytes (K scale, K zero, V scale, V zero) -> four fp32 values, two at a time in fp16
+# pairs: a byte permute puts the two scale codes at bits 0-7 of each half and a shift by 7 makes each half the fp16
+# `code << 7`, which is the ue5m3 value itself (both have 5 exponent bits with bias 15; the encoder keeps scales in
+# fp16's normal range, exponents 1-30); a second permute writes the two zero bytes under an fp16 exponent of 1024
+# and one fp16x2 FMA gives z / 64 exactly. Two integer-ALU instructions per row where decoding the four bytes one
+# at a time took six (docs/kernels.md, "Integer ALU work per tile").
+_ASM_QUAD_UE5M3 = tl.constexpr(
+    "{ .reg .b32 t, u, c, m, a; .reg .b16 lo, hi; "
+    "mov.b32 c, 0x64646464; "
+    "prmt.b32 t, $4, 0, 0x4240; "
+    "shl.b32 t, t, 7; "
+    "mov.b32 {lo, hi}, t; "
+    "cvt.f32.f16 $0, lo; "
+    "cvt.f32.f16 $2, hi; "
+    "prmt.b32 u, $4, c, 0x4341; "
+    "mov.b32 m, 0x24002400; "
+    "mov.b32 a, 0xCC00CC00; "
+    "fma.rn.f16x2 u, u, m, a; "
+    "mov.b32 {lo, hi}, u; "
+    "cvt.f32.f16 $1, lo; "
+    "cvt.f32.f16 $3, hi; }")
+
+
+@triton.jit
+def _quad_at(ptr, offs, ASM: tl.constexpr):
+    """The four stored entries of the rows whose K scale is at element offsets `offs` `[N]` (multiples of 4) of a
+    quad pool (`pools.quad_pools`: K scale, K zero, V scale, V zero side by side) -> (K scale, K zero, V scale,
+    V zero) fp32 `[N]`, the values `_scales_at` / `_zeros_at` give. uint8 pools: one 32-bit word per row; fp16 pools:
+    one 8-byte vector per row."""
+    if ptr.dtype.element_ty == tl.uint8:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2))
+        if ASM:
+            return tl.inline_asm_elementwise(_ASM_QUAD_UE5M3, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
+                                             is_pure=True, pack=1)
+        else:
+            return (_scale_f32(_byte_in_word(w, 0)), _zero_f32(_byte_in_word(w, 1)),
+                    _scale_f32(_byte_in_word(w, 2)), _zero_f32(_byte_in_word(w, 3)))
+    else:
+        x = tl.load(ptr + offs[:, None] + tl.arange(0, 4)[None, :])  # [N, 4]
+        even, odd = tl.split(tl.reshape(x, [offs.shape[0], 2, 2]))  # entries (0, 2) and (1, 3)
+        ks, vs = tl.split(even)
+        kz, vz = tl.split(odd)
+        return _scale_f32(ks), _zero_f32(kz), _scale_f32(vs), _zero_f32(vz)
+
+
 @triton.jit
 def _scale_f32(raw):
     """A stored scale -> fp32. Its dtype is the format (`runtime_kernels.quant.naive.SCALE_FORMATS`): fp16 as is,

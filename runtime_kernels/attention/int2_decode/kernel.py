@@ -25,6 +25,7 @@ import triton.language as tl
 
 from runtime_kernels.attention.int2_decode.common import (
     _chunk_bounds,
+    _quad_at,
     _scale_f32,
     _scales_at,
     _softmax_finish,
@@ -291,17 +292,21 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 @triton.jit
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
                  stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
-                 GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr,
-                 INTERP: tl.constexpr, KI8: tl.constexpr):
+                 ks64, kz64, GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
+                 ASM: tl.constexpr, INTERP: tl.constexpr, KI8: tl.constexpr, QUAD: tl.constexpr):
     """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces. KI8: the
     code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
-    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused)."""
+    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused). QUAD: the rows' K scales
+    and zeros come decoded, ks64 / kz64 fp32 `[64]` (`_quad_at`); otherwise they are read here."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (fp16 or ue5m3) and split in registers. fp16 pools: 4 B per lane,
     # cp.async; uint8 pools: their 32-bit words (`_u8_word`: no 8-bit vector to move).
-    ks0, ks1, ks2, ks3 = _split4(_scales_at(ks_ptr, srow, ASM))
-    kz0, kz1, kz2, kz3 = _split4(_zeros_at(kz_ptr, srow, ASM))
+    if not QUAD:
+        ks64 = _scales_at(ks_ptr, srow, ASM)
+        kz64 = _zeros_at(kz_ptr, srow, ASM)
+    ks0, ks1, ks2, ks3 = _split4(ks64)
+    kz0, kz1, kz2, kz3 = _split4(kz64)
     if KI8:
         # The int16 pool viewed as bytes (offsets doubled): row r of a page is 2 U bytes, byte j holding channels
         # j + k Q of quarters k = 0..3.
@@ -330,17 +335,20 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 
 
 @triton.jit
-def _page_values(vc_ptr, vs_ptr, page, r0, h, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+def _page_values(vc_ptr, vs_ptr, page, r0, h, vs64, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
-                 VPAIR: tl.constexpr):
+                 VPAIR: tl.constexpr, QUAD: tl.constexpr):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
-    across lanes once per tile by the caller). vz64: the page rows' V zeros `[64]` (unused with VPAIR)."""
+    across lanes once per tile by the caller). QUAD: vs64 / vz64 are the rows' V scales and zeros, decoded fp32
+    `[64]`; otherwise vz64 holds the rows' stored V zeros (prefetched; unused with VPAIR) and vs64 is unused."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    if VPAIR and vs_ptr.dtype.element_ty == tl.uint8:
+    if QUAD:
+        pass  # decoded by the caller with the K scales and zeros (one load per row)
+    elif VPAIR and vs_ptr.dtype.element_ty == tl.uint8:
         # Paired uint8 pools: a row's scale and zero are adjacent bytes at an even offset, so one 32-bit word holds
         # both (bytes k and k + 1, `_u8_word`).
         w, k = _u8_word(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
@@ -392,12 +400,24 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                  offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-                 ASM: tl.constexpr, INTERP: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr):
+                 ASM: tl.constexpr, INTERP: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr,
+                 QUAD: tl.constexpr):
     """One whole 64-token tile in 16-token pieces -> the updated online-softmax state (the arithmetic of
-    `_tile_masked` without masks): the tokens at row r0 of page `page` (vz_cur: their V zeros `[64]`, prefetched)."""
+    `_tile_masked` without masks): the tokens at row r0 of page `page` (vz_cur: their stored V zeros `[64]`,
+    prefetched; unused with VPAIR or QUAD). QUAD: the rows' four scale/zero entries are read with one load per row
+    and decoded once here."""
+    if QUAD:
+        ks64, kz64, vs64, vz64 = _quad_at(ks_ptr, page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr,
+                                          ASM)
+    else:  # placeholders: `_page_scores` and `_page_values` read their own
+        ks64 = vz_cur
+        kz64 = vz_cur
+        vs64 = vz_cur
+        vz64 = vz_cur
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
-                                      qb4, qb5, qb6, qb7, nqsum_s, ksc_s, GP, NQ, U, U_PAD, ASM, INTERP, KI8)
+                                      qb4, qb5, qb6, qb7, nqsum_s, ksc_s, ks64, kz64, GP, NQ, U, U_PAD, ASM, INTERP,
+                                      KI8, QUAD)
     mx = _max4(sa0, sa1, sa2, sa3)
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -405,9 +425,9 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     # Fresh per-tile V dots (the pieces chained in the MMA accumulator), added to the chunk accumulators by an FFMA.
     z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
-        vc_ptr, vs_ptr, page, r0, h, vz_cur, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        vc_ptr, vs_ptr, page, r0, h, vs64, vz64, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-        NQ, U, U_PAD, ASM, INTERP, VPAIR)
+        NQ, U, U_PAD, ASM, INTERP, VPAIR, QUAD)
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
     acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
     return (m_new, l_i, acc_z, tl.fma(acc0, a1, _heads(t0, U_PAD, GP)), tl.fma(acc1, a1, _heads(t1, U_PAD, GP)),
@@ -471,13 +491,15 @@ def _int2_chunk(
     b, h, sp, n_split, km_ptr, vm_ptr,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
+    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, QUAD: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split): one chunk of sequence b's history, KV head h -> the partial output and
     log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel). kc_ptr / vc_ptr: the code
     pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units. FULL_TILES: whole pages
     promised (four unmasked 16-token pieces per tile when BLOCK_N = 64). VPAIR: the V zero of a row is the fp16
-    right after its scale (paired pools). KI8: scores by int8 MMAs against the query's hi/lo int8 split.
+    right after its scale (paired pools). QUAD (whole-page pieces only): a row's K scale, K zero, V scale and V zero
+    are four consecutive entries (quad pools, `pools.quad_pools`), read with one load per row. KI8: scores by int8
+    MMAs against the query's hi/lo int8 split.
     CENTER: the pools hold x - mu (per KV head, rotated basis; km_ptr / vm_ptr fp32 `[H_kv, d]`): every history logit
     gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
     (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact."""
@@ -568,9 +590,9 @@ def _int2_chunk(
         pg = tl.load(bt_row + (start + ti * BLOCK_N) // P, mask=ti < n_tiles, other=0)
         n_in = tl.minimum(NPV, n_tiles - jb)
         # V zeros feed no dot, so the pipeliner leaves their load synchronous; they are prefetched by hand one tile
-        # ahead instead, as a loop-carried register (paired pools bring them with the scales).
+        # ahead instead, as a loop-carried register (paired and quad pools bring them with the scales).
         pg0 = _pick_page(pg, offs_pv, 0)
-        if not VPAIR:
+        if not (VPAIR or QUAD):
             vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
                                   stride_vsr, P, BLOCK_N, FULL_TILES and BLOCK_N == 64)
         # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two.
@@ -581,7 +603,7 @@ def _int2_chunk(
             r0 = tl.multiple_of(t0 % P, BLOCK_N)
             jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
             pgn = _pick_page(pg, offs_pv, jn)
-            if VPAIR:
+            if VPAIR or QUAD:
                 vz_cur = offs_n  # unused: the zeros come with the scales
             else:
                 vz_cur = vz_next
@@ -595,7 +617,7 @@ def _int2_chunk(
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                    VPAIR, KI8)
+                    VPAIR, KI8, QUAD)
             else:
                 kw, vw, ks, kz, vs = _page_tile_loads(
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -666,7 +688,7 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
+    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, QUAD: tl.constexpr,
 ):
     # Grid (B, H_kv, num_splits); q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row.
     _int2_chunk(
@@ -675,4 +697,4 @@ def _int2_decode_kernel(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), km_ptr, vm_ptr,
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER, QUAD)

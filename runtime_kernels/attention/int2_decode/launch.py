@@ -23,7 +23,7 @@ import torch
 from runtime_kernels import step_kernels
 from runtime_kernels.attention.int2_decode import fallback, fused, kernel, merge, window
 from runtime_kernels.attention.int2_decode.common import interpreting
-from runtime_kernels.attention.int2_decode.pools import paired_v_pools
+from runtime_kernels.attention.int2_decode.pools import paired_v_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.launch_util import next_pow2
 
@@ -197,17 +197,19 @@ def int16_views(k_codes, v_codes) -> tuple:
     return k_codes.view(torch.int16), v_codes.view(torch.int16)
 
 
-def tile_path(pages: PagePools, whole_pages: bool, opts: DecodeOptions) -> tuple[bool, bool, bool, list]:
-    """The production kernel's tile loop -> (whole pages, int8 scores, paired V pools, reasons for each fast path
-    not taken). fp16 and ue5m3 pools share the loop; the loop reads uint8 pools as 32-bit words, so their buffers
-    must start 4-byte aligned (torch allocations do; a view at an odd offset takes the masked tiles)."""
+def tile_path(pages: PagePools, whole_pages: bool, opts: DecodeOptions) -> tuple[bool, bool, str, list]:
+    """The production kernel's tile loop -> (whole pages, int8 scores, scale layout, reasons for each fast path not
+    taken). The scale layout is how the whole-page loop reads the four scale/zero pools: "quad" (one load per row,
+    `pools.quad_pools`), "paired_v" (V scale and zero in one load, `pools.paired_v_pools`) or "separate". fp16 and
+    ue5m3 pools share the loop; the loop reads uint8 pools as 32-bit words, so their buffers must start 4-byte
+    aligned (torch allocations do; a view at an odd offset takes the masked tiles)."""
     k_codes, v_scale, v_zero = pages.k_codes, pages.v_scale, pages.v_zero
     reasons = []
     full = bool(whole_pages)
-    if full and v_scale.dtype == torch.uint8:
-        pools = [pages.k_scale, pages.k_zero, v_scale]
-        if not paired_v_pools(v_scale, v_zero):
-            pools.append(v_zero)
+    quad = quad_pools(pages.k_scale, pages.k_zero, v_scale, v_zero)  # aligned for its word reads by definition
+    paired = not quad and paired_v_pools(v_scale, v_zero)
+    if full and v_scale.dtype == torch.uint8 and not quad:
+        pools = [pages.k_scale, pages.k_zero, v_scale] + ([] if paired else [v_zero])
         if any(p.data_ptr() % 4 for p in pools):
             full = False
             reasons.append("ue5m3 pools not 4-byte aligned: masked tiles")
@@ -221,13 +223,14 @@ def tile_path(pages: PagePools, whole_pages: bool, opts: DecodeOptions) -> tuple
     ki8 = pieces and u == max(16, next_pow2(u)) and (2 * u) % 32 == 0 and 2 * u <= 64
     if pieces and not ki8:
         reasons.append(f"head_dim {4 * k_codes.shape[3]}: fp16 scores (int8 scores need head_dim 128 or 256)")
-    vpair = pieces and paired_v_pools(v_scale, v_zero)
-    if pieces and not vpair:
-        reasons.append("V scale and zero pools are not paired: a separate zero load per tile")
-    return full, ki8, vpair, reasons
+    layout = "quad" if pieces and quad else "paired_v" if pieces and paired else "separate"
+    if pieces and layout != "quad":
+        reasons.append("scale/zero pools not one quad per row (pools.alloc_quad_pools): "
+                       + ("a second load per row for the K scale and zero" if paired else "four loads per row"))
+    return full, ki8, layout, reasons
 
 
-def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, vpair: bool, opts: DecodeOptions,
+def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, layout: str, opts: DecodeOptions,
                      compiled: bool) -> dict:
     """Compile-time arguments of `kernel._int2_chunk` (shared by the history kernel and the production grid), for
     the tile loop `tile_path` chose."""
@@ -236,7 +239,7 @@ def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, vpair: bool, op
     group = q.shape[1] // k_codes.shape[1]
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
                 P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=not compiled, NPV=64, FULL_TILES=full,
-                VPAIR=vpair, KI8=ki8, CENTER=pages.centered)
+                VPAIR=layout == "paired_v", KI8=ki8, CENTER=pages.centered, QUAD=layout == "quad")
 
 
 def fallback_constexprs(q, pages: PagePools, opts: DecodeOptions, compiled: bool) -> dict:
@@ -256,8 +259,10 @@ class DecodePlan:
       the window kernel when there are windows) or "fallback" (the plain history kernel).
     - launches: kernel launches of the call (1: grid with the in-kernel reduce; 2: grid + reduce; 3: history,
       window, reduce; history-only calls: 2).
-    - whole_pages, int8_scores, paired_v: the production kernel's fast tile loop (16-token pieces without masks),
-      int8 score MMAs, one load for each V row's scale and zero (all False off the production kernel).
+    - whole_pages, int8_scores: the production kernel's fast tile loop (16-token pieces without masks) and its int8
+      score MMAs (False off the production kernel).
+    - scale_layout: how that loop reads the scale/zero pools: "quad" (a row's four in one load), "paired_v" (V scale
+      and zero in one load) or "separate" (also off the pieces loop; `tile_path`).
     - scale_format: "float16" or "ue5m3" (the pools' dtype); centered: the pools hold x - mean.
     - reason: why each faster choice was not taken ("; "-joined), "" when the call takes the fastest path.
     - compiled: the target the plan is for: a compiled GPU launch (True) or the Triton interpreter (False).
@@ -269,7 +274,7 @@ class DecodePlan:
     launches: int
     whole_pages: bool
     int8_scores: bool
-    paired_v: bool
+    scale_layout: str
     scale_format: str
     centered: bool
     reason: str
@@ -298,13 +303,13 @@ def plan_decode(q, pages: PagePools, windows: Windows | None, whole_pages: bool,
         kernel, launches = ("grid", 1 if opts.fused else 2) if not declined else ("production", 3)
     reasons = [declined] if declined else []
     if not production:
-        full, ki8, vpair, why = tile_path(pages, whole_pages, opts)
+        full, ki8, layout, why = tile_path(pages, whole_pages, opts)
         reasons += why
-        constexprs = chunk_constexprs(q, pages, full, ki8, vpair, opts, compiled)
+        constexprs = chunk_constexprs(q, pages, full, ki8, layout, opts, compiled)
     else:
-        kernel, full, ki8, vpair = "fallback", False, False, False
+        kernel, full, ki8, layout = "fallback", False, False, "separate"
         constexprs = fallback_constexprs(q, pages, opts, compiled)
-    return DecodePlan(kernel, launches, full, ki8, vpair, pages.scale_format, pages.centered, "; ".join(reasons),
+    return DecodePlan(kernel, launches, full, ki8, layout, pages.scale_format, pages.centered, "; ".join(reasons),
                       compiled, constexprs)
 
 

@@ -23,8 +23,9 @@ class PagePools:
 
     - k_codes, v_codes: uint8 `[num_pages, H, P, d // 4]` (quarter-split packing).
     - k_scale, k_zero, v_scale, v_zero: `[num_pages, H, P, d // G]`, fp16 all four or uint8 all four (ue5m3 scale
-      codes and zero points in 1/64 code): the dtype is the scale format. With one group per row, V scale and zero
-      may be the two halves of one `[num_pages, H, P, 2]` buffer (`pools.alloc_paired_v_pools`).
+      codes and zero points in 1/64 code): the dtype is the scale format. With one group per row, the four may be
+      the quarters of one `[num_pages, H, P, 4]` buffer (`pools.alloc_quad_pools`, what the cache allocates), or V
+      scale and zero the two halves of one `[num_pages, H, P, 2]` buffer (`pools.alloc_paired_v_pools`).
     - k_mean, v_mean: `[H, d]` means of a centered cache in the rotated basis (the pages hold quant(x - mean)), or
       None for both (uncentered).
     """
