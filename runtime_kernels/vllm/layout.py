@@ -7,7 +7,9 @@ content) with `C = PackedLayout.bytes_per_token_head` bytes per (token, KV head)
 
 Scale and zero are fp16 (the `float16` scale format) or one byte each (`ue5m3`): 72 or 68 bytes at d = 128 and
 one group per row (`KVFormat.bytes_per_token`), against `2 * d * 2 = 512` for BF16 K+V. The views keep the last dim
-contiguous, as `runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need.
+contiguous, as `runtime_kernels.quant.write_pages` and `runtime_kernels.attention.decode_attention` need. With one
+group per row the cell's last four entries are a quad (`attention.int2_decode.pools.quad_pools`: 68- and 72-byte
+cells keep them 4-entry aligned), which the whole-page decode loop reads with one load per row.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch
 from format_helpers import PAPER, restamp
 
 from runtime_kernels.artifact import identity_artifact
+from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.vllm.engine import (
     NULL_BLOCK,
@@ -97,6 +98,11 @@ def test_packed_layout_bytes_and_views():
     assert u8.k_scale.dtype == torch.uint8 and u8.v_zero.shape == (2, H, P, 1)
     u8.v_zero.fill_(7)
     assert u8.k_codes.untyped_storage().data_ptr() == u8.v_zero.untyped_storage().data_ptr()
+    # one group per row: the cell's four scale/zero entries are a quad the decode loop reads with one load per row
+    assert quad_pools(u8.k_scale, u8.k_zero, u8.v_scale, u8.v_zero)
+    f16 = page_pools(torch.zeros(2, H, P, 72, dtype=torch.uint8), PackedLayout(PAPER, 128))
+    assert quad_pools(f16.k_scale, f16.k_zero, f16.v_scale, f16.v_zero)
+    assert not quad_pools(views.k_scale, views.k_zero, views.v_scale, views.v_zero)  # four groups per row
     cache = torch.zeros(3, H, P, PackedLayout(LAYOUT, D).bytes_per_token_head, dtype=torch.uint8)
     pools = page_pools(cache.view(torch.bfloat16), PackedLayout(LAYOUT, D))
     pools.v_zero.fill_(1.5)
