@@ -276,7 +276,7 @@ def test_paged_cache_serving_shapes_on_gpu():
         cache = PagedKVCache.from_artifact(art, max_pages=128, max_seqs=3, device=dev, dtype=torch.bfloat16,
                                            backend=backend)
         pool0 = cache.pools[0]
-        assert quad_pools(pool0.k_scale, pool0.k_zero, pool0.v_scale, pool0.v_zero)  # the QUAD loop runs
+        assert quad_pools(pool0.k_scale, pool0.k_zero, pool0.v_scale, pool0.v_zero)  # the quad loop runs (SZ="quad")
         ids = [cache.add_sequence() for _ in prompts]
         cache.append(ids, [[p.to(dev) for p in prompts]], [[p.to(dev) for p in prompts]])
         for x in steps:

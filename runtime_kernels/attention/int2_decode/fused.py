@@ -43,7 +43,7 @@ def _decode_grid_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
-    VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, QUAD: tl.constexpr,
+    SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
     S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr,
 ):
@@ -60,7 +60,7 @@ def _decode_grid_kernel(
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist, km_ptr, vm_ptr,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER, QUAD)
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER)
     else:
         _window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,

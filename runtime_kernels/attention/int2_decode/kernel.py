@@ -293,16 +293,16 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
                  stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  ks64, kz64, GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-                 ASM: tl.constexpr, INTERP: tl.constexpr, KI8: tl.constexpr, QUAD: tl.constexpr):
+                 ASM: tl.constexpr, INTERP: tl.constexpr, KI8: tl.constexpr, SZ: tl.constexpr):
     """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces. KI8: the
     code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
-    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused). QUAD: the rows' K scales
-    and zeros come decoded, ks64 / kz64 fp32 `[64]` (`_quad_at`); otherwise they are read here."""
+    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused). SZ "quad": the rows' K
+    scales and zeros come decoded, ks64 / kz64 fp32 `[64]` (`_quad_at`); otherwise they are read here."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (fp16 or ue5m3) and split in registers. fp16 pools: 4 B per lane,
     # cp.async; uint8 pools: their 32-bit words (`_u8_word`: no 8-bit vector to move).
-    if not QUAD:
+    if SZ != "quad":
         ks64 = _scales_at(ks_ptr, srow, ASM)
         kz64 = _zeros_at(kz_ptr, srow, ASM)
     ks0, ks1, ks2, ks3 = _split4(ks64)
@@ -338,23 +338,24 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
 def _page_values(vc_ptr, vs_ptr, page, r0, h, vs64, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
-                 VPAIR: tl.constexpr, QUAD: tl.constexpr):
+                 SZ: tl.constexpr):
     """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
     onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
-    across lanes once per tile by the caller). QUAD: vs64 / vz64 are the rows' V scales and zeros, decoded fp32
-    `[64]`; otherwise vz64 holds the rows' stored V zeros (prefetched; unused with VPAIR) and vs64 is unused."""
+    across lanes once per tile by the caller). SZ "quad": vs64 / vz64 are the rows' V scales and zeros, decoded
+    fp32 `[64]`; otherwise vz64 holds the rows' stored V zeros (prefetched; unused when "paired_v") and vs64 is
+    unused."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
-    if QUAD:
+    if SZ == "quad":
         pass  # decoded by the caller with the K scales and zeros (one load per row)
-    elif VPAIR and vs_ptr.dtype.element_ty == tl.uint8:
+    elif SZ == "paired_v" and vs_ptr.dtype.element_ty == tl.uint8:
         # Paired uint8 pools: a row's scale and zero are adjacent bytes at an even offset, so one 32-bit word holds
         # both (bytes k and k + 1, `_u8_word`).
         w, k = _u8_word(vs_ptr, page * stride_vsp + h * stride_vsh + (r0 + offs_n) * stride_vsr)
         vs64 = _ue5m3_in_word(w, k, ASM)
         vz64 = _zero_in_word(w, k + 1, ASM)
-    elif VPAIR:
+    elif SZ == "paired_v":
         # Paired pools: one `[64, 2]` load, which the pipeliner makes asynchronous because the scales feed the V
         # dots, brings the zeros along.
         sz = tl.load(vs_ptr + page * stride_vsp + h * stride_vsh + (r0 + offs_n)[:, None] * stride_vsr
@@ -400,13 +401,12 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                  offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
-                 ASM: tl.constexpr, INTERP: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr,
-                 QUAD: tl.constexpr):
+                 ASM: tl.constexpr, INTERP: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr):
     """One whole 64-token tile in 16-token pieces -> the updated online-softmax state (the arithmetic of
     `_tile_masked` without masks): the tokens at row r0 of page `page` (vz_cur: their stored V zeros `[64]`,
-    prefetched; unused with VPAIR or QUAD). QUAD: the rows' four scale/zero entries are read with one load per row
-    and decoded once here."""
-    if QUAD:
+    prefetched; unused unless SZ is "separate"). SZ "quad": the rows' four scale/zero entries are read with one
+    load per row and decoded once here."""
+    if SZ == "quad":
         ks64, kz64, vs64, vz64 = _quad_at(ks_ptr, page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr,
                                           ASM)
     else:  # placeholders: `_page_scores` and `_page_values` read their own
@@ -417,7 +417,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
                                       qb4, qb5, qb6, qb7, nqsum_s, ksc_s, ks64, kz64, GP, NQ, U, U_PAD, ASM, INTERP,
-                                      KI8, QUAD)
+                                      KI8, SZ)
     mx = _max4(sa0, sa1, sa2, sa3)
     m_new = tl.maximum(m_i, tl.max(mx, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -427,7 +427,7 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
         vc_ptr, vs_ptr, page, r0, h, vs64, vz64, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
-        NQ, U, U_PAD, ASM, INTERP, VPAIR, QUAD)
+        NQ, U, U_PAD, ASM, INTERP, SZ)
     l_i = l_i * alpha + tl.sum(p_sum, axis=0)
     acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
     return (m_new, l_i, acc_z, tl.fma(acc0, a1, _heads(t0, U_PAD, GP)), tl.fma(acc1, a1, _heads(t1, U_PAD, GP)),
@@ -491,14 +491,15 @@ def _int2_chunk(
     b, h, sp, n_split, km_ptr, vm_ptr,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, QUAD: tl.constexpr,
+    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split): one chunk of sequence b's history, KV head h -> the partial output and
     log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel). kc_ptr / vc_ptr: the code
     pools viewed as int16 `[pages, H, P, U]` (U = Q / 2), code strides in int16 units. FULL_TILES: whole pages
-    promised (four unmasked 16-token pieces per tile when BLOCK_N = 64). VPAIR: the V zero of a row is the fp16
-    right after its scale (paired pools). QUAD (whole-page pieces only): a row's K scale, K zero, V scale and V zero
-    are four consecutive entries (quad pools, `pools.quad_pools`), read with one load per row. KI8: scores by int8
+    promised (four unmasked 16-token pieces per tile when BLOCK_N = 64). SZ (whole-page pieces; `launch.tile_path`): how
+    the scale/zero pools are laid out, "quad" (a row's K scale, K zero, V scale and V zero are four consecutive
+    entries, `pools.quad_pools`, read with one load per row), "paired_v" (a row's V zero right after its V scale,
+    `pools.paired_v_pools`) or "separate". KI8: scores by int8
     MMAs against the query's hi/lo int8 split.
     CENTER: the pools hold x - mu (per KV head, rotated basis; km_ptr / vm_ptr fp32 `[H_kv, d]`): every history logit
     gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
@@ -592,7 +593,7 @@ def _int2_chunk(
         # V zeros feed no dot, so the pipeliner leaves their load synchronous; they are prefetched by hand one tile
         # ahead instead, as a loop-carried register (paired and quad pools bring them with the scales).
         pg0 = _pick_page(pg, offs_pv, 0)
-        if not (VPAIR or QUAD):
+        if SZ == "separate":
             vz_next = _tile_zeros(vz_ptr, pg0, h, start + jb * BLOCK_N, offs_n, stride_vsp, stride_vsh,
                                   stride_vsr, P, BLOCK_N, FULL_TILES and BLOCK_N == 64)
         # The page id picked for the V-zero prefetch is the next tile's page: one pick per tile, not two.
@@ -603,7 +604,7 @@ def _int2_chunk(
             r0 = tl.multiple_of(t0 % P, BLOCK_N)
             jn = tl.minimum(jj + 1, n_in - 1)  # the last tile of the block reloads its own (harmless)
             pgn = _pick_page(pg, offs_pv, jn)
-            if VPAIR or QUAD:
+            if SZ != "separate":
                 vz_cur = offs_n  # unused: the zeros come with the scales
             else:
                 vz_cur = vz_next
@@ -617,7 +618,7 @@ def _int2_chunk(
                     stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr,
                     offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U, U_PAD, ASM, INTERP,
-                    VPAIR, KI8, QUAD)
+                    SZ, KI8)
             else:
                 kw, vw, ks, kz, vs = _page_tile_loads(
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
@@ -688,7 +689,7 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, VPAIR: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, QUAD: tl.constexpr,
+    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
 ):
     # Grid (B, H_kv, num_splits); q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row.
     _int2_chunk(
@@ -697,4 +698,4 @@ def _int2_decode_kernel(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), km_ptr, vm_ptr,
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, VPAIR, KI8, CENTER, QUAD)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER)

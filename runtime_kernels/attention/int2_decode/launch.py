@@ -239,7 +239,7 @@ def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, layout: str, op
     group = q.shape[1] // k_codes.shape[1]
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
                 P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=not compiled, NPV=64, FULL_TILES=full,
-                VPAIR=layout == "paired_v", KI8=ki8, CENTER=pages.centered, QUAD=layout == "quad")
+                SZ=layout, KI8=ki8, CENTER=pages.centered)
 
 
 def fallback_constexprs(q, pages: PagePools, opts: DecodeOptions, compiled: bool) -> dict:
