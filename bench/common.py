@@ -40,9 +40,9 @@ def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", sca
     """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - window` history
     tokens rounded down to whole pages (random code bytes, scales in [0.1, 0.6), zeros in [0, 3) codes, scale/zero
     pools interleaved per row as the cache's, pages scattered over the pool), `window` full BF16 window rows (sink +
-    recent), bf16 queries. scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same draws, rounded to ue5m3 and
-    1/64 codes). Deterministic in `seed` for a given torch build and device (the float16 default draws what it always
-    did: `compare_decode_bitwise.py` compares against recorded outputs). layout: "quad" (the cache's) or "paired_v"
+    recent), bf16 queries. scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same
+    draws, rounded to ue5m3 and 1/64 codes). Deterministic in `seed` for a given torch build and device (the float16
+    default draws what it always did: `compare_decode_bitwise.py` compares against recorded outputs). layout: "quad" (the cache's) or "paired_v"
     (V scale and zero in one `[.., 2]` buffer, K scale and zero apart: what the cache allocated before the quads,
     for comparisons with trees that do not read quads); the same values either way."""
     from runtime_kernels.quant.naive import SCALE_STORAGE, ZERO_STEPS, encode_ue5m3

@@ -9,8 +9,8 @@ this file's `bench/common.py`, passed by path), then this process runs its own k
 and compares with `torch.equal`. `--scale-format ue5m3` compares uint8 scale pools (the shipped format; the
 reference tree must decode them), fp16 by default. `--old-layout paired_v` gives the reference tree the same values
 in the scale/zero layout the cache allocated before quad pools (a tree without the quad loop would take the masked
-tiles on quad pools, which sum in another order). Both processes check which `runtime_kernels` they imported, so a tree cannot be
-compared with itself. Writes OUT/decode_bitwise_<GPU>.json (one row per point and launch form) and exits 1 on any
+tiles on quad pools, which sum in another order). Both processes check which `runtime_kernels` they imported, so a
+tree cannot be compared with itself. Writes OUT/decode_bitwise_<GPU>.json (one row per point and launch form) and exits 1 on any
 difference.
 """
 

@@ -269,8 +269,9 @@ def decode_plan(q, pages: PagePools, windows: Windows | None = None, *, whole_pa
     `int2_decode_attention` with windows None; `whole_pages` as `BatchMetadata.whole_pages`. Fields: kernel
     ("grid" | "production" | "fallback"), launches, whole_pages / int8_scores / scale_layout (the production kernel's
     fast tile loop and how it reads the scale/zero pools), scale_format, centered, compiled, and reason: why each
-    faster choice was not taken ("" on the fastest path). From shapes, dtypes and strides only: no GPU needed. compiled: the target (True: a compiled GPU
-    launch; False: the Triton interpreter; None: this process's, which every call logs at DEBUG)."""
+    faster choice was not taken ("" on the fastest path). From shapes, dtypes and strides only: no GPU needed.
+    compiled: the target (True: a compiled GPU launch; False: the Triton interpreter; None: this process's, which
+    every call logs at DEBUG)."""
     return _launch().plan_decode(q, pages, windows, whole_pages, _options(options, fused), window_splits, compiled)
 
 

@@ -154,7 +154,7 @@ def _quad_at(ptr, offs, ASM: tl.constexpr):
     V zero) fp32 `[N]`, the values `_scales_at` / `_zeros_at` give. uint8 pools: one 32-bit word per row; fp16 pools:
     one 8-byte vector per row."""
     if ptr.dtype.element_ty == tl.uint8:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2))
+        w, _ = _u8_word(ptr, offs)  # a quad row is one whole word (byte index 0)
         if ASM:
             return tl.inline_asm_elementwise(_ASM_QUAD_UE5M3, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
                                              is_pure=True, pack=1)
