@@ -302,6 +302,20 @@ def test_split_reduce_in_channel_blocks_matches_the_torch_merge(splits, d):
     assert torch.allclose(o_t, o_r, atol=1e-5) and (o_t[0, 1] == 0).all()
 
 
+@pytest.mark.parametrize("channels,rows", [(32, 512), (8, 512), (16, 128), (128, 16)])
+def test_split_reduce_program_shapes_match_the_torch_merge(channels, rows):
+    """The split reduce merges the same partials to the reference whatever its program shape (`channels`, `rows`):
+    one round or several, channel blocks narrower than d, empty rows."""
+    gen = torch.Generator().manual_seed(channels + rows)
+    o_part = torch.randn(1, 4, 264, 128, generator=gen)
+    lse_part = torch.randn(1, 4, 264, generator=gen) * 4
+    lse_part[0, 2] = float("-inf")
+    o_t, lse_t = M.reduce_splits_triton(o_part, lse_part, channels=channels, rows=rows)
+    o_r, lse_r = paged_ref.reduce_splits_torch(o_part, lse_part)
+    assert_lse_close(lse_t, lse_r, 1e-5)
+    assert torch.allclose(o_t, o_r, atol=1e-5) and (o_t[0, 2] == 0).all()
+
+
 # -------------------------------------------------------------------------------------- host side
 def test_rotate_queries_and_unrotate_output():
     gen = torch.Generator().manual_seed(2)
@@ -398,6 +412,10 @@ def test_decode_options_reject_bad_values():
         L.DecodeOptions(maxnreg=300)
     assert L.DecodeOptions(maxnreg=96).launch_kwargs() == {"num_warps": 1, "num_stages": 3, "maxnreg": 96}
     assert "maxnreg" not in L.DEFAULT_OPTIONS.launch_kwargs()  # the compiler's choice unless asked
+    with pytest.raises(ValueError, match="DecodeOptions.pdl: expected a bool"):
+        L.DecodeOptions(pdl=2)
+    with pytest.raises(ValueError, match="DecodeOptions.prefetch_tiles: expected 0, 1 or 2, got 3"):
+        L.DecodeOptions(prefetch_tiles=3)
     pool = make_pool([10], h_kv=2, d=64, page=16)
     with pytest.raises(TypeError, match="options: expected a DecodeOptions"):
         A.int2_decode_attention(make_q(1, 8, 64, torch.float32), pages_of(pool), batch_of(pool), backend="triton",

@@ -5,11 +5,15 @@ script (`git show b5e2c6b:tests/data/make_decode_reference.py`), run at commit b
 main at 90430f9, i.e. before the kernel folder was rebuilt; re-recorded there on 2026-12-04 with numpy's OpenBLAS
 pinned to its Haswell kernel, as tests/conftest.py pins it (the interpreter's dots go through OpenBLAS, whose
 AVX2 and AVX-512 kernels round differently, so bits recorded on one kind of CPU did not hold on the other). The
-cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8 and fp16 scores,
-paired and separate V pools; the paired cases are also run on quad pools, which must give the same bits) and a
-masked tail, one and several splits, the one- and two-launch grid, history-only
-calls, empty histories and the fallback kernel (fp32 queries, 32-channel scale groups). On the GPU the same claim
-is checked by `bench/compare_decode_bitwise.py` at docs/kernels.md's decode points.
+whole-page cases were re-recorded on 2026-12-05 by `tests/data/rerecord_whole_page_reference.py`, after a deliberate
+change of the whole-page loop's arithmetic (the column scale inside the softmax exponent's FMA, per-lane softmax
+sums): their outputs moved by at most 1.0e-4 (1.4e-5 of the case's largest output; 3.0e-7 to 6.4e-6 in the other
+cases), and their error against the torch reference did not change in its first three digits. The masked-tile,
+tail and fallback cases keep the 90430f9 bits. The cases cover head_dim 64/128/256, GQA 1/4/8, whole pages (int8
+and fp16 scores, paired and separate V pools; the paired cases are also run on quad pools, which must give the same
+bits) and a masked tail, one and several splits, the one- and two-launch grid, history-only calls, empty histories
+and the fallback kernel (fp32 queries, 32-channel scale groups). On the GPU the same claim is checked by
+`bench/compare_decode_bitwise.py` at docs/kernels.md's decode points.
 """
 
 from __future__ import annotations

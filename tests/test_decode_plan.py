@@ -104,8 +104,8 @@ def test_the_shipped_format_takes_the_whole_page_loop_in_a_compiled_launch(monke
 
 
 def test_the_compiled_plan_differs_from_the_interpreted_one_only_where_the_target_matters():
-    """fp16 pools have no guard: a compiled launch's plan is the interpreter's, except the target itself (and the
-    INTERP constexpr that follows it)."""
+    """fp16 pools have no guard: a compiled launch's plan is the interpreter's, except the target itself (and what
+    follows it: the INTERP constexpr, and PF, the L2 prefetch that only a compiled launch issues)."""
     pool = make_pool([128], 2, 128, 64, seed=1, layout="quad")
     q = make_q(1, 8, 128, torch.bfloat16)
     k_win, _ = make_window(1, 2, 8, 128, torch.bfloat16)
@@ -114,11 +114,30 @@ def test_the_compiled_plan_differs_from_the_interpreted_one_only_where_the_targe
     gpu = A.decode_plan(q, pages_of(pool), windows, whole_pages=True, compiled=True)
     assert (interp.compiled, gpu.compiled) == (False, True)
     assert (interp.constexprs["INTERP"], gpu.constexprs["INTERP"]) == (True, False)
-    assert {k: v for k, v in interp.constexprs.items() if k != "INTERP"} == \
-        {k: v for k, v in gpu.constexprs.items() if k != "INTERP"}
+    assert (interp.constexprs["PF"], gpu.constexprs["PF"]) == (0, 1)
+    assert {k: v for k, v in interp.constexprs.items() if k not in ("INTERP", "PF")} == \
+        {k: v for k, v in gpu.constexprs.items() if k not in ("INTERP", "PF")}
     fields = ("kernel", "launches", "whole_pages", "int8_scores", "scale_layout", "scale_format", "centered", "reason")
     assert [getattr(interp, f) for f in fields] == [getattr(gpu, f) for f in fields]
     assert A.decode_plan(q, pages_of(pool), windows, whole_pages=True).compiled is False  # this process: interpreter
+
+
+def test_the_l2_prefetch_reaches_only_compiled_whole_page_launches():
+    """`DecodeOptions.prefetch_tiles` is inline PTX in the whole-page loop's prologue: a compiled launch of that loop
+    gets it as the PF constexpr; the interpreter and the masked-tile loop compile without it (PF 0)."""
+    pool = make_pool([128], 2, 128, 64, seed=1, layout="quad")
+    q = make_q(1, 8, 128, torch.bfloat16)
+    k_win, _ = make_window(1, 2, 8, 128, torch.bfloat16)
+    opts = L.DecodeOptions(prefetch_tiles=2)
+
+    def pf(whole_pages, compiled, options=opts):
+        return A.decode_plan(q, pages_of(pool), Windows(k_win, k_win), whole_pages=whole_pages, options=options,
+                             compiled=compiled).constexprs["PF"]
+
+    assert pf(True, True) == 2
+    assert pf(True, True, L.DEFAULT_OPTIONS) == 1  # the default: one tile
+    assert (pf(True, False), pf(False, True), pf(True, True, L.DecodeOptions(prefetch_tiles=0))) == (0, 0, 0)
+    assert pf(True, True, L.DecodeOptions(prefetch_tiles=2, block_n=32)) == 0  # not the 64-token pieces loop
 
 
 def test_the_plan_says_why_a_fast_path_is_not_taken():

@@ -388,24 +388,31 @@ def fp16_twin(pool):
     return out if layout == "separate" else list(relayout(out, layout))
 
 
-@pytest.mark.parametrize("context,batch", [(32768, 8), (131072, 1), (8192, 32)])
-def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context, batch):
-    """The shipped layout at the bench's shapes (ue5m3 scales, centered, quad scale/zero pools, 128/1024 windows,
-    page 64, Qwen3-8B heads): the production grid with whole pages and int8 scores, in both launch forms, gives the same bits
-    as the same history written with fp16 scales (what the H200 got wrong before the piece loop decoded ue5m3);
-    the masked-tile path likewise; whole-page and masked-tile paths agree, and both match the torch reference."""
+def shipped_layout_inputs(context: int, batch: int) -> tuple:
+    """The shipped layout at a bench shape (ue5m3 quad pools, centered, 128/1024 windows, page 64, Qwen3-8B heads)
+    -> (q, pool, K mean, V mean, (k_win, v_win, slot_ids, win_len)), seeded by the shape."""
     win, rows = 128 + 1024, 128 + 1024 + 63
     hist = (context - win) // 64 * 64
     pool = list(relayout(make_pool([hist] * batch, 8, 128, seed=context + batch, scale_format="ue5m3"), "quad"))
-    twin = fp16_twin(pool)
     gen = torch.Generator(device=DEV).manual_seed(batch)
     km, vm = (torch.randn(8, 128, generator=gen, device=DEV) * 0.3 for _ in range(2))
     k_win, v_win = (torch.randn(batch, 8, rows, 128, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
     slot_ids = torch.randperm(batch, generator=gen, device=DEV).to(torch.int32)
     win_len = torch.full((batch,), win, dtype=torch.int32, device=DEV)
     q = torch.randn(batch, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    rec = decode_inputs(pool, k_win, v_win, slot_ids, win_len, True, (km, vm))
-    rec16 = decode_inputs(twin, k_win, v_win, slot_ids, win_len, True, (km, vm))
+    return q, pool, km, vm, (k_win, v_win, slot_ids, win_len)
+
+
+@pytest.mark.parametrize("context,batch", [(32768, 8), (131072, 1), (8192, 32)])
+def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context, batch):
+    """The shipped layout at the bench's shapes (ue5m3 scales, centered, quad scale/zero pools, 128/1024 windows,
+    page 64, Qwen3-8B heads): the production grid with whole pages and int8 scores, in both launch forms, gives the
+    same bits as the same history written with fp16 scales (what the H200 got wrong before the piece loop decoded ue5m3);
+    the masked-tile path likewise; whole-page and masked-tile paths agree, and both match the torch reference."""
+    q, pool, km, vm, windows = shipped_layout_inputs(context, batch)
+    twin = fp16_twin(pool)
+    rec = decode_inputs(pool, *windows, True, (km, vm))
+    rec16 = decode_inputs(twin, *windows, True, (km, vm))
     plan = A.decode_plan(q, rec[0], rec[2], whole_pages=True)
     assert (plan.kernel, plan.whole_pages, plan.int8_scores, plan.scale_layout, plan.reason) == \
         ("grid", True, True, "quad", "")
@@ -427,6 +434,36 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     assert rel_rmse(oh, om) < 1e-3 and torch.allclose(lh, lm, atol=2e-3), rel_rmse(oh, om)
     o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
     assert rel_rmse(oh, o_ref) < 2e-2 and torch.allclose(lh, lse_ref, atol=2e-2)
+
+
+@pytest.mark.parametrize("context,batch", [(131072, 1), (32768, 8)])
+def test_launch_options_keep_the_output_bits_on_gpu(context, batch):
+    """The shipped layout at the bench's shapes: the split reduce as a programmatic dependent launch and the L2
+    prefetch of each program's first tiles (none, one: the default, two) change how the grid runs, not what it
+    computes: the same bits as the default call. (The reduce's shape changes the summation order: checked apart,
+    `test_split_reduce_rounds_compiled_match_the_torch_merge`.)"""
+    q, pool, km, vm, windows = shipped_layout_inputs(context, batch)
+    rec = decode_inputs(pool, *windows, True, (km, vm))
+    s_h, _ = A.decode_num_splits(q, *rec)
+    o, lse = A.decode_attention(q, *rec, num_splits=s_h)
+    for options in (A.DecodeOptions(pdl=True), A.DecodeOptions(prefetch_tiles=0), A.DecodeOptions(prefetch_tiles=2)):
+        o2, lse2 = A.decode_attention(q, *rec, num_splits=s_h, options=options)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), options
+
+
+@pytest.mark.parametrize("rows", [512, 64])
+def test_split_reduce_rounds_compiled_match_the_torch_merge(rows):
+    """The split reduce compiled at 128K x 1's shape (32 query heads, 300 partials): one round of up to 512 partials
+    (the default) or 64-partial rounds both merge to the torch reference (`reduce_splits_torch`) within fp32
+    rounding."""
+    from runtime_kernels.attention.int2_decode import merge
+
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    o_part = torch.randn(1, 32, 300, 128, generator=gen, device=DEV)
+    lse_part = torch.randn(1, 32, 300, generator=gen, device=DEV) * 4
+    o_t, lse_t = merge.reduce_splits_triton(o_part, lse_part, rows=rows)
+    o_r, lse_r = paged_ref.reduce_splits_torch(o_part, lse_part)
+    assert torch.allclose(lse_t, lse_r, atol=1e-5) and torch.allclose(o_t, o_r, atol=1e-5)
 
 
 def test_step_kernels_compiled_match_the_torch_path():

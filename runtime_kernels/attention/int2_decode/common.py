@@ -52,6 +52,15 @@ def _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 to fetch the lines at `ptrs` (any shape; `prefetch.global.L2`, compiled launches only): nothing is
+    read into registers, so a program can start its first tiles' HBM traffic before it has the work that consumes
+    them. Returns a dummy int32 of ptrs' shape (the asm is impure, so it stays without a user)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _u8_word(ptr, offs):
     """The 32-bit words that hold the uint8 elements at element offsets `offs` of a 4-byte-aligned uint8 buffer, and
     each element's byte index in its word -> (int32 words, int32 byte indices 0-3); lanes sharing a word load the
@@ -127,40 +136,47 @@ def _zeros_at(ptr, offs, ASM: tl.constexpr):
 # A quad row's four ue5m3-pool bytes (K scale, K zero, V scale, V zero) -> four fp32 values, two at a time in fp16
 # pairs: a byte permute puts the two scale codes at bits 0-7 of each half and a shift by 7 makes each half the fp16
 # `code << 7`, which is the ue5m3 value itself (both have 5 exponent bits with bias 15; the encoder keeps scales in
-# fp16's normal range, exponents 1-30); a second permute writes the two zero bytes under an fp16 exponent of 1024
-# and one fp16x2 FMA gives z / 64 exactly. Two integer-ALU instructions per row where decoding the four bytes one
-# at a time took six (docs/kernels.md, "Integer ALU work per tile").
+# fp16's normal range, exponents 1-30); a second permute puts the two zero bytes at the bottom of each half, an fp16
+# subnormal worth z * 2^-24, i.e. the zero point z / 64 times 2^-18 (`quad_zero_scale`: the kernel folds 2^18 into
+# the zero terms' other factors, powers of two, so the products are the same numbers). Two integer-ALU instructions
+# per row where decoding the four bytes one at a time took six (docs/kernels.md, "Integer ALU work per tile").
 _ASM_QUAD_UE5M3 = tl.constexpr(
-    "{ .reg .b32 t, u, c, m, a; .reg .b16 lo, hi; "
-    "mov.b32 c, 0x64646464; "
+    "{ .reg .b32 t, u; .reg .b16 lo, hi; "
     "prmt.b32 t, $4, 0, 0x4240; "
     "shl.b32 t, t, 7; "
     "mov.b32 {lo, hi}, t; "
     "cvt.f32.f16 $0, lo; "
     "cvt.f32.f16 $2, hi; "
-    "prmt.b32 u, $4, c, 0x4341; "
-    "mov.b32 m, 0x24002400; "
-    "mov.b32 a, 0xCC00CC00; "
-    "fma.rn.f16x2 u, u, m, a; "
+    "prmt.b32 u, $4, 0, 0x4341; "
     "mov.b32 {lo, hi}, u; "
     "cvt.f32.f16 $1, lo; "
     "cvt.f32.f16 $3, hi; }")
 
 
 @triton.jit
+def quad_zero_scale(ptr):
+    """What `_quad_at`'s zero points are multiplied by for a quad pool at ptr: 2^-18 for uint8 (ue5m3) pools, whose
+    zero bytes it reads as fp16 subnormals, 1 for fp16 pools."""
+    if ptr.dtype.element_ty == tl.uint8:
+        return 3.814697265625e-06  # 2^-18
+    else:
+        return 1.0
+
+
+@triton.jit
 def _quad_at(ptr, offs, ASM: tl.constexpr):
     """The four stored entries of the rows whose K scale is at element offsets `offs` `[N]` (multiples of 4) of a
     quad pool (`pools.quad_pools`: K scale, K zero, V scale, V zero side by side) -> (K scale, K zero, V scale,
-    V zero) fp32 `[N]`, the values `_scales_at` / `_zeros_at` give. uint8 pools: one 32-bit word per row; fp16 pools:
-    one 8-byte vector per row."""
+    V zero) fp32 `[N]`: the values `_scales_at` / `_zeros_at` give, the zeros times `quad_zero_scale(ptr)`. uint8
+    pools: one 32-bit word per row; fp16 pools: one 8-byte vector per row."""
     if ptr.dtype.element_ty == tl.uint8:
         w, _ = _u8_word(ptr, offs)  # a quad row is one whole word (byte index 0)
         if ASM:
             return tl.inline_asm_elementwise(_ASM_QUAD_UE5M3, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
                                              is_pure=True, pack=1)
-        else:
-            return (_scale_f32(_byte_in_word(w, 0)), _zero_f32(_byte_in_word(w, 1)),
-                    _scale_f32(_byte_in_word(w, 2)), _zero_f32(_byte_in_word(w, 3)))
+        else:  # z * 2^-24 = (z / 64) * 2^-18, as the fp16 subnormal gives it
+            return (_scale_f32(_byte_in_word(w, 0)), _byte_in_word(w, 1).to(tl.float32) * 5.9604644775390625e-08,
+                    _scale_f32(_byte_in_word(w, 2)), _byte_in_word(w, 3).to(tl.float32) * 5.9604644775390625e-08)
     else:
         x = tl.load(ptr + offs[:, None] + tl.arange(0, 4)[None, :])  # [N, 4]
         even, odd = tl.split(tl.reshape(x, [offs.shape[0], 2, 2]))  # entries (0, 2) and (1, 3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from runtime_kernels.attention.int2_decode import merge as _merge
 from runtime_kernels.attention.int2_decode.kernel import _int2_chunk
@@ -43,12 +44,14 @@ def _decode_grid_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr, FULL_TILES: tl.constexpr,
-    SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
+    SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, PF: tl.constexpr,
     NC: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_MAX: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
 ):
     # op/lp: fp32 partials `[B, H_q, S, d]` / `[B, H_q, S]` (lse contiguous along S); o/lse: fp32 `[B, H_q, d]` /
     # `[B, H_q]`, contiguous; cnt: int32 `[>= B * H_kv]`, zero between calls (MERGE only).
+    if PDL:  # the split reduce is launched as a programmatic dependent: it may be scheduled once every program began
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_all = tl.num_programs(2)
@@ -60,7 +63,7 @@ def _decode_grid_kernel(
             stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             b, h, sp, s_hist, km_ptr, vm_ptr,
-            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER)
+            GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER, PF)
     else:
         _window_chunk_t(
             q_ptr, kw_ptr, vw_ptr, slot_ptr, wlen_ptr, op_ptr, lp_ptr, qk_scale, s_hist,

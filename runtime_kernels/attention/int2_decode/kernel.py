@@ -25,6 +25,7 @@ import triton.language as tl
 
 from runtime_kernels.attention.int2_decode.common import (
     _chunk_bounds,
+    _prefetch_l2,
     _quad_at,
     _scale_f32,
     _scales_at,
@@ -35,6 +36,7 @@ from runtime_kernels.attention.int2_decode.common import (
     _zero_f32,
     _zero_in_word,
     _zeros_at,
+    quad_zero_scale,
 )
 
 # One `and` per output: code position p of both int16 halves of $8, left in place, is an fp16 subnormal.
@@ -199,12 +201,13 @@ def _split4(x):
 
 
 @triton.jit
-def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, nqsum_s, ksc_s, GP: tl.constexpr, NQ: tl.constexpr,
+def _score16(kw, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kz, ks, nqsum_s, GP: tl.constexpr, NQ: tl.constexpr,
              ASM: tl.constexpr, INTERP: tl.constexpr):
-    """Scaled logits `[16, GP]` of a 16-token piece: codes kw `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
+    """Row-scaled logits `[16, GP]` of a 16-token piece (its column scale is applied by `_tile_pieces`): codes kw
+    `[16, U_PAD]` int16, zero/scale kz, ks `[16]` fp32."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _codes8_subn(kw, ASM)
     sc = _position_scores(x0, x1, x2, x3, x4, x5, x6, x7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, 16, GP, NQ, INTERP)
-    return (sc + kz[:, None] * nqsum_s[None, :]) * (ks * ksc_s)[:, None]
+    return (sc + kz[:, None] * nqsum_s[None, :]) * ks[:, None]
 
 
 # The four channel quarters of four code bytes with one shift: quarters 0 and 2 masked in place (codes times 1 and
@@ -246,20 +249,19 @@ def _qi8_quarter(qj, c_half, sq):
 
 
 @triton.jit
-def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, nqz8, csc8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
-    """Scaled logits `[16, GP]` of a 16-token piece from its code bytes kb `[16, Q]` int8: one m16n8k32 integer MMA
+def _score16_i8(kb, qi0, qi1, qi2, qi3, kz, ks, nqz8, GP: tl.constexpr, NQ: tl.constexpr, ASM: tl.constexpr):
+    """Row-scaled logits `[16, GP]` of a 16-token piece from its code bytes kb `[16, Q]` int8: one m16n8k32 integer MMA
     per channel quarter, exact int32 sums of 16x the scores (`_quarters_i8`); the hi and lo columns of each head
     recombine as 254 hi + lo, a multiple of 16 below 2^28, so its fp32 value is 16x the unscaled sum's, rounding
-    included. nqz8 `[GP]`: -16x the same combination of the query operands' sums (the zero term); csc8 `[GP]`: the
-    log2 softmax scale times sq / (254 * 16). Every factor 16 is a power of two, so the logits are bit for bit
-    those of unscaled sums."""
+    included. nqz8 `[GP]`: -16x the same combination of the query operands' sums (the zero term). The column scale
+    (the log2 softmax scale times sq / (254 * 16)) is applied by the caller inside the softmax's exponent."""
     c0, c1, c2, c3 = _quarters_i8(kb, ASM)
     z = tl.zeros([16, NQ], tl.int32)
     a1 = tl.dot(c1, qi1, tl.dot(c0, qi0, z, out_dtype=tl.int32), out_dtype=tl.int32)
     a16 = tl.dot(c3, qi3, tl.dot(c2, qi2, z, out_dtype=tl.int32), out_dtype=tl.int32)
     hi, lo = tl.split(tl.reshape(a1 * 16 + a16, [16, GP, 2]))
     sc = (hi * 254 + lo).to(tl.float32)
-    return (sc + kz[:, None] * nqz8[None, :]) * (ks[:, None] * csc8[None, :])
+    return (sc + kz[:, None] * nqz8[None, :]) * ks[:, None]
 
 
 @triton.jit
@@ -291,13 +293,14 @@ def _load_piece(base, offs, u_ok, U: tl.constexpr, U_PAD: tl.constexpr, ROWS_U: 
 
 @triton.jit
 def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
-                 stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s, ksc_s,
+                 stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, nqsum_s,
                  ks64, kz64, GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, KI8: tl.constexpr, SZ: tl.constexpr):
-    """Scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces. KI8: the
-    code rows are read as bytes and scored by integer MMAs (`_score16_i8`); qb0-qb3 are then the int8 quarter
-    operands, nqsum_s and ksc_s the `[GP]` zero-term sums and column scales (qb4-qb7 unused). SZ "quad": the rows' K
-    scales and zeros come decoded, ks64 / kz64 fp32 `[64]` (`_quad_at`); otherwise they are read here."""
+    """Row-scaled logits of the 64 tokens at row r0 of page `page`, KV head h, as four `[16, GP]` pieces (their
+    column scale is applied by `_tile_pieces`). KI8: the code rows are read as bytes and scored by integer MMAs
+    (`_score16_i8`); qb0-qb3 are then the int8 quarter operands, nqsum_s the `[GP]` zero-term sums (qb4-qb7
+    unused). SZ "quad": the rows' K scales and zeros come decoded, ks64 / kz64 fp32 `[64]` (`_quad_at`);
+    otherwise they are read here."""
     o16 = tl.arange(0, 16)
     srow = page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr
     # Scale vectors as whole [64] loads, decoded (fp16 or ue5m3) and split in registers. fp16 pools: 4 B per lane,
@@ -313,37 +316,37 @@ def _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, st
         kb8 = kc_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + 2 * (page * stride_kcp + h * stride_kch
                                                                         + r0 * stride_kcr)
         b_offs = o16[:, None] * (2 * stride_kcr) + tl.arange(0, 2 * U)[None, :]  # [16, Q]
-        s0 = _score16_i8(tl.load(kb8 + b_offs), qb0, qb1, qb2, qb3, kz0, ks0, nqsum_s, ksc_s, GP, NQ, ASM)
-        s1 = _score16_i8(tl.load(kb8 + 16 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz1, ks1, nqsum_s, ksc_s,
+        s0 = _score16_i8(tl.load(kb8 + b_offs), qb0, qb1, qb2, qb3, kz0, ks0, nqsum_s, GP, NQ, ASM)
+        s1 = _score16_i8(tl.load(kb8 + 16 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz1, ks1, nqsum_s,
                          GP, NQ, ASM)
-        s2 = _score16_i8(tl.load(kb8 + 32 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz2, ks2, nqsum_s, ksc_s,
+        s2 = _score16_i8(tl.load(kb8 + 32 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz2, ks2, nqsum_s,
                          GP, NQ, ASM)
-        s3 = _score16_i8(tl.load(kb8 + 48 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz3, ks3, nqsum_s, ksc_s,
+        s3 = _score16_i8(tl.load(kb8 + 48 * (2 * stride_kcr) + b_offs), qb0, qb1, qb2, qb3, kz3, ks3, nqsum_s,
                          GP, NQ, ASM)
     else:
         kb = kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr
         k_offs = o16[:, None] * stride_kcr + offs_u[None, :]  # [16, U_PAD]
         s0 = _score16(_load_piece(kb, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
-                      kz0, ks0, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      kz0, ks0, nqsum_s, GP, NQ, ASM, INTERP)
         s1 = _score16(_load_piece(kb + 16 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz1, ks1, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz1, ks1, nqsum_s, GP, NQ, ASM, INTERP)
         s2 = _score16(_load_piece(kb + 32 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz2, ks2, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz2, ks2, nqsum_s, GP, NQ, ASM, INTERP)
         s3 = _score16(_load_piece(kb + 48 * stride_kcr, k_offs, u_ok, U, U_PAD, False), qb0, qb1, qb2, qb3, qb4, qb5,
-                      qb6, qb7, kz3, ks3, nqsum_s, ksc_s, GP, NQ, ASM, INTERP)
+                      qb6, qb7, kz3, ks3, nqsum_s, GP, NQ, ASM, INTERP)
     return s0, s1, s2, s3
 
 
 @triton.jit
-def _page_values(vc_ptr, vs_ptr, page, r0, h, vs64, vz64, s0, s1, s2, s3, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
+def _page_values(vc_ptr, vs_ptr, page, r0, h, vs64, vz64, s0, s1, s2, s3, cs, m_new, t0, t1, t2, t3, t4, t5, t6, t7,
                  stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
                  NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
                  SZ: tl.constexpr):
-    """The probabilities of four logit pieces (`_page_scores`) against the running max m_new: their V dots chained
-    onto the 8 position dots t0..t7, and per-lane partial sums `[16, GP]` of p and of p * scale * zero (reduced
-    across lanes once per tile by the caller). SZ "quad": vs64 / vz64 are the rows' V scales and zeros, decoded
-    fp32 `[64]`; otherwise vz64 holds the rows' stored V zeros (prefetched; unused when "paired_v") and vs64 is
-    unused."""
+    """The probabilities `exp2(s * cs - m_new)` of four row-scaled logit pieces (`_page_scores`; cs `[GP]` their
+    column scale) against the running max m_new: their V dots chained onto the 8 position dots t0..t7, and this
+    tile's per-lane sums `[16, GP]` of p and of p * scale * zero (the caller keeps them per lane across tiles).
+    SZ "quad": vs64 / vz64 are the rows' V scales and zeros, decoded fp32 `[64]`; otherwise vz64 holds the rows'
+    stored V zeros (prefetched; unused when "paired_v") and vs64 is unused."""
     o16 = tl.arange(0, 16)
     vb = vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr
     v_offs = o16[None, :] * stride_vcr + offs_u[:, None]  # [U_PAD, 16]
@@ -368,10 +371,12 @@ def _page_values(vc_ptr, vs_ptr, page, r0, h, vs64, vz64, s0, s1, s2, s3, m_new,
         vz64 = _zero_f32(vz64)
     vs0, vs1, vs2, vs3 = _split4(vs64)
     vz0, vz1, vz2, vz3 = _split4(vz64)
-    p0 = tl.exp2(s0 - m_new[None, :])
-    p1 = tl.exp2(s1 - m_new[None, :])
-    p2 = tl.exp2(s2 - m_new[None, :])
-    p3 = tl.exp2(s3 - m_new[None, :])
+    c1 = cs[None, :]
+    nm = -m_new[None, :]
+    p0 = tl.exp2(tl.fma(s0, c1, nm))
+    p1 = tl.exp2(tl.fma(s1, c1, nm))
+    p2 = tl.exp2(tl.fma(s2, c1, nm))
+    p3 = tl.exp2(tl.fma(s3, c1, nm))
     pv0, pb0 = _pv16(p0, vs0, NQ)
     pv1, pb1 = _pv16(p1, vs1, NQ)
     pv2, pb2 = _pv16(p2, vs2, NQ)
@@ -402,10 +407,11 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                  m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  GP: tl.constexpr, NQ: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
                  ASM: tl.constexpr, INTERP: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr):
-    """One whole 64-token tile in 16-token pieces -> the updated online-softmax state (the arithmetic of
-    `_tile_masked` without masks): the tokens at row r0 of page `page` (vz_cur: their stored V zeros `[64]`,
-    prefetched; unused unless SZ is "separate"). SZ "quad": the rows' four scale/zero entries are read with one
-    load per row and decoded once here."""
+    """One whole 64-token tile in 16-token pieces -> the updated online-softmax state (`_tile_masked`'s math without
+    masks, except that the column scale goes into the exponent's FMA and the softmax sum l_i and zero term acc_z
+    stay per lane, `[16, GP]`, for `_int2_chunk` to reduce after the loop): the tokens at row r0 of page `page`
+    (vz_cur: their stored V zeros `[64]`, prefetched; unused unless SZ is "separate"). SZ "quad": the rows' four
+    scale/zero entries are read with one load per row and decoded once here."""
     if SZ == "quad":
         ks64, kz64, vs64, vz64 = _quad_at(ks_ptr, page * stride_ksp + h * stride_ksh + (r0 + offs_n) * stride_ksr,
                                           ASM)
@@ -416,20 +422,22 @@ def _tile_pieces(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
         vz64 = vz_cur
     sa0, sa1, sa2, sa3 = _page_scores(kc_ptr, ks_ptr, kz_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr,
                                       stride_ksp, stride_ksh, stride_ksr, offs_n, offs_u, u_ok, qb0, qb1, qb2, qb3,
-                                      qb4, qb5, qb6, qb7, nqsum_s, ksc_s, ks64, kz64, GP, NQ, U, U_PAD, ASM, INTERP,
+                                      qb4, qb5, qb6, qb7, nqsum_s, ks64, kz64, GP, NQ, U, U_PAD, ASM, INTERP,
                                       KI8, SZ)
+    # The pieces are logits before their column scale ksc_s (`[GP]`, > 0): the tile's max logit is ksc_s times their
+    # max (rounding is monotone), and each exponent is one FMA, `s * ksc_s - m`, instead of a multiply per logit.
     mx = _max4(sa0, sa1, sa2, sa3)
-    m_new = tl.maximum(m_i, tl.max(mx, axis=0))
+    m_new = tl.maximum(m_i, tl.max(mx, axis=0) * ksc_s)
     alpha = tl.exp2(m_i - m_new)
     a1 = alpha[None, :]
     # Fresh per-tile V dots (the pieces chained in the MMA accumulator), added to the chunk accumulators by an FFMA.
     z = tl.zeros([U_PAD, NQ], tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, p_sum, z_sum = _page_values(
-        vc_ptr, vs_ptr, page, r0, h, vs64, vz64, sa0, sa1, sa2, sa3, m_new, z, z, z, z, z, z, z, z,
+        vc_ptr, vs_ptr, page, r0, h, vs64, vz64, sa0, sa1, sa2, sa3, ksc_s, m_new, z, z, z, z, z, z, z, z,
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, offs_n, offs_u, u_ok,
         NQ, U, U_PAD, ASM, INTERP, SZ)
-    l_i = l_i * alpha + tl.sum(p_sum, axis=0)
-    acc_z = acc_z * alpha + tl.sum(z_sum, axis=0)
+    l_i = l_i * a1 + p_sum
+    acc_z = acc_z * a1 + z_sum
     return (m_new, l_i, acc_z, tl.fma(acc0, a1, _heads(t0, U_PAD, GP)), tl.fma(acc1, a1, _heads(t1, U_PAD, GP)),
             tl.fma(acc2, a1, _heads(t2, U_PAD, GP)), tl.fma(acc3, a1, _heads(t3, U_PAD, GP)),
             tl.fma(acc4, a1, _heads(t4, U_PAD, GP)), tl.fma(acc5, a1, _heads(t5, U_PAD, GP)),
@@ -477,6 +485,50 @@ def _pick_page(pages, offs_pv, j):
 
 
 @triton.jit
+def _prefetch_span(ptr, n_bytes):
+    """L2 prefetch of the n_bytes (<= 4 KiB) from ptr: one 128-byte line per lane of a warp (lanes past the span
+    repeat its last line)."""
+    offs = tl.minimum(tl.arange(0, 32) * 128, n_bytes - 1)
+    _prefetch_l2(ptr.to(tl.pointer_type(tl.int8), bitcast=True) + offs)
+
+
+@triton.jit
+def _prefetch_tile(kc_ptr, ks_ptr, vc_ptr, page, r0, h, stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh,
+                   stride_ksr, stride_vcp, stride_vch, stride_vcr, BLOCK_N: tl.constexpr, SZ: tl.constexpr):
+    """L2 prefetch of the tile at row r0 of page `page` (int64), KV head h: its K and V codes (int16 views) and, SZ
+    "quad", its scale/zero rows."""
+    _prefetch_span(kc_ptr + page * stride_kcp + h * stride_kch + r0 * stride_kcr, BLOCK_N * stride_kcr * 2)
+    _prefetch_span(vc_ptr + page * stride_vcp + h * stride_vch + r0 * stride_vcr, BLOCK_N * stride_vcr * 2)
+    if SZ == "quad":
+        _prefetch_span(ks_ptr + page * stride_ksp + h * stride_ksh + r0 * stride_ksr,
+                       BLOCK_N * stride_ksr * (ks_ptr.dtype.element_ty.primitive_bitwidth // 8))
+
+
+@triton.jit
+def _prefetch_first_tiles(bt_row, start, end, kc_ptr, ks_ptr, vc_ptr, h, stride_kcp, stride_kch, stride_kcr,
+                          stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr,
+                          P: tl.constexpr, BLOCK_N: tl.constexpr, PF: tl.constexpr, SZ: tl.constexpr):
+    """Ask L2 for the codes (and, SZ "quad", the scale/zero rows) of the chunk's first PF (1 or 2) tiles, from their
+    page ids (`bt_row`: the sequence's block-table row). Issued before the query prologue, so their HBM latency
+    overlaps it: in a wave of programs that all start together (batch 1 runs one wave) the first tile otherwise
+    waits for the prologue, then the page-id load, then HBM. Values are untouched: the loop still reads every tile
+    itself."""
+    # The branch is what keeps the prefetches here: in one basic block with the prologue the compiler sinks them to
+    # its end, next to the loop's own first loads. Both page ids are loaded before either prefetch; a second tile
+    # past the chunk's end is page 0's (a harmless extra fetch).
+    if start < end:
+        t1 = start + BLOCK_N
+        page0 = tl.load(bt_row + start // P).to(tl.int64)
+        if PF > 1:
+            page1 = tl.load(bt_row + t1 // P, mask=t1 < end, other=0).to(tl.int64)
+        _prefetch_tile(kc_ptr, ks_ptr, vc_ptr, page0, start % P, h, stride_kcp, stride_kch, stride_kcr, stride_ksp,
+                       stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, BLOCK_N, SZ)
+        if PF > 1:
+            _prefetch_tile(kc_ptr, ks_ptr, vc_ptr, page1, t1 % P, h, stride_kcp, stride_kch, stride_kcr,
+                           stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr, BLOCK_N, SZ)
+
+
+@triton.jit
 def _int2_chunk(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     qk_scale, split_offset,
@@ -491,7 +543,7 @@ def _int2_chunk(
     b, h, sp, n_split, km_ptr, vm_ptr,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
+    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, PF: tl.constexpr,
 ):
     """Program (b, h, split sp of n_split): one chunk of sequence b's history, KV head h -> the partial output and
     log-sum-exp at split index `split_offset + sp` (also run by the fused decode kernel). kc_ptr / vc_ptr: the code
@@ -503,10 +555,13 @@ def _int2_chunk(
     MMAs against the query's hi/lo int8 split.
     CENTER: the pools hold x - mu (per KV head, rotated basis; km_ptr / vm_ptr fp32 `[H_kv, d]`): every history logit
     gets + q.mu_k * sm_scale, i.e. the chunk's lse does, and its normalised output gets + mu_v. Both are exact
-    (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact."""
+    (the chunk's softmax weights do not change), so the merge with the BF16 window stays exact.
+    PF: tiles whose codes and scales are prefetched into L2 before the query prologue (`_prefetch_first_tiles`;
+    0: none; compiled launches only)."""
     ASM: tl.constexpr = not INTERP
     NQ: tl.constexpr = 2 * GP
     start, end = _chunk_bounds(len_ptr, b, sp, n_split, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_u = tl.arange(0, U_PAD)
@@ -516,6 +571,16 @@ def _int2_chunk(
     c_half = offs_c % 2
     c_ok = c_head < GROUP
     q_cols = q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + c_head)[None, :] * stride_qh  # [1, NQ]
+    if KI8:  # the query's loads first: the prefetch below must not delay them
+        q_rows = q_cols + tl.arange(0, Q)[:, None]  # [Q, NQ]: channel j of each column's head
+        q0 = tl.load(q_rows, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q1 = tl.load(q_rows + Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + 2 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        q3 = tl.load(q_rows + 3 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
+    if PF > 0:
+        _prefetch_first_tiles(bt_row, start, end, kc_ptr, ks_ptr, vc_ptr, h, stride_kcp, stride_kch, stride_kcr,
+                              stride_ksp, stride_ksh, stride_ksr, stride_vcp, stride_vch, stride_vcr,
+                              P, BLOCK_N, PF, SZ)
     qb0 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 0, Q, 16.0)
     qb1 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 1, Q, 4.0)
     qb2 = _qb(q_cols, offs_u, u_ok, c_half, c_ok, 2, Q, 1.0)
@@ -538,11 +603,6 @@ def _int2_chunk(
     if KI8:
         # The query as int8 hi/lo pairs per head (`_qi8_quarter`): the hi/lo operands replace qb0-qb3, and the zero
         # term's query sum and the logits' column scale become per-head vectors (`_score16_i8`).
-        q_rows = q_cols + tl.arange(0, Q)[:, None]  # [Q, NQ]: channel j of each column's head
-        q0 = tl.load(q_rows, mask=c_ok[None, :], other=0.0).to(tl.float32)
-        q1 = tl.load(q_rows + Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
-        q2 = tl.load(q_rows + 2 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
-        q3 = tl.load(q_rows + 3 * Q, mask=c_ok[None, :], other=0.0).to(tl.float32)
         amax = tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), axis=0)
         sq = tl.where(amax > 0.0, amax / 127.0, 1.0)  # [NQ], the same for a head's two columns
         qb0 = _qi8_quarter(q0, c_half, sq)
@@ -564,9 +624,23 @@ def _int2_chunk(
                 + tl.dot(z8, qb2, out_dtype=tl.int32) + tl.dot(z8, qb3, out_dtype=tl.int32))
         ksc_s = ksc_s + tl.sum(tl.sum(warm, axis=0), axis=0).to(tl.float32) * 0.0
 
+    PIECES: tl.constexpr = FULL_TILES and BLOCK_N == 64
+    if PIECES:
+        ksc_s = tl.zeros([GP], tl.float32) + ksc_s  # per head in both score modes (a scalar for fp16 scores)
+    if PIECES and SZ == "quad":
+        # Quad zero points come scaled by zs (`quad_zero_scale`, a power of two): the K zero term's other factor
+        # takes 1 / zs here, the V zero term's sum after the loop, so both terms are the same numbers.
+        zs = quad_zero_scale(ks_ptr)
+        nqsum_s = nqsum_s / zs
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc_z = tl.zeros([GP], tl.float32)
+    if PIECES:
+        # The softmax sum and the V zero term per lane, `[16, GP]` in the pieces' layout: reduced across lanes once
+        # after the loop (`_tile_pieces`), not once per tile.
+        l_i = tl.zeros([16, GP], tl.float32)
+        acc_z = tl.zeros([16, GP], tl.float32)
+    else:
+        l_i = tl.zeros([GP], tl.float32)
+        acc_z = tl.zeros([GP], tl.float32)
     acc0 = tl.zeros([U_PAD, GP], tl.float32)
     acc1 = tl.zeros([U_PAD, GP], tl.float32)
     acc2 = tl.zeros([U_PAD, GP], tl.float32)
@@ -576,7 +650,6 @@ def _int2_chunk(
     acc6 = tl.zeros([U_PAD, GP], tl.float32)
     acc7 = tl.zeros([U_PAD, GP], tl.float32)
 
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     # Page ids come NPV at a time into registers and each tile's id is picked out of them, so every load address of
     # a tile is a function of the loop index alone: the pipeliner keeps num_stages - 1 tiles of codes AND scales in
     # flight (cp.async). Without FULL_TILES only the last tile of a sequence is partial; rows past `end` may hold
@@ -611,7 +684,7 @@ def _int2_chunk(
                 vz_next = _tile_zeros(vz_ptr, pgn, h, start + (jb + jn) * BLOCK_N, offs_n, stride_vsp,
                                       stride_vsh, stride_vsr, P, BLOCK_N, FULL_TILES and BLOCK_N == 64)
             page_n = pgn
-            if FULL_TILES and BLOCK_N == 64:
+            if PIECES:
                 m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_pieces(
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, page, r0, h, vz_cur,
                     stride_kcp, stride_kch, stride_kcr, stride_ksp, stride_ksh, stride_ksr,
@@ -634,6 +707,11 @@ def _int2_chunk(
                     m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, GP, NQ, U_PAD, BLOCK_N,
                     INTERP, ASM, not FULL_TILES)
 
+    if PIECES:
+        l_i = tl.sum(l_i, axis=0)
+        acc_z = tl.sum(acc_z, axis=0)
+        if SZ == "quad":
+            acc_z = acc_z / zs
     inv, lse = _softmax_finish(m_i, l_i)
     offs_g = tl.arange(0, GP)
     o_cols = (o_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[None, :] * stride_oh
@@ -689,7 +767,7 @@ def _int2_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, Q: tl.constexpr, U: tl.constexpr, U_PAD: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, NPV: tl.constexpr,
-    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr,
+    FULL_TILES: tl.constexpr, SZ: tl.constexpr, KI8: tl.constexpr, CENTER: tl.constexpr, PF: tl.constexpr,
 ):
     # Grid (B, H_kv, num_splits); q: fp16 or bf16 `[B, H_q, d]`; one scale/zero group per row.
     _int2_chunk(
@@ -698,4 +776,4 @@ def _int2_decode_kernel(
         stride_vcp, stride_vch, stride_vcr, stride_vsp, stride_vsh, stride_vsr, stride_btb,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), km_ptr, vm_ptr,
-        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER)
+        GROUP, GP, Q, U, U_PAD, P, BLOCK_N, INTERP, NPV, FULL_TILES, SZ, KI8, CENTER, PF)

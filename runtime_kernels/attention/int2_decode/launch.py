@@ -46,6 +46,12 @@ class DecodeOptions:
     - window_block, window_split_tokens: window tile and tokens per window program in the production grid.
     - maxnreg: cap on the registers per thread of the production kernels (None: the compiler's choice); more
       programs then fit an SM, at the price of spills where the cap is below what the loop keeps live.
+    - pdl: the two-launch grid's split reduce as a programmatic dependent launch (compiled, Hopper or later): its
+      programs start while the grid drains and wait for its partials. 0/1 or a bool.
+    - prefetch_tiles: each history program of the whole-page loop asks L2 for its first tiles' codes and scales
+      before its query prologue (compiled launches; 0: none), so their HBM latency overlaps the prologue. One tile
+      (the default) was 0.3-7 % faster than none at all eight points timed on an H100; two were no faster than one
+      (`docs/kernels.md`).
     """
 
     block_n: int = TILE_TOKENS
@@ -58,6 +64,8 @@ class DecodeOptions:
     window_block: int = 16
     window_split_tokens: int = 32
     maxnreg: int | None = None
+    pdl: bool = False
+    prefetch_tiles: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "num_stages", "waves", "programs_per_sm", "min_split_tokens",
@@ -67,6 +75,10 @@ class DecodeOptions:
                 raise ValueError(f"DecodeOptions.{name}: expected a positive integer, got {v!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"DecodeOptions.maxnreg: expected None or an integer in [24, 255], got {self.maxnreg!r}")
+        if self.pdl not in (0, 1):  # True and False are 1 and 0; --options passes integers
+            raise ValueError(f"DecodeOptions.pdl: expected a bool (or 0/1), got {self.pdl!r}")
+        if not isinstance(self.prefetch_tiles, int) or not 0 <= self.prefetch_tiles <= 2:
+            raise ValueError(f"DecodeOptions.prefetch_tiles: expected 0, 1 or 2, got {self.prefetch_tiles!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeOptions.block_n: expected a power of two >= 16, got {self.block_n}")
 
@@ -143,6 +155,7 @@ def programs_per_sm_limit(n_regs: int, shared_bytes: int, num_warps: int, regs_p
 
 
 def _slots_of(compiled, num_warps: int, device) -> int:
+    """Programs per SM of a compiled kernel on `device`."""
     props = torch.cuda.get_device_properties(device)
     if getattr(compiled, "n_regs", None) is None:  # a kernel compiled by `warmup` loads (and counts) lazily
         compiled._init_handles()
@@ -239,7 +252,8 @@ def chunk_constexprs(q, pages: PagePools, full: bool, ki8: bool, layout: str, op
     group = q.shape[1] // k_codes.shape[1]
     return dict(GROUP=group, GP=max(4, next_pow2(group)), Q=q.shape[2] // 4, U=u, U_PAD=max(16, next_pow2(u)),
                 P=k_codes.shape[2], BLOCK_N=opts.block_n, INTERP=not compiled, NPV=64, FULL_TILES=full,
-                SZ=layout, KI8=ki8, CENTER=pages.centered)
+                SZ=layout, KI8=ki8, CENTER=pages.centered,
+                PF=opts.prefetch_tiles if compiled and full and opts.block_n == TILE_TOKENS else 0)
 
 
 def fallback_constexprs(q, pages: PagePools, opts: DecodeOptions, compiled: bool) -> dict:
@@ -437,7 +451,8 @@ def launch_grid(q, pages: PagePools, batch: BatchMetadata, windows: Windows, pla
     kw = dict(**plan.constexprs,
               NC=max(8, next_pow2(group)), D=d, D_PAD=max(16, next_pow2(d)),
               BLOCK_W=opts.window_block, S_BLOCK=_reduce_block(group, d, total),
-              S_MAX=next_pow2(total), MERGE=bool(opts.fused), **opts.launch_kwargs())
+              S_MAX=next_pow2(total), MERGE=bool(opts.fused), PDL=_pdl(q, opts),
+              **opts.launch_kwargs())
     grid = (b, h_kv, total)
     if warmup:
         return fused._decode_grid_kernel.warmup(*args, grid=grid, **kw)
@@ -445,19 +460,33 @@ def launch_grid(q, pages: PagePools, batch: BatchMetadata, windows: Windows, pla
     return (o, lse) if opts.fused else (o_part, lse_part)
 
 
+def _pdl(q: torch.Tensor, opts: DecodeOptions) -> bool:
+    """Whether the two-launch grid and its reduce run as a programmatic dependent launch pair (compiled launches)."""
+    return bool(opts.pdl) and not opts.fused and q.is_cuda
+
+
+def _grid_key(q, pages: PagePools, batch: BatchMetadata, windows: Windows, plan: DecodePlan,
+              opts: DecodeOptions) -> tuple:
+    """What selects a compiled production grid: the history chunk's key and the window inputs' dtypes."""
+    return (("grid",) + chunk_key(q, pages, batch, plan, opts)
+            + (windows.k_win.dtype, batch.slot_ids.dtype, batch.win_len.dtype))
+
+
+def _compile_grid(q, pages: PagePools, batch: BatchMetadata, windows: Windows, plan: DecodePlan,
+                  opts: DecodeOptions):
+    """The production grid these inputs and options compile to (Triton's handle; compiled, not launched)."""
+    counters = torch.zeros(q.shape[0] * pages.kv_heads, dtype=torch.int32, device=q.device)
+    return launch_grid(q, pages, batch, windows, plan, counters, 1.0, 3, 1, opts, warmup=True)
+
+
 def grid_num_splits(q, pages: PagePools, batch: BatchMetadata, windows: Windows, plan: DecodePlan,
                     opts: DecodeOptions) -> tuple[int, int]:
     """(history, window) splits of the production grid: whole waves of its own compiled kernel on a GPU."""
     slots = None
     if q.device.type == "cuda" and plan.compiled:
-        def compile_only():
-            counters = torch.zeros(q.shape[0] * pages.kv_heads, dtype=torch.int32, device=q.device)
-            return launch_grid(q, pages, batch, windows, plan, counters, 1.0, 3, 1, opts, warmup=True)
-
-        key = (("grid",) + chunk_key(q, pages, batch, plan, opts)
-               + (windows.k_win.dtype, batch.slot_ids.dtype, batch.win_len.dtype))
-        slots = cached_slots(key, compile_only, opts.num_warps, q.device)
-    return (splits_for_slots(q, pages, batch, slots, opts), grid_window_splits(windows.k_win.shape[2], opts))
+        slots = cached_slots(_grid_key(q, pages, batch, windows, plan, opts),
+                             lambda: _compile_grid(q, pages, batch, windows, plan, opts), opts.num_warps, q.device)
+    return splits_for_slots(q, pages, batch, slots, opts), grid_window_splits(windows.k_win.shape[2], opts)
 
 
 def history(q, pages: PagePools, batch: BatchMetadata, sm_scale: float, num_splits: int | None,
@@ -499,7 +528,7 @@ def decode(q, pages: PagePools, batch: BatchMetadata, windows: Windows, sm_scale
             s_h, s_w = grid_num_splits(q, pages, batch, windows, plan, opts)
         out = launch_grid(q, pages, batch, windows, plan, counters, sm_scale, s_h, s_w, opts)
         if not opts.fused:
-            return merge.reduce_splits_triton(*out, v_rotation, out_dtype)
+            return merge.reduce_splits_triton(*out, v_rotation, out_dtype, pdl=_pdl(q, opts))
         if v_rotation is None:
             return out
         return step_kernels.rotate_heads(out[0], v_rotation, transpose=True, out_dtype=out_dtype, validate=False), out[1]

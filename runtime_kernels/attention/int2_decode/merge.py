@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from runtime_kernels.launch_util import next_pow2
 from runtime_kernels.triton_rounding import store_rounded
@@ -112,11 +113,16 @@ def _reduce_group(op_base, stride_oh, stride_os, lp_base, stride_lh, o_base, lse
 
 @triton.jit(do_not_specialize=["S"])
 def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
-                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr):
+                          D: tl.constexpr, D_BLK: tl.constexpr, S_BLOCK: tl.constexpr, S_MAX: tl.constexpr,
+                          PDL: tl.constexpr):
     # Program (row, channel block): row = (batch, query head); o_part / lse_part are contiguous [rows, S, D] /
-    # [rows, S]. Channel blocks of 32 give 4x the programs of one per row at d = 128, and each program reads
-    # 64 partials per round: at 128K / batch 1 (32 rows of 203 splits) the reduce went from 0.0150 to 0.0049 ms
-    # (bench/results/graph_parts_v8_NVIDIA_H200.txt).
+    # [rows, S]. Channel blocks of 32 give 4x the programs of one per row at d = 128: at 128K / batch 1 (32 rows of
+    # 203 splits) the reduce went from 0.0150 to 0.0049 ms (bench/results/graph_parts_v8_NVIDIA_H200.txt). Up to
+    # 512 partials per round (one round at every split count the grid launches on an H100 or H200): about 10 % off
+    # the whole decode at 128K and 32K x 1 on an H100 against rounds of 64, within 2 % elsewhere; 8-channel blocks
+    # were slower at batch 8 and 32 (bench/results/decode_graph_options_NVIDIA_H100.md).
+    if PDL:  # launched as a programmatic dependent of the grid: its partials are visible after the wait
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     _reduce_row(op_ptr + row * S * D, lp_ptr + row * S, o_ptr + row * D, lse_ptr + row, S, D,
                 tl.program_id(1) * D_BLK, D, D_BLK, S_BLOCK, S_MAX)
@@ -126,12 +132,14 @@ def _reduce_splits_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, S,
 def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh, stride_ri, stride_rj,
                             H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                             BLOCK_E: tl.constexpr, E_BLOCKS: tl.constexpr, S_BLOCK: tl.constexpr,
-                            S_MAX: tl.constexpr):
+                            S_MAX: tl.constexpr, PDL: tl.constexpr):
     """Program (row, g): row = (batch, query head) of contiguous `o_part [rows, S, D]`, `lse_part [rows, S]`. Merges
     all D channels of the row's S partials (as `_reduce_row`), then stores column blocks `g * E_BLOCKS + k` (k <
     E_BLOCKS; BLOCK_E columns each) of `o @ M` with `M[i, j]` at `r_ptr + h_kv * stride_rh + i * stride_ri + j *
     stride_rj` (R_V^T of the row's KV head: R's strides swapped), fp32 products and sum, rounded once into o_ptr's
     dtype. With E_BLOCKS < D / BLOCK_E several programs re-merge the same row: more programs for a small batch."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1)
     h_kv = (row % H_Q) // GROUP
@@ -151,13 +159,20 @@ def _reduce_unrotate_kernel(op_ptr, lp_ptr, r_ptr, o_ptr, lse_ptr, S, stride_rh,
 
 
 def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, v_rotation: torch.Tensor | None = None,
-                         out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_dtype: torch.dtype = torch.float32, pdl: bool = False, channels: int = 32,
+                         rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reduce_splits_torch` (contiguous fp32 inputs); one launch for all rows.
 
     With `v_rotation` (fp32 `[H_kv, d, d]`) the same launch also takes o back to the model's value basis, `o @
     R_V[h // g]^T` per query head (`attention.unrotate_output`'s math: fp32 products and sum, summed in another
     order), stored in `out_dtype` (fp32, bf16 or fp16); without it o stays fp32 in the rotated basis. lse is fp32.
+    `pdl`: launch as a programmatic dependent of the kernel that wrote the partials (a compiled launch on Hopper or
+    later): the reduce's programs may start before that kernel ends and wait (`griddepcontrol.wait`) for its memory.
+    `channels`, `rows` (powers of two): without `v_rotation`, the channels each program merges and the partials it
+    reads per round.
     """
+    pdl = bool(pdl) and o_part.is_cuda
+    launch = dict(launch_pdl=True) if pdl else {}
     b, h, s, d = o_part.shape
     lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
     if v_rotation is not None:
@@ -172,11 +187,12 @@ def reduce_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, v_rotatio
             o_part, lse_part, v_rotation, o, lse, s,
             v_rotation.stride(0), v_rotation.stride(2), v_rotation.stride(1),  # swapped: M = R^T
             H_Q=h, GROUP=h // v_rotation.shape[0], D=d, D_PAD=d_pad, BLOCK_E=block_e, E_BLOCKS=e_blocks,
-            S_BLOCK=max(1, min(next_pow2(s), tile // d_pad)), S_MAX=next_pow2(s), num_warps=warps)
+            S_BLOCK=max(1, min(next_pow2(s), tile // d_pad)), S_MAX=next_pow2(s), PDL=pdl, num_warps=warps,
+            **launch)
         return o, lse
     o = torch.empty(b, h, d, dtype=torch.float32, device=o_part.device)
-    d_blk = min(32, next_pow2(d))
+    d_blk = min(channels, next_pow2(d))
     _reduce_splits_kernel[(b * h, triton.cdiv(d, d_blk))](
-        o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(64, next_pow2(s)),
-        S_MAX=next_pow2(s), num_warps=4)
+        o_part, lse_part, o, lse, s, D=d, D_BLK=d_blk, S_BLOCK=min(rows, next_pow2(s)),
+        S_MAX=next_pow2(s), PDL=pdl, num_warps=4, **launch)
     return o, lse
