@@ -4,6 +4,7 @@
     python3 bench/sass_loop_stats.py --scale-format float16 --uncentered
     python3 bench/sass_loop_stats.py --maxnreg 128
     python3 bench/sass_loop_stats.py --whole                     # also what each program pays once
+    python3 bench/sass_loop_stats.py --prefetch-tiles 2          # with the L2 prefetch of the first tiles
     PYTHONPATH=/opt/tr36:. python3 bench/sass_loop_stats.py      # with the H200 image's Triton (pip install
                                                                  # --target /opt/tr36 --no-deps triton==3.6.0)
 
@@ -19,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from offline_compile import compile_launch, disassemble, resources  # noqa: E402
 
 from runtime_kernels.attention.int2_decode import kernel, launch  # noqa: E402
 
@@ -54,41 +51,18 @@ GROUPS = {
 # float multiply-adds go to the FMA pipes instead, I2F and MUFU to XU.
 ALU_PIPE = ("LOP3", "SHF", "PRMT", "IADD3", "VIADD", "LEA", "FMNMX", "ISETP", "FSETP", "SEL", "FSEL", "I2FP", "F2FP")
 
-PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int16: "*i16",
-             torch.uint8: "*u8", torch.int32: "*i32"}
-
-
-def compile_history_kernel(scale_format: str, centered: bool, maxnreg: int | None, num_stages: int):
-    """-> (compiled kernel, plan) of the history kernel for the recipe's pools at Qwen3-8B geometry (batch 8)."""
+def compile_history_kernel(scale_format: str, centered: bool, maxnreg: int | None, num_stages: int,
+                           prefetch_tiles: int = launch.DEFAULT_OPTIONS.prefetch_tiles):
+    """-> (compiled kernel, plan) of the history kernel for the recipe's pools at Qwen3-8B geometry (batch 8),
+    compiled offline from the arguments `launch.launch_history` passes."""
     args = common.decode_inputs(8, 8192, seed=0, device="cpu", scale_format=scale_format)
     q, pages, batch, _ = common.decode_records(args, common.decode_means(0, "cpu") if centered else None)
-    opts = launch.DecodeOptions(num_stages=num_stages, maxnreg=maxnreg)
+    opts = launch.DecodeOptions(num_stages=num_stages, maxnreg=maxnreg, prefetch_tiles=prefetch_tiles)
     plan = launch.plan_decode(q, pages, None, batch.whole_pages, opts, compiled=True)
-    kc, vc = launch.int16_views(pages.k_codes, pages.v_codes)
-    strides = dict(zip(("stride_kcp", "stride_kch", "stride_kcr", "stride_ksp", "stride_ksh", "stride_ksr",
-                        "stride_vcp", "stride_vch", "stride_vcr", "stride_vsp", "stride_vsh", "stride_vsr"),
-                       launch.pool_strides(q, (kc, vc), pages, batch)[2:14]))
-    const = {**plan.constexprs, **strides}
-    tensors = {"q_ptr": q, "kc_ptr": kc, "ks_ptr": pages.k_scale, "kz_ptr": pages.k_zero, "vc_ptr": vc,
-               "vs_ptr": pages.v_scale, "vz_ptr": pages.v_zero, "bt_ptr": batch.block_table, "len_ptr": batch.hist_len,
-               "o_ptr": torch.empty(0), "lse_ptr": torch.empty(0),
-               "km_ptr": pages.k_mean if centered else q, "vm_ptr": pages.v_mean if centered else q}
-    fn = kernel._int2_decode_kernel
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in tensors:
-            sig[name] = PTR_TYPES[tensors[name].dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
-            sig[name] = "fp32"
-        else:  # the remaining strides and split_offset: i32, the strides 16-divisible as a launch specializes them
-            sig[name] = "i32"
-            if name.startswith("stride") and name != "stride_lh":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(fn, sig, {k: v for k, v in const.items() if k in fn.arg_names}, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=opts.launch_kwargs())
+    o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2])  # three splits' partials, as a launch passes them
+    lse_part = torch.empty(q.shape[0], q.shape[1], 3)
+    compiled = compile_launch(kernel, "_int2_decode_kernel", lambda: launch.launch_history(
+        q, pages, batch, plan, o_part, lse_part, 1.0, 3, 0, opts, warmup=True))
     return compiled, plan
 
 
@@ -101,15 +75,7 @@ def loop_stats(compiled) -> dict:
     """SASS opcode counts of the innermost backward-branch loop that holds the MMAs, registers per thread, and the
     static opcode counts of the parts around it: the prologue (before the outermost loop with MMAs), the rest of that
     outer loop (the per-block page-id work around the tile loop) and the epilogue (after it)."""
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        Path(path).write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                             text=True, check=True).stdout
-    lines = sass.splitlines()
+    lines = disassemble(compiled).splitlines()
     labels = {ln.strip().rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:", ln)}
     loops = []  # (first line, backward branch line) of every loop with MMAs
     for i, ln in enumerate(lines):
@@ -121,11 +87,15 @@ def loop_stats(compiled) -> dict:
     inner = min(loops, key=lambda span: span[1] - span[0])
     outer = (min(a for a, _ in loops), max(b for _, b in loops))
     ops = _opcodes(lines[inner[0]:inner[1] + 1])
-    regs = re.search(r"REG:(\d+)", res)
+    regs = resources(compiled)["regs"]
     parts = {"prologue": _opcodes(lines[:outer[0]]),
              "outer loop, outside the tile loop": _opcodes(lines[outer[0]:inner[0]] + lines[inner[1] + 1:outer[1] + 1]),
              "epilogue": _opcodes(lines[outer[1] + 1:])}
-    return {"loop": sum(ops.values()), "ops": ops, "regs": int(regs.group(1)) if regs else None, "parts": parts}
+    prologue = [m.group(2).split(".")[0] for m in map(OP.match, lines[:outer[0]]) if m]
+    prefetch = [i for i, op in enumerate(prologue) if op == "CCTL"]  # L2 prefetches (`prefetch_tiles`)
+    order = {"prefetches": len(prefetch), "last prefetch": max(prefetch, default=None),
+             "first FRND": prologue.index("FRND") if "FRND" in prologue else None, "prologue": len(prologue)}
+    return {"loop": sum(ops.values()), "ops": ops, "regs": regs, "parts": parts, "order": order}
 
 
 def main() -> int:
@@ -134,15 +104,19 @@ def main() -> int:
     ap.add_argument("--uncentered", action="store_true")
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--num-stages", type=int, default=launch.DEFAULT_OPTIONS.num_stages)
+    ap.add_argument("--prefetch-tiles", type=int, default=launch.DEFAULT_OPTIONS.prefetch_tiles,
+                    help="DecodeOptions.prefetch_tiles: the first tiles each program asks L2 for before its prologue")
     ap.add_argument("--whole", action="store_true",
                     help="also the static instruction counts of the prologue, the outer page-id loop and the epilogue "
                          "(what every program pays once, whatever its chunk's length)")
     args = ap.parse_args()
-    compiled, plan = compile_history_kernel(args.scale_format, not args.uncentered, args.maxnreg, args.num_stages)
+    compiled, plan = compile_history_kernel(args.scale_format, not args.uncentered, args.maxnreg, args.num_stages,
+                                            args.prefetch_tiles)
     st = loop_stats(compiled)
     print(f"triton {triton.__version__}, sm_90, Qwen3-8B geometry, {args.scale_format}, "
           f"{'uncentered' if args.uncentered else 'centered'}, whole pages {plan.whole_pages}, int8 scores "
-          f"{plan.int8_scores}, scale layout {plan.scale_layout}, maxnreg {args.maxnreg}")
+          f"{plan.int8_scores}, scale layout {plan.scale_layout}, maxnreg {args.maxnreg}, prefetch tiles "
+          f"{args.prefetch_tiles}")
     print(f"tile loop: {st['loop']} instructions per thread per 64-token tile, {st['regs']} registers per thread")
     seen = set()
     for name, fams in GROUPS.items():
@@ -155,6 +129,10 @@ def main() -> int:
     print(f"integer ALU pipe: {alu} ({100 * alu / st['loop']:.0f} %), at least {2 * alu} issue cycles per tile "
           f"against {st['loop']} for the whole loop")
     print("by opcode:", ", ".join(f"{k} {v}" for k, v in st["ops"].most_common()))
+    if args.prefetch_tiles:
+        o = st["order"]
+        print(f"L2 prefetches in the prologue: {o['prefetches']}, the last at instruction {o['last prefetch']} of "
+              f"{o['prologue']}; the query's int8 conversion starts at {o['first FRND']}")
     if args.whole:
         for name, ops in st["parts"].items():
             print(f"{name}: {sum(ops.values())} static instructions;",
