@@ -4,7 +4,8 @@
 
 Formats (`FORMATS`): `recipe` is what `oscar-calib run` ships (ue5m3 scales, centered K/V, 128/1024 BF16 windows) and
 gives the headline rows; `fp16_64_256` is the layout of docs/kernels.md's decode table (fp16 scales, uncentered,
-64/256); `ue5m3_64_256` and `fp16_128_1024` separate the scale format from the windows. Every OSCAR row records the
+64/256); `ue5m3_64_256` (in the default run: ue5m3 against fp16 scales at equal windows) and `fp16_128_1024` separate
+the scale format from the windows. Every OSCAR row records the
 `DecodePlan` its calls took (kernel, whole pages, int8 scores, scale/zero layout, and why a faster choice was declined).
 
 Why graphs: at small shapes an eager call is bound by host launch time; a serving engine replays graphs. One graph
@@ -40,7 +41,7 @@ FORMATS = {
     "ue5m3_64_256": ("ue5m3", False, 64, 256),
     "fp16_128_1024": ("float16", True, 128, 1024),
 }
-DEFAULT_FORMATS = ("recipe", "fp16_64_256")
+DEFAULT_FORMATS = ("recipe", "fp16_64_256", "ue5m3_64_256")  # the last two: ue5m3 against fp16 at equal windows
 # 8K/32K/128K (docs/kernels.md's points) and 64K (the issue's), batches 1, 8, 32
 DEFAULT_POINTS = [(c, b) for c in (131072, 65536, 32768, 8192) for b in (1, 8, 32)]
 

@@ -143,7 +143,10 @@ def events_ms(graph: torch.cuda.CUDAGraph, n: int, reps: int = 50) -> float:
 
 
 def commit() -> str:
-    """The git commit of the tree the benchmark runs from ('unknown' outside a checkout)."""
+    """The git commit of the tree the benchmark runs from ('unknown' outside a checkout). OSCAR_BENCH_COMMIT, where
+    set, names it instead: a copy of the tree on another machine can carry a stale .git."""
+    if os.environ.get("OSCAR_BENCH_COMMIT"):
+        return os.environ["OSCAR_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)
