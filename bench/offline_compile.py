@@ -66,22 +66,21 @@ def compile_launch(module, name: str, launch):
     return compiled[0]
 
 
-def disassemble(compiled, line_info: bool = False) -> str:
-    """The kernel's SASS (nvdisasm, Triton's bundled copy)."""
+def _tool(compiled, tool: str, *flags: str) -> str:
+    """stdout of one of Triton's bundled CUDA tools (nvdisasm, cuobjdump) run on the kernel's cubin."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         Path(path).write_bytes(compiled.asm["cubin"])
-        flags = ["-c", "-g"] if line_info else ["-c"]
-        return subprocess.run([str(TOOLS / "nvdisasm"), *flags, path], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([str(TOOLS / tool), *flags, path], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(compiled, line_info: bool = False) -> str:
+    """The kernel's SASS (nvdisasm, Triton's bundled copy)."""
+    return _tool(compiled, "nvdisasm", *(["-c", "-g"] if line_info else ["-c"]))
 
 
 def resources(compiled) -> dict:
     """Registers per thread, shared memory bytes and local-memory stack bytes (spills) of a compiled kernel."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        Path(path).write_bytes(compiled.asm["cubin"])
-        res = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                             text=True, check=True).stdout
+    res = _tool(compiled, "cuobjdump", "--dump-resource-usage")
     regs, stack = (int(re.search(rf"{k}:(\d+)", res).group(1)) for k in ("REG", "STACK"))
     return {"regs": regs, "shared": int(compiled.metadata.shared), "stack": stack}
