@@ -2,6 +2,8 @@
 # One GPU session that produces every committed result file (decode kernels, calibration speed, 4K quality table,
 # GPU kernel tests). Usage on the GPU machine, from the repo root: OUT=/some/dir bash bench/run_all_gpu.sh
 # Each step has its own time limit, so a slow step cannot starve the others; results land in $OUT as they finish.
+# All steps together take longer than one 10-minute call of the device tool: there, run the steps' commands in
+# separate calls (the decode table alone can need most of one: a point takes up to 70 s with its compiles).
 # A copy of the tree whose .git is stale (the device tool's) records the wrong commit: pass the real one as
 # OSCAR_BENCH_COMMIT=<hash> (bench/common.commit()).
 set -u
