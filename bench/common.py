@@ -36,32 +36,34 @@ DECODE_POINTS = [(c, b) for c in (131072, 32768, 8192) for b in (1, 8, 32)]
 
 
 def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", scale_format: str = "float16",
-                  window: int = WIN, layout: str = "quad") -> tuple:
-    """`decode_attention`'s inputs at Qwen3-8B geometry, as `PagedKVCache` lays them out: `context - window` history
-    tokens rounded down to whole pages (random code bytes, scales in [0.1, 0.6), zeros in [0, 3) codes, scale/zero
-    pools interleaved per row as the cache's, pages scattered over the pool), `window` full BF16 window rows (sink +
-    recent), bf16 queries. scale_format "float16" stores scales and zeros as fp16, "ue5m3" as uint8 (the same
-    draws, rounded to ue5m3 and 1/64 codes). Deterministic in `seed` for a given torch build and device (the float16
-    default draws what it always did: `compare_decode_bitwise.py` compares against recorded outputs). layout: "quad" (the cache's) or "paired_v"
-    (V scale and zero in one `[.., 2]` buffer, K scale and zero apart: what the cache allocated before the quads,
-    for comparisons with trees that do not read quads); the same values either way."""
+                  window: int = WIN, layout: str = "quad", geometry: tuple[int, int, int] = (H_KV, H_Q, D)) -> tuple:
+    """`decode_attention`'s inputs at a (KV heads, query heads, head_dim) geometry (Qwen3-8B's by default), as
+    `PagedKVCache` lays them out: `context - window` history tokens rounded down to whole pages (random code bytes,
+    scales in [0.1, 0.6), zeros in [0, 3) codes, scale/zero pools interleaved per row as the cache's, pages scattered
+    over the pool), `window` full BF16 window rows (sink + recent), bf16 queries. scale_format "float16" stores scales
+    and zeros as fp16, "ue5m3" as uint8 (the same draws, rounded to ue5m3 and 1/64 codes). Deterministic in `seed` for a
+    given torch build and device (the float16 default draws what it always did: `compare_decode_bitwise.py` compares
+    against recorded outputs). layout: "quad" (the cache's) or "paired_v" (V scale and zero in one `[.., 2]` buffer, K
+    scale and zero apart: what the cache allocated before the quads, for comparisons with trees that do not read quads);
+    the same values either way."""
     from runtime_kernels.quant.naive import SCALE_STORAGE, ZERO_STEPS, encode_ue5m3
 
+    h_kv, h_q, d = geometry
     gen = torch.Generator(device=device).manual_seed(seed)
     hist = (context - window) // PAGE * PAGE
     pages_per_seq = max(1, hist // PAGE)
     n_pages = batch * pages_per_seq
     sdt = SCALE_STORAGE[scale_format]
-    kc, vc = (torch.randint(0, 256, (n_pages, H_KV, PAGE, D // 4), dtype=torch.uint8, device=device, generator=gen)
+    kc, vc = (torch.randint(0, 256, (n_pages, h_kv, PAGE, d // 4), dtype=torch.uint8, device=device, generator=gen)
               for _ in range(2))
     # One [.., 4] buffer of (K scale, K zero, V scale, V zero) per row, as the cache allocates them
     # (`int2_decode.pools.alloc_quad_pools`; written out so that older trees can read these inputs too).
     if layout == "quad":
-        quad = torch.empty(n_pages, H_KV, PAGE, 4, dtype=sdt, device=device)
+        quad = torch.empty(n_pages, h_kv, PAGE, 4, dtype=sdt, device=device)
         ks, kz, vs, vz = quad[..., 0:1], quad[..., 1:2], quad[..., 2:3], quad[..., 3:4]
     elif layout == "paired_v":
-        ks, kz = (torch.empty(n_pages, H_KV, PAGE, 1, dtype=sdt, device=device) for _ in range(2))
-        pair = torch.empty(n_pages, H_KV, PAGE, 2, dtype=sdt, device=device)
+        ks, kz = (torch.empty(n_pages, h_kv, PAGE, 1, dtype=sdt, device=device) for _ in range(2))
+        pair = torch.empty(n_pages, h_kv, PAGE, 2, dtype=sdt, device=device)
         vs, vz = pair[..., 0:1], pair[..., 1:2]
     else:
         raise ValueError(f"layout: expected 'quad' or 'paired_v', got {layout!r}")
@@ -80,11 +82,11 @@ def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", sca
     vz.copy_(zeros(vz.shape))
     table = torch.randperm(n_pages, device=device, generator=gen).reshape(batch, pages_per_seq).to(torch.int32)
     hist_len = torch.full((batch,), hist, dtype=torch.int32, device=device)
-    k_win, v_win = (torch.randn(batch, H_KV, window, D, device=device, generator=gen).to(torch.bfloat16)
+    k_win, v_win = (torch.randn(batch, h_kv, window, d, device=device, generator=gen).to(torch.bfloat16)
                     for _ in range(2))
     slot_ids = torch.randperm(batch, device=device, generator=gen).to(torch.int32)
     win_len = torch.full((batch,), window, dtype=torch.int32, device=device)
-    q = torch.randn(batch, H_Q, D, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch, h_q, d, device=device, generator=gen).to(torch.bfloat16)
     return q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len
 
 
@@ -102,10 +104,12 @@ def decode_records(args: tuple, means: tuple | None = None) -> tuple:
     return q, pages, batch, Windows(k_win, v_win)
 
 
-def decode_means(seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `[H_KV, D]` K and V means of a centered cache (what the pools of `decode_inputs` are centered on)."""
+def decode_means(seed: int, device: str = "cuda", geometry: tuple[int, int, int] = (H_KV, H_Q, D)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `[H_kv, d]` K and V means of a centered cache at `geometry` (what the pools of `decode_inputs` are
+    centered on)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    return tuple(torch.randn(H_KV, D, device=device, generator=gen) * 0.3 for _ in range(2))
+    return tuple(torch.randn(geometry[0], geometry[2], device=device, generator=gen) * 0.3 for _ in range(2))
 
 
 def time_ms(fn, rep: int = 200) -> tuple[float, float, float]:

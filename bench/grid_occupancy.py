@@ -8,7 +8,7 @@ docs/kernels.md.)
     python3 bench/grid_occupancy.py --geometry 8,32,128 --scale-format float16 --uncentered
     PYTHONPATH=/opt/tr36:. python3 bench/grid_occupancy.py           # with the H200 image's Triton (3.6)
 
-Builds decode inputs of each geometry on the CPU (`common.decode_inputs` with its geometry constants set), asks the
+Builds decode inputs of each geometry on the CPU (`common.decode_inputs(..., geometry=...)`), asks the
 product's planner for the compiled plan, and compiles the grid through `launch.launch_grid(..., warmup=True)` with
 Triton's offline compiler in place of a GPU warmup (`offline_compile.py`): the arguments and constexprs a launch
 would pass. Spills are
@@ -48,9 +48,9 @@ def occupancy_caps(n_regs: int, regs_per_sm: int = 65536) -> list[int]:
 def grid_resources(geometry: tuple[int, int, int], scale_format: str, centered: bool,
                    maxnreg: int | None, prefetch_tiles: int = launch.DEFAULT_OPTIONS.prefetch_tiles) -> dict:
     """`resources` of the production grid at a (KV heads, query heads, head_dim) geometry, batch 1, 4K context."""
-    common.H_KV, common.H_Q, common.D = geometry
-    args = common.decode_inputs(1, 4096, seed=0, device="cpu", scale_format=scale_format)
-    q, pages, batch, windows = common.decode_records(args, common.decode_means(0, "cpu") if centered else None)
+    args = common.decode_inputs(1, 4096, seed=0, device="cpu", scale_format=scale_format, geometry=geometry)
+    means = common.decode_means(0, "cpu", geometry) if centered else None
+    q, pages, batch, windows = common.decode_records(args, means)
     opts = launch.DecodeOptions(maxnreg=maxnreg, prefetch_tiles=prefetch_tiles)
     plan = launch.plan_decode(q, pages, windows, True, opts, compiled=True)
     counters = torch.zeros(geometry[0], dtype=torch.int32)

@@ -174,9 +174,10 @@ def _quad_at(ptr, offs, ASM: tl.constexpr):
         if ASM:
             return tl.inline_asm_elementwise(_ASM_QUAD_UE5M3, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
                                              is_pure=True, pack=1)
-        else:  # z * 2^-24 = (z / 64) * 2^-18, as the fp16 subnormal gives it
-            return (_scale_f32(_byte_in_word(w, 0)), _byte_in_word(w, 1).to(tl.float32) * 5.9604644775390625e-08,
-                    _scale_f32(_byte_in_word(w, 2)), _byte_in_word(w, 3).to(tl.float32) * 5.9604644775390625e-08)
+        else:  # (z / 64) * 2^-18, exactly the fp16 subnormal's z * 2^-24
+            zs = quad_zero_scale(ptr)
+            return (_scale_f32(_byte_in_word(w, 0)), _zero_f32(_byte_in_word(w, 1)) * zs,
+                    _scale_f32(_byte_in_word(w, 2)), _zero_f32(_byte_in_word(w, 3)) * zs)
     else:
         x = tl.load(ptr + offs[:, None] + tl.arange(0, 4)[None, :])  # [N, 4]
         even, odd = tl.split(tl.reshape(x, [offs.shape[0], 2, 2]))  # entries (0, 2) and (1, 3)
