@@ -19,8 +19,13 @@ if [ ! -d "$TARGET/vllm" ]; then
   python3 tools/stage_vllm_gpu.py install --stage "$STAGE" --target "$TARGET" || exit 4
 fi
 # The plugin's `vllm.general_plugins` entry point: the runtime distribution, built from the checkout.
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target "$TARGET" ./runtime \
-  || { say "pip install ./runtime failed"; exit 1; }
+if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target "$TARGET" ./runtime; then
+  # No build backend on the image: declare the entry point by hand (the package itself comes from the checkout).
+  say "pip install ./runtime failed: writing its entry point into $TARGET"
+  d="$TARGET/oscar_kv_runtime-0.1.0.dist-info"; mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: oscar-kv-runtime\nVersion: 0.1.0\n' > "$d/METADATA"
+  printf '[vllm.general_plugins]\noscar = runtime_kernels.vllm.plugin:register\n' > "$d/entry_points.txt"
+fi
 export PYTHONPATH="$TARGET:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
