@@ -37,3 +37,28 @@ def test_hf_download_of_a_whole_release_repo(hub, tmp_path):
     assert got == ["README.md", "eval_demo.json", "oscar_kv.safetensors", "release.json"], got
     for name in ("oscar_kv.safetensors", "eval_demo.json"):
         assert _sha(base / name) == _sha(art / name), name
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+def test_format_bytes_against_hand_values():
+    from runtime_kernels.units import format_bytes
+
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1.0 KiB", 1536: "1.5 KiB", 40_894_464: "39.0 MiB",
+             300 * 2**20: "300 MiB", 2**30 - 1: "1.0 GiB", int(1023.6 * 2**20): "1.0 GiB", 3 * 2**40: "3.0 TiB"}
+    for n, text in cases.items():
+        assert format_bytes(n) == text, n
+
+
+def test_one_size_for_one_file_in_the_summary_and_in_push(tmp_path, monkeypatch, capsys):
+    """The run summary and push's --include-stats warning print the same text for the same file (they used to
+    say 39.0 MB and 40.9 MB: two formatters, binary and decimal)."""
+    from cli_helpers import run_cli
+
+    from oscar_calib.cli.run_cmd import written_summary
+
+    art = make_artifact(tmp_path / "art")
+    (art / "oscar_stats.safetensors").write_bytes(b"\0" * 40_894_464)
+    summary = written_summary(art, None)
+    code, _, err = run_cli(["push", str(art), "--repo", REPO, "--include-stats", "--dry-run"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "39.0 MiB" in summary and "(39.0 MiB)" in " ".join(err.split()), (summary, err)

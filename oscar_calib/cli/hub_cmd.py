@@ -70,10 +70,11 @@ def push_cmd(
         what = "not a directory" if directory.exists() else "no such directory"
         raise InputError(f"DIR {directory}: {what} (expected an artifact directory)")
     from oscar_calib.zoo.hub import STATS_FILENAME, STATS_WARNING
+    from runtime_kernels.units import format_bytes
 
     stats = directory / STATS_FILENAME
     if include_stats and stats.is_file():
-        output.warn(f"--include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}")
+        output.warn(f"--include-stats: {STATS_WARNING.format(name=stats, size=format_bytes(stats.stat().st_size))}")
     if dry_run:
 
         plan = push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",

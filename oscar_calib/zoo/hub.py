@@ -83,7 +83,7 @@ def next_version(tags: list[str]) -> str:
 
 
 STATS_FILENAME = "oscar_stats.safetensors"  # oscar_calib.calibration.stats_file's name (not imported: that brings torch)
-STATS_WARNING = ("{name} ({size:.1f} MB) holds statistics computed from your calibration data (second moments of "
+STATS_WARNING = ("{name} ({size}) holds statistics computed from your calibration data (second moments of "
                  "its keys, values and queries, the held-out sequence's captured keys, values and queries) and every "
                  "layer's o_proj weight of the model: publish it only if both may be public")
 
