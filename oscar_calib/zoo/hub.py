@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from oscar_calib.errors import HubError, InputError, IntegrityError, OscarError
-from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_artifact
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    ArtifactError,
+    artifacts_below,
+    no_artifact_hint,
+    read_artifact,
+)
 from runtime_kernels.loader import (
     COMMIT_RE,
     RELEASE_FILENAME,
@@ -102,6 +108,8 @@ def collect_files(directory: Path, include_stats: bool = False) -> dict[str, Pat
     """
     if not directory.is_dir():
         raise InputError(f"DIR {directory}: no such directory (expected an artifact directory)")
+    if not (directory / ARTIFACT_FILENAME).is_file() and artifacts_below(directory):
+        raise InputError(f"DIR {directory}: has no '{ARTIFACT_FILENAME}'{no_artifact_hint(directory)}")
     files: dict[str, Path] = {}
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith(".") or entry.name in GENERATED:
@@ -396,7 +404,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             raise _hub_error(exc, doing) from None
         except Exception as exc:
             if is_connection_error(exc):
-                raise HubError(str(unreachable(endpoint, f"push to {repo}", exc))) from None
+                raise HubError(str(unreachable(endpoint, f"push to {repo}", exc, reads=False))) from None
             raise
     finally:
         remote.close()
@@ -445,6 +453,37 @@ def translate_errors() -> Iterator[None]:
         raise
 
 
+def what_the_zoo_holds(message: str, repo: str, revision: str | None, *, token: str | None = None,
+                       endpoint: str | None = None, repo_type: str = "model") -> str:
+    """What to add to a 'not found' of `pull`: the releases the zoo holds at that revision when the model or
+    calibration is missing, its version tags when the revision is, and `vN` for a bare number. '' when nothing
+    helps or the Hub cannot be asked (offline, unreachable)."""
+    hint = ""
+    if revision is not None and revision.isdigit() and len(revision) < 7:
+        hint = f"; release tags are written 'v{int(revision)}' (--revision v{int(revision)})"
+    if is_offline() or "not in the local cache" in message:
+        return hint
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        if "field 'revision'" in message:
+            tags = [t.name for t in api.list_repo_refs(repo, repo_type=repo_type).tags if VERSION_RE.fullmatch(t.name)]
+            tags.sort(key=lambda t: int(t[1:]))
+            return hint + (f"; its release tags are {', '.join(tags)}" if tags else "; it has no release tags (vN)")
+        if "field 'path'" in message:
+            info = api.repo_info(repo, revision=revision or "main", repo_type=repo_type)
+            held = sorted({name.rsplit("/", 1)[0] for name in (s.rfilename for s in info.siblings or [])
+                           if name.endswith("/" + RELEASE_FILENAME) and name.count("/") == 3})
+            shown = [f"{d.rsplit('/', 1)[0]} (--calibration {d.rsplit('/', 1)[1]})" for d in held[:20]]
+            more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+            return hint + (f"; at '{revision}' the zoo holds {', '.join(shown)}{more}" if held else
+                           f"; the zoo holds no release at '{revision}'")
+    except Exception:  # noqa: BLE001 - a hint is best effort: the refusal itself is already worded
+        return hint
+    return hint
+
+
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
          endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None,
@@ -452,12 +491,28 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
     """Download and verify a release (runtime_kernels.loader.pull_release), read the artifact, check it
     against `model_config`, and only then copy the files to `local_dir`. Errors become OscarErrors."""
     from runtime_kernels.artifact import check_against_model
-    from runtime_kernels.loader import ModelMismatchError, copy_release_files, pull_release
+    from runtime_kernels.loader import (
+        ModelMismatchError,
+        ReleaseNotFoundError,
+        WrongRepoTypeError,
+        copy_release_files,
+        pull_release,
+    )
 
     with translate_errors():
-        pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
-                              cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
-                              repo_type=repo_type, commit=commit)
+        try:
+            pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
+                                  cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
+                                  repo_type=repo_type, commit=commit)
+        except ReleaseNotFoundError as exc:
+            if isinstance(exc, WrongRepoTypeError):
+                raise
+            message = str(exc)
+            if message.startswith("field 'path'"):  # the release directory is missing: say it of the model
+                message = (f"MODEL {model_id}: no release of it (calibration '{calibration}') in '{repo}' at "
+                           f"'{revision or commit or 'main'}'")
+            raise HubError(message + what_the_zoo_holds(str(exc), repo, revision, token=token, endpoint=endpoint,
+                                                        repo_type=repo_type)) from None
         artifact = read_artifact(pulled.artifact_path)
         if artifact.metadata["model_id"] != model_id:
             raise ModelMismatchError(f"{artifact.source}: field 'model_id': artifact has "
