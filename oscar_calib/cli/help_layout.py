@@ -44,7 +44,8 @@ PANELS: dict[str, dict[str, tuple[str, ...]]] = {
         "Output": ("top", "plots", "as_json"),
     },
     "push": {
-        "Release": ("repo", "repo_type", "version", "calibration", "include_stats", "private", "commit_message"),
+        "Release": ("repo", "repo_type", "version", "calibration", "include_stats", "with_wheels", "private",
+                    "commit_message"),
         "Run": ("dry_run", "allow_unchanged", "token", "as_json"),
     },
     "pull": {
