@@ -62,3 +62,61 @@ def test_one_size_for_one_file_in_the_summary_and_in_push(tmp_path, monkeypatch,
     code, _, err = run_cli(["push", str(art), "--repo", REPO, "--include-stats", "--dry-run"], monkeypatch, capsys)
     assert code == 0, err
     assert "39.0 MiB" in summary and "(39.0 MiB)" in " ".join(err.split()), (summary, err)
+
+
+# ------------------------------------------------------------------------------------------------ the CPU vLLM recipe
+def test_history_report_counts_int2_tokens_and_speaks_at_first_and_every_64th_step():
+    from runtime_kernels.vllm.report import HISTORY_LINE, HistoryReport
+
+    report = HistoryReport(every=64)
+    assert report.record([0, 0]) is None and report.steps == 0  # windows only: nothing read from INT2
+    first = report.record([64, 0, 128])
+    assert first is not None and first.startswith(f"{HISTORY_LINE}: 192 history tokens read from INT2 over 1 ")
+    assert "2 request(s), up to 128 tokens each" in first
+    said = [report.record([64]) for _ in range(63)]  # steps 2..64
+    assert said[:-1] == [None] * 62 and said[-1].startswith(f"{HISTORY_LINE}: {192 + 63 * 64} history tokens")
+
+
+def _recipe() -> str:
+    from readme_snippets import blocks
+
+    root = Path(__file__).resolve().parents[1]
+    return "\n".join(b.text for b in blocks(root / "README.md") if b.tag == "vllm-cpu")
+
+
+def test_cpu_recipe_prompt_reaches_the_int2_history_and_the_lane_checks_it():
+    """The recipe's prompt, tokenized by the model it serves, is longer than the demo format's BF16 windows by at
+    least one INT2 page; the lane's regex matches the line the engine logs."""
+    import re
+
+    from oscar_calib.demo import FIXTURE_DIR
+    from runtime_kernels.format import DEFAULT_FORMAT
+    from runtime_kernels.vllm.report import HISTORY_LINE, HistoryReport
+
+    recipe = _recipe()
+    (chars,) = re.findall(r'open\("oscar_calib/fixtures/tiny-qwen3/heldout.txt"\)\.read\(\)\[:(\d+)\]', recipe)
+    from transformers import AutoTokenizer
+
+    tokens = len(AutoTokenizer.from_pretrained(FIXTURE_DIR)((FIXTURE_DIR / "heldout.txt").read_text()[:int(chars)])
+                 ["input_ids"])
+    fmt = DEFAULT_FORMAT
+    assert fmt.history_tokens(tokens) >= fmt.page_size, (tokens, fmt.sink_tokens, fmt.recent_tokens)
+    assert f'grep "{HISTORY_LINE}" vllm.log' in recipe
+    lane = (Path(__file__).resolve().parents[1] / ".ci" / "vllm_lane.sh").read_text()
+    (pattern,) = re.findall(r'grep -Eq "([^"]+)" vllm.log', lane)
+    assert re.search(pattern, HistoryReport().record([fmt.history_tokens(tokens)]))
+    assert not re.search(pattern, f"{HISTORY_LINE}: 0 history tokens")
+
+
+def test_cpu_recipe_wait_is_bounded_stops_on_a_dead_server_and_stops_the_server():
+    """The wait loop ends after a fixed number of tries or when the server process is gone (run here with a
+    server that died at once: it must return within seconds), and the recipe's last line stops the server."""
+    import re
+
+    recipe = _recipe()
+    (loop,) = re.findall(r"^for i in \$\(seq \d+\); do.*?^done$", recipe, flags=re.S | re.M)
+    assert recipe.rstrip().splitlines()[-1].startswith("kill $server")
+    script = "false & server=$!\nsleep 0.2\n" + loop.replace("127.0.0.1:8000", "127.0.0.1:9")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert "the server stopped" in done.stdout, done.stdout + done.stderr
+    assert subprocess.run(["bash", "-n", "-c", recipe]).returncode == 0
