@@ -31,6 +31,7 @@ from runtime_kernels.cache import check_served_format, check_served_quantizer, r
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
+from runtime_kernels.vllm.report import HistoryReport
 
 
 def window_blocks_per_request(fmt: KVFormat) -> int:
@@ -310,6 +311,7 @@ class OscarEngine:
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
         self.stats = EngineStats()
+        self.history_report = HistoryReport()  # the INFO line that says INT2 history was served
 
     # -- host bookkeeping --------------------------------------------------------------------------------
     def _window_positions(self, n: int) -> list[int]:
@@ -409,6 +411,7 @@ class OscarEngine:
         # Decode reads the state after its write: sink and recent BF16 (one token later), history INT2.
         tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(decode)
         self.stats.count(hist, static=False)
+        self.history_report.log(hist)
         width = max([1] + [len(t) for t in tables])
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
                                    device=dev)[:len(tables)]
@@ -446,6 +449,7 @@ class OscarEngine:
         tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(requests)
         if requests:  # a CUDA-graph capture books padding only: not a step served
             self.stats.count(hist, static=True)
+            self.history_report.log(hist)
         if any(len(t) > bufs.max_pages for t in tables):
             raise ValueError(f"requests: a history of more than max_pages={bufs.max_pages} blocks")
         pad, scratch = num_tokens - len(requests), self.windows.scratch
