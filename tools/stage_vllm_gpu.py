@@ -104,14 +104,19 @@ def trim_wheel(src: Path, dest_dir: Path, drop: tuple[str, ...]) -> Path:
     return out
 
 
+def _made_here(out: Path) -> bool:
+    """Whether `out` is empty or holds only part-NN folders with a manifest (what `prepare` writes and replaces)."""
+    return out.is_dir() and all(p.is_dir() and p.name.startswith("part-") and (p / MANIFEST).is_file()
+                                for p in out.iterdir())
+
+
 def prepare(out: Path, extras: list[Path], part_bytes: int, full_vllm: bool, cache: Path) -> None:
     for e in extras:
         if not e.is_file():
             raise StageError(f"--extra {e}: not a file")
-    if out.exists() and any(out.iterdir()):
-        if not (out / MANIFEST).is_file() and not any(out.glob("part-*")):
-            raise StageError(f"--out {out}: exists and is not a stage folder this tool made (no {MANIFEST}); "
-                             "give an empty or new folder")
+    if out.exists() and not _made_here(out):
+        raise StageError(f"--out {out}: exists and is not a stage folder this tool made (part-NN folders with "
+                         f"their {MANIFEST}); give an empty or new folder")
     wheels = download(cache)
     with tempfile.TemporaryDirectory(prefix="stage-") as tmp:
         tmp = Path(tmp)
