@@ -53,6 +53,7 @@ class OscarFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
         self._engine = state.engine_for(vllm_config, kv_cache_spec.block_size, device)
         self.reorder_batch_threshold = 1  # decodes first: a decode-only step is then token t = request t
+        self.supports_update_block_table = False  # every step is booked by `build` (the window store moves)
         comp = vllm_config.compilation_config
         max_tokens = max(int(vllm_config.scheduler_config.max_num_seqs), int(comp.max_cudagraph_capture_size or 0))
         max_pages = -(-int(vllm_config.model_config.max_model_len) // kv_cache_spec.block_size)
@@ -67,6 +68,9 @@ class OscarFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         if isinstance(kv_cache_spec, OscarAttentionSpec):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return False if self._engine is not None else super().use_cascade_attention(*args, **kwargs)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self._engine is None:
