@@ -4,6 +4,8 @@
 # artifact unless one is carried, and run bench/vllm_gpu_check.py. Results and logs go to $OUT/res.
 #
 #   bash bench/run_vllm_gpu_check.sh [ARTIFACT_DIR]      # inputs: .gpu-inputs/prompts.json (+ calib.txt)
+#   MODES="hf" bash bench/run_vllm_gpu_check.sh; MODES="vllm-bf16 vllm-oscar" bash bench/run_vllm_gpu_check.sh
+#   (sides of one machine split over calls: a later call reuses the earlier sides' results in $OUT/res)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vllm-gpu-check}
@@ -49,7 +51,7 @@ if [ -z "$ART" ]; then
 fi
 say "check (budget ${BUDGET}s)"
 python3 bench/vllm_gpu_check.py --model "$MODEL" --artifact "$ART" --prompts .gpu-inputs/prompts.json \
-  --out "$OUT/res" --budget-s "$BUDGET"
+  --out "$OUT/res" --budget-s "$BUDGET" ${MODES:+--modes $MODES}
 rc=$?
 say "done rc=$rc"
 exit $rc

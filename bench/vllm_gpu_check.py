@@ -163,6 +163,12 @@ def drive(args) -> int:
     results, logs, failed = {}, {}, {}
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
+    for mode in MODES:  # sides measured by an earlier invocation into the same folder (same machine, same card)
+        part = args.out / f"_{mode}.json"
+        if mode not in args.modes and part.is_file():
+            results.update(json.loads(part.read_text()))
+            log = args.out / f"vllm_gpu_check_{mode}.log"
+            logs[mode] = sorted(set(CAPACITY_LINES.findall(log.read_text(errors="replace")))) if log.is_file() else []
     for mode in args.modes:
         left = args.budget_s - (time.time() - start)
         if left < 90:
