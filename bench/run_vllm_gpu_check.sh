@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the staging parts were received (docs/vllm-gpu-staging.md): install vLLM 0.26 and the
 # runtime's entry point into a target folder, convert SmolLM2-135M from its carried GGUF parts, calibrate a default
-# artifact unless one is carried, and run bench/vllm_gpu_check.py. Results and logs go to $OUT/res.
+# artifact unless one is carried, and run bench/vllm_gpu_check.py. Results and logs go to $RES (tarred into $OUT).
 #
 #   bash bench/run_vllm_gpu_check.sh [ARTIFACT_DIR]      # inputs: .gpu-inputs/prompts.json (+ calib.txt)
 #   MODES="hf" bash bench/run_vllm_gpu_check.sh; MODES="vllm-bf16 vllm-oscar" bash bench/run_vllm_gpu_check.sh
-#   (sides of one machine split over calls: a later call reuses the earlier sides' results in $OUT/res)
+#   (sides of one machine split over calls: a later call reuses the earlier sides' results in $RES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vllm-gpu-check}
