@@ -60,8 +60,9 @@ def run_hf(args) -> dict:
     from runtime_kernels.hf import OscarCache, enable_oscar_attention
 
     prompts = load_prompts(args.prompts)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: to try the reference side without a GPU
     config = AutoConfig.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(dev).eval()
     art = read_artifact(args.artifact)
     fmt = art.kv_format.with_(page_size=BLOCK)  # vLLM's blocks are the pages
     out = {}
@@ -69,10 +70,10 @@ def run_hf(args) -> dict:
         m = enable_oscar_attention(model) if name == "hf-oscar" else model
         tokens, tops = [], []
         for p in prompts:
-            ids = torch.tensor([p], device="cuda")
+            ids = torch.tensor([p], device=dev)
             kw = {}
             if name == "hf-oscar":
-                kw["past_key_values"] = OscarCache(art, config, fmt=fmt, device="cuda", dtype=torch.bfloat16,
+                kw["past_key_values"] = OscarCache(art, config, fmt=fmt, device=dev, dtype=torch.bfloat16,
                                                    model_id=art.metadata.get("model_id"))
             else:
                 m.set_attn_implementation("sdpa")
