@@ -54,9 +54,10 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 class DiskFullError(OSError):
     """No space (or no quota) left where an output is written; the message names the path and the bytes needed."""
 
-    def __init__(self, message: str, code: int = errno.ENOSPC):
+    def __init__(self, message: str, code: int = errno.ENOSPC, path: str | os.PathLike | None = None):
         super().__init__(message)
         self.errno = code
+        self.path = None if path is None else str(path)  # the file or directory that did not fit, when known
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
@@ -95,7 +96,7 @@ def disk_space_for(path: str | os.PathLike, needed: int | None) -> Iterator[None
     except OSError as exc:
         if not is_disk_full(exc):
             raise
-        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno) from None
+        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno, path) from None
 
 
 def _checkpoint(stage: str) -> None:
@@ -617,8 +618,12 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field:
                 _commit(scratch, target, overwrite, field, swap)
                 COMMITTED.append(str(target))
                 _checkpoint("after-commit")
-            except DiskFullError:
-                raise
+            except DiskFullError as exc:
+                if exc.path is None or not exc.path.startswith(str(scratch) + os.sep):
+                    raise
+                # A file of the scratch folder did not fit: the user knows the output by its name, not the scratch's.
+                raise DiskFullError(disk_full_message(target, needed_bytes or _tree_bytes(tmp), exc.errno,
+                                                      at_least=needed_bytes is None), exc.errno, target) from None
             except KeyboardInterrupt as exc:
                 # The directory's own view wins over what a file writer inside the scratch folder said.
                 exc.outcome = interrupt_outcome(target, swap)
@@ -628,7 +633,7 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field:
                     raise
                 written = _tree_bytes(tmp)  # what fitted before the disk filled: the output needs more than that
                 raise DiskFullError(disk_full_message(target, needed_bytes or written, exc.errno,
-                                                      at_least=needed_bytes is None), exc.errno) from None
+                                                      at_least=needed_bytes is None), exc.errno, target) from None
         finally:
             _forget_commits_under(scratch)
             if scratch.exists():
