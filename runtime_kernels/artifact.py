@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -338,18 +337,9 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
     target = directory / ARTIFACT_FILENAME
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in artifact.tensors().items()}
     payload = canonical_safetensors_bytes(tensors, artifact.metadata)
-    fd, tmp = tempfile.mkstemp(prefix=".oscar_kv.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp creates 0600; give the usual file mode
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    from runtime_kernels.atomic import write_file_atomically
+
+    return write_file_atomically(target, payload, "directory")
 
 
 def canonical_safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
