@@ -44,7 +44,7 @@ def check(tmp_path_factory) -> dict:
     ids = tok(text)["input_ids"]
     prompts = [ids[i * 700:i * 700 + n] for i, n in enumerate((600, 650, 700))]
     (tmp / "prompts.json").write_text(json.dumps({"prompts": prompts}))
-    out = tmp / "res"
+    out = Path(os.environ.get("OSCAR_VLLM_GPU_OUT") or tmp / "res")  # where the results file and logs stay
     subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_gpu_check.py"), "--model", str(FIXTURE),
                     "--artifact", str(art), "--prompts", str(tmp / "prompts.json"), "--new-tokens", "16",
                     "--kv-gib", "0.25", "--out", str(out), "--modes", "hf", "vllm-bf16", "vllm-oscar",
