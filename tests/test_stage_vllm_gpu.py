@@ -86,6 +86,23 @@ def test_parts_travel_join_check_and_install(wheels, tmp_path, monkeypatch):
     assert (dest / "unpacked" / "extras" / "model.part00").read_bytes() == extra.read_bytes()
 
 
+def test_wheels_install_from_the_parts_that_hold_them(wheels, tmp_path, monkeypatch):
+    monkeypatch.setattr(stage, "download", lambda dest: wheels)
+    extra = tmp_path / "model.gguf"
+    extra.write_bytes(random.Random(1).randbytes(300_000))  # the extras come after the wheels, in later parts
+    out = tmp_path / ".stage"
+    stage.prepare(out, [extra], part_bytes=40_000, full_vllm=False, cache=tmp_path / "cache")
+    parts = sorted(out.glob("part-*"))
+    dest = tmp_path / "root-stage"
+    for part in parts[:4]:
+        stage.receive(part, dest)
+    target = tmp_path / "site"
+    stage.install(dest, target, wheels_only=True)
+    assert (target / "stagedep" / "__init__.py").is_file() and (target / "vllm" / "keep.bin").is_file()
+    with pytest.raises(stage.StageError, match="missing parts"):
+        stage.install(dest, tmp_path / "site2")
+
+
 def test_a_damaged_part_is_refused(wheels, tmp_path, monkeypatch):
     monkeypatch.setattr(stage, "download", lambda dest: wheels)
     out = tmp_path / ".stage"

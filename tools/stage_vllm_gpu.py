@@ -184,28 +184,46 @@ def receive(part: Path, stage: Path) -> None:
     say(f"{chunk.name} ok; {stage} holds {len(have)} of {len(manifest['parts'])} parts")
 
 
-def install(stage: Path, target: Path) -> None:
-    """Join the parts, check everything, pip-install the wheels into `target` (no index, no dependencies)."""
+def install(stage: Path, target: Path, wheels_only: bool = False) -> None:
+    """Join the parts, check everything, pip-install the wheels into `target` (no index, no dependencies).
+
+    `wheels_only`: the wheels come first in the bundle, so the parts that hold them are enough to install vLLM;
+    the extras after them (a model's GGUF) are left out, and each wheel is checked by its own sha256."""
     manifest = read_manifest(stage)
-    missing = [name for name in manifest["parts"] if not (stage / name).is_file()]
-    if missing:
+    names = sorted(manifest["parts"])
+    missing = [name for name in names if not (stage / name).is_file()]
+    if wheels_only:
+        names = names[:names.index(missing[0])] if missing else names
+    elif missing:
         raise StageError(f"{stage}: missing parts {missing} (the machine went cold between calls? re-send them)")
     bundle = stage / BUNDLE
     with open(bundle, "wb") as out:
-        for name in sorted(manifest["parts"]):
+        for name in names:
             got = sha256(stage / name)
             if got != manifest["parts"][name]:
                 raise StageError(f"{stage / name}: sha256 {got}, expected {manifest['parts'][name]}")
             with open(stage / name, "rb") as f:
                 shutil.copyfileobj(f, out)
-    if sha256(bundle) != manifest["bundle_sha256"]:
+    if len(names) == len(manifest["parts"]) and sha256(bundle) != manifest["bundle_sha256"]:
         raise StageError(f"{bundle}: the joined bundle does not match its sha256")
     unpacked = stage / "unpacked"
     shutil.rmtree(unpacked, ignore_errors=True)
-    with tarfile.open(bundle) as tar:
-        tar.extractall(unpacked, filter="data")
-    for rel, digest in manifest["files"].items():
-        if sha256(unpacked / rel) != digest:
+    wanted = [rel for rel in manifest["files"] if rel.startswith("wheels/") or not wheels_only]
+    todo = set(wanted)
+    with tarfile.open(bundle, "r|") as tar:  # a stream: a bundle cut after the wheels is read up to its cut
+        try:
+            for member in tar:
+                if member.name in todo:
+                    tar.extract(member, unpacked, filter="data")
+                    todo.discard(member.name)
+                if not todo:
+                    break
+        except (tarfile.ReadError, EOFError):
+            pass
+    if todo:
+        raise StageError(f"{sorted(todo)}: not in the {len(names)} of {len(manifest['parts'])} parts received")
+    for rel in wanted:
+        if sha256(unpacked / rel) != manifest["files"][rel]:
             raise StageError(f"{unpacked / rel}: sha256 mismatch")
     wheels = sorted(str(p) for p in (unpacked / "wheels").glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
@@ -232,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("install", help="join, check and install the staged wheels")
     i.add_argument("--stage", type=Path, default=Path("/root/stage"))
     i.add_argument("--target", type=Path, required=True)
+    i.add_argument("--wheels-only", action="store_true", help="install from the parts that hold the wheels")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
@@ -243,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "receive":
             receive(args.part, args.stage)
         else:
-            install(args.stage, args.target)
+            install(args.stage, args.target, args.wheels_only)
     except (StageError, FetchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
