@@ -1,7 +1,8 @@
 """The CUDA backend inside vLLM on a GPU (`make test-gpu`; skipped without CUDA or without vLLM).
 
-Runs `bench/vllm_gpu_check.py` on the trained fixture (tiny-qwen3, an artifact calibrated here with 64/256 windows
-so that 600-token prompts reach the INT2 history) and checks what the engine must do there:
+Runs `bench/vllm_gpu_check.py` on the trained fixture (tiny-qwen3, context 4096; an artifact calibrated here with
+64/256 windows) with prompts of 700 to 3,900 tokens, nearly all of them in the INT2 history, and checks what the
+engine must do there:
 - vLLM with CUDA graphs gives the tokens of vLLM eager (graph replay reads the static buffers it was captured on);
 - decode steps were booked into the static buffers and read the INT2 history;
 - vLLM's greedy tokens equal the project's own `OscarCache` for the first tokens of every prompt, and where they
@@ -42,7 +43,7 @@ def check(tmp_path_factory) -> dict:
     tok = AutoTokenizer.from_pretrained(FIXTURE)
     text = (FIXTURE / "heldout.txt").read_text()
     ids = tok(text)["input_ids"]
-    prompts = [ids[i * 700:i * 700 + n] for i, n in enumerate((600, 650, 700))]
+    prompts = [ids[i * 4000:i * 4000 + n] for i, n in enumerate((3000, 3400, 3900, 700))]  # context 4096
     (tmp / "prompts.json").write_text(json.dumps({"prompts": prompts}))
     out = Path(os.environ.get("OSCAR_VLLM_GPU_OUT") or tmp / "res")  # where the results file and logs stay
     subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_gpu_check.py"), "--model", str(FIXTURE),
