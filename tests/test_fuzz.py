@@ -264,3 +264,34 @@ def test_artifact_loader_on_mutated_headers(edits):
     for pos, value in edits:  # mutate inside the JSON header only, where the container checks live
         buf[8 + pos % n] = value
     _read_file(bytes(buf))
+
+
+# --- GGUF headers (oscar_calib.gguf_check): a damaged or forged header is an InputError, never anything else ---
+_GGUF_BYTES = None
+
+
+def _gguf_bytes() -> bytes:
+    global _GGUF_BYTES
+    if _GGUF_BYTES is None:
+        from gguf_helpers import write_tiny_gguf
+
+        _GGUF_BYTES = write_tiny_gguf(Path(_TMP.name) / "tiny.gguf").read_bytes()
+    return _GGUF_BYTES
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 6000), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, 8000)))
+def test_gguf_check_on_mutated_headers(edits, cut):
+    import pytest
+
+    pytest.importorskip("gguf")
+    from oscar_calib.errors import InputError
+    from oscar_calib.gguf_check import check_gguf
+
+    path = Path(_TMP.name) / "mutated.gguf"
+    path.write_bytes(_mutate(_gguf_bytes(), edits, cut))  # the metadata and tensor infos fill the first ~6 KB
+    try:
+        check_gguf(path)
+    except InputError as exc:
+        assert "\n" not in str(exc)
