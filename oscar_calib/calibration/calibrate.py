@@ -29,6 +29,7 @@ from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
 from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import solve_rotations
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.calibration.stats_checks import sample_digests
 from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
@@ -171,6 +172,11 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
                                 key_objective=settings.key_clip_objective,
                                 v_grid=(1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
                                 o_weight=w_o, extend=not no_clip)
+        if not (bool(torch.isfinite(fits[layer].k_errors).all()) and bool(torch.isfinite(fits[layer].v_errors).all())):
+            # fp32 overflow would make every ratio 1.0 without a word; the statistics checks bound the inputs
+            raise InputError(f"clip fit of layer {layer}: the held-out errors are not finite (held-out rows or o_proj "
+                             "weights beyond what the fit's float32 arithmetic holds); expected the statistics of a "
+                             "real capture")
     return fits
 
 
@@ -276,7 +282,8 @@ def capture_statistics(model, input_ids: torch.Tensor, holdout_ids: torch.Tensor
                                  calibration_meta=calibration_meta, batch_size=batch_size,
                                  holdout_queries=holdout_queries, seed=seed,
                                  sample_ranges=sample_ranges or [[0, int(input_ids.shape[0])]],
-                                 skipped_layers=sorted(skip), created=created_at())
+                                 skipped_layers=sorted(skip), created=created_at(),
+                                 sample_digests=sample_digests(input_ids))
     o_weights = o_proj_weights(model, sorted(session.stats))
     if o_weights and any(w.device.type == "meta" for w in o_weights.values()):
         o_weights = None  # offloaded to disk: not in memory here (the block_out fit then says so)
