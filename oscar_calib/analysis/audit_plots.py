@@ -258,6 +258,8 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from runtime_kernels.atomic import disk_space_for
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     layers = sorted({r["layer"] for r in report["heads"]})
@@ -271,8 +273,9 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
         path = directory / f"{name}.png"
         tmp = directory / f".{name}.png.tmp"  # renamed into place: an interrupted write leaves no broken PNG
         try:
-            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-            tmp.replace(path)
+            with disk_space_for(path, None):  # a full disk names the PNG, not matplotlib's file object
+                fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+                tmp.replace(path)
         finally:
             plt.close(fig)
             tmp.unlink(missing_ok=True)

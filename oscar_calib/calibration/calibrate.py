@@ -217,9 +217,10 @@ def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
     windows = settings.kv_format().window_tokens
     if held_len <= windows:
         raise InputError(
-            f"--seq-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
+            f"--holdout-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
             f"{settings.sink_tokens} + recent {settings.recent_tokens} = {windows} tokens), or no held-out query "
-            f"reads an INT2 key and the clip fit has nothing to score; use --seq-len {windows + 64} or more")
+            f"reads an INT2 key and the clip fit has nothing to score; use --holdout-len {windows + 64} or more, or "
+            "smaller --sink / --recent")
 
 
 def _check_group_size(settings: SolverSettings, d: int) -> None:
