@@ -39,7 +39,7 @@ import torch
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device, resolve_backend
-from runtime_kernels.artifact import OscarArtifact
+from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
@@ -115,6 +115,11 @@ class NonFiniteKVError(ValueError):
 # Allocators
 # ----------------------------------------------------------------------------------------------------------
 MAX_PAGES = 2**31 - 1  # page ids live in the int32 block table
+# A centered cache's means against the data it is given (`PagedKVCache._mean_far_from_data`): a mean of that data
+# is at most its RMS norm (Jensen); 4x leaves room for prompts that differ from the calibration text. Checked on the
+# first write of at least MEAN_CHECK_ROWS rows per layer (a prefill), then not again.
+MEAN_DATA_RATIO = 4.0
+MEAN_CHECK_ROWS = 16
 
 
 class PageAllocator:
@@ -340,6 +345,7 @@ class PagedKVCache:
         self._token = object()  # what this cache's plans carry (`_check_plan`)
         self._plan_serial = 0
         self._layer_serial = [0] * a  # serial of the last plan each layer applied
+        self._means_checked: set[int] = set()  # layers whose means were checked against written data
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
@@ -649,6 +655,12 @@ class PagedKVCache:
                     self._broken[seq_id] = problem
                 raise NonFiniteKVError(f"{problem}; nothing of layer {layer} was written and sequences "
                                        f"{plan.seq_ids} of this step must be freed (free_sequence) and recomputed")
+            problem = self._mean_far_from_data(int(layer), k_rot, v_rot)
+            if problem is not None:
+                for seq_id in plan.seq_ids:
+                    self._broken[seq_id] = problem
+                raise ArtifactError(f"{problem}; nothing of layer {layer} was written and sequences {plan.seq_ids} "
+                                    "of this step must be freed")
         if fast:  # rows checked: one launch casts and stores them (the same bits as the loop below)
             _step_kernels().append_rows(k_rot, v_rot, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots,
                                         plan.win_rows, pool.k_win, pool.v_win, rotate=False, validate=False)
@@ -674,6 +686,33 @@ class PagedKVCache:
     # -- non-finite policy ----------------------------------------------------------------------------------
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _mean_far_from_data(self, layer: int, k_rot: torch.Tensor, v_rot: torch.Tensor) -> str | None:
+        """Once per layer, at its first write of at least MEAN_CHECK_ROWS rows: None when each (KV head's) mean is
+        within MEAN_DATA_RATIO x the root mean square norm of the rows the model writes, else what is wrong.
+
+        A mean the data really has is at most that data's RMS norm (Jensen: |E x| <= sqrt(E |x|^2)); a forged or
+        foreign mean far outside it sets the INT2 step, so every page would hold the mean, not the data. The bound
+        comes from the data, not from the artifact (whose recorded eigenvalues a forger can scale too)."""
+        pool = self.pools[layer]
+        if layer in self._means_checked or (pool.k_mean is None and pool.v_mean is None):
+            return None
+        if k_rot.shape[0] < MEAN_CHECK_ROWS:
+            return None
+        for name, x, mean in (("k_mean", k_rot, pool.k_mean), ("v_mean", v_rot, pool.v_mean)):
+            if mean is None:
+                continue
+            rms = x.float().pow(2).sum(-1).mean(0).sqrt()  # [H]
+            ratio = mean.norm(dim=-1) / rms.clamp_min(1e-30)
+            worst = int(ratio.argmax())
+            if float(ratio[worst]) > MEAN_DATA_RATIO:
+                return (f"field '{name}': |mean| = {float(mean[worst].norm()):.4g} at layer {layer}, KV head {worst} is "
+                        f"{float(ratio[worst]):.3g} x the root mean square norm {float(rms[worst]):.4g} of the "
+                        f"{x.shape[0]} rows this model writes (a mean of that data is at most 1x; refused above "
+                        f"{MEAN_DATA_RATIO:g}x): a forged or foreign artifact, whose pages would quantize the mean, "
+                        "not the data")
+        self._means_checked.add(layer)
+        return None
 
     @staticmethod
     def _all_in_range(*rows: torch.Tensor) -> bool:
@@ -749,6 +788,14 @@ class PagedKVCache:
                                                  rotate_rows(v_layers[i], pool.v_rotation))
                 if problem is not None:
                     raise NonFiniteKVError(f"{problem}; nothing was written (the cache is unchanged)")
+        if self.check_finite and not self._capturing():  # means against the data, before anything is booked
+            for i in range(self.num_layers):
+                if i not in self._means_checked and sum(counts) >= MEAN_CHECK_ROWS:
+                    pool = self.pools[i]
+                    problem = self._mean_far_from_data(i, rotate_rows(k_layers[i], pool.k_rotation),
+                                                       rotate_rows(v_layers[i], pool.v_rotation))
+                    if problem is not None:
+                        raise ArtifactError(f"{problem}; nothing was written (the cache is unchanged)")
         plan = self.plan_append(seq_ids, counts)
         for i in range(self.num_layers):
             self.write_layer(i, plan, k_layers[i], v_layers[i])

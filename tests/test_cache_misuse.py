@@ -188,3 +188,51 @@ def test_serve_config_numbers_are_bounded(raw, message):
     with pytest.raises(ValueError) as info:
         parse_oscar_config({"oscar": {"path": "zoo/demo", **raw}})
     assert f"additional_config.oscar.{message}" in str(info.value) and "\n" not in str(info.value)
+
+
+# --- issue 54 item 3: a forged mean is refused against the data, whatever the recorded eigenvalues say ---------------
+def _centered(mean_scale: float, eig: float, h: int = 2, d: int = 16, seed: int = 0):
+    from format_helpers import PAPER, restamp
+
+    from runtime_kernels.artifact import identity_artifact
+
+    gen = torch.Generator().manual_seed(seed)
+    art = identity_artifact(1, h, 4, d, model_id="tiny/m", fmt=PAPER)
+    direction = torch.randn(1, h, d, generator=gen)
+    mu = direction / direction.norm(dim=-1, keepdim=True) * mean_scale * d ** 0.5  # data RMS norm is sqrt(d)
+    art.k_mean, art.v_mean = mu.clone(), torch.zeros(1, h, d)
+    art.k_eigenvalues = art.v_eigenvalues = torch.full((1, h, d), eig)
+    art = restamp(art)
+    art.validate()  # the load-time bound, relative to the recorded eigenvalues, lets it through
+    fmt = PAPER.with_(sink_tokens=4, recent_tokens=8, centered=True)
+    return PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, fmt=fmt, max_pages=16,
+                        max_seqs=2, backend="torch", k_mean=art.k_mean, v_mean=art.v_mean), gen
+
+
+@pytest.mark.parametrize("scale", [10.0, 100.0])
+def test_a_forged_mean_far_from_the_data_is_refused_at_the_first_prefill(scale):
+    from runtime_kernels.artifact import ArtifactError
+
+    cache, gen = _centered(scale, eig=1e10)  # eigenvalues x 1e10: the recorded spread says anything goes
+    sid = cache.add_sequence()
+    data = torch.randn(64, 2, 16, generator=gen)  # the model's keys: mean ~0, RMS norm ~4
+    before = windows(cache)
+    with pytest.raises(ArtifactError, match=r"field 'k_mean': \|mean\| = .* at layer 0, KV head \d is (\d+\.?\d*) x "
+                                            r"the root mean square norm"):
+        cache.append([sid], [[data]], [[data]])
+    assert cache.seq_len(sid) == 0 and unchanged(before, cache)
+    # The layer-by-layer path (transformers' attention): refused there too, the step's sequences marked broken.
+    plan = cache.plan_append([sid], [64])
+    with pytest.raises(ArtifactError, match="field 'k_mean'"):
+        cache.write_layer(0, plan, data, data)
+    with pytest.raises(ValueError, match="had a write refused"):
+        cache.plan_append([sid], [1])
+
+
+def test_a_mean_the_data_has_is_accepted_and_checked_once():
+    cache, gen = _centered(3.0, eig=1.0)  # |mu| = 3 x the noise's RMS norm: the data below really has that mean
+    sid = cache.add_sequence()
+    mu = cache.pools[0].k_mean[None]  # rotated basis = model basis (identity rotations)
+    data = torch.randn(64, 2, 16, generator=gen) + mu
+    cache.append([sid], [[data]], [[data - mu]])
+    assert cache._means_checked == {0} and cache.seq_len(sid) == 64
