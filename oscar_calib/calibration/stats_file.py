@@ -120,8 +120,9 @@ class StatsProvenance:
                 return meta[name]
             try:
                 value = json.loads(meta[name])
-            except (json.JSONDecodeError, RecursionError) as exc:
-                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer of > 4300 digits, depth
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else (
+                    "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0])
                 raise InputError(f"{where}: metadata field '{name}' is not valid JSON ({reason})") from exc
             if not isinstance(value, kind):
                 raise InputError(f"{where}: metadata field '{name}' is a JSON {type(value).__name__}, expected a "
