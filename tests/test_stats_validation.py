@@ -307,3 +307,21 @@ def test_fuzz_one_element_of_any_tensor(name, position, value, shards, tmp_path_
         assert (s.key_sum.diagonal(dim1=-2, dim2=-1) >= 0).all() and (s.logit_w_sum >= 0).all()
     for rows in stats.holdout.values():
         assert all(torch.isfinite(t).all() for t in rows.stacked()[:3])
+
+
+def test_run_records_a_local_path_with_dotdot_absolute(tmp_path, monkeypatch):
+    """What `run --model ../m` records is what refit accepts: the path made absolute, never with '..'."""
+    import os
+
+    from oscar_calib.calibration.job import recorded_model_id
+    from oscar_calib.calibration.stats_checks import check_recorded_model_id
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    recorded = recorded_model_id("../m")
+    assert recorded == os.path.abspath("../m") and ".." not in recorded.split("/")
+    check_recorded_model_id(recorded, "x")
+    assert recorded_model_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and recorded_model_id("./m") == "./m"
+    with pytest.raises(InputError, match="expected no '..' component"):
+        check_recorded_model_id("org/../../etc", "x")
