@@ -236,3 +236,33 @@ def test_a_mean_the_data_has_is_accepted_and_checked_once():
     data = torch.randn(64, 2, 16, generator=gen) + mu
     cache.append([sid], [[data]], [[data - mu]])
     assert cache._means_checked == {0} and cache.seq_len(sid) == 64
+
+
+@pytest.mark.parametrize("name", ["k_mean", "v_mean"])
+def test_a_forged_mean_is_refused_at_load_by_the_sides_own_rms_whatever_the_eigenvalues(name):
+    """With `calibration.kv_rms` (every calibration records it), a mean at 10x the side's own RMS norm is refused
+    when the artifact is read, even with the recorded eigenvalues x 1e10 (which lift the spread bound)."""
+    import json
+
+    from format_helpers import PAPER, restamp
+
+    from runtime_kernels.artifact import ArtifactError, identity_artifact
+    from runtime_kernels.contract import OWN_RMS_RATIO
+
+    a, h, d = 2, 2, 16
+    art = identity_artifact(a, h, 4, d, model_id="tiny/m", fmt=PAPER)
+    gen = torch.Generator().manual_seed(1)
+    direction = torch.randn(a, h, d, generator=gen)
+    unit = direction / direction.norm(dim=-1, keepdim=True)
+    rms = 4.0  # the data's own RMS norm, as a calibration records it
+    art.metadata["calibration"] = json.dumps({"kv_rms": {"k": [[rms] * h] * a, "v": [[rms] * h] * a}})
+    art.k_eigenvalues = art.v_eigenvalues = torch.full((a, h, d), 1e10)
+    art.k_mean, art.v_mean = unit * rms * 0.9, unit * rms * 0.9  # honest: inside the data's own norm
+    restamp(art).validate()
+    setattr(art, name, unit * rms * 10)  # forged: 10x
+    with pytest.raises(ArtifactError, match=rf"field '{name}': \|mean\| = 40 at layer row 0, KV head 0 is more than "
+                                            rf"{OWN_RMS_RATIO:g} x the RMS norm 4 of that side's own data"):
+        restamp(art).validate()
+    art.metadata["calibration"] = json.dumps({"kv_rms": {"k": [[rms] * h] * a, "v": [[-1.0] * h] * a}})
+    with pytest.raises(ArtifactError, match=r"field 'calibration.kv_rms.v': expected 2 rows of 2 positive numbers"):
+        restamp(art).validate()

@@ -148,6 +148,18 @@ def _materialized_weight(linear: torch.nn.Module) -> torch.Tensor:
     return w.detach()
 
 
+def _own_rms(statistics, layer_ids: list[int]) -> dict[str, list[list[float]]]:
+    """Root mean square norm of the held-out keys and values per (layer, KV head), model basis (rotations keep
+    norms): {"k": [A][H], "v": [A][H]}, 6 significant digits (`runtime_kernels.contract.OWN_RMS_KEY`)."""
+    out: dict[str, list[list[float]]] = {"k": [], "v": []}
+    for layer in layer_ids:
+        keys, values, _, _ = statistics.holdout[layer].stacked()  # [S, H, T, d]
+        for side, x in (("k", keys), ("v", values)):
+            rms = x.double().pow(2).sum(-1).mean(dim=(0, 2)).sqrt()  # [H]
+            out[side].append([float(f"{max(float(r), 1e-30):.6g}") for r in rms])
+    return out
+
+
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
              no_clip: bool = False, means: tuple[torch.Tensor, torch.Tensor] | None = None,
              o_weights: dict[int, torch.Tensor] | None = None,
@@ -370,6 +382,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
+    calib["kv_rms"] = _own_rms(statistics, layer_ids)  # the contract bounds the means by it (OWN_RMS_RATIO)
     calib["key_basis"] = {"hadamard_heads": {str(i): hs for i, hs in key_hadamard.items()},
                           "hadamard_key_mass": settings.hadamard_key_mass,
                           "history_mass": {str(i): [round(float(x), 4) for x in m] for i, m in masses.items()
