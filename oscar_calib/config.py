@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
 
+MIN_CLIP_RATIO = 0.5  # runtime_kernels.contract.MIN_CLIP_RATIO (not imported: that module loads torch)
+
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
 # They are starting points: the fit extends a grid downward while its lowest ratio still wins for some head
@@ -43,17 +45,22 @@ class DataConfig(_Strict):
     dataset_config: Optional[str] = Field(None, description="Dataset configuration name (Hub datasets).")
     split: str = "train"
     text_column: str = "text"
-    samples: int = Field(32, ge=1, description="Number of packed sequences used for statistics.")
-    seq_len: int = Field(2048, ge=8, description="Tokens per packed sequence (longer than the recipe's windows).")
-    holdout_samples: int = Field(1, ge=1, description="Extra packed sequences held out for fitting clip ratios.")
+    # Upper bounds: beyond them no run could finish (2^24 samples, 2^20-token sequences: the contract's window
+    # bound); without them a count of 10^23 reached torch as an overflow traceback.
+    samples: int = Field(32, ge=1, le=1 << 24, description="Number of packed sequences used for statistics.")
+    seq_len: int = Field(2048, ge=8, le=1 << 20, description="Tokens per packed sequence (longer than the recipe's "
+                                                            "windows).")
+    holdout_samples: int = Field(1, ge=1, le=1 << 16, description="Extra packed sequences held out for fitting clip "
+                                                                  "ratios.")
     holdout_len: Optional[int] = Field(
-        None, ge=8, description="Tokens per held-out sequence (the context the clips are fitted for). None = the "
+        None, ge=8, le=1 << 20, description="Tokens per held-out sequence (the context the clips are fitted for). None = the "
                                 "model's context (max_position_embeddings), at most AUTO_HOLDOUT_CAP and at least "
                                 "seq_len: clips fitted on short sequences were measured to hold worse at the "
                                 "model's own context (tools/recipe_study.py, docs/recipe.md).")
-    holdout_queries: int = Field(256, ge=8, description="Query positions sampled per held-out sequence.")
-    seed: int = 0
-    shuffle_buffer: int = Field(10_000, ge=1, description="Streaming shuffle buffer (Hub datasets).")
+    holdout_queries: int = Field(256, ge=8, le=1 << 20, description="Query positions sampled per held-out sequence.")
+    seed: int = Field(0, ge=-(1 << 63), lt=1 << 64, description="Seed of the data order and the held-out query "
+                                                                "positions (torch.manual_seed's range).")
+    shuffle_buffer: int = Field(10_000, ge=1, le=1 << 24, description="Streaming shuffle buffer (Hub datasets).")
     chat_template: bool = Field(False, description="Wrap each text (or 'messages' list) with the tokenizer's chat template.")
 
 
@@ -111,8 +118,9 @@ class SolverSettings(_Strict):
     def _grid_valid(cls, grid: tuple[float, ...]) -> tuple[float, ...]:
         if not grid:
             raise ValueError("a clip grid must not be empty")
-        if any(not (0.0 < r <= 1.0) for r in grid):
-            raise ValueError(f"clip ratios must lie in (0, 1], got {list(grid)}")
+        if any(not (MIN_CLIP_RATIO <= r <= 1.0) for r in grid):  # NaN fails too
+            raise ValueError(f"clip ratios must lie in [{MIN_CLIP_RATIO}, 1] (the contract's range: below half the "
+                             f"order statistic 2-bit levels are spent on nothing), got {list(grid)}")
         grid = tuple(sorted(set(float(r) for r in grid)))
         if grid[-1] != 1.0:
             grid = grid + (1.0,)  # "no clipping" is always a candidate

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_calib.errors import InputError
+from oscar_calib.errors import InputError, MissingDependencyError
 
 GGUF_SUFFIX = ".gguf"
 GGUF_PIP = "pip install 'oscar-calib[gguf]'"  # the extra that brings the `gguf` package
@@ -32,6 +32,13 @@ def _source(model_ref: str) -> tuple[str, dict]:
     path = Path(model_ref)
     if not path.is_file():
         raise InputError(f"--model {model_ref}: no such file (expected a .gguf file, a local directory or a Hub id)")
+    try:
+        from oscar_calib.gguf_check import check_gguf
+
+        check_gguf(path)  # the metadata against the tensors, before transformers builds anything from it
+    except ImportError as exc:
+        raise MissingDependencyError(f"--model {model_ref} needs the `gguf` package, which is not installed; "
+                                     f"install it with `{GGUF_PIP}` (or `pip install gguf`)") from exc
     return str(path.parent), {"gguf_file": path.name}
 
 
@@ -78,10 +85,16 @@ def load_model(model_ref: str, revision: str | None, dtype: torch.dtype, device:
         placement = {}
         if isinstance(device_map, str):  # accelerate strategy: honour the memory limits, offload beyond them
             placement = {"max_memory": accelerate_max_memory(max_memory), "offload_folder": str(offload_folder)}
-        model = AutoModelForCausalLM.from_pretrained(ref, revision=revision, dtype=dtype, device_map=device_map,
-                                                     trust_remote_code=trust_remote_code, **placement, **extra)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            ref, revision=revision, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code,
+            output_loading_info=True, **placement, **extra)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"--model {model_ref}: cannot load the weights: {type(exc).__name__}: {exc}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would have initialised these at random: a calibration of noise
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise InputError(f"--model {model_ref}: the checkpoint lacks {len(missing)} weight(s) the architecture needs "
+                         f"({shown}); refusing to initialise them at random (expected a complete checkpoint)")
     return model.eval()
 
 

@@ -29,6 +29,8 @@ The window of a sequence is therefore always chronological and its valid rows ar
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +39,7 @@ import torch
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import FLOAT_DTYPES, normalize_device, resolve_backend
-from runtime_kernels.artifact import OscarArtifact
+from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
@@ -112,6 +114,14 @@ class NonFiniteKVError(ValueError):
 # ----------------------------------------------------------------------------------------------------------
 # Allocators
 # ----------------------------------------------------------------------------------------------------------
+MAX_PAGES = 2**31 - 1  # page ids live in the int32 block table
+# A centered cache's means against the data it is given (`PagedKVCache._mean_far_from_data`): a mean of that data
+# is at most its RMS norm (Jensen); 4x leaves room for prompts that differ from the calibration text. Checked on the
+# first write of at least MEAN_CHECK_ROWS rows per layer (a prefill), then not again.
+MEAN_DATA_RATIO = 4.0
+MEAN_CHECK_ROWS = 16
+
+
 class PageAllocator:
     """Reference-counted allocator of INT2 page ids `[0, num_pages)`, shared by all layers.
 
@@ -226,6 +236,10 @@ class AppendPlan:
     win_slots: torch.Tensor
     win_rows: torch.Tensor
     first_positions: list[int] = field(default_factory=list)  # position of each sequence's first new token
+    # Which cache booked the plan and in what order: a plan applies to its own cache, once per layer, in booking
+    # order (`PagedKVCache._check_plan`). None for a plan not booked by `plan_append` (refused by write_layer).
+    owner: object | None = field(default=None, repr=False, compare=False)
+    serial: int = 0
 
     @property
     def append_only(self) -> bool:
@@ -313,7 +327,9 @@ class PagedKVCache:
         self.backend = backend
         self.check_finite = bool(check_finite)
         self._broken: dict[int, str] = {}  # sequences whose last write was refused half-way -> why
-        self.allocator = PageAllocator(int(max_pages))
+        if isinstance(max_pages, bool) or not 1 <= int(max_pages) <= MAX_PAGES:
+            raise ValueError(f"max_pages: expected an integer in [1, {MAX_PAGES}] (page ids are int32 in the block "
+                             f"table), got {max_pages}")
         self.max_seqs = int(max_seqs)
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._seqs: dict[int, SequenceState] = {}
@@ -325,6 +341,11 @@ class PagedKVCache:
         # Refused here, with the size the windows would need, rather than by the allocator half-way through.
         check_cache_fits(self.device, self.fmt, num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages,
                          max_seqs=s, window_dtype=dtype)
+        self.allocator = PageAllocator(n_pages)  # its free list is O(max_pages) host memory: after the check
+        self._token = object()  # what this cache's plans carry (`_check_plan`)
+        self._plan_serial = 0
+        self._layer_serial = [0] * a  # serial of the last plan each layer applied
+        self._means_checked: set[int] = set()  # layers whose means were checked against written data
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
@@ -567,7 +588,26 @@ class PagedKVCache:
         flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64).to(self.device)
         parts = torch.split(flat, [len(values) for values in lists])
         first = [st.length - t for st, t in zip(states, num_tokens)]
-        return AppendPlan(seq_ids, num_tokens, offset, *parts, first_positions=first)
+        self._plan_serial += 1
+        return AppendPlan(seq_ids, num_tokens, offset, *parts, first_positions=first, owner=self._token,
+                          serial=self._plan_serial)
+
+    def _check_plan(self, layer: int, plan: AppendPlan) -> None:
+        """A plan applies to the cache that booked it, to each layer once and in booking order. Re-applying an
+        append-only plan to the same layer rewrites the same window rows (benchmarks and graph replays do that);
+        re-applying one that gathers or demotes rows would read rows it already moved, so it is refused."""
+        if not isinstance(plan, AppendPlan):
+            raise TypeError(f"plan: expected an AppendPlan from plan_append, got {type(plan).__name__}")
+        if plan.owner is not self._token:
+            raise ValueError("plan: booked by another cache (or not by plan_append); book the step with this cache's "
+                             "plan_append")
+        last = self._layer_serial[layer]
+        if plan.serial < last:
+            raise ValueError(f"plan: layer {layer} already applied a later plan (step {last}, this is step "
+                             f"{plan.serial}); apply each plan to every layer in the order they were booked")
+        if plan.serial == last and not plan.append_only:
+            raise ValueError(f"plan: already applied to layer {layer}; applying a step that moves or demotes rows "
+                             "twice would corrupt the cache")
 
     def _check_tokens(self, name: str, x: torch.Tensor, n: int) -> None:
         if not isinstance(x, torch.Tensor):
@@ -594,8 +634,10 @@ class PagedKVCache:
                 sequence after sequence in the plan's order.
         """
         pool = self._pool(layer)
+        self._check_plan(int(layer), plan)
         self._check_tokens("keys", keys, plan.num_new)
         self._check_tokens("values", values, plan.num_new)
+        self._layer_serial[int(layer)] = plan.serial  # the checks passed: what follows writes or marks broken
         checking = self.check_finite and not self._capturing()
         fast = plan.append_only and self._triton()
         if fast and not checking:  # one launch: rotate, cast and store the new rows of both windows
@@ -613,6 +655,12 @@ class PagedKVCache:
                     self._broken[seq_id] = problem
                 raise NonFiniteKVError(f"{problem}; nothing of layer {layer} was written and sequences "
                                        f"{plan.seq_ids} of this step must be freed (free_sequence) and recomputed")
+            problem = self._mean_far_from_data(int(layer), k_rot, v_rot)
+            if problem is not None:
+                for seq_id in plan.seq_ids:
+                    self._broken[seq_id] = problem
+                raise ArtifactError(f"{problem}; nothing of layer {layer} was written and sequences {plan.seq_ids} "
+                                    "of this step must be freed")
         if fast:  # rows checked: one launch casts and stores them (the same bits as the loop below)
             _step_kernels().append_rows(k_rot, v_rot, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots,
                                         plan.win_rows, pool.k_win, pool.v_win, rotate=False, validate=False)
@@ -638,6 +686,33 @@ class PagedKVCache:
     # -- non-finite policy ----------------------------------------------------------------------------------
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _mean_far_from_data(self, layer: int, k_rot: torch.Tensor, v_rot: torch.Tensor) -> str | None:
+        """Once per layer, at its first write of at least MEAN_CHECK_ROWS rows: None when each (KV head's) mean is
+        within MEAN_DATA_RATIO x the root mean square norm of the rows the model writes, else what is wrong.
+
+        A mean the data really has is at most that data's RMS norm (Jensen: |E x| <= sqrt(E |x|^2)); a forged or
+        foreign mean far outside it sets the INT2 step, so every page would hold the mean, not the data. The bound
+        comes from the data, not from the artifact (whose recorded eigenvalues a forger can scale too)."""
+        pool = self.pools[layer]
+        if layer in self._means_checked or (pool.k_mean is None and pool.v_mean is None):
+            return None
+        if k_rot.shape[0] < MEAN_CHECK_ROWS:
+            return None
+        for name, x, mean in (("k_mean", k_rot, pool.k_mean), ("v_mean", v_rot, pool.v_mean)):
+            if mean is None:
+                continue
+            rms = x.float().pow(2).sum(-1).mean(0).sqrt()  # [H]
+            ratio = mean.norm(dim=-1) / rms.clamp_min(1e-30)
+            worst = int(ratio.argmax())
+            if float(ratio[worst]) > MEAN_DATA_RATIO:
+                return (f"field '{name}': |mean| = {float(mean[worst].norm()):.4g} at layer {layer}, KV head {worst} is "
+                        f"{float(ratio[worst]):.3g} x the root mean square norm {float(rms[worst]):.4g} of the "
+                        f"{x.shape[0]} rows this model writes (a mean of that data is at most 1x; refused above "
+                        f"{MEAN_DATA_RATIO:g}x): a forged or foreign artifact, whose pages would quantize the mean, "
+                        "not the data")
+        self._means_checked.add(layer)
+        return None
 
     @staticmethod
     def _all_in_range(*rows: torch.Tensor) -> bool:
@@ -713,15 +788,29 @@ class PagedKVCache:
                                                  rotate_rows(v_layers[i], pool.v_rotation))
                 if problem is not None:
                     raise NonFiniteKVError(f"{problem}; nothing was written (the cache is unchanged)")
+        if self.check_finite and not self._capturing():  # means against the data, before anything is booked
+            for i in range(self.num_layers):
+                if i not in self._means_checked and sum(counts) >= MEAN_CHECK_ROWS:
+                    pool = self.pools[i]
+                    problem = self._mean_far_from_data(i, rotate_rows(k_layers[i], pool.k_rotation),
+                                                       rotate_rows(v_layers[i], pool.v_rotation))
+                    if problem is not None:
+                        raise ArtifactError(f"{problem}; nothing was written (the cache is unchanged)")
         plan = self.plan_append(seq_ids, counts)
         for i in range(self.num_layers):
             self.write_layer(i, plan, k_layers[i], v_layers[i])
 
     # -- attention ------------------------------------------------------------------------------------------
     def _pool(self, layer: int) -> LayerPool:
-        if not 0 <= int(layer) < self.num_layers:
+        if isinstance(layer, bool):  # int(True) is 1: a flag passed where a layer index belongs
+            raise TypeError(f"layer: expected an integer layer index, got {layer!r}")
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"layer: expected an integer layer index, got {type(layer).__name__}") from None
+        if not 0 <= index < self.num_layers:
             raise IndexError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
-        return self.pools[int(layer)]
+        return self.pools[index]
 
     def batch_metadata(self, seq_ids: Sequence[int]) -> BatchMetadata:
         """block_table / hist_len / slot_ids / win_len for `seq_ids` (cached until the next change)."""
@@ -759,7 +848,7 @@ class PagedKVCache:
             o `[B, H_q, d]` (out_dtype) in the model's value basis (`R_V^T` applied), and with `return_lse` also
             lse fp32 `[B, H_q]` (log-sum-exp of the scaled scores over all cached tokens).
         """
-        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)
+        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype, sm_scale)
         q_rot = attn_api.rotate_queries(q, pool.k_rotation, out_dtype=pool.k_win.dtype, backend=self.backend,
                                         validate=False)
         return self._attend(pool, q_rot, meta, sm_scale, return_lse, fused, out_dtype)
@@ -775,11 +864,13 @@ class PagedKVCache:
         (`step_kernels.append_rows_rotate_queries`): a batch-1 step is launch-bound. q and seq_ids are checked
         before anything is written.
         """
-        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype)  # booked state: valid before the write
+        pool, seq_ids, meta = self._decode_inputs(layer, q, seq_ids, out_dtype, sm_scale)  # valid before the write
+        self._check_plan(operator.index(layer), plan)
         checking = self.check_finite and not self._capturing()
         if plan.append_only and self._triton() and not checking:
             self._check_tokens("keys", keys, plan.num_new)
             self._check_tokens("values", values, plan.num_new)
+            self._layer_serial[operator.index(layer)] = plan.serial
             q_rot = _step_kernels().append_rows_rotate_queries(
                 keys, values, pool.k_rotation, pool.v_rotation, plan.win_src, plan.win_slots, plan.win_rows,
                 pool.k_win, pool.v_win, q, out_dtype=pool.k_win.dtype, validate=False)
@@ -789,10 +880,19 @@ class PagedKVCache:
                                             validate=False)
         return self._attend(pool, q_rot, meta, sm_scale, return_lse, fused, out_dtype)
 
-    def _decode_inputs(self, layer: int, q, seq_ids, out_dtype) -> tuple:
-        """Check a decode call's q, seq_ids and out_dtype -> (layer pool, seq_ids as ints, batch metadata)."""
+    def _decode_inputs(self, layer: int, q, seq_ids, out_dtype, sm_scale=None) -> tuple:
+        """Check a decode call's q, seq_ids, out_dtype and sm_scale -> (layer pool, seq_ids as ints, batch
+        metadata)."""
         pool = self._pool(layer)
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                     or not math.isfinite(sm_scale) or sm_scale <= 0):
+            raise ValueError(f"sm_scale: expected a finite positive softmax scale (or None for 1/sqrt(d)), got "
+                             f"{sm_scale!r}")
+        if any(isinstance(s, bool) for s in seq_ids):
+            raise TypeError(f"seq_ids: expected integer sequence ids, got {list(seq_ids)}")
         seq_ids = [int(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids: duplicate ids in {seq_ids} (one decode query per sequence)")
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
         if q.dtype not in FLOAT_DTYPES:

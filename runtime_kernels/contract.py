@@ -95,6 +95,14 @@ MAX_CLIP_RATIO = 1.0
 #   bound decodes as precisely as no mean.
 MAX_MEAN_ABS = float(torch.finfo(torch.float16).max)
 MEAN_SPREAD_RATIO = 256.0
+# - OWN_RMS_RATIO: relative to the side's own data, where the calibration recipe records it (`calibration.kv_rms`:
+#   per layer row and KV head, the root mean square norm of the held-out keys / values, written by every calibration
+#   since issue 54). A mean of the data is at most that (Jensen: |E x| <= sqrt(E |x|^2)); 4x leaves room for the
+#   held-out text differing from the calibration samples. The recorded eigenvalues are not used for this bound, so
+#   scaling them does not lift it; an artifact without the record (a reference import, an older calibration) keeps
+#   the spread bound above, and the serving cache checks its means against the first prefill's rows.
+OWN_RMS_RATIO = 4.0
+OWN_RMS_KEY = "kv_rms"
 
 
 class ArtifactError(ValueError):
@@ -375,7 +383,7 @@ def orthogonality_error(rotations: torch.Tensor) -> float:
     return float((r @ r.transpose(-1, -2) - eye).abs().amax()) if r.numel() else 0.0
 
 
-def _check_values(tensors: dict[str, torch.Tensor], source: str) -> None:
+def _check_values(tensors: dict[str, torch.Tensor], source: str, metadata: dict[str, str]) -> None:
     layer_ids = tensors["layer_ids"]
     if (layer_ids < 0).any() or (layer_ids[1:] <= layer_ids[:-1]).any():
         fail(source, "layer_ids", f"expected strictly increasing non-negative layer indices, got "
@@ -396,9 +404,13 @@ def _check_values(tensors: dict[str, torch.Tensor], source: str) -> None:
         t = tensors[name]
         if (t[..., 1:] > t[..., :-1] + 1e-6 * t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)).any():
             fail(source, name, "expected descending eigenvalues")
+    own = _own_rms(metadata, source, tuple(tensors["k_rotation"].shape[:2])) if any(
+        n in tensors for n in MEAN_TENSOR_NAMES) else None
     for name in MEAN_TENSOR_NAMES:
         if name in tensors:
             _check_mean(tensors[name], tensors[f"{name[0]}_eigenvalues"], name, source)
+            if own is not None:
+                _check_mean_own(tensors[name], own[name[0]], name, source)
     for name in CODEBOOK_TENSOR_NAMES:
         if name not in tensors:
             continue
@@ -425,6 +437,41 @@ def _check_mean(mean: torch.Tensor, eigenvalues: torch.Tensor, name: str, source
                            f"{float(spread[a, h]):.4g}; serving would quantize the mean, not the data")
 
 
+def _own_rms(metadata: dict[str, str], source: str, shape: tuple[int, int]) -> dict[str, torch.Tensor] | None:
+    """`calibration.kv_rms` as {"k": [A, H], "v": [A, H]} float64, or None where the recipe has no such record."""
+    calib = strict_json_loads(metadata["calibration"], source, "calibration")
+    record = calib.get(OWN_RMS_KEY) if isinstance(calib, dict) else None
+    if record is None:
+        return None
+    field = f"calibration.{OWN_RMS_KEY}"
+    if not (isinstance(record, dict) and set(record) == {"k", "v"}):
+        fail(source, field, "expected an object with exactly 'k' and 'v'")
+    out = {}
+    for side in ("k", "v"):
+        rows = record[side]
+        ok = (isinstance(rows, list) and len(rows) == shape[0]
+              and all(isinstance(r, list) and len(r) == shape[1] and all(
+                  isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 < x <= MAX_MEAN_ABS
+                  for x in r) for r in rows))
+        if not ok:
+            fail(source, f"{field}.{side}", f"expected {shape[0]} rows of {shape[1]} positive numbers at most "
+                                            f"{MAX_MEAN_ABS:g} (the RMS norm per layer row and KV head)")
+        out[side] = torch.tensor(rows, dtype=torch.float64)
+    return out
+
+
+def _check_mean_own(mean: torch.Tensor, rms: torch.Tensor, name: str, source: str) -> None:
+    """`mean` `[A, H, d]` within OWN_RMS_RATIO x the side's own recorded RMS norm `[A, H]`."""
+    norm = mean.double().norm(dim=-1)
+    bad = norm > OWN_RMS_RATIO * rms
+    if bad.any():
+        a, h = (int(i) for i in bad.nonzero()[0])
+        fail(source, name, f"|mean| = {float(norm[a, h]):.4g} at layer row {a}, KV head {h} is more than "
+                           f"{OWN_RMS_RATIO:g} x the RMS norm {float(rms[a, h]):.4g} of that side's own data "
+                           f"(calibration.{OWN_RMS_KEY}; a mean of the data is at most 1x): serving would quantize the "
+                           "mean, not the data")
+
+
 def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
     """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field."""
     meta = parse_metadata(metadata, source)
@@ -439,7 +486,7 @@ def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                                f"{getattr(t, 'dtype', type(t).__name__)}")
         if tuple(t.shape) != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
-    _check_values(tensors, source)
+    _check_values(tensors, source, metadata)
     if meta.record is not None:
         kv_format_of(meta, has_means(tensors), source)  # refuses a record whose centering the means contradict
     return meta

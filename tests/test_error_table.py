@@ -18,6 +18,39 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
 
 
+def full_disk(monkeypatch, root: Path) -> None:
+    """Every file opened for writing under `root` (builtins.open: torch.save's bytes, matplotlib's PNGs) fails its
+    first write with ENOSPC, as a full disk does."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, handle, name):
+            self._handle, self.name = handle, name
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.name))
+
+        def __getattr__(self, attr):
+            return getattr(self._handle, attr)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._handle.close()
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, Path)) and any(c in mode for c in "wax") and str(root) in str(Path(file).absolute()):
+            return Full(handle, file)
+        return handle
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+
+
 def rows() -> list[tuple[str, str, int, str]]:
     text = DOC.read_text(encoding="utf-8")
     block = text[text.index("<!-- error-table:start -->"):text.index("<!-- error-table:end -->")]
@@ -81,6 +114,20 @@ def test_row(command, when, code, message, tmp_path, monkeypatch, capsys, reques
 
         server = _online_hub(tmp_path, monkeypatch, request)
         push(tmp_path / "zoo" / "demo", "me/zoo", version="v1", endpoint=server.endpoint)
+    elif when == "a full disk":
+        full_disk(monkeypatch, tmp_path)
+    elif when == "a GGUF claiming 1,000 blocks at forged.gguf":
+        pytest.importorskip("gguf")
+        from gguf_helpers import write_tiny_gguf
+
+        write_tiny_gguf(tmp_path / "forged.gguf", fields={"llama.block_count": 1000})
+        (tmp_path / "calib.txt").write_text("a few words to calibrate on\n" * 20, encoding="utf-8")
+    elif when == "statistics whose geometry is a list at bad.safetensors":
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"layer_ids": torch.zeros(1, dtype=torch.int64)}, str(tmp_path / "bad.safetensors"),
+                  metadata={"format": "oscar-stats", "schema_version": "1", "model_id": "org/m", "geometry": "[2, 4]"})
     else:
         assert when == "", f"unknown condition {when!r}: teach this test to arrange it"
     argv = shlex.split(command)

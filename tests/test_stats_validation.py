@@ -84,7 +84,38 @@ CASES = {
     "truncated o_proj": ({"o_proj.0": lambda t: t[:, :-8]}, {}, "o_proj.0"),
     "o_proj of another hidden size": ({"o_proj.1": lambda t: t[:-4]}, {}, "o_proj.1"),
     "NaN o_proj": ({"o_proj.0": _set((0, 0), float("nan"))}, {}, "o_proj.0"),
+    # issue 54: values no capture produces, and metadata of the wrong kind
+    "indefinite second moment (positive diagonal)": ({"key_sum": lambda t: _indefinite(t)}, {}, "key_sum"),
+    "o_proj x 1e30": ({"o_proj.0": lambda t: t * 1e30}, {}, "o_proj.0"),
+    "held-out keys x 1e30": ({"holdout_keys": lambda t: t * 1e30}, {}, "holdout_keys"),
+    "held-out queries x 1000": ({"holdout_queries": lambda t: t * 1000}, {}, "holdout_queries"),
+    "key mean x 1e30": ({"key_vec_sum": lambda t: t * 1e30}, {}, "key_vec_sum"),
+    "scaling 1e-300": ({}, {"scaling": "1e-300"}, "scaling"),
+    "scaling 1e6": ({}, {"scaling": "1e6"}, "scaling"),
+    "parts: []": ({}, {"parts": "[]"}, "parts"),
+    "parts of one input": ({}, {"parts": json.dumps([{"sample_ranges": [[0, 2]], "sums_sha256": "a" * 64}])},
+                           "parts"),
+    "geometry a list": ({}, {"geometry": "[2, 4, 2, 64]"}, "geometry"),
+    "geometry heads a string": ({}, {"geometry": json.dumps({"num_hidden_layers": 2, "num_attention_heads": "4",
+                                                             "num_key_value_heads": 2, "head_dim": 64})},
+                                "geometry.num_attention_heads"),
+    "data a string": ({}, {"data": '"x"'}, "data"),
+    "sample ranges an object": ({}, {"sample_ranges": '{"a": 1}'}, "sample_ranges"),
+    "skipped layers of text": ({}, {"skipped_layers": '["0"]'}, "skipped_layers"),
+    "model id with ..": ({}, {"model_id": "../../etc/zoo"}, "model_id"),
+    "model id with a quote": ({}, {"model_id": "org/x'); import os #"}, "model_id"),
+    "sample digests of another count": ({}, {"sample_digests": json.dumps(["0" * 16])}, "sample_digests"),
+    "sample digests not hex": ({}, {"sample_digests": json.dumps(["zz" * 8, "0" * 16])}, "sample_digests"),
 }
+
+
+def _indefinite(t):
+    """Add +-c off-diagonal pairs so that one (layer, head) has a negative eigenvalue and a positive diagonal."""
+    diag = t[0, 0].diagonal()
+    c = 4 * float((diag[0] * diag[1]).sqrt())
+    t[0, 0, 0, 1] += c
+    t[0, 0, 1, 0] += c
+    return t
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -127,6 +158,108 @@ def test_a_shard_relabelled_with_another_range_is_not_counted_twice(shards, tmp_
                                                                          "data": _data_with_samples(shards[1], 8)})
     with pytest.raises(InputError):  # another 'samples' in the data identity is refused first
         merge_statistics([("m01", load_statistics(tmp_path / "m01.safetensors")), ("s1", load_statistics(twice))], "")
+
+
+def test_a_relabelled_shard_with_perturbed_sums_is_not_counted_twice(shards, tmp_path, monkeypatch, capsys):
+    """The issue's case: shard 0 relabelled [3, 5) with its sums moved by one ulp (or scaled) is caught by its samples'
+    digests, which no edit of the sums changes."""
+    for label, fn in (("one ulp", lambda t: torch.nextafter(t, torch.full_like(t, float("inf")))),
+                      ("x 1.01", lambda t: t * 1.01)):
+        forged = edited(shards[0], tmp_path / f"forged-{label}.safetensors",
+                        {name: fn for name in ("key_sum", "attn_out_sum", "logit_v_sum", "key_vec_sum")},
+                        {"sample_ranges": "[[3, 5]]"})
+        load_statistics(forged)  # alone it is consistent
+        out = tmp_path / "m.safetensors"
+        code, _, err = run_cli(["stats", "merge", str(shards[0]), str(forged), "--out", str(out)], monkeypatch, capsys)
+        assert code == 2 and "field 'sample_digests': sample 3 of" in err and "counted twice" in err, (label, err)
+        assert not out.exists()
+    # Dropping the digests does not get it through either: a merge needs them.
+    tensors, meta = read_safetensors(forged, "statistics")
+    stripped = tmp_path / "stripped.safetensors"
+    save_file(tensors, str(stripped), metadata={k: v for k, v in meta.items() if k != "sample_digests"})
+    with pytest.raises(InputError, match="field 'sample_digests' is missing"):
+        merge_statistics([("s0", load_statistics(shards[0])), ("stripped", load_statistics(stripped))], "")
+
+
+def test_sample_digests_are_those_of_the_samples_and_merge_in_sample_order(shards):
+    """An independent reference: the digests a shard records are the sha256 of its samples' token ids, and the
+    merged file's are the shards' in sample order."""
+    import hashlib
+
+    from oscar_calib.calibration.stats_checks import sample_digests
+
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert sample_digests(ids) == [hashlib.sha256(ids[i].numpy().astype("<i8").tobytes()).hexdigest()[:16]
+                                   for i in range(2)]
+    a, b = (load_statistics(p) for p in shards)
+    assert len(a.provenance.sample_digests) == 2 and len(b.provenance.sample_digests) == 3
+    merged = merge_statistics([("b", b), ("a", a)], "")
+    assert merged.provenance.sample_digests == a.provenance.sample_digests + b.provenance.sample_digests
+
+
+def test_a_clip_fit_that_overflows_is_refused_not_fit_to_one():
+    """Defence behind the bounds: errors that are not finite stop the fit instead of choosing ratio 1.0."""
+    from oscar_calib.calibration import calibrate
+    from oscar_calib.calibration.clipfit import ClipFit
+
+    class Session:
+        scaling = 0.125
+        holdout = {0: type("R", (), {"stacked": lambda self: (torch.zeros(1, 1, 4, 4),) * 3 +
+                                     (torch.zeros(1, 1, dtype=torch.int64),)})()}
+
+    nan = torch.tensor([[float("inf")]])
+    real_fit = calibrate.fit_layer
+    try:
+        calibrate.fit_layer = lambda *a, **k: ClipFit(torch.ones(1), torch.ones(1), nan, nan, (1.0,), (1.0,),
+                                                       torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
+        from oscar_calib.config import SolverSettings
+
+        with pytest.raises(InputError, match="clip fit of layer 0: the held-out errors are not finite"):
+            calibrate._fit_all(Session(), [0], torch.eye(4)[None, None], torch.eye(4)[None, None], SolverSettings())
+    finally:
+        calibrate.fit_layer = real_fit
+
+
+def test_two_merges_to_one_new_file_one_writer(shards, tmp_path, monkeypatch, capsys):
+    """`stats merge` holds the output's lock while it runs: a second merge to the same file is refused, with or
+    without --overwrite; a file that appeared meanwhile is not replaced without --overwrite."""
+    from runtime_kernels.atomic import output_lock
+
+    out = tmp_path / "m.safetensors"
+    with output_lock(out, "--out"):  # what a first merge in another process holds while it runs
+        import runtime_kernels.atomic as atomic
+
+        held = dict(atomic._HELD)
+        atomic._HELD.clear()  # seen from another process: this process does not hold it
+        try:
+            for extra in ([], ["--overwrite"]):
+                code, _, err = run_cli(["stats", "merge", *map(str, shards), "--out", str(out), *extra],
+                                       monkeypatch, capsys)
+                assert code == 2 and "another writer holds it" in " ".join(err.split()), err
+                assert not out.exists()
+        finally:
+            atomic._HELD.update(held)
+
+    real = merge_statistics
+
+    def slow_merge(items, created):  # the first writer finishes while this one merges
+        out.write_bytes(b"the other merge's file")
+        return real(items, created)
+
+    monkeypatch.setattr("oscar_calib.calibration.stats_file.merge_statistics", slow_merge)
+    code, _, err = run_cli(["stats", "merge", *map(str, shards), "--out", str(out)], monkeypatch, capsys)
+    assert code == 2 and "written while this merge ran" in " ".join(err.split()), err
+    assert out.read_bytes() == b"the other merge's file"
+
+
+@pytest.mark.parametrize("where", ["/proc/no-such/m.safetensors", "FILE/m.safetensors"])
+def test_merge_into_an_unwritable_place_is_one_line(where, shards, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "FILE"
+    blocker.write_text("x")
+    out = where.replace("FILE", str(blocker))
+    code, _, err = run_cli(["stats", "merge", *map(str, shards), "--out", out], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert ("cannot create files in" in err) or ("is not a directory" in err), err
 
 
 def _data_with_samples(path: Path, samples: int) -> str:
@@ -174,3 +307,21 @@ def test_fuzz_one_element_of_any_tensor(name, position, value, shards, tmp_path_
         assert (s.key_sum.diagonal(dim1=-2, dim2=-1) >= 0).all() and (s.logit_w_sum >= 0).all()
     for rows in stats.holdout.values():
         assert all(torch.isfinite(t).all() for t in rows.stacked()[:3])
+
+
+def test_run_records_a_local_path_with_dotdot_absolute(tmp_path, monkeypatch):
+    """What `run --model ../m` records is what refit accepts: the path made absolute, never with '..'."""
+    import os
+
+    from oscar_calib.calibration.job import recorded_model_id
+    from oscar_calib.calibration.stats_checks import check_recorded_model_id
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    recorded = recorded_model_id("../m")
+    assert recorded == os.path.abspath("../m") and ".." not in recorded.split("/")
+    check_recorded_model_id(recorded, "x")
+    assert recorded_model_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and recorded_model_id("./m") == "./m"
+    with pytest.raises(InputError, match="expected no '..' component"):
+        check_recorded_model_id("org/../../etc", "x")

@@ -259,7 +259,7 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from runtime_kernels.atomic import write_file_atomically
+    from runtime_kernels.atomic import disk_space_for, write_file_atomically
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -279,6 +279,7 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
             plt.close(fig)
         # Renamed into place through a fresh temporary file: an interrupted write leaves no broken PNG, and nothing
         # planted beside it is written through.
-        write_file_atomically(path, buffer.getvalue(), "--plots")
+        with disk_space_for(path, None):  # a full disk names the PNG
+            write_file_atomically(path, buffer.getvalue(), "--plots")
         written.append(path)
     return written

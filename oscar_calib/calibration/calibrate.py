@@ -29,6 +29,7 @@ from oscar_calib.calibration.clipfit import MIN_RATIO, ClipFit, fit_layer
 from oscar_calib.calibration.key_basis import hadamard_key_heads, holdout_history_mass
 from oscar_calib.calibration.solve import solve_rotations
 from oscar_calib.calibration.stats import LayerStats
+from oscar_calib.calibration.stats_checks import sample_digests
 from oscar_calib.calibration.stats_file import CalibrationStatistics, make_provenance
 from oscar_calib.config import SolverSettings
 from oscar_calib.errors import CaptureError, InputError
@@ -147,6 +148,18 @@ def _materialized_weight(linear: torch.nn.Module) -> torch.Tensor:
     return w.detach()
 
 
+def _own_rms(statistics, layer_ids: list[int]) -> dict[str, list[list[float]]]:
+    """Root mean square norm of the held-out keys and values per (layer, KV head), model basis (rotations keep
+    norms): {"k": [A][H], "v": [A][H]}, 6 significant digits (`runtime_kernels.contract.OWN_RMS_KEY`)."""
+    out: dict[str, list[list[float]]] = {"k": [], "v": []}
+    for layer in layer_ids:
+        keys, values, _, _ = statistics.holdout[layer].stacked()  # [S, H, T, d]
+        for side, x in (("k", keys), ("v", values)):
+            rms = x.double().pow(2).sum(-1).mean(dim=(0, 2)).sqrt()  # [H]
+            out[side].append([float(f"{max(float(r), 1e-30):.6g}") for r in rms])
+    return out
+
+
 def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settings: SolverSettings,
              no_clip: bool = False, means: tuple[torch.Tensor, torch.Tensor] | None = None,
              o_weights: dict[int, torch.Tensor] | None = None,
@@ -171,6 +184,11 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
                                 key_objective=settings.key_clip_objective,
                                 v_grid=(1.0,) if no_clip else settings.v_clip_grid, k_mean=k_mean, v_mean=v_mean,
                                 o_weight=w_o, extend=not no_clip)
+        if not (bool(torch.isfinite(fits[layer].k_errors).all()) and bool(torch.isfinite(fits[layer].v_errors).all())):
+            # fp32 overflow would make every ratio 1.0 without a word; the statistics checks bound the inputs
+            raise InputError(f"clip fit of layer {layer}: the held-out errors are not finite (held-out rows or o_proj "
+                             "weights beyond what the fit's float32 arithmetic holds); expected the statistics of a "
+                             "real capture")
     return fits
 
 
@@ -211,9 +229,10 @@ def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
     windows = settings.kv_format().window_tokens
     if held_len <= windows:
         raise InputError(
-            f"--seq-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
+            f"--holdout-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
             f"{settings.sink_tokens} + recent {settings.recent_tokens} = {windows} tokens), or no held-out query "
-            f"reads an INT2 key and the clip fit has nothing to score; use --seq-len {windows + 64} or more")
+            f"reads an INT2 key and the clip fit has nothing to score; use --holdout-len {windows + 64} or more, or "
+            "smaller --sink / --recent")
 
 
 def _check_group_size(settings: SolverSettings, d: int) -> None:
@@ -276,7 +295,8 @@ def capture_statistics(model, input_ids: torch.Tensor, holdout_ids: torch.Tensor
                                  calibration_meta=calibration_meta, batch_size=batch_size,
                                  holdout_queries=holdout_queries, seed=seed,
                                  sample_ranges=sample_ranges or [[0, int(input_ids.shape[0])]],
-                                 skipped_layers=sorted(skip), created=created_at())
+                                 skipped_layers=sorted(skip), created=created_at(),
+                                 sample_digests=sample_digests(input_ids))
     o_weights = o_proj_weights(model, sorted(session.stats))
     if o_weights and any(w.device.type == "meta" for w in o_weights.values()):
         o_weights = None  # offloaded to disk: not in memory here (the block_out fit then says so)
@@ -362,6 +382,7 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
     calib.setdefault("holdout_tokens", holdout_tokens)
     calib["solver"] = json.loads(settings.model_dump_json())
     calib["clip_fit"] = {"grid_extends": True, "min_ratio": MIN_RATIO}  # audit reads where a fit could stop
+    calib["kv_rms"] = _own_rms(statistics, layer_ids)  # the contract bounds the means by it (OWN_RMS_RATIO)
     calib["key_basis"] = {"hadamard_heads": {str(i): hs for i, hs in key_hadamard.items()},
                           "hadamard_key_mass": settings.hadamard_key_mass,
                           "history_mass": {str(i): [round(float(x), 4) for x in m] for i, m in masses.items()

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oscar_calib.calibration.stats import LayerStats
-from oscar_calib.calibration.stats_checks import check_counts_match_samples, check_sums
+from oscar_calib.calibration.stats_checks import (
+    check_counts_match_samples,
+    check_magnitudes,
+    check_psd,
+    check_sums,
+)
 from oscar_calib.calibration.stats_file import (
     atomic_save_safetensors,
     atomic_write_bytes,
@@ -143,6 +148,14 @@ def checkpoint_exists(path: Path) -> bool:
     return is_checkpoint_dir(path) and _checkpoint_file(path).is_file()
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def load_checkpoint(path: Path, identity: dict) -> Checkpoint:
     """Read the checkpoint in directory `path` and check it was made by a run with this `identity`.
 
@@ -165,8 +178,10 @@ def load_checkpoint(path: Path, identity: dict) -> Checkpoint:
     try:
         saved = json.loads(meta["identity"])
         next_sample = int(meta["next_sample"])
-    except (KeyError, ValueError) as exc:
-        raise InputError(f"{where}: metadata field {exc} is missing or malformed") from exc
+    except (KeyError, ValueError, RecursionError) as exc:
+        field = exc if isinstance(exc, KeyError) else ("'identity'" if "identity" in meta and not _is_json(
+            meta["identity"]) else "'next_sample'")
+        raise InputError(f"{where}: metadata field {field} is missing or malformed") from None
     if not isinstance(saved, dict):
         raise InputError(f"{where}: metadata field 'identity' is not a JSON object")
     diff = first_difference(saved, identity)
@@ -176,6 +191,8 @@ def load_checkpoint(path: Path, identity: dict) -> Checkpoint:
                          "resume with the same settings, or start again without --resume")
     totals = sums_from_tensors(tensors, where)
     check_sums(totals, where)
+    check_psd(totals, where)  # the run solves from these sums directly: the statistics file's checks, here too
+    check_magnitudes(totals, {}, None, where)
     check_counts_match_samples(totals, identity, [[identity["sample_range"][0], next_sample]], where,
                                field="next_sample")
     return Checkpoint(totals, next_sample, saved)

@@ -147,6 +147,15 @@ def resolve_batch_size(requested: int | None, device: str, seq_len: int, choices
     return 1
 
 
+def recorded_model_id(model: str | None) -> str | None:
+    """What the statistics and the artifact record for `--model`: the Hub id or path as given, except that a local
+    path with a `..` component is recorded absolute (readers refuse `..` in a recorded id: it names a directory on
+    push)."""
+    if model and ".." in model.replace("\\", "/").split("/") and Path(model).exists():
+        return os.path.abspath(model)
+    return model
+
+
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuse a file, an existing non-empty directory without --overwrite, or an unwritable location, before
     any work starts. Nothing is left on disk here."""
@@ -270,7 +279,7 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         check_supported(model_config)
         model = None
         tokenizer = _load_tokenizer(model_ref, config.model_revision, config.trust_remote_code)
-        model_id = config.model or demo.FIXTURE_MODEL_ID
+        model_id = recorded_model_id(config.model) or demo.FIXTURE_MODEL_ID
         revision = (config.model_revision or getattr(model_config, "_commit_hash", None)
                     or (demo.fixture_revision() if config.model is None else "local"))
     check_supported(model_config)

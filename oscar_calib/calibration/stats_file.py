@@ -90,6 +90,8 @@ class StatsProvenance:
     tool_version: str = field(default_factory=tool_version)
     # A merge records its inputs: [{"sample_ranges": [[a, b]], "sums_sha256": hex}] (empty for one capture).
     parts: list[dict] = field(default_factory=list)
+    # One digest per summed sample, in sample order over `sample_ranges` (`stats_checks.sample_digests`).
+    sample_digests: list[str] = field(default_factory=list)
 
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in IDENTITY_FIELDS}
@@ -104,31 +106,82 @@ class StatsProvenance:
                     created_at=self.created_at, config_hash=self.config_hash())
         if self.parts:
             meta["parts"] = json.dumps(self.parts, sort_keys=True)
+        if self.sample_digests:
+            meta["sample_digests"] = json.dumps(self.sample_digests)
         return meta
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str], where: str) -> StatsProvenance:
-        def get(name: str, as_json: bool):
+        def get(name: str, as_json: bool, kind: type = str):
             if name not in meta:
                 raise InputError(f"{where}: metadata field '{name}' is missing (expected an oscar-stats file)")
             if not as_json:
                 return meta[name]
             try:
-                return json.loads(meta[name])
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{where}: metadata field '{name}' is not valid JSON ({exc.msg})") from exc
+                value = json.loads(meta[name])
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer of > 4300 digits, depth
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else (
+                    "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0])
+                raise InputError(f"{where}: metadata field '{name}' is not valid JSON ({reason})") from exc
+            if not isinstance(value, kind):
+                raise InputError(f"{where}: metadata field '{name}' is a JSON {type(value).__name__}, expected a "
+                                 f"JSON {'object' if kind is dict else 'array'}")
+            return value
 
-        return cls(model_id=get("model_id", False), model_revision=get("model_revision", False),
-                   model_config_hash=get("model_config_hash", False), geometry=get("geometry", True),
-                   data=get("data", True), capture=get("capture", True), sample_ranges=get("sample_ranges", True),
-                   skipped_layers=get("skipped_layers", True), created_at=get("created_at", False),
-                   tool_version=get("tool_version", False), parts=get("parts", True) if "parts" in meta else [])
+        from oscar_calib.calibration.stats_checks import check_recorded_model_id
+
+        model_id = get("model_id", False)
+        check_recorded_model_id(model_id, where)
+        geometry = get("geometry", True, dict)
+        _check_geometry(geometry, where)
+        skipped = get("skipped_layers", True, list)
+        if not all(type(x) is int and 0 <= x < geometry["num_hidden_layers"] for x in skipped):
+            raise InputError(f"{where}: field 'skipped_layers': expected layer indices in [0, "
+                             f"{geometry['num_hidden_layers']}), got {str(skipped)[:80]}")
+        return cls(model_id=model_id, model_revision=get("model_revision", False),
+                   model_config_hash=get("model_config_hash", False), geometry=geometry,
+                   data=get("data", True, dict), capture=get("capture", True, dict),
+                   sample_ranges=get("sample_ranges", True, list), skipped_layers=skipped,
+                   created_at=get("created_at", False), tool_version=get("tool_version", False),
+                   parts=_checked_parts(get("parts", True, list), where) if "parts" in meta else [],
+                   sample_digests=get("sample_digests", True, list) if "sample_digests" in meta else [])
+
+
+_GEOMETRY_BOUNDS = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+                    "head_dim": 4096}
+
+
+def _check_geometry(geometry: dict, where: str) -> None:
+    """The recorded geometry: positive integers in bounds, H_kv dividing H_q."""
+    for key, high in _GEOMETRY_BOUNDS.items():
+        value = geometry.get(key)
+        if type(value) is not int or not 1 <= value <= high:
+            raise InputError(f"{where}: field 'geometry.{key}': expected an integer in [1, {high}], got "
+                             f"{str(value)[:40]}")
+    if geometry["num_attention_heads"] % geometry["num_key_value_heads"]:
+        raise InputError(f"{where}: field 'geometry.num_key_value_heads': {geometry['num_key_value_heads']} does not "
+                         f"divide num_attention_heads={geometry['num_attention_heads']}")
+
+
+def _checked_parts(parts: list, where: str) -> list[dict]:
+    """A merge's record of its inputs: at least two `{"sample_ranges": [...], "sums_sha256": hex}` objects."""
+    if len(parts) < 2:
+        raise InputError(f"{where}: field 'parts': expected the two or more inputs of a merge, got {len(parts)} (a "
+                         "single capture has no 'parts' field)")
+    for part in parts:
+        if not (isinstance(part, dict) and set(part) == {"sample_ranges", "sums_sha256"}
+                and isinstance(part["sums_sha256"], str) and len(part["sums_sha256"]) == 64
+                and isinstance(part["sample_ranges"], list)):
+            raise InputError(f"{where}: field 'parts': expected objects with exactly 'sample_ranges' (a list) and "
+                             f"'sums_sha256' (64 hex digits), got {str(part)[:80]}")
+    return parts
 
 
 def make_provenance(config, dtype: torch.dtype, *, model_id: str | None = None, model_revision: str | None = None,
                     calibration_meta: dict | None = None, batch_size: int = 1, holdout_queries: int = 256,
                     seed: int = 0, sample_ranges: list[list[int]] | None = None,
-                    skipped_layers: list[int] | None = None, created: str = "") -> StatsProvenance:
+                    skipped_layers: list[int] | None = None, created: str = "",
+                    sample_digests: list[str] | None = None) -> StatsProvenance:
     """The provenance of statistics captured from a model with `config` in `dtype` (run and checkpoint agree)."""
     from runtime_kernels.artifact import model_geometry
 
@@ -142,7 +195,8 @@ def make_provenance(config, dtype: torch.dtype, *, model_id: str | None = None, 
         data=dict(calibration_meta or {}),
         capture={"dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
                  "holdout_queries": holdout_queries, "seed": seed},
-        sample_ranges=sample_ranges or [], skipped_layers=sorted(skipped_layers or ()), created_at=created)
+        sample_ranges=sample_ranges or [], skipped_layers=sorted(skipped_layers or ()), created_at=created,
+        sample_digests=list(sample_digests or ()))
 
 
 def first_difference(expected: dict, got: dict, prefix: str = "") -> tuple[str, object, object] | None:
@@ -361,12 +415,15 @@ def check_values(stats: dict[int, LayerStats], holdout: dict, scaling: float, pr
     from oscar_calib.calibration.stats_checks import (
         check_counts_match_samples,
         check_holdout,
+        check_magnitudes,
         check_o_weights,
+        check_psd,
         check_ranges,
+        check_sample_digests,
         check_scaling,
     )
 
-    check_scaling(scaling, where)
+    check_scaling(scaling, where, provenance.geometry["head_dim"])
     samples = provenance.data.get("samples") if isinstance(provenance.data, dict) else None
     total = samples if type(samples) is int and samples > 0 else None
     ranges = check_ranges(provenance.sample_ranges, where, total)
@@ -375,6 +432,9 @@ def check_values(stats: dict[int, LayerStats], holdout: dict, scaling: float, pr
     except ValueError as exc:
         raise InputError(f"{where}: field 'sample_ranges': {exc}") from None
     check_counts_match_samples(stats, provenance.identity(), ranges, where)
+    check_psd(stats, where)
+    if provenance.sample_digests:
+        check_sample_digests(provenance.sample_digests, normalise_ranges(ranges), where)
     if provenance.parts:  # a merge: its recorded inputs must cover exactly its sample ranges
         try:
             covered = normalise_ranges([r for p in provenance.parts for r in p["sample_ranges"]])
@@ -383,11 +443,10 @@ def check_values(stats: dict[int, LayerStats], holdout: dict, scaling: float, pr
         if covered != normalise_ranges(ranges):
             raise InputError(f"{where}: field 'parts': the merged inputs cover {covered}, but 'sample_ranges' says "
                              f"{ranges}")
-    if not isinstance(provenance.geometry, dict):
-        raise InputError(f"{where}: field 'geometry': expected a JSON object")
     check_holdout(holdout, provenance.geometry, where)
     if o_weights:
         check_o_weights(o_weights, provenance.geometry, where)
+    check_magnitudes(stats, holdout, o_weights, where)
 
 
 # -- merge -----------------------------------------------------------------------------------------------------------
@@ -426,6 +485,31 @@ def _merge_parts(items: list[tuple[str, CalibrationStatistics]]) -> list[dict]:
     return parts
 
 
+def _merge_sample_digests(items: list[tuple[str, CalibrationStatistics]]) -> list[str]:
+    """The merged file's per-sample digests (sample order), refusing two inputs that summed a sample of the same
+    tokens: a shard copied under another range is caught by its samples, not its sums, so editing the sums
+    (by one ulp or by any amount) does not get it counted twice."""
+    by_sample: dict[int, str] = {}
+    owner: dict[str, tuple[str, int]] = {}
+    for name, s in items:
+        prov = s.provenance
+        if not prov.sample_digests:
+            raise InputError(f"cannot merge statistics: {name}: field 'sample_digests' is missing (statistics "
+                             "written before per-sample digests, or edited); capture them again to merge")
+        indices = [i for a, b in normalise_ranges(prov.sample_ranges) for i in range(a, b)]
+        mine: dict[str, int] = {}
+        for index, digest in zip(indices, prov.sample_digests):
+            if digest in owner and owner[digest][0] != name:
+                other, other_index = owner[digest]
+                raise InputError(f"cannot merge statistics: field 'sample_digests': sample {index} of {name} has "
+                                 f"the same tokens as sample {other_index} of {other}, so those tokens would be "
+                                 "counted twice (a shard copied or relabelled with another sample range)")
+            mine.setdefault(digest, index)
+            by_sample[index] = digest
+        owner.update({d: (name, i) for d, i in mine.items()})
+    return [by_sample[i] for i in sorted(by_sample)]
+
+
 def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: str) -> CalibrationStatistics:
     """Sum statistics of disjoint sample ranges (in the given order). items: (name for messages, statistics).
 
@@ -445,6 +529,7 @@ def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: st
     except ValueError as exc:
         raise InputError(f"cannot merge statistics: field 'sample_ranges': {exc} (each sample may be summed once)") from exc
     parts = _merge_parts(items)
+    digests = _merge_sample_digests(items)
     holdout, holdout_name = {}, None
     for name, s in items:
         if not s.holdout:
@@ -462,6 +547,7 @@ def merge_statistics(items: list[tuple[str, CalibrationStatistics]], created: st
     for _, other in items[1:]:
         for layer in stats:
             stats[layer].merge_(other.stats[layer])
-    provenance = replace(first.provenance, sample_ranges=ranges, created_at=created, parts=parts)
+    provenance = replace(first.provenance, sample_ranges=ranges, created_at=created, parts=parts,
+                         sample_digests=digests)
     o_weights = next((s.o_weights for _, s in items if s.o_weights), None)
     return CalibrationStatistics(stats, holdout, first.scaling, provenance, o_weights=o_weights)

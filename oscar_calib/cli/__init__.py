@@ -21,7 +21,7 @@ from oscar_calib.cli import (
     zoo_cmd,  # noqa: F401  (registers `zoo`)
 )
 from oscar_calib.cli.app import app, reflow_help
-from oscar_calib.cli.exit_codes import exit_code_for
+from oscar_calib.cli.exit_codes import exit_code_for, one_line_message
 from oscar_calib.cli.output import Output
 
 reflow_help(app)
@@ -41,5 +41,5 @@ def main() -> None:
             code = exit_code_for(exc)
             if code is None or os.environ.get("OSCAR_CALIB_DEBUG"):
                 raise
-            out.error(str(exc))
+            out.error(one_line_message(exc))
             sys.exit(code)

@@ -84,12 +84,38 @@ def exit_code_for(exc: BaseException) -> int | None:
         code = EXCEPTION_CODES.get(f"{cls.__module__}.{cls.__qualname__}")
         if code is not None:
             return code
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:  # a write site without its own DiskFullError
+    if disk_full_cause(exc) is not None:  # a write site without its own DiskFullError (a library's write)
         return OTHER
     return None
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_cause(exc: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT OSError that `exc` is or was raised from (libraries wrap it: the Hub client's
+    download, torch's writer), or None."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def one_line_message(exc: BaseException) -> str:
+    """The line printed for a known failure: its message, or for a full disk that no write site named, the path
+    and errno in the project's words (`runtime_kernels.atomic.disk_full_message`) instead of `[Errno 28] ...`."""
+    cause = disk_full_cause(exc)
+    if cause is None or type(exc).__name__ == "DiskFullError":
+        return str(exc)
+    from runtime_kernels.atomic import free_bytes
+
+    where = cause.filename or getattr(exc, "filename", None) or "the output location"
+    name = "EDQUOT: disk quota exceeded" if cause.errno == errno.EDQUOT else "ENOSPC: no space left on device"
+    free = free_bytes(where) if where != "the output location" else None
+    have = f" ({free} bytes are free there)" if free is not None else ""
+    return f"{where}: {name}{have}; free space or choose another location, then run the command again"
 
 
 def require(module: str, extra: str, flag: str) -> None:

@@ -7,6 +7,7 @@ with the documented exit code (docs/errors.md, "Checks before the expensive work
 - a Hub id while the Hub cannot be reached: exit 5 after one request of at most a few seconds (the client's own
   retries took 26 s), with the `HF_HUB_OFFLINE=1` hint; a Hub id the local cache does not hold while
   `HF_HUB_OFFLINE=1`: exit 5, as docs/cli.md's table says for "not cached while offline";
+- a GGUF file whose metadata its tensors contradict (`oscar_calib.gguf_check`): exit 2, naming the field;
 - a dataset folder or Hub dataset without the `datasets` package: exit 7, naming which of the two it is.
 """
 
@@ -36,6 +37,10 @@ def check_model_ref(ref: str | None, flag: str = "--model") -> None:
         raise InputError(f"{flag} {ref}: is a file; pass the model folder that holds config.json and the weights "
                          f"({flag} {path.parent}), or a Hub model id ORG/NAME")
     if path.exists():
+        if ref.lower().endswith(".gguf") and path.is_file() and importlib.util.find_spec("gguf") is not None:
+            from oscar_calib.gguf_check import check_gguf
+
+            check_gguf(path)  # a GGUF whose metadata lies is refused here, before transformers builds it
         return
     if ref.lower().endswith(".gguf"):
         raise InputError(f"{flag} {ref}: no such file (expected a .gguf checkpoint)")

@@ -64,8 +64,10 @@ def _shard(text: Optional[str]) -> tuple[int, int] | None:
     if text is None:
         return None
     index, _, count = text.partition("/")
-    if not (index.strip().isdigit() and count.strip().isdigit()):
-        raise InputError(f"--shard '{text}': expected INDEX/COUNT, e.g. 0/2")
+    index, count = index.strip(), count.strip()
+    # ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses
+    if not (index.isascii() and count.isascii() and index.isdigit() and count.isdigit()) or len(text) > 24:
+        raise InputError(f"--shard {ascii(text)}: expected INDEX/COUNT of ASCII digits, e.g. 0/2")
     return int(index), int(count)
 
 

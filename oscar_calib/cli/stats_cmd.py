@@ -110,18 +110,25 @@ def merge_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Sum statistics files by addition; refuses files of other models, configs, data or tool versions."""
+    import contextlib
+
     from oscar_calib.calibration.calibrate import created_at
     from oscar_calib.calibration.stats_file import load_statistics, merge_statistics, save_statistics
-    from runtime_kernels.atomic import check_file_target
+    from runtime_kernels.atomic import check_file_target, output_lock
 
     output = Output(as_json)
-    if out.is_dir():
-        raise InputError(f"--out {out}: is a directory (expected the statistics file to write)")
-    if out.exists() and not overwrite:
-        raise InputError(f"--out {out}: already exists; pass --overwrite to replace it")
+    _check_merge_out(out, overwrite)
     check_file_target(out, "--out")  # a symlink, FIFO or device: refused before the merge, never written through
-    merged = merge_statistics([(str(p), load_statistics(p)) for p in inputs], created_at())
-    save_statistics(merged, out)
+    with contextlib.ExitStack() as held:  # one writer per file, --overwrite or not (the lock is re-entrant)
+        if out.parent.is_dir():
+            held.enter_context(output_lock(out, "--out"))
+        merged = merge_statistics([(str(p), load_statistics(p)) for p in inputs], created_at())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        held.enter_context(output_lock(out, "--out"))
+        if out.exists() and not overwrite:
+            raise InputError(f"--out {out}: already exists (written while this merge ran); pass --overwrite to "
+                             "replace it; nothing was written")
+        save_statistics(merged, out)
     if as_json:
         from runtime_kernels.loader import file_record
 
@@ -132,3 +139,29 @@ def merge_cmd(
                      "layer_ids": list(merged.layer_ids)}, indent=2, sort_keys=True)
     else:
         output.result(out)
+
+
+def _check_merge_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before any input is read, a `--out` that is a directory, not a regular file, exists without
+    `--overwrite`, or lies where no file can be created (the real test: a probe file made and removed)."""
+    import os
+    import tempfile
+
+    if out.is_dir():
+        raise InputError(f"--out {out}: is a directory (expected the statistics file to write)")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise InputError(f"--out {out}: is a symlink or a special file (expected a regular file to write)")
+    if out.exists() and not overwrite:
+        raise InputError(f"--out {out}: already exists; pass --overwrite to replace it")
+    ancestor = Path(os.path.abspath(out)).parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"--out {out}: {ancestor} is not a directory (expected a path where a file can be created)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".oscar-probe-", dir=ancestor)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot create files in {ancestor} ({exc.strerror}); choose a writable "
+                         "location") from None

@@ -394,6 +394,22 @@ def artifact_to_reference(artifact: OscarArtifact, head_reduce: str = "none",
     return out[0], out[1]
 
 
+def _save(obj: dict, path: Path) -> None:
+    """`torch.save` into memory, then one ordinary write: a full disk is a `DiskFullError` naming the file and the
+    bytes (torch's own file writer reports it as `RuntimeError ... unexpected pos`)."""
+    import io
+
+    from runtime_kernels.atomic import disk_space_for
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
+    with disk_space_for(path, len(payload)), open(path, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def export_reference(artifact: OscarArtifact, out_dir: str | os.PathLike, head_reduce: str = "none",
                      overwrite: bool = False, version: int = EXPORT_FORMAT_VERSION) -> dict[str, Path]:
     """Write `keys.pt` and `values.pt` into `out_dir` (atomically: a temporary directory renamed into place)."""
@@ -404,8 +420,8 @@ def export_reference(artifact: OscarArtifact, out_dir: str | os.PathLike, head_r
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        torch.save(keys, tmp / KEYS_FILENAME)
-        torch.save(values, tmp / VALUES_FILENAME)
+        _save(keys, tmp / KEYS_FILENAME)
+        _save(values, tmp / VALUES_FILENAME)
         for name in (KEYS_FILENAME, VALUES_FILENAME):  # what we write must read back through our own importer
             load_reference(tmp / name)
         if out_dir.exists():

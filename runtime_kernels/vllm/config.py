@@ -28,6 +28,8 @@ from runtime_kernels.loader import (
 )
 
 CONFIG_KEY = "oscar"
+MAX_WINDOW_RESERVE = 64.0  # window blocks per request's need: 2 is the default, beyond 64 no prefix reuse pays
+_Text = Annotated[str, Field(max_length=4096)]  # paths, ids and revisions: long enough for any real one
 
 
 class OscarServeConfig(BaseModel):
@@ -43,19 +45,22 @@ class OscarServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    path: str | None = None
-    repo: str | None = None
-    revision: str | None = None
+    path: _Text | None = None
+    repo: _Text | None = None
+    revision: _Text | None = None
     commit: str | None = Field(None, pattern=r"^[0-9a-f]{40}$")
-    expected_sha256: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = None
+    expected_sha256: Annotated[dict[_Text, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]],
+                               Field(max_length=256)] | None = None
     allow_unpinned: bool = False
     repo_type: Literal["model", "dataset"] = "model"  # the Hub keeps model and dataset repos apart
-    model_id: str | None = None
-    calibration: str = "default"
+    model_id: _Text | None = None
+    calibration: _Text = "default"
     allow_other_model: bool = False
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
-    window_reserve: float = 2.0  # window blocks kept per running request's need (>= 1; extra = prefix reuse)
-    layers: list[int] | None = None  # decoder layers served in INT2 (default: every layer the artifact calibrates)
+    # window blocks kept per running request's need (in [1, 64]; extra = prefix reuse)
+    window_reserve: float = Field(2.0, ge=1, le=MAX_WINDOW_RESERVE)
+    # decoder layers served in INT2 (default: every layer the artifact calibrates); indices as the contract bounds them
+    layers: Annotated[list[Annotated[int, Field(ge=0, le=4095)]], Field(max_length=4096)] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> OscarServeConfig:
