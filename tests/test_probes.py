@@ -123,7 +123,7 @@ def test_multikey_score_of_bf16_beats_a_forgetful_cache_and_short_windows_are_re
     batch = multikey_batch(tok, filler, lo, hi, keys=4)
     got = passkey_scores(model, KVMethod(), batch, fmt)
     forgot = passkey_scores(model, Forgetful("forgetful"), batch, fmt)
-    assert got["key_token_accuracy"] >= 0.5, got  # measured 0.73 on these 8 windows
+    assert got["key_token_accuracy"] >= 0.5, got  # measured 0.58 on these 8 windows (a single needle: 0.86)
     assert forgot["key_token_accuracy"] < 0.2 and forgot["key_nll"] > got["key_nll"] + 2, forgot
     with pytest.raises(InputError, match="too short for 4 needles"):
         multikey_batch(tok, filler[:, :40], lo, hi, keys=4)
