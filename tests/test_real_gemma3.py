@@ -155,3 +155,17 @@ def test_calibrated_slice_serves_through_oscar_cache_with_sliding_layers_in_thei
     oscar, plain_int2 = result["oscar"] / result["bf16"] - 1, result["int2"] / result["bf16"] - 1
     assert abs(oscar) < 0.01, result
     assert plain_int2 > oscar, result
+
+
+def test_the_study_refuses_a_tokenizer_that_tokenizes_otherwise_than_at_conversion(gemma3):
+    """`tools/recipe_study.py` re-tokenizes the conversion's check paragraph before any study: the converted
+    tokenizer passes; another one (no BOS, other merges: what transformers 5.17 makes of this GGUF) stops it."""
+    _, full_dir, _ = gemma3
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from recipe_study import check_tokenizer
+
+    check_tokenizer(full_dir, AutoTokenizer.from_pretrained(full_dir))
+    with pytest.raises(SystemExit, match="the conversion recorded 107 tokens, BOS first True"):
+        check_tokenizer(full_dir, AutoTokenizer.from_pretrained(FIXTURE))

@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,6 +54,28 @@ def token_stream(tok, path: Path) -> torch.Tensor:
     for doc in read_documents(path):
         ids += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def check_tokenizer(model_dir: Path, tok) -> None:
+    """Stop when the tokenizer here does not tokenize as it did at conversion (`tools/real_model.py` records the
+    count of its check paragraph): transformers 5.17 reads Gemma3's tokenizer wrongly (issue 51), and every number of
+    a study would then be off. A directory without that record is not checked."""
+    marker = model_dir / "oscar_real_model.json"
+    if not marker.is_file():
+        return
+    want = json.loads(marker.read_text()).get("check", {}).get("tokenizer")
+    if not want:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_model import CHECK_TEXT
+
+    ids = tok(CHECK_TEXT).input_ids
+    got = {"tokens": len(ids), "bos_first": tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]}
+    if got["tokens"] != want["tokens"] or got["bos_first"] != want["bos_first"]:
+        raise SystemExit(f"--model {model_dir}: the tokenizer gives {got} on the conversion's check paragraph, "
+                         f"the conversion recorded {want['tokens']} tokens, BOS first {want['bos_first']} "
+                         f"(transformers {__import__('transformers').__version__}); tokenize with the one it was "
+                         "converted by")
 
 
 def chunks(stream: torch.Tensor, length: int, n: int, from_end: bool = False) -> torch.Tensor:
@@ -181,11 +204,22 @@ def main(argv: list[str] | None = None) -> int:
                     centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean,
                                            self.fmt.with_(quantizer=self.v_quantizer)))
 
+    @dataclass
+    class KiviLayers(Kivi2):
+        """KIVI-2 in the calibrated layers only: a hybrid's sliding-window layers keep their BF16 cache, as they do
+        under every OSCAR row."""
+
+        layers: frozenset = frozenset()
+
+        def quantizes(self, layer_idx):
+            return layer_idx in self.layers
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation's fp32 attention stays fp32
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(args.model)
+    check_tokenizer(args.model, tok)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     contexts = [int(c) for c in args.contexts.split(",")]
     long_ctx = max(contexts)
@@ -289,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     # Global clips (the reference's 0.96 / 0.92) on the per-head rotations, and Hadamard with the same means.
     add(BASELINE, tables_of("fitlong min-max", True, (0.96, 0.92)))
     add(PER_LAYER, tables_of("fitlong min-max, per layer", True, (0.96, 0.92)))
-    methods.append(Kivi2(KIVI, "KIVI-2: keys per channel over 128-token blocks, values per token", token_group=128))
+    methods.append(KiviLayers(KIVI, "KIVI-2: keys per channel over 128-token blocks, values per token",
+                              token_group=128, layers=frozenset(caps["stats2k/fitlong"].layer_ids)))
     add("oscar global clips, centered, unbiased", tables_of("fitlong min-max", True, (0.96, 0.92)), "uniform_unbiased")
     add("oscar global clips, uncentered, min-max", tables_of("fitlong min-max", False, (0.96, 0.92)))
     had = hadamard_matrix(head_dim).float()
