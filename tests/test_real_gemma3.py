@@ -25,7 +25,6 @@ LAYERS = 6  # layers 0-4 sliding-window, layer 5 full attention
 CONTEXT = 768  # past the sliding window (512), so the sliding layers really slide
 SINK, RECENT = 64, 256
 
-pytestmark = pytest.mark.real_model
 
 
 def _tool():
@@ -62,6 +61,7 @@ def _windows(tok, name: str, n: int) -> torch.Tensor:
     return torch.cat([w.long, w.packed])[:n]
 
 
+@pytest.mark.real_model
 def test_converted_model_is_gemma3_and_the_slice_is_its_first_layers(gemma3):
     """The conversion is the pinned hybrid geometry, its tokenizer is the GGUF's (BOS first: the tokenizer trap of
     transformers 5.17), and the slice's logits equal the full model's hidden state after 6 layers put through the full
@@ -86,6 +86,7 @@ def test_converted_model_is_gemma3_and_the_slice_is_its_first_layers(gemma3):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.real_model
 def test_the_evaluators_bf16_equals_plain_sdpa_past_the_sliding_window(gemma3):
     """The study's teacher-forced BF16 path (every layer through the evaluation's attention, sliding-window masks
     included) gives the NLL of transformers' own SDPA forward on a window longer than the sliding window."""
@@ -105,6 +106,7 @@ def test_the_evaluators_bf16_equals_plain_sdpa_past_the_sliding_window(gemma3):
     assert abs(float(got.mean()) - float(reference.mean())) < 1e-4, (float(got.mean()), float(reference.mean()))
 
 
+@pytest.mark.real_model
 def test_calibrated_slice_serves_through_oscar_cache_with_sliding_layers_in_their_own_cache(gemma3):
     """`calibrate_model` on the slice calibrates only its full-attention layer; its artifact serves the slice through
     `OscarCache` (INT2 history, page demotion) while layers 0-4 keep transformers' sliding-window cache layers, and
@@ -159,6 +161,7 @@ def test_calibrated_slice_serves_through_oscar_cache_with_sliding_layers_in_thei
     assert plain_int2 > 10 * oscar, result
 
 
+@pytest.mark.real_model
 def test_the_study_refuses_a_tokenizer_that_tokenizes_otherwise_than_at_conversion(gemma3):
     """`tools/recipe_study.py` re-tokenizes the conversion's check paragraph before any study: the converted
     tokenizer passes; another one (no BOS, other merges: what transformers 5.17 makes of this GGUF) stops it."""
@@ -171,3 +174,22 @@ def test_the_study_refuses_a_tokenizer_that_tokenizes_otherwise_than_at_conversi
     check_tokenizer(full_dir, AutoTokenizer.from_pretrained(full_dir))
     with pytest.raises(SystemExit, match="the conversion recorded 107 tokens, BOS first True"):
         check_tokenizer(full_dir, AutoTokenizer.from_pretrained(FIXTURE))
+
+
+def test_a_gemma3_slice_without_a_full_attention_layer_is_refused_before_any_download(capsys):
+    """`--slice 5` would keep only sliding-window layers (nothing to calibrate): exit 2 naming the first
+    full-attention layer, before pip is called."""
+    rm = _tool()
+    assert rm.main(["--model", "gemma3", "--slice", "5", "--out", "/nonexistent/gemma3"]) == 2
+    err = capsys.readouterr().err
+    assert "--slice 5: gemma3's first full-attention layer is layer 5; expected at least 6 layers" in err
+    assert not Path("/nonexistent").exists()
+
+
+def test_the_mixed_calibration_text_interleaves_the_two_domains():
+    rm = _tool()
+    sep = rm.DOC_SEPARATOR
+    mixed = rm.mixed_text(sep.join(["p1", "p2", "p3"]) + "\n", sep.join(["c1"]) + "\n")
+    assert mixed == sep.join(["p1", "c1", "p2", "p3"]) + "\n"
+    assert rm.is_test_module("sympy/core/tests/test_basic.py") and rm.is_test_module("pkg/test_x.py")
+    assert not rm.is_test_module("networkx/algorithms/shortest_paths/weighted.py")
