@@ -192,6 +192,48 @@ def default_dir(spec: ModelSpec = SMOLLM2) -> Path:
     return Path(os.environ.get(spec.env_dir) or spec.default_dir).expanduser()
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# output folders: only folders this tool made are ever replaced
+# ------------------------------------------------------------------------------------------------------------------
+def made_here(out: Path) -> bool:
+    """Whether `out` is a real folder holding this tool's MARKER as a regular file (not through a symlink)."""
+    import stat
+
+    try:
+        return stat.S_ISDIR(os.lstat(out).st_mode) and stat.S_ISREG(os.lstat(out / MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def check_out(out: Path, flag: str = "--out") -> None:
+    """Refuse an output this tool may not replace: a file or symlink, or a non-empty folder without MARKER (a
+    user's folder is never removed). An absent or empty folder, or one this tool made, is fine."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UsageError(f"{flag} {out}: is a file or a symlink (expected a folder that this tool makes)")
+    if out.is_dir() and any(out.iterdir()) and not made_here(out):
+        raise UsageError(f"{flag} {out}: exists and was not made by this tool (no {MARKER} in it); it is never "
+                         "removed: choose another --out, or empty it yourself")
+
+
+def install(out: Path, build, flag: str = "--out"):
+    """`build(tmp)` into a fresh scratch folder beside `out`, then swapped in at `out` in one step
+    (runtime_kernels.atomic.atomic_output_dir: lock, scratch folder with its marker, renameat2 exchange). `out`
+    must pass `check_out` (checked before and again under the lock); on any failure `out` is as it was and the
+    scratch folder is removed. Returns what `build` returned."""
+    from runtime_kernels.atomic import OutputDirError, atomic_output_dir
+
+    check_out(out, flag)
+    try:
+        with atomic_output_dir(out, overwrite=True, field=flag) as tmp:
+            check_out(out, flag)  # under the lock: a folder of the user's that appeared meanwhile is not replaced
+            result = build(tmp)
+            if not made_here(tmp):
+                raise IntegrityError(f"{flag} {out}: the new folder has no {MARKER}; nothing was replaced")
+    except OutputDirError as exc:
+        raise UsageError(str(exc)) from None
+    return result
+
+
 def require_gguf() -> None:
     import importlib.util
 
@@ -348,8 +390,14 @@ def convert(gguf: Path, out: Path, spec: ModelSpec = SMOLLM2) -> dict:
     """The verified GGUF -> a plain bf16 directory `out` (the GGUF-loaded model's own class: LlamaForCausalLM,
     Gemma3ForCausalLM) with the tokenizer and MARKER.
 
-    Written into a temporary sibling and renamed, so `out` is either complete (with its marker) or absent.
+    Built in a scratch folder and swapped in (`install`), so `out` is either complete (with its marker) or as it
+    was; an existing `out` without the marker is refused, never removed.
     """
+    return install(out, lambda tmp: _convert_into(gguf, tmp, spec))
+
+
+def _convert_into(gguf: Path, tmp: Path, spec: ModelSpec) -> dict:
+    """The conversion itself, written into the empty folder `tmp`; returns the marker (written last)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -365,9 +413,6 @@ def convert(gguf: Path, out: Path, spec: ModelSpec = SMOLLM2) -> dict:
     dst = type(src)(config)
     dst.load_state_dict(src.state_dict(), strict=True)  # strict: every tensor has its place, none left over
     dst = dst.to(torch.bfloat16).eval()
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     dst.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "gguf").mkdir()
@@ -389,9 +434,6 @@ def convert(gguf: Path, out: Path, spec: ModelSpec = SMOLLM2) -> dict:
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "seconds": round(time.perf_counter() - t0, 1)}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
     return marker
 
 
@@ -412,6 +454,7 @@ def ensure_model(out: Path | None = None, spec: ModelSpec = SMOLLM2) -> Path:
     if is_ready(out, spec=spec):
         log(f"{out}: present and verified")
         return out
+    check_out(out)  # before the download: a folder of the user's is refused at once
     require_gguf()
     kept = out.parent / f".{out.name}.{spec.gguf_name}"  # outside `out`: a failed conversion must not cost the download
     convert(fetch_gguf(kept, spec), out, spec)
@@ -468,12 +511,13 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None, spec: Mod
     with the same cut of the GGUF in its `gguf/` folder where the spec asks for one. A hybrid's `layer_types` are
     cut alike."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = out or model_dir.parent / f"{model_dir.name}-layers{layers}"
     if is_ready(out, layers, spec):
         return out
     check_slice_layers(layers, spec)
+    check_out(out, "--slice")  # before the model loads: a folder of the user's at <out>-layersN is never removed
     from transformers.utils import logging as hf_logging
 
     cut = {"num_hidden_layers": layers}
@@ -486,8 +530,15 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None, spec: Mod
         model = AutoModelForCausalLM.from_pretrained(model_dir, **cut, dtype=torch.bfloat16)
     finally:
         hf_logging.set_verbosity(verbosity)
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+    install(out, lambda tmp: _slice_into(model, model_dir, layers, tmp, spec), "--slice")
+    return out
+
+
+def _slice_into(model, model_dir: Path, layers: int, tmp: Path, spec: ModelSpec) -> dict:
+    """The sliced model, its tokenizer, the GGUF cut (where the spec asks for one) and MARKER (last) written into
+    the empty folder `tmp`."""
+    from transformers import AutoTokenizer
+
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
     files = sorted(tmp.glob("*.safetensors"))
@@ -502,10 +553,7 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None, spec: Mod
               "sliced_from": str(model_dir),
               "weights_sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
-    return out
+    return marker
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -688,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.parts_dir / part['name']}: {part['size']:,} bytes, sha256 {part['sha256']}")
             return 0
         if args.command == "join" and not is_ready(out, spec=spec):
+            check_out(out)
             require_gguf()
             kept = join_gguf(args.parts_dir, out.parent / f".{out.name}.{spec.gguf_name}", spec)
             convert(kept, out, spec)
