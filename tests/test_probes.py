@@ -12,7 +12,14 @@ from format_helpers import PAPER
 
 from oscar_calib.analysis.evaluate import make_windows, read_documents
 from oscar_calib.analysis.methods import KVMethod
-from oscar_calib.analysis.probes import passkey_batch, passkey_scores, run_probes, verbatim_recall
+from oscar_calib.analysis.probes import (
+    MULTIKEY_NAMES,
+    multikey_batch,
+    passkey_batch,
+    passkey_scores,
+    run_probes,
+    verbatim_recall,
+)
 from oscar_calib.demo import FIXTURE_DIR, fixture_available
 from runtime_kernels.artifact import identity_artifact
 
@@ -81,6 +88,47 @@ def test_passkey_score_of_bf16_is_a_plain_forward_pass_and_a_forgetful_cache_sco
     forgot = passkey_scores(model, Forgetful("forgetful"), batch,
                             PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT))
     assert forgot["key_token_accuracy"] < 0.2 and forgot["key_nll"] > got["key_nll"] + 2
+
+
+def test_multikey_windows_hold_every_needle_and_ask_for_one(lm):
+    """Each window holds `keys` needles of distinct names and keys inside the span, in order, and ends with the
+    question for one of them followed by that needle's key; the asked needle moves over the windows."""
+    import re
+
+    model, tok, filler = lm
+    lo, hi = 0.1, 0.8
+    batch = multikey_batch(tok, filler, lo, hi, keys=4, seed=3)
+    assert batch.ids.shape == filler.shape
+    asked_parts = set()
+    for i, (a, b) in enumerate(batch.key_spans):
+        text = tok.decode(batch.ids[i])
+        found = re.findall(r"The pass key for the (\w+) is (\d{5})\.", text)
+        assert len(found) == 4 and len({n for n, _ in found}) == 4 and len({k for _, k in found}) == 4, found
+        assert all(n in MULTIKEY_NAMES for n, _ in found)
+        asked = re.search(r"What was the pass key for the (\w+)\?", text).group(1)
+        assert tok.decode(batch.ids[i, a:b]).strip() == dict(found)[asked] and b == filler.shape[1]
+        assert lo <= batch.depths[i] < hi
+        asked_parts.add([n for n, _ in found].index(asked))
+    assert asked_parts == {0, 1, 2, 3}
+
+
+def test_multikey_score_of_bf16_beats_a_forgetful_cache_and_short_windows_are_refused(lm):
+    """BF16 reads the asked key among 3 distractors far above a cache that forgets its history (which can only
+    guess); windows too short for the needles are refused with a clear error."""
+    from oscar_calib.errors import InputError
+
+    model, tok, filler = lm
+    fmt = PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT)
+    lo, hi = (SINK + 16) / 512, 1 - (RECENT + 64) / 512
+    batch = multikey_batch(tok, filler, lo, hi, keys=4)
+    got = passkey_scores(model, KVMethod(), batch, fmt)
+    forgot = passkey_scores(model, Forgetful("forgetful"), batch, fmt)
+    assert got["key_token_accuracy"] >= 0.5, got  # measured 0.58 on these 8 windows (a single needle: 0.86)
+    assert forgot["key_token_accuracy"] < 0.2 and forgot["key_nll"] > got["key_nll"] + 2, forgot
+    with pytest.raises(InputError, match="too short for 4 needles"):
+        multikey_batch(tok, filler[:, :40], lo, hi, keys=4)
+    with pytest.raises(InputError, match="keys 1"):
+        multikey_batch(tok, filler, lo, hi, keys=1)
 
 
 def _generate_greedy(model, ids, n):

@@ -32,10 +32,10 @@ def stand_in_conversion(rm, tag: str):
     """A `_convert_into` that writes what the real one does in miniature: a weights file and the marker last."""
     calls = []
 
-    def convert_into(gguf: Path, tmp: Path) -> dict:
+    def convert_into(gguf: Path, tmp: Path, spec) -> dict:
         calls.append(tmp)
         (tmp / "model.safetensors").write_bytes(tag.encode())
-        marker = {"gguf_sha256": rm.GGUF_SHA256,
+        marker = {"gguf_sha256": spec.gguf_sha256,
                   "weights_sha256": {"model.safetensors": hashlib.sha256(tag.encode()).hexdigest()}}
         (tmp / rm.MARKER).write_text(json.dumps(marker))
         return marker
@@ -51,25 +51,26 @@ def rm(monkeypatch):
         raise AssertionError("the tool fetched although it should have refused first")
 
     monkeypatch.setattr(module, "require_gguf", lambda: None)
-    monkeypatch.setattr(module, "fetch_gguf", lambda dest: dest)  # the stand-in conversion never reads it
+    monkeypatch.setattr(module, "fetch_gguf", lambda dest, spec: dest)  # the stand-in conversion never reads it
     monkeypatch.setattr(module, "join_gguf", no_fetch)
     return module
 
 
-def test_a_folder_of_the_user_as_out_is_refused_before_any_work(rm, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_a_folder_of_the_user_as_out_is_refused_before_any_work(rm, tmp_path, monkeypatch, capsys, model):
     out = user_folder(tmp_path / "mine")
     before = snapshot(out)
     convert_into, calls = stand_in_conversion(rm, "new")
     monkeypatch.setattr(rm, "_convert_into", convert_into)
-    monkeypatch.setattr(rm, "fetch_gguf", lambda dest: pytest.fail("fetched before refusing"))
-    assert rm.main(["--out", str(out)]) == 2
+    monkeypatch.setattr(rm, "fetch_gguf", lambda dest, spec: pytest.fail("fetched before refusing"))
+    assert rm.main(["--model", model, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"--out {out}: exists and was not made by this tool (no {rm.MARKER} in it)" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert snapshot(out) == before and calls == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing left beside it
     # `join` (no network) refuses the same folder the same way.
-    assert rm.main(["join", "--parts-dir", str(tmp_path / "parts"), "--out", str(out)]) == 2
+    assert rm.main(["join", "--model", model, "--parts-dir", str(tmp_path / "parts"), "--out", str(out)]) == 2
     assert snapshot(out) == before
 
 
@@ -87,21 +88,22 @@ def test_a_file_or_symlink_as_out_is_refused(rm, tmp_path, shape, capsys):
     assert snapshot(victim) == before and (out.is_symlink() if shape == "symlink" else out.read_text() == "a file")
 
 
-def test_the_tools_own_folders_are_made_and_replaced_by_one_swap(rm, tmp_path, monkeypatch):
-    out = tmp_path / "model"
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_the_tools_own_folders_are_made_and_replaced_by_one_swap(rm, tmp_path, monkeypatch, model):
+    out, spec = tmp_path / "model", rm.MODELS[model]
     first, _ = stand_in_conversion(rm, "first")
     monkeypatch.setattr(rm, "_convert_into", first)
-    assert rm.main(["--out", str(out)]) == 0
-    assert rm.is_ready(out) and (out / "model.safetensors").read_bytes() == b"first"
+    assert rm.main(["--model", model, "--out", str(out)]) == 0
+    assert rm.is_ready(out, spec=spec) and (out / "model.safetensors").read_bytes() == b"first"
     # Present and verified: nothing is redone.
     again, calls = stand_in_conversion(rm, "again")
     monkeypatch.setattr(rm, "_convert_into", again)
-    assert rm.main(["--out", str(out)]) == 0 and calls == []
+    assert rm.main(["--model", model, "--out", str(out)]) == 0 and calls == []
     # A folder of the tool's that no longer verifies (a weight edited) is replaced as a whole.
     (out / "model.safetensors").write_bytes(b"edited")
     (out / "stray").write_text("left by an older version of the tool")
-    assert rm.main(["--out", str(out)]) == 0 and len(calls) == 1
-    assert snapshot(out).keys() == {"model.safetensors", rm.MARKER} and rm.is_ready(out)
+    assert rm.main(["--model", model, "--out", str(out)]) == 0 and len(calls) == 1
+    assert snapshot(out).keys() == {"model.safetensors", rm.MARKER} and rm.is_ready(out, spec=spec)
     assert temporaries(out) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
@@ -113,7 +115,7 @@ def test_a_failed_conversion_leaves_the_old_folder_and_no_scratch(rm, tmp_path, 
     (out / "model.safetensors").write_bytes(b"edited")  # no longer verified: the next run converts again
     before = snapshot(out)
 
-    def fails(gguf, tmp):
+    def fails(gguf, tmp, spec):
         (tmp / "model.safetensors").write_bytes(b"half")
         raise rm.IntegrityError(f"converted {tmp}: the saved bf16 model disagrees with the GGUF")
 
@@ -121,7 +123,7 @@ def test_a_failed_conversion_leaves_the_old_folder_and_no_scratch(rm, tmp_path, 
     assert rm.main(["--out", str(out)]) == 4
     assert snapshot(out) == before and temporaries(out) == []
 
-    def no_marker(gguf, tmp):
+    def no_marker(gguf, tmp, spec):
         (tmp / "model.safetensors").write_bytes(b"new")
         return {}
 

@@ -1,8 +1,9 @@
-"""Pool the passkey probes of several `tools/recipe_study.py` results (one per needle seed) and compare each row
+"""Pool the passkey (or multi-key) probes of several `tools/recipe_study.py` results (one per needle seed) and compare each row
 with a reference row: token accuracy over every needle, and the paired 95 % bootstrap interval of the difference
 (needles resampled together, so each row is compared on the same needles).
 
     python3 tools/passkey_compare.py R_seed0.json R_seed1.json --reference "hadamard global clips, centered, min-max"
+    python3 tools/passkey_compare.py R_seed0.json --probe multikey --reference bf16
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from pathlib import Path
 import torch
 
 
-def pooled(paths: list[Path]) -> dict[str, torch.Tensor]:
+def pooled(paths: list[Path], probe: str = "passkey") -> dict[str, torch.Tensor]:
     """Row -> per-needle accuracy `[needles of every file]`, for the rows every file measured."""
-    runs = [json.loads(p.read_text())["passkey"]["scores"] for p in paths]
+    runs = []
+    for p in paths:
+        result = json.loads(p.read_text())
+        if probe not in result:
+            raise SystemExit(f"{p}: no '{probe}' probe in this result")
+        runs.append(result[probe]["scores"])
     rows = [r for r in runs[0] if all(r in run for run in runs)]
     return {r: torch.tensor(sum((run[r]["per_needle"]["accuracy"] for run in runs), []), dtype=torch.float64)
             for r in rows}
@@ -36,14 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, nargs="+")
     p.add_argument("--reference", required=True, help="the row every other is compared with")
+    p.add_argument("--probe", default="passkey", choices=("passkey", "multikey"))
     args = p.parse_args(argv)
-    rows = pooled(args.results)
+    rows = pooled(args.results, args.probe)
     if args.reference not in rows:
         p.error(f"--reference {args.reference!r}: not a row of every file (rows: {', '.join(rows)})")
     ref = rows[args.reference]
     print(f"{ref.numel()} needles from {len(args.results)} file(s); difference vs `{args.reference}`, paired 95 % "
           "bootstrap interval over needles\n")
-    print("| cache | passkey | vs reference |\n|---|---|---|")
+    print(f"| cache | {args.probe} | vs reference |\n|---|---|---|")
     for name, acc in rows.items():
         diff = "" if name == args.reference else (
             f"{100 * float((acc - ref).mean()):+.1f} [{paired_ci(acc, ref)[0]:+.1f}, {paired_ci(acc, ref)[1]:+.1f}]")

@@ -7,7 +7,8 @@ every row costs the same bits), at every `--contexts` length on the same held-ou
 - perplexity (teacher-forced, the decoder's three segments), its change against BF16 and against the centered
   per-head rotation with global clips (the strongest simple peer of issue 29), each with a paired 95 % bootstrap
   interval over windows;
-- at the longest context, a passkey probe with `--needles` needles spread over the INT2 history.
+- at the longest context, a passkey probe with `--needles` needles spread over the INT2 history, and a multi-key
+  probe on as many windows (`--multikey K` needles of one form in each, one asked: `probes.multikey_batch`).
 
 Components varied: the quantizer (min-max, unbiased, unbiased on keys only), the length of the held-out sequence the
 clips are fitted on (2048 as shipped, or the longest context), the length of the statistics sequences, fitted
@@ -28,6 +29,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +37,9 @@ import torch
 from runtime_kernels.format import DEFAULT_FORMAT  # noqa: E402
 
 SINK_DEFAULT, RECENT_DEFAULT, PAGE = DEFAULT_FORMAT.sink_tokens, DEFAULT_FORMAT.recent_tokens, DEFAULT_FORMAT.page_size
-BASELINE = "oscar global clips, centered, min-max"
+BASELINE = "oscar global clips, centered, min-max"  # per-head rotations
+PER_LAYER = "oscar per layer, global clips, centered, min-max"
+KIVI = "kivi2-g128"
 
 
 def log(msg: str) -> None:
@@ -50,6 +54,28 @@ def token_stream(tok, path: Path) -> torch.Tensor:
     for doc in read_documents(path):
         ids += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def check_tokenizer(model_dir: Path, tok) -> None:
+    """Stop when the tokenizer here does not tokenize as it did at conversion (`tools/real_model.py` records the
+    count of its check paragraph): transformers 5.17 reads Gemma3's tokenizer wrongly (issue 51), and every number of
+    a study would then be off. A directory without that record is not checked."""
+    marker = model_dir / "oscar_real_model.json"
+    if not marker.is_file():
+        return
+    want = json.loads(marker.read_text()).get("check", {}).get("tokenizer")
+    if not want:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_model import CHECK_TEXT
+
+    ids = tok(CHECK_TEXT).input_ids
+    got = {"tokens": len(ids), "bos_first": tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]}
+    if got["tokens"] != want["tokens"] or got["bos_first"] != want["bos_first"]:
+        raise SystemExit(f"--model {model_dir}: the tokenizer gives {got} on the conversion's check paragraph, "
+                         f"the conversion recorded {want['tokens']} tokens, BOS first {want['bos_first']} "
+                         f"(transformers {__import__('transformers').__version__}); tokenize with the one it was "
+                         "converted by")
 
 
 def chunks(stream: torch.Tensor, length: int, n: int, from_end: bool = False) -> torch.Tensor:
@@ -97,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also evaluate this artifact (e.g. one written by `oscar-calib run`); with --no-variants the "
                         "peers' rotations and means come from the first one")
     p.add_argument("--no-variants", action="store_true", help="skip the variant grid: peers and --artifact rows only")
+    p.add_argument("--multikey", type=int, default=4, metavar="K",
+                   help="needles per window of the multi-key probe (0: no multi-key probe)")
     p.add_argument("--passkey-methods", default="", help="semicolon-separated rows the passkey probe runs (default all)")
     p.add_argument("--only", default="", help="semicolon-separated rows to evaluate (default: all)")
     p.add_argument("--floors", default="", metavar="K/V;...",
@@ -138,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from oscar_calib.analysis.evaluate import method_nll
     from oscar_calib.analysis.methods import (
+        Kivi2,
         KVMethod,
         LayerTables,
         TableInt2,
@@ -145,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         centered_fake_quantize,
     )
     from oscar_calib.analysis.methods import hadamard as hadamard_matrix
-    from oscar_calib.analysis.probes import passkey_batch, passkey_scores
+    from oscar_calib.analysis.probes import multikey_batch, passkey_batch, passkey_scores
     from oscar_calib.calibration.calibrate import (
         _fit_all,
         artifact_from_statistics,
@@ -175,11 +204,22 @@ def main(argv: list[str] | None = None) -> int:
                     centered_fake_quantize(values, t.v_rotation, clip(t.v_clip), t.v_mean,
                                            self.fmt.with_(quantizer=self.v_quantizer)))
 
+    @dataclass
+    class KiviLayers(Kivi2):
+        """KIVI-2 in the calibrated layers only: a hybrid's sliding-window layers keep their BF16 cache, as they do
+        under every OSCAR row."""
+
+        layers: frozenset = frozenset()
+
+        def quantizes(self, layer_idx):
+            return layer_idx in self.layers
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation's fp32 attention stays fp32
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(args.model)
+    check_tokenizer(args.model, tok)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     contexts = [int(c) for c in args.contexts.split(",")]
     long_ctx = max(contexts)
@@ -242,13 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.partition("=")
         external[name] = read_artifact(Path(path) / "oscar_kv.safetensors")
     calibrate("fitlong min-max", "stats2k/fitlong", quantizer="uniform_minmax")
+    calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
     if args.no_variants:
         arts["fitlong min-max"] = next(iter(external.values()), arts["fitlong min-max"])  # the peers' source
     else:
         calibrate("default (shipped)", "stats2k/fit2k", quantizer="uniform_unbiased")
         calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
         calibrate("fitlong unbiased", "stats2k/fitlong", quantizer="uniform_unbiased")
-        calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
         calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", center_keys=False,
                   center_values=False)
         calibrate("fitlong min-max, no clip", "stats2k/fitlong", quantizer="uniform_minmax", clip=False)
@@ -282,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             "uniform_unbiased", "uniform_minmax")
     # Global clips (the reference's 0.96 / 0.92) on the per-head rotations, and Hadamard with the same means.
     add(BASELINE, tables_of("fitlong min-max", True, (0.96, 0.92)))
+    add(PER_LAYER, tables_of("fitlong min-max, per layer", True, (0.96, 0.92)))
+    methods.append(KiviLayers(KIVI, "KIVI-2: keys per channel over 128-token blocks, values per token",
+                              token_group=128, layers=frozenset(caps["stats2k/fitlong"].layer_ids)))
     add("oscar global clips, centered, unbiased", tables_of("fitlong min-max", True, (0.96, 0.92)), "uniform_unbiased")
     add("oscar global clips, uncentered, min-max", tables_of("fitlong min-max", False, (0.96, 0.92)))
     had = hadamard_matrix(head_dim).float()
@@ -417,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
 
+    bits_128k = {m.name: m.effective_bits(131072, head_dim, fmt) for m in methods}
     for ctx in contexts:
         windows = chunks(held, ctx, args.windows)
         rows = {}
@@ -430,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             d, lo, hi = paired_pct_ci(w, rows["bf16"])
             b, blo, bhi = paired_pct_ci(w, rows[BASELINE]) if BASELINE in rows else (float("nan"),) * 3
             out.append({"name": name, "ppl": float(torch.exp(w.mean())), "delta_vs_bf16_pct": d,
+                        "bits_128k": bits_128k[name],
                         "ci95_vs_bf16": [lo, hi], "delta_vs_baseline_pct": b, "ci95_vs_baseline": [blo, bhi],
                         "window_nll": w.tolist()})
         result["contexts"][str(ctx)] = {"windows": args.windows, "tokens_scored": args.windows * (ctx - 1),
@@ -446,12 +491,20 @@ def main(argv: list[str] | None = None) -> int:
             result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d],
                                  "needle_seed": args.needle_seed, "scores": pk}
             chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
-            for m in methods:
-                if chosen is not None and m.name not in chosen and m.name != "bf16":
-                    continue
+            probed = [m for m in methods if chosen is None or m.name in chosen or m.name == "bf16"]
+            for m in probed:
                 pk[m.name] = passkey_scores(model, m, batch, fmt)
                 log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
                 save()
+            if args.multikey:
+                mk_batch = multikey_batch(tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)
+                mk = {}
+                result["multikey"] = {"context": ctx, "windows": args.needles, "keys": args.multikey,
+                                      "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mk}
+                for m in probed:
+                    mk[m.name] = passkey_scores(model, m, mk_batch, fmt)
+                    log(f"multi-key {ctx}: {m.name}: {100 * mk[m.name]['key_token_accuracy']:.1f}%")
+                    save()
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result.update({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
@@ -470,9 +523,10 @@ def markdown(result: dict) -> str:
              f"{result.get('device', '')}, {result.get('dtype', '')}. ppl change vs BF16 and vs `{BASELINE}` with "
              "paired 95 % bootstrap intervals over windows.", ""]
     head = "| cache | " + " | ".join(f"{c}: vs BF16 | {c}: vs baseline" for c in ctxs)
-    pk = result.get("passkey")
-    lines += [head + (f" | passkey @{pk['context']} |" if pk else " |"),
-              "|---|" + "---|---|" * len(ctxs) + ("---|" if pk else "")]
+    pk, mk = result.get("passkey"), result.get("multikey")
+    lines += [head + (f" | passkey @{pk['context']}" if pk else "") + (f" | multi-key ({mk['keys']}) @{mk['context']}"
+                                                                      if mk else "") + " |",
+              "|---|" + "---|---|" * len(ctxs) + ("---|" if pk else "") + ("---|" if mk else "")]
     names = [m["name"] for m in result["contexts"][ctxs[0]]["methods"]]
     for name in names:
         cells = []
@@ -483,9 +537,10 @@ def markdown(result: dict) -> str:
             cells.append(f"{r['delta_vs_bf16_pct']:+.2f} % [{lo:+.2f}, {hi:+.2f}]" if name != "bf16"
                          else f"ppl {r['ppl']:.3f}")
             cells.append("" if name in ("bf16", BASELINE) else f"{r['delta_vs_baseline_pct']:+.2f} % [{blo:+.2f}, {bhi:+.2f}]")
-        if pk:
-            sc = pk["scores"].get(name)
-            cells.append("" if sc is None else f"{100 * sc['key_token_accuracy']:.1f} %")
+        for probe in (pk, mk):
+            if probe:
+                sc = probe["scores"].get(name)
+                cells.append("" if sc is None else f"{100 * sc['key_token_accuracy']:.1f} %")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,11 +1,15 @@
 """Long-context probes: does a KV method keep what a far-away token said?
 
-Perplexity averages over every position; these two probes ask about one fact placed deep in the INT2 history.
+Perplexity averages over every position; these probes ask about facts placed deep in the INT2 history.
 
 - Passkey retrieval (teacher-forced, any `KVMethod`): a random number follows a fixed phrase at a chosen depth of a
   window of held-out text, and the same phrase closes the window. Scored: the fraction of the number's tokens the
   model predicts greedily at the end, and their mean NLL, with the evaluation's three-segment mask (sink | INT2
   history | recent), so the needle is read from the quantized history whenever its depth puts it there.
+- Multi-key retrieval (the same scoring): several needles of one form, each naming its own key ("the pass key for
+  the river is 51234"), spread over the INT2 history; the question asks for one of them. The others are
+  distractors of the same form, which is where 2-bit caches are known to fail while a single needle survives
+  (RULER's multi-key needles: KVQuant-2bit 95.4 vs 100 on one needle, 23.4 vs 68.2 on multi-key, at 32K).
 - Verbatim recall through the real runtime (`OscarCache`, or transformers' `DynamicCache` for BF16): a prompt holds
   a passage; the model first generates `generate` tokens of its own, then is cued with the passage's first tokens
   and continues greedily. Scored: the fraction of the passage's remaining tokens reproduced exactly.
@@ -65,6 +69,60 @@ def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: in
         spans.append((t - len(full) + len(head), t))
         used.append(depth)
         positions.append(pos)
+    return PasskeyBatch(torch.stack(ids), spans, used, positions)
+
+
+MULTIKEY_NEEDLE = " The pass key for the {name} is {key}."
+MULTIKEY_QUESTION = " What was the pass key for the {name}? The pass key for the {name} is"  # + " {key}"
+MULTIKEY_NAMES = ("river", "garden", "lantern", "harbor", "meadow", "candle", "forest", "window")
+
+
+def multikey_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, keys: int = 4,
+                   seed: int = 0) -> PasskeyBatch:
+    """Each filler window `[N, T]` with `keys` needles (distinct names, distinct random keys) in the span of depths
+    `[lo, hi)` (fractions of the window), one needle per equal part of it at a random place inside; window i asks for
+    the needle of part `i % keys`, so the asked needle's depth sweeps the span over the windows. The question closes
+    the window (length T kept). `depths` / `needle_positions` are the asked needle's."""
+    if filler.dim() != 2 or filler.shape[0] == 0:
+        raise InputError(f"multi-key: expected filler windows [N, T], got shape {tuple(filler.shape)}")
+    if not 2 <= keys <= len(MULTIKEY_NAMES):
+        raise InputError(f"multi-key: keys {keys}: expected 2..{len(MULTIKEY_NAMES)}")
+    if not 0 <= lo < hi <= 1:
+        raise InputError(f"multi-key: depth span [{lo}, {hi}) must lie inside [0, 1]")
+    gen = torch.Generator().manual_seed(seed)
+    ids, spans, used, positions = [], [], [], []
+    t = filler.shape[1]
+    for i, row in enumerate(filler):
+        names = [MULTIKEY_NAMES[j] for j in torch.randperm(len(MULTIKEY_NAMES), generator=gen)[:keys].tolist()]
+        values = [str(int(v)) for v in torch.randint(10000, 100000, (keys,), generator=gen)]
+        while len(set(values)) < keys:  # distinct keys: a distractor must not carry the asked key
+            values = [str(int(v)) for v in torch.randint(10000, 100000, (keys,), generator=gen)]
+        asked = i % keys
+        head = tokenizer(MULTIKEY_QUESTION.format(name=names[asked]), add_special_tokens=False).input_ids
+        full = tokenizer(f"{MULTIKEY_QUESTION.format(name=names[asked])} {values[asked]}",
+                         add_special_tokens=False).input_ids
+        if full[:len(head)] != head:
+            raise InputError("multi-key: this tokenizer merges the question's last word with the key; "
+                             "the probe needs the key to start a new token")
+        body = t - len(full)
+        seq = row.clone()
+        end = 0
+        for j in range(keys):
+            needle = tokenizer(MULTIKEY_NEEDLE.format(name=names[j], key=values[j]), add_special_tokens=False).input_ids
+            a = int((lo + (hi - lo) * j / keys) * body)
+            b = int((lo + (hi - lo) * (j + 1) / keys) * body) - len(needle)
+            if b <= max(a, end):
+                raise InputError(f"multi-key: windows of {t} tokens are too short for {keys} needles in depths "
+                                 f"[{lo:.3f}, {hi:.3f})")
+            pos = int(torch.randint(max(a, end), b, (1,), generator=gen))
+            seq[pos:pos + len(needle)] = torch.tensor(needle, dtype=seq.dtype)
+            end = pos + len(needle)
+            if j == asked:
+                used.append(pos / t)
+                positions.append(pos)
+        seq[body:] = torch.tensor(full, dtype=seq.dtype)
+        ids.append(seq)
+        spans.append((body + len(head), t))
     return PasskeyBatch(torch.stack(ids), spans, used, positions)
 
 
@@ -170,5 +228,5 @@ def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windo
     return out
 
 
-__all__ = ["NEEDLE", "PasskeyBatch", "QUESTION", "passkey_batch", "passkey_scores", "run_probes",
-           "verbatim_recall"]
+__all__ = ["MULTIKEY_NAMES", "MULTIKEY_NEEDLE", "MULTIKEY_QUESTION", "NEEDLE", "PasskeyBatch", "QUESTION",
+           "multikey_batch", "passkey_batch", "passkey_scores", "run_probes", "verbatim_recall"]
