@@ -19,8 +19,8 @@ DOC = ROOT / "docs" / "errors.md"
 
 
 def full_disk(monkeypatch, root: Path) -> None:
-    """Every file opened for writing under `root` (builtins.open: torch.save's bytes, matplotlib's PNGs) fails its
-    first write with ENOSPC, as a full disk does."""
+    """Every file opened for writing under `root` (builtins.open: torch.save's bytes; os.fdopen: the atomic file
+    writer's temporary files) fails its first write with ENOSPC, as a full disk does."""
     import builtins
     import errno
 
@@ -48,7 +48,19 @@ def full_disk(monkeypatch, root: Path) -> None:
             return Full(handle, file)
         return handle
 
+    import os
+
+    real_fdopen = os.fdopen
+
+    def fake_fdopen(fd, mode="r", *args, **kwargs):  # runtime_kernels.atomic writes through os.fdopen
+        handle = real_fdopen(fd, mode, *args, **kwargs)
+        name = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else str(fd)
+        if any(c in mode for c in "wax") and str(root) in name:
+            return Full(handle, name)
+        return handle
+
     monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(os, "fdopen", fake_fdopen)
 
 
 def rows() -> list[tuple[str, str, int, str]]:
