@@ -122,6 +122,30 @@ MEAN_DATA_RATIO = 4.0
 MEAN_CHECK_ROWS = 16
 
 
+def mean_far_from_data(layer: int, k_rot: torch.Tensor, v_rot: torch.Tensor, k_mean: torch.Tensor | None,
+                       v_mean: torch.Tensor | None) -> str | None:
+    """None when each KV head's mean (`[H, d]`, rotated basis) is within MEAN_DATA_RATIO x the root mean square norm
+    of the rows the model writes (`[T, H, d]`, rotated), else what is wrong (one host sync).
+
+    A mean the data really has is at most that data's RMS norm (Jensen: |E x| <= sqrt(E |x|^2)); a forged or foreign
+    mean far outside it sets the INT2 step, so every page would hold the mean, not the data. The bound comes from the
+    data, not from the artifact (whose recorded eigenvalues or RMS a forger can scale too). Used by `PagedKVCache`
+    and the vLLM engine at a layer's first prefill."""
+    for name, x, mean in (("k_mean", k_rot, k_mean), ("v_mean", v_rot, v_mean)):
+        if mean is None:
+            continue
+        rms = x.float().pow(2).sum(-1).mean(0).sqrt()  # [H]
+        ratio = mean.norm(dim=-1) / rms.clamp_min(1e-30)
+        worst = int(ratio.argmax())
+        if float(ratio[worst]) > MEAN_DATA_RATIO:
+            return (f"field '{name}': |mean| = {float(mean[worst].norm()):.4g} at layer {layer}, KV head {worst} is "
+                    f"{float(ratio[worst]):.3g} x the root mean square norm {float(rms[worst]):.4g} of the "
+                    f"{x.shape[0]} rows this model writes (a mean of that data is at most 1x; refused above "
+                    f"{MEAN_DATA_RATIO:g}x): a forged or foreign artifact, whose pages would quantize the mean, "
+                    "not the data")
+    return None
+
+
 class PageAllocator:
     """Reference-counted allocator of INT2 page ids `[0, num_pages)`, shared by all layers.
 
@@ -688,31 +712,16 @@ class PagedKVCache:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _mean_far_from_data(self, layer: int, k_rot: torch.Tensor, v_rot: torch.Tensor) -> str | None:
-        """Once per layer, at its first write of at least MEAN_CHECK_ROWS rows: None when each (KV head's) mean is
-        within MEAN_DATA_RATIO x the root mean square norm of the rows the model writes, else what is wrong.
-
-        A mean the data really has is at most that data's RMS norm (Jensen: |E x| <= sqrt(E |x|^2)); a forged or
-        foreign mean far outside it sets the INT2 step, so every page would hold the mean, not the data. The bound
-        comes from the data, not from the artifact (whose recorded eigenvalues a forger can scale too)."""
+        """Once per layer, at its first write of at least MEAN_CHECK_ROWS rows (`mean_far_from_data`)."""
         pool = self.pools[layer]
         if layer in self._means_checked or (pool.k_mean is None and pool.v_mean is None):
             return None
         if k_rot.shape[0] < MEAN_CHECK_ROWS:
             return None
-        for name, x, mean in (("k_mean", k_rot, pool.k_mean), ("v_mean", v_rot, pool.v_mean)):
-            if mean is None:
-                continue
-            rms = x.float().pow(2).sum(-1).mean(0).sqrt()  # [H]
-            ratio = mean.norm(dim=-1) / rms.clamp_min(1e-30)
-            worst = int(ratio.argmax())
-            if float(ratio[worst]) > MEAN_DATA_RATIO:
-                return (f"field '{name}': |mean| = {float(mean[worst].norm()):.4g} at layer {layer}, KV head {worst} is "
-                        f"{float(ratio[worst]):.3g} x the root mean square norm {float(rms[worst]):.4g} of the "
-                        f"{x.shape[0]} rows this model writes (a mean of that data is at most 1x; refused above "
-                        f"{MEAN_DATA_RATIO:g}x): a forged or foreign artifact, whose pages would quantize the mean, "
-                        "not the data")
-        self._means_checked.add(layer)
-        return None
+        problem = mean_far_from_data(layer, k_rot, v_rot, pool.k_mean, pool.v_mean)
+        if problem is None:
+            self._means_checked.add(layer)
+        return problem
 
     @staticmethod
     def _all_in_range(*rows: torch.Tensor) -> bool:

@@ -26,8 +26,14 @@ import torch.nn.functional as F
 
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
-from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.cache import check_served_format, check_served_quantizer, rotate_rows
+from runtime_kernels.artifact import ArtifactError, OscarArtifact
+from runtime_kernels.cache import (
+    MEAN_CHECK_ROWS,
+    check_served_format,
+    check_served_quantizer,
+    mean_far_from_data,
+    rotate_rows,
+)
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
@@ -311,6 +317,7 @@ class OscarEngine:
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
         self.stats = EngineStats()
+        self._means_checked: set[int] = set()  # layers whose means were checked against a prefill's rows
         self.history_report = HistoryReport()  # the INFO line that says INT2 history was served
 
     # -- host bookkeeping --------------------------------------------------------------------------------
@@ -484,6 +491,11 @@ class OscarEngine:
         t = plan.num_tokens
         k_rot = rotate_rows(k[:t], self.k_rotation[li]).to(self.dtype)
         v_rot = rotate_rows(v[:t], self.v_rotation[li]).to(self.dtype)
+        if li not in self._means_checked and plan.prefills and t >= MEAN_CHECK_ROWS:  # a prefill, never captured
+            problem = mean_far_from_data(layer_idx, k_rot, v_rot, self.k_mean[li], self.v_mean[li])
+            if problem is not None:
+                raise ArtifactError(f"{problem}; nothing of layer {layer_idx} was written")
+            self._means_checked.add(li)
         if t:
             win_k[plan.write_slots, :, plan.write_rows] = k_rot
             win_v[plan.write_slots, :, plan.write_rows] = v_rot

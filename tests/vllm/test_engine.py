@@ -10,7 +10,7 @@ import pytest
 import torch
 from format_helpers import PAPER, restamp
 
-from runtime_kernels.artifact import identity_artifact
+from runtime_kernels.artifact import ArtifactError, identity_artifact
 from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.vllm.engine import (
@@ -423,3 +423,27 @@ def test_engine_refuses_a_codebook_artifact_naming_the_field():
     art.k_codebook = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, H, 4).contiguous()
     with pytest.raises(ValueError, match="field 'quantizer' is 'lloyd_max'"):
         OscarEngine(art, max_seqs=1, dtype=torch.float32, fmt=LAYOUT, backend="torch")  # refused before the format
+
+
+def test_a_forged_mean_is_refused_at_the_first_prefill_with_nothing_written():
+    """A mean 10x the data's spread (whatever the artifact records beside it) stops the first prefill of the layer,
+    as `PagedKVCache` does; an honest one is checked once and accepted."""
+    honest = random_artifact(centered=True)
+    forged = random_artifact(centered=True)
+    forged.k_mean = forged.k_mean * 10 * (D ** 0.5) / forged.k_mean.norm(dim=-1, keepdim=True)  # 10x a randn row's RMS
+    gen = torch.Generator().manual_seed(3)
+    for art, refused in ((honest, False), (forged, True)):
+        engine = OscarEngine(art, max_seqs=2, dtype=torch.float32, fmt=served(art), backend="torch")
+        fake = FakeVllm(engine, num_layers=2)
+        n = 40
+        req = RequestStep(0, n, 0, fake.blocks_for([], n))
+        inputs = [(rand(gen, n, HQ, D, dtype=torch.float32), rand(gen, n, H, D, dtype=torch.float32),
+                   rand(gen, n, H, D, dtype=torch.float32)) for _ in range(2)]
+        before = [c.clone() for c in fake.caches]
+        if refused:
+            with pytest.raises(ArtifactError, match=r"field 'k_mean': \|mean\| = .* at layer 0, KV head \d is \d+"):
+                step(engine, fake, inputs, [req])
+            assert torch.equal(fake.caches[0], before[0])
+        else:
+            step(engine, fake, inputs, [req])
+            assert engine._means_checked == {0, 1}
