@@ -16,7 +16,6 @@ import torch
 from rich.console import Console
 
 from oscar_calib import __version__
-from oscar_calib.calibration import distributed
 from oscar_calib.calibration.calibrate import (
     CalibrationReport,
     artifact_from_statistics,
@@ -25,11 +24,16 @@ from oscar_calib.calibration.calibrate import (
     check_supported,
 )
 from oscar_calib.calibration.capture import sliding_window_layers
-from oscar_calib.calibration.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
 from oscar_calib.calibration.data import load_calibration_data
-from oscar_calib.calibration.disk_budget import check_run_space, output_bytes, sums_bytes
-from oscar_calib.calibration.memory import peak_memory
-from oscar_calib.calibration.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
+from oscar_calib.calibration.scale import distributed
+from oscar_calib.calibration.scale.checkpoint import (
+    checkpoint_exists,
+    prepare_checkpoint_dir,
+    remove_checkpoint,
+)
+from oscar_calib.calibration.scale.disk_budget import check_run_space, output_bytes, sums_bytes
+from oscar_calib.calibration.scale.memory import peak_memory
+from oscar_calib.calibration.scale.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
 from oscar_calib.calibration.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.errors import InputError
@@ -58,7 +62,7 @@ class RunOptions:
     """How a run is carried out, not what it computes (so none of it is in the recipe).
 
     - `checkpoint`: checkpoint directory (default `<out>.checkpoint` beside the output directory; see
-      `oscar_calib.calibration.checkpoint`: a directory of its own kind, never an existing file or other directory);
+      `oscar_calib.calibration.scale.checkpoint`: a directory of its own kind, never an existing file or other directory);
     - `checkpoint_every`: samples between checkpoints (None: no checkpoints, unless resuming);
     - `resume`: continue from the checkpoint (refused if it was made with other settings);
     - `shard`: `(index, count)`: sum only that contiguous part of the samples (merge the statistics later);

@@ -138,7 +138,7 @@ def _calibrate(output: Output, config, out: Path, overwrite: bool, options):
     try:
         return run_calibration(config, out, overwrite=overwrite, options=options, console=output.console)
     except KeyboardInterrupt:
-        from oscar_calib.calibration.checkpoint import checkpoint_exists
+        from oscar_calib.calibration.scale.checkpoint import checkpoint_exists
 
         kept = options.checkpoint_path(out)
         if options.checkpointing() and checkpoint_exists(kept):
