@@ -117,6 +117,26 @@ SLOW_TESTS = (
     "tests/test_help_layout.py::test_every_option_has_help_and_no_flag_shows_a_type",  # 12 s
     "tests/test_audit.py::test_cli_audit_json_and_plots",  # 12 s
     "tests/test_cache.py::test_prefix_sharing_reuses_pages_and_matches_unshared",  # 11 s
+    # the second measurement, with the above slow (the suite: 958 s wall for 300 s of CPU at load 7-8)
+    "tests/test_stats_validation.py",  # 126 s: its module fixture calibrates two shards (44 s), a 52 s fuzz
+    "tests/test_resources.py::test_full_disk_during_run_output_is_one_line_exit_1",  # 41 + 27 s
+    "tests/test_calibrate.py::test_two_runs_same_bytes",  # 38 s
+    "tests/test_calibrate.py::test_artifact_contract_round_trip",  # 28 s
+    "tests/test_calibrate.py::test_fitted_clip_beats_global_ratios_on_heldout",  # 19 s
+    "tests/test_calibrate.py::test_layer_granularity_shares_rotation_across_heads",  # 7 s
+    "tests/test_capture_stats.py::test_targets_match_naive_recomputation",  # 50 s over its cases
+    "tests/test_cache.py::test_decode_matches_dense_fake_quantized_reference",  # 16 + 16 s
+    "tests/vllm/test_engine.py::test_static_step_reuses_its_buffers_and_equals_the_eager_plan",  # 23 s
+    "tests/test_release_pinning.py::test_fuzz_release_record_roundtrip",  # 14 s
+    "tests/test_release_pinning.py::test_fuzz_release_record_fields",  # 5 s
+    "tests/test_audit.py::test_capture_and_error_measures",  # 13 s
+    "tests/test_hf_integration.py::test_unsized_cache_serves_num_return_sequences_like_the_reference",  # 9 s
+    "tests/test_hf_integration.py::test_serving_past_the_fitted_context_warns_once",  # 6 s
+    "tests/test_hf_integration.py::test_identity_artifact_matches_plain_model_while_history_is_bf16",  # 5 s
+    "tests/test_hf_integration.py::test_from_pretrained_pulls_a_pinned_release_and_generates",  # 5 s
+    "tests/test_runtime_without_triton.py",  # 6 s: a fresh interpreter with Triton hidden
+    "tests/test_key_basis.py::test_threshold_one_keeps_the_attention_aware_keys",  # 6 s
+    "tests/test_scale.py::test_artifact_bits_do_not_depend_on_the_thread_count",  # 6 s
 )
 
 

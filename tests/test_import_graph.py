@@ -8,6 +8,7 @@ placed inside a function to dodge a cycle at load time still counts as the edge 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # the tree does not change during a test session
 def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def imports_of(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
     """(imported module, name or '') pairs of the project's own modules that `path` imports anywhere in its body."""
+    return _imports_of(path, frozenset(known))
+
+
+@functools.cache
+def _imports_of(path: Path, known: frozenset[str]) -> list[tuple[str, str]]:
     me = module_name(path)
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
