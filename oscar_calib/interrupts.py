@@ -101,9 +101,11 @@ def handle_interrupts(message: str = "nothing was written or replaced (temporari
         # What is on disk decides the words: an interrupt after (or during the end of) an output swap must not say
         # that nothing was replaced.
         said = getattr(interrupt, "outcome", None)
-        if said is None and len(_committed()) > committed_before:
-            said = (f"{', '.join(_committed()[committed_before:])} already holds the complete new content (written "
-                    "before the interrupt); temporaries removed")
+        # Every output this command replaced that is still there (a checkpoint removed at the end is not), once.
+        written = [p for p in dict.fromkeys(_committed()[committed_before:]) if os.path.lexists(p)]
+        if said is None and written:
+            said = (f"{', '.join(written)} already {'holds' if len(written) == 1 else 'hold'} the complete new "
+                    "content (written before the interrupt); temporaries removed")
         with contextlib.suppress(Exception):
             (say or logger.warning)(f"{'Terminated (SIGTERM)' if code == TERMINATE_EXIT else 'Interrupted'}; "
                                     f"{said or message}")

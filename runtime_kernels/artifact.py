@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,11 +253,29 @@ def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
     return _validate_contract(tensors, metadata, source)
 
 
+def artifacts_below(directory: str | os.PathLike, limit: int = 8) -> list[str]:
+    """The sub-directories of `directory`, one level down, that hold an artifact file (sorted, at most `limit`):
+    what a user who passed the parent (`zoo` for `zoo/demo`) meant."""
+    try:
+        found = sorted(str(d) for d in Path(directory).iterdir()
+                       if d.is_dir() and not d.name.startswith(".") and (d / ARTIFACT_FILENAME).is_file())
+    except OSError:
+        return []
+    return found[:limit]
+
+
+def no_artifact_hint(directory: str | os.PathLike) -> str:
+    """'; it holds artifacts one level down: pass one of zoo/demo, zoo/qwen' when there are any, else ''."""
+    below = artifacts_below(directory)
+    return f"; it holds artifacts one level down: pass one of {', '.join(below)}" if below else ""
+
+
 def _artifact_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     file = path / ARTIFACT_FILENAME if path.is_dir() else path
     if not file.is_file():
-        raise ArtifactError(f"{file}: no artifact file (expected '{ARTIFACT_FILENAME}' in the directory)")
+        raise ArtifactError(f"{file}: no artifact file (expected '{ARTIFACT_FILENAME}' in the directory)"
+                            f"{no_artifact_hint(path) if path.is_dir() else ''}")
     return file
 
 
@@ -320,18 +337,9 @@ def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Pat
     target = directory / ARTIFACT_FILENAME
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in artifact.tensors().items()}
     payload = canonical_safetensors_bytes(tensors, artifact.metadata)
-    fd, tmp = tempfile.mkstemp(prefix=".oscar_kv.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp creates 0600; give the usual file mode
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    from runtime_kernels.atomic import write_file_atomically
+
+    return write_file_atomically(target, payload, "directory")
 
 
 def canonical_safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

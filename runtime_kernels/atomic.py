@@ -13,7 +13,14 @@ Ctrl-C, SIGTERM) it is removed. There is never a moment where a reader sees a ha
 
 Temporaries are named `.<name>.oscar-tmp-<pid>-<ns>` / `.<name>.oscar-old-<pid>-<ns>` (pid and creation time
 in ns), so a later run can tell those of a dead process (removed, or restored for `old`) from those of a
-live one (left alone). Everything here is stdlib, so the serving runtime can use it too.
+live one (left alone). Each is a scratch folder this module made: it holds the marker file `.oscar-scratch`
+and the content in `content/`, and it is touched by a later run only when it is a real folder of this user with
+that marker (a folder planted under such a name is ignored, never adopted as the output).
+
+`write_file_atomically(path, payload)` does the same for one file (a temporary file beside it, fsync,
+`os.replace`), and `output_lock(target)` keeps one writer per target through a lock file beside it that is
+never followed through a symlink, never truncated when another process made it, and refused when it is not a
+regular file of this user. Everything here is stdlib, so the serving runtime can use it too.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from pathlib import Path
 _TEMP_RE = re.compile(r"\.(?P<name>.+)\.oscar-(?P<kind>tmp|old)-(?P<pid>[0-9]{1,10})-(?P<ns>[0-9]{1,20})")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+SCRATCH_MARKER = ".oscar-scratch"  # inside every scratch folder this module makes; nothing else is adopted
+_CONTENT = "content"  # the scratch folder's payload: the new content (tmp) or the old target moved aside (old)
 
 
 class OutputDirError(ValueError):
@@ -45,9 +54,10 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 class DiskFullError(OSError):
     """No space (or no quota) left where an output is written; the message names the path and the bytes needed."""
 
-    def __init__(self, message: str, code: int = errno.ENOSPC):
+    def __init__(self, message: str, code: int = errno.ENOSPC, path: str | os.PathLike | None = None):
         super().__init__(message)
         self.errno = code
+        self.path = None if path is None else str(path)  # the file or directory that did not fit, when known
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
@@ -86,7 +96,7 @@ def disk_space_for(path: str | os.PathLike, needed: int | None) -> Iterator[None
     except OSError as exc:
         if not is_disk_full(exc):
             raise
-        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno) from None
+        raise DiskFullError(disk_full_message(path, needed, exc.errno), exc.errno, path) from None
 
 
 def _checkpoint(stage: str) -> None:
@@ -147,16 +157,75 @@ def temporaries(target: Path) -> list[tuple[Path, str, int, int]]:
     return sorted(found, key=lambda item: item[3])
 
 
+def _marker_text(target: Path, kind: str) -> bytes:
+    return f"oscar-calib {kind} scratch folder of '{target.name}'\n".encode()
+
+
+def is_scratch(path: Path, target: Path, kind: str) -> bool:
+    """Whether `path` is a scratch folder this module made for `target`: a real folder (not a symlink) of this
+    user holding the marker file, a regular file of this user with the expected text."""
+    import stat
+
+    try:
+        info = os.lstat(path)
+        marker = os.lstat(path / SCRATCH_MARKER)
+    except OSError:
+        return False
+    uid = os.geteuid()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+        return False
+    if not stat.S_ISREG(marker.st_mode) or marker.st_uid != uid or marker.st_size > 4096:
+        return False
+    try:
+        fd = os.open(path / SCRATCH_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.read(fd, 4096) == _marker_text(target, kind)
+    finally:
+        os.close(fd)
+
+
+def _make_scratch(target: Path, kind: str, field: str) -> Path:
+    """A new scratch folder `.<name>.oscar-<kind>-<pid>-<ns>` beside `target` with its marker (0700: nobody else
+    can enter it). A name that exists already (planted, or a clock that did not move) is skipped, never reused."""
+    for _ in range(100):
+        root = _temp_name(target, kind)
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            continue
+        try:
+            fd = os.open(root / SCRATCH_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                os.write(fd, _marker_text(target, kind))
+            finally:
+                os.close(fd)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return root
+    raise OutputDirError(f"{field} {target}: no free name for a scratch folder beside it (100 tries); "
+                         "nothing was written")
+
+
 def recover(target: str | os.PathLike) -> list[str]:
-    """Repair what an interrupted writer of `target` left: restore `target` from an `old` temporary when a
-    swap died between its renames, and remove the temporaries of dead processes. Returns what was done."""
+    """Repair what an interrupted writer of `target` left: restore `target` from an `old` scratch folder when a
+    swap died between its renames, and remove the scratch folders of dead processes. Returns what was done.
+
+    Only scratch folders this module made are touched (`is_scratch`): anything else under such a name (a folder
+    without the marker, a symlink, another user's folder) is left alone and never becomes `target`."""
     target = _absolute(target)
     done = []
     for path, kind, pid, ns in temporaries(target):
-        if owner_alive(pid, ns):
+        if owner_alive(pid, ns) or not is_scratch(path, target, kind):
             continue
-        if kind == "old" and not target.exists() and not target.is_symlink():
-            os.rename(path, target)
+        content = path / _CONTENT
+        if (kind == "old" and not target.exists() and not target.is_symlink() and not content.is_symlink()
+                and content.is_dir()):
+            os.rename(content, target)
+            shutil.rmtree(path, ignore_errors=True)
             done.append(f"restored {target} from {path.name}")
         else:
             shutil.rmtree(path, ignore_errors=True)
@@ -255,14 +324,17 @@ def _temp_name(target: Path, kind: str) -> Path:
 
 class _Swap:
     """Where a commit stands, so that every failure says what is on disk: `replaced` once the new content is at
-    the target, `moved_aside` (fallback only) while the old content sits at `old` and the target is missing."""
+    the target, `moved_aside` (fallback only) while the old content sits in an `old` scratch folder and the target
+    is missing."""
 
     def __init__(self) -> None:
         self.replaced = False
         self.moved_aside: Path | None = None
 
 
-def _commit(tmp: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -> None:
+def _commit(scratch: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -> None:
+    """Move `scratch/content` to `target` (see the module's docstring); the caller removes `scratch`."""
+    tmp = scratch / _CONTENT
     _fsync_tree(tmp)
     _checkpoint("before-commit")
     if not target.exists():
@@ -288,12 +360,14 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -
         if exchanged:  # tmp now holds the old content (removed by the caller's clean-up)
             swap.replaced = True
             _checkpoint("after-exchange")
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
         else:
-            old = _temp_name(target, "old")
+            old_scratch = _make_scratch(target, "old", field)
+            old = old_scratch / _CONTENT
             try:
                 os.rename(target, old)
             except OSError as exc:
+                shutil.rmtree(old_scratch, ignore_errors=True)
                 raise OutputDirError(f"{field} {target}: could not move the old content aside ({exc.strerror}); "
                                      "nothing was replaced") from None
             swap.moved_aside = old
@@ -305,6 +379,7 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -
                     try:
                         os.rename(old, target)
                         swap.moved_aside = None
+                        shutil.rmtree(old_scratch, ignore_errors=True)
                     except OSError:
                         pass  # the message below says where the old content is
                 if isinstance(exc, OSError):
@@ -319,7 +394,7 @@ def _commit(tmp: Path, target: Path, overwrite: bool, field: str, swap: _Swap) -
             try:
                 _checkpoint("before-remove-old")
             finally:  # the new content is in place; an interrupt here must not leave the old copy behind
-                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old_scratch, ignore_errors=True)
     _fsync_dir(target.parent)
 
 
@@ -347,13 +422,95 @@ def _lock_path(target: Path) -> Path:
     return target.parent / f".{target.name}.oscar-lock"
 
 
+def _kind_of(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _lock_refusal(target: Path, path: Path, field: str, what: str) -> OutputDirError:
+    return OutputDirError(f"{field} {target}: the lock file {path} {what} (expected a regular file of this user that "
+                          "oscar-calib made); remove it if no oscar-calib command is writing there; nothing was "
+                          "written")
+
+
+def _check_lock_file(info: os.stat_result, target: Path, path: Path, field: str) -> None:
+    """Refuse a lock file that is not a plain regular file of this user with one name (never written through)."""
+    import stat
+
+    if not stat.S_ISREG(info.st_mode):
+        raise _lock_refusal(target, path, field, f"is {_kind_of(info.st_mode)}")
+    if info.st_uid != os.geteuid():
+        raise _lock_refusal(target, path, field, f"belongs to another user (uid {info.st_uid})")
+    if info.st_nlink != 1:
+        raise _lock_refusal(target, path, field, f"has {info.st_nlink} hard links")
+
+
+# Flags for every open of a lock file: never through a symlink, never blocking on a FIFO, never inherited.
+_LOCK_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# An open of the lock path failing with one of these means no writable parent (yet): the preflight names that.
+_NO_PARENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EROFS})
+
+
+def _open_lock(path: Path, target: Path, field: str) -> tuple[int, bool] | None:
+    """(fd, made by this call) of the lock file, or None when there is nowhere to put it.
+
+    A fresh file is made with O_EXCL; an existing one is checked with lstat before it is opened (a FIFO or a
+    device is never opened) and with fstat after (the same inode, still a regular file of this user)."""
+    try:
+        return os.open(path, _LOCK_FLAGS | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno in _NO_PARENT_ERRNOS or (exc.errno == errno.EACCES and not os.path.lexists(path)):
+            return None
+        raise _lock_refusal(target, path, field, f"cannot be made ({exc.strerror})") from None
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:  # the holder removed it meanwhile: the caller tries again
+        return -1, False
+    _check_lock_file(before, target, path, field)
+    try:
+        fd = os.open(path, _LOCK_FLAGS)
+    except FileNotFoundError:
+        return -1, False
+    except OSError as exc:  # ELOOP: became a symlink after the lstat; EACCES: not writable
+        raise _lock_refusal(target, path, field, f"cannot be opened ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        return -1, False
+    try:
+        _check_lock_file(info, target, path, field)
+    except OutputDirError:
+        os.close(fd)
+        raise
+    return fd, False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 @contextlib.contextmanager
 def output_lock(target: str | os.PathLike, field: str = "--out") -> Iterator[None]:
     """Hold the lock of `target` (an fcntl lock on `.<name>.oscar-lock` beside it, holding `pid host time`).
 
     A second writer of the same target, in another process, is refused at once with OutputDirError naming the
-    holder. The lock file is removed on release (after which the inode is checked, so a waiter never holds a lock
-    on an unlinked file). Needs the parent directory to exist; where `fcntl` is missing, nothing is locked.
+    holder. The lock file is never followed through a symlink and never written unless this process made it:
+    a stale one (left by a killed writer) is locked, removed and made afresh. Anything at the lock path that is not
+    a regular file of this user with one link (a symlink, FIFO, device, directory, another user's file) is refused
+    with one OutputDirError naming the path, and left as it was. The lock file is removed on release (after which
+    the inode is checked, so a waiter never holds a lock on an unlinked file). Needs the parent directory to exist;
+    where `fcntl` is missing, nothing is locked.
     """
     try:
         import fcntl
@@ -368,12 +525,15 @@ def output_lock(target: str | os.PathLike, field: str = "--out") -> Iterator[Non
     if key in _HELD:
         yield
         return
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # no writable parent (yet): the preflight names that; nothing to lock
-            fd = None
+    fd = None
+    for _ in range(100):
+        opened = _open_lock(path, target, field)
+        if opened is None:  # no writable parent (yet): the preflight names that; nothing to lock
             break
+        fd, made = opened
+        if fd < 0:  # the file changed between two looks: look again
+            fd = None
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -381,29 +541,50 @@ def output_lock(target: str | os.PathLike, field: str = "--out") -> Iterator[Non
                 holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
+            holder = "".join(c if c.isprintable() else "?" for c in holder)
             raise OutputDirError(f"{field} {target}: another writer holds it ({holder}; lock file {path}); "
                                  "wait for it to finish or choose another path; nothing was written") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        if not _same_file(fd, path):  # the holder removed the file between our open and lock: take the new one
+            os.close(fd)
+            fd = None
+            continue
+        if made:
             break
-        os.close(fd)  # the holder removed the file between our open and lock: take the new one
+        # A stale lock file (its writer was killed): ours now, but not made by us, so it is never written. Remove
+        # it and make a fresh one; a process that opened the old inode sees it is gone and looks again.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+        fd = None
+    else:
+        raise _lock_refusal(target, path, field, "kept changing while it was taken (100 tries)")
     if fd is None:
         yield
         return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}"
-                  .encode(), 0)
+    try:
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%S')}".encode(), 0)
+    except BaseException:
+        if _same_file(fd, path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os.close(fd)
+        raise
     _HELD[key] = fd
     try:
         yield
     finally:
         _HELD.pop(key, None)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        if _same_file(fd, path):  # never a file that replaced ours at that name
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os.close(fd)
+
+
+def _forget_commits_under(root: Path) -> None:
+    """Drop from COMMITTED the files written inside a scratch folder: they never reached their final place as such."""
+    prefix = str(root) + os.sep
+    COMMITTED[:] = [c for c in COMMITTED if not c.startswith(prefix)]
 
 
 @contextlib.contextmanager
@@ -418,38 +599,123 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False, field:
     had already happened: an interrupt then carries `outcome` (what is on disk), which the interrupt handler
     prints instead of "nothing was replaced". A full disk (ENOSPC / EDQUOT) raises one `DiskFullError` naming
     `target` and the bytes needed (`needed_bytes`, else more than what was written).
+
+    The directory yielded is `content/` inside a scratch folder `.<name>.oscar-tmp-<pid>-<ns>` that holds this
+    module's marker (`is_scratch`), so that only folders made here are ever cleaned up or restored.
     """
     target = preflight(target, overwrite, field)
     target.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(target, field):
         recover(target)
-        tmp = _temp_name(target, "tmp")
-        os.mkdir(tmp, 0o777)  # the usual directory mode under the umask (mkdtemp would make it 0700)
+        scratch = _make_scratch(target, "tmp", field)
+        tmp = scratch / _CONTENT
         swap = _Swap()
         try:
+            os.mkdir(tmp, 0o777)  # the usual directory mode under the umask (mkdtemp would make it 0700)
             _checkpoint("created")
             try:
                 yield tmp
-                _commit(tmp, target, overwrite, field, swap)
+                _commit(scratch, target, overwrite, field, swap)
                 COMMITTED.append(str(target))
                 _checkpoint("after-commit")
-            except DiskFullError:
-                raise
+            except DiskFullError as exc:
+                if exc.path is None or not exc.path.startswith(str(scratch) + os.sep):
+                    raise
+                # A file of the scratch folder did not fit: the user knows the output by its name, not the scratch's.
+                raise DiskFullError(disk_full_message(target, needed_bytes or _tree_bytes(tmp), exc.errno,
+                                                      at_least=needed_bytes is None), exc.errno, target) from None
             except KeyboardInterrupt as exc:
-                outcome = interrupt_outcome(target, swap)
-                if outcome is not None:
-                    exc.outcome = outcome
+                # The directory's own view wins over what a file writer inside the scratch folder said.
+                exc.outcome = interrupt_outcome(target, swap)
                 raise
             except OSError as exc:
                 if not is_disk_full(exc):
                     raise
                 written = _tree_bytes(tmp)  # what fitted before the disk filled: the output needs more than that
                 raise DiskFullError(disk_full_message(target, needed_bytes or written, exc.errno,
-                                                      at_least=needed_bytes is None), exc.errno) from None
+                                                      at_least=needed_bytes is None), exc.errno, target) from None
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            _forget_commits_under(scratch)
+            if scratch.exists():
+                shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["COMMITTED", "DiskFullError", "OutputDirError", "atomic_output_dir", "disk_space_for", "exchange",
-           "free_bytes", "interrupt_outcome", "output_lock", "owner_alive", "preflight", "recover", "temporaries"]
+# -- one file --------------------------------------------------------------------------------------------------
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def file_outcome(path: Path, replaced: bool) -> str | None:
+    """What an interrupt during `write_file_atomically(path)` leaves, when it is not "nothing was replaced"."""
+    if replaced:
+        return f"{path} already holds the complete new content (the replace had finished); temporaries removed"
+    return None
+
+
+def check_file_target(path: str | os.PathLike, field: str = "--out") -> Path:
+    """Refuse a file output that is a symlink, a directory or a special file (FIFO, device, socket): it is replaced
+    by a regular file, never written through. Returns the absolute path."""
+    import stat
+
+    path = _absolute(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise OutputDirError(f"{field} {path}: cannot be inspected ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise OutputDirError(f"{field} {path}: is {_kind_of(info.st_mode)} (expected a regular file to write); "
+                             "nothing was written")
+    return path
+
+
+def write_file_atomically(path: str | os.PathLike, payload: bytes, field: str = "--out") -> Path:
+    """Write `payload` to `path` through a fsynced temporary file beside it and `os.replace`.
+
+    A reader (or a process killed at any point) sees the old file or the new one, never part of one. The
+    temporary file is `.<name>.tmp-<random>` (made with O_EXCL, so nothing planted is followed), mode 0666 under
+    the umask, removed on any failure. `path` must be absent or a regular file (`check_file_target`). After the
+    replace, `path` is in `COMMITTED`, and an interrupt from then on carries `outcome` saying that the file holds
+    the new content (whether the replace happened is read from the disk: the temporary name is gone). A full
+    disk (ENOSPC / EDQUOT) becomes one `DiskFullError` naming `path` and the bytes.
+    """
+    path = check_file_target(path, field)
+    with disk_space_for(path, len(payload)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        handle = os.fdopen(fd, "wb")
+        replaced = False
+        try:
+            try:
+                with handle:
+                    _checkpoint("file-created")
+                    handle.write(payload)
+                    handle.flush()
+                    os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; the usual file mode
+                    os.fsync(handle.fileno())
+                _checkpoint("file-written")
+                check_file_target(path, field)  # a symlink or FIFO that appeared meanwhile: refused, not replaced
+                os.replace(tmp, path)
+                replaced = True
+                COMMITTED.append(str(path))
+                _checkpoint("file-replaced")
+                _fsync_dir(path.parent)
+            except KeyboardInterrupt as exc:
+                replaced = replaced or not os.path.lexists(tmp)  # a signal between the replace and the flag
+                if replaced and str(path) not in COMMITTED:
+                    COMMITTED.append(str(path))
+                exc.outcome = file_outcome(path, replaced)
+                raise
+        finally:
+            if not replaced:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+    return path
+
+
+__all__ = ["COMMITTED", "SCRATCH_MARKER", "DiskFullError", "OutputDirError", "atomic_output_dir", "check_file_target",
+           "disk_space_for", "exchange", "file_outcome", "free_bytes", "interrupt_outcome", "is_scratch",
+           "output_lock", "owner_alive", "preflight", "recover", "temporaries", "write_file_atomically"]

@@ -104,6 +104,10 @@ def parse_header(raw: bytes, file_size: int, source: str) -> SafetensorsHeader:
     return SafetensorsHeader(entries, dict(metadata))
 
 
+NOT_AN_ARTIFACT = ("not an OSCAR artifact: not a safetensors file (an artifact is the 'oscar_kv.safetensors' that "
+                   "`oscar-calib run --out DIR` writes; pass DIR or that file)")
+
+
 def read_header(file: str | os.PathLike) -> SafetensorsHeader:
     """Read and check the header of a safetensors file without touching its tensor data."""
     file = Path(file)
@@ -113,13 +117,19 @@ def read_header(file: str | os.PathLike) -> SafetensorsHeader:
         with open(file, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                fail(source, "<header>", f"file of {size} bytes is too short for a safetensors header")
+                fail(source, "<header>", f"{NOT_AN_ARTIFACT}; its {size} bytes are too short for a safetensors "
+                                         "header")
             (n,) = struct.unpack("<Q", prefix)
+            # Random or text bytes read as a length: say what the file is before what its bytes say.
             if n > MAX_HEADER_BYTES:
-                fail(source, "<header>", f"header of {n} bytes, expected at most {MAX_HEADER_BYTES}")
+                fail(source, "<header>", f"{NOT_AN_ARTIFACT}; its first 8 bytes give a header of {n} bytes, "
+                                         f"expected at most {MAX_HEADER_BYTES}")
             if n > size - 8:
-                fail(source, "<header>", f"header length {n} runs past the end of the {size}-byte file")
+                fail(source, "<header>", f"{NOT_AN_ARTIFACT}; its header length {n} runs past the end of the "
+                                         f"{size}-byte file")
             raw = handle.read(n)
+            if not raw.lstrip(b" ").startswith(b"{"):
+                fail(source, "<header>", f"{NOT_AN_ARTIFACT}; its header is not a JSON object")
     except OSError as exc:
         raise ArtifactError(f"{source}: cannot read: {exc.strerror or exc}") from None
     return parse_header(raw, size, source)

@@ -251,9 +251,11 @@ def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
             fail(source, str(key), f"expected a string of at most {MAX_METADATA_VALUE_CHARS} characters")
     for key in ("format", "schema_version"):
         if key not in metadata:
-            fail(source, key, "missing from __metadata__")
+            fail(source, key, "missing from __metadata__" + (": a safetensors file of another kind, not an OSCAR "
+                                                             "artifact" if key == "format" else ""))
     if metadata["format"] != FORMAT_NAME:
-        fail(source, "format", f"expected '{FORMAT_NAME}', got {_short(metadata['format'])}")
+        fail(source, "format", f"expected '{FORMAT_NAME}', got {_short(metadata['format'])}: a safetensors file "
+                               "of another kind, not an OSCAR artifact")
     raw_version = metadata["schema_version"]
     if raw_version not in tuple(str(v) for v in SUPPORTED_SCHEMA_VERSIONS):
         fail(source, "schema_version", f"expected one of {list(SUPPORTED_SCHEMA_VERSIONS)} (this reader knows "

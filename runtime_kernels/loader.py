@@ -128,13 +128,16 @@ def is_connection_error(exc: BaseException) -> bool:
         "ConnectionError" in names and type(exc).__module__.split(".")[0] in {"requests", "urllib3"})
 
 
-def unreachable(endpoint: str | None, doing: str, exc: BaseException) -> HubUnreachableError:
-    """One clear error for a Hub that cannot be reached (the cause's class and first line, never headers)."""
+def unreachable(endpoint: str | None, doing: str, exc: BaseException, reads: bool = True) -> HubUnreachableError:
+    """One clear error for a Hub that cannot be reached (the cause's class and first line, never headers).
+    `reads=False` for a write (a push): the local cache cannot stand in for it, so HF_HUB_OFFLINE is not offered."""
     where = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     first = (str(exc).splitlines() or [""])[0][:200]
+    fallback = (", or set HF_HUB_OFFLINE=1 to use what is already in the local cache" if reads
+                else "; nothing was published, run the command again once the Hub answers")
     return HubUnreachableError(
         f"cannot reach the Hub at {where} while trying to {doing} ({type(exc).__name__}: {first}); check the network "
-        "and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is already in the local cache")
+        f"and HF_ENDPOINT{fallback}")
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -562,8 +565,9 @@ def pull_release(model_id: str, repo: str, revision: str | None = None, *, calib
     if not offline and not COMMIT_RE.fullmatch(revision) and pinned_commit is None and not pins and earlier is None:
         # Nothing pins this release and the cache has never seen the tag: say which commit is served, and
         # check the record against the zoo's own manifest at that commit when there is one.
-        logger.warning("%s: '%s' resolved to commit %s on a cold cache; nothing pins it (pass the manifest's commit "
-                       "and sha256: commit=..., expected_sha256=...)", base, revision, commit)
+        logger.warning("%s: '%s' resolved to commit %s on a cold cache; nothing pins it (pin the manifest's commit "
+                       "and sha256: `oscar-calib pull --manifest zoo_manifest.yaml`, or `--commit SHA "
+                       "--expected-sha256 NAME=HEX`; in Python commit=..., expected_sha256=...)", base, revision, commit)
         check_against_repo_manifest(record, repo, commit, model_id, calibration, revision, source,
                                     lambda name: _download(repo, name, commit, **kw), sha256_file(record_path))
 

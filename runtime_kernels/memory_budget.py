@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from runtime_kernels.format import KVFormat
+from runtime_kernels.units import format_bytes
 
 
 class CacheTooLargeError(ValueError):
@@ -63,9 +64,9 @@ def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
     total, window = cache_bytes(fmt, **shape)
     check_fits(device, total, lambda free: (
         f"field 'sink_tokens'/'recent_tokens': windows of {fmt.sink_tokens} + {fmt.recent_tokens} tokens need {window} "
-        f"bytes ({window / 2**30:.2f} GiB) of {str(shape['window_dtype']).replace('torch.', '')} windows for "
+        f"bytes ({format_bytes(window)}) of {str(shape['window_dtype']).replace('torch.', '')} windows for "
         f"{shape['max_seqs']} sequence slot(s) x {shape['num_layers']} layers, {total} bytes with the INT2 pages, but "
-        f"{device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller sink_tokens/recent_tokens "
+        f"{device} has {free} bytes ({format_bytes(free)}) available; serve with smaller sink_tokens/recent_tokens "
         "or fewer sequences"))
 
 

@@ -29,7 +29,6 @@ def main() -> None:
 
 def _arm(point: str, n: int, sig: int) -> None:
     import oscar_calib.calibration.scale.sharded_capture as sc
-    import oscar_calib.calibration.stats_file as sf
 
     calls = {"n": 0}
 
@@ -62,7 +61,7 @@ def _arm(point: str, n: int, sig: int) -> None:
                 hit()
             return real_replace(src, dst, *args, **kwargs)
 
-        sf.os.replace = replace  # stats_file uses `os.replace`; patching the module attribute patches os
+        os.replace = replace  # the single-file writer (runtime_kernels.atomic) calls `os.replace`
     else:
         raise SystemExit(f"unknown fault point '{point}'")
 

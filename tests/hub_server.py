@@ -16,6 +16,7 @@ Endpoints (what the real client calls, read from huggingface_hub's source; {kind
     POST /api/{kind}/{repo}/preupload/{rev}           upload mode: always "regular" (inline base64, no LFS/Xet)
     POST /api/{kind}/{repo}/commit/{rev}              NDJSON commit; 412 when parentCommit is not the head
     GET  /api/{kind}/{repo}/refs                      list_repo_refs
+    GET  /api/{kind}/{repo}/tree/{rev}[/{path}]       list_repo_tree (one page; `hf download` of a whole repo)
     POST /api/{kind}/{repo}/tag/{rev}                 create_tag (409 when the tag exists)
     HEAD/GET /{prefix}{repo}/resolve/{rev}/{path}     file metadata and download (ETag, X-Repo-Commit)
     POST /api/validate-yaml                           README metadata check (always fine)
@@ -267,6 +268,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._info(repo_id, "/".join(rest[1:]), repo_type)
         if method == "GET" and rest == ["refs"]:
             return self._refs(repo_id, repo_type)
+        if method == "GET" and rest[:1] == ["tree"] and len(rest) >= 2:
+            return self._tree(repo_id, rest[1], "/".join(rest[2:]), repo_type)
         if method == "POST" and rest[:1] == ["preupload"]:
             return self._preupload(repo_id, "/".join(rest[1:]), json.loads(body), repo_type)
         if method == "POST" and rest[:1] == ["commit"]:
@@ -306,6 +309,34 @@ class _Handler(BaseHTTPRequestHandler):
         if repo_type == "model":
             info["modelId"] = repo_id
         self._json(200, info)
+
+    def _tree(self, repo_id: str, revision: str, folder: str, repo_type: str) -> None:
+        """Files and folders under `folder` at `revision`, all in one page (no Link header), as the Hub lists
+        them; `recursive=true` lists the whole subtree. Blob ids are git's, as in `_resolve`'s ETag."""
+        from urllib.parse import parse_qs
+
+        self._authorize(repo_id, write=False, repo_type=repo_type)
+        store = self.server.store
+        sha, tree = store.tree(repo_id, revision, repo_type)
+        recursive = parse_qs(urlsplit(self.path).query).get("recursive", ["false"])[0] == "true"
+        prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
+        files, folders = {}, set()
+        for path in sorted(tree):
+            if not path.startswith(prefix):
+                continue
+            parts = path[len(prefix):].split("/")
+            for depth in range(1, len(parts)):  # the folders on the way
+                if recursive or depth == 1:
+                    folders.add(prefix + "/".join(parts[:depth]))
+            if recursive or len(parts) == 1:
+                files[path] = store.blob(repo_id, tree[path], repo_type)
+        if prefix and not files and not folders:
+            raise HttpError(404, f"Entry not found: {folder}", "EntryNotFound", commit=sha)
+        entries = [{"type": "directory", "oid": hashlib.sha1(f.encode()).hexdigest(), "size": 0, "path": f}
+                   for f in sorted(folders)]
+        entries += [{"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": path}
+                    for path, data in files.items()]
+        self._json(200, entries)
 
     def _refs(self, repo_id: str, repo_type: str) -> None:
         self._authorize(repo_id, write=False, repo_type=repo_type)

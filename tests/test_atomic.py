@@ -144,7 +144,9 @@ def test_sigkill_into_a_new_target_leaves_nothing_visible(tmp_path):
 def test_new_target_and_overwrite_with_and_without_exchange(tmp_path, monkeypatch):
     target = tmp_path / "a" / "out"
     with atomic_output_dir(target) as tmp:
-        assert tmp.parent == target.parent and tmp.name.startswith(".out.oscar-tmp-")
+        scratch = tmp.parent  # the content sits inside a marked scratch folder beside the target
+        assert scratch.parent == target.parent and scratch.name.startswith(".out.oscar-tmp-")
+        assert atomic.is_scratch(scratch, target, "tmp")
         (tmp / "x").write_text("1")
     assert contents(target) == {"x": "1"} and temporaries(target) == []
     with atomic_output_dir(target, overwrite=True) as tmp:
@@ -229,6 +231,12 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def write_scratch(path: Path, target: Path, kind: str, files: dict[str, str]) -> None:
+    """A scratch folder as atomic_output_dir makes it: the marker and the payload in content/."""
+    write_dir(path / "content", files)
+    (path / atomic.SCRATCH_MARKER).write_bytes(atomic._marker_text(target, kind))
+
+
 def test_recover_keeps_live_owners_and_restores_or_removes_dead_ones(tmp_path):
     target = tmp_path / "out"
     dead, now = _dead_pid(), time.time_ns()
@@ -238,12 +246,14 @@ def test_recover_keeps_live_owners_and_restores_or_removes_dead_ones(tmp_path):
     reused = tmp_path / f".out.oscar-tmp-1-{10**9}"  # pid 1 lives, but started long after 1970: a reused pid
     other = tmp_path / f".other.oscar-tmp-{dead}-{now}"  # another target's temporary: not ours to touch
     for d in (live_tmp, dead_tmp, dead_old, reused, other):
-        write_dir(d, {"f": d.name})
+        kind = "old" if "oscar-old" in d.name else "tmp"
+        write_scratch(d, tmp_path / d.name.split(".oscar-")[0][1:], kind, {"f": d.name})
     done = recover(target)
     assert contents(target) == {"f": dead_old.name}  # the swap died between its renames: old content is back
     assert live_tmp.exists() and other.exists() and not dead_tmp.exists() and not reused.exists()
+    assert not dead_old.exists()
     assert any("restored" in line for line in done) and sum("removed stale" in line for line in done) == 2
-    write_dir(tmp_path / f".out.oscar-old-{dead}-{now + 2}", {"f": "older"})
+    write_scratch(tmp_path / f".out.oscar-old-{dead}-{now + 2}", target, "old", {"f": "older"})
     recover(target)  # the target exists now: a dead writer's old copy is just removed
     assert contents(target) == {"f": dead_old.name}
     assert [t[0] for t in temporaries(target)] == [live_tmp]

@@ -20,8 +20,8 @@ def test_summary_lists_files_with_sizes_and_the_next_commands(tmp_path, monkeypa
     text = written_summary(out.relative_to(tmp_path), None)
     lines = text.splitlines()
     assert lines[0] == "wrote zoo/demo/:"
-    assert any("oscar_kv.safetensors" in line and "3.0 MB" in line for line in lines)
-    assert any("oscar_stats.safetensors" in line and "2 KB" in line and "stays local" in line for line in lines)
+    assert any("oscar_kv.safetensors" in line and "3.0 MiB" in line for line in lines)
+    assert any("oscar_stats.safetensors" in line and "2.0 KiB" in line and "stays local" in line for line in lines)
     assert "calibration_log.json" not in text  # only files that exist
     assert "oscar-calib eval --artifact zoo/demo" in text and "oscar-calib push zoo/demo" in text
     assert max(len(line) for line in lines) <= 80

@@ -1,5 +1,6 @@
-"""`--help` a new user can scan: commands in the order they meet them, options in panels, no `<bool>` noise, a help
-text for every option, the demo's real `--samples` default."""
+"""`--help` a new user can scan: commands in the order they meet them, every option in a named panel, no `<bool>` or
+`<list[str]>` noise, a help text for every option, `run --help` within two 80 x 50 screens (the rest behind
+`--help-all`), the demo's real `--samples` default."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from cli_helpers import run_cli
 
 
-def _help(args, monkeypatch, capsys) -> str:
-    monkeypatch.setenv("COLUMNS", "200")
-    code, out, err = run_cli([*args, "--help"], monkeypatch, capsys)
+def _help(args, monkeypatch, capsys, flag="--help", columns=200) -> str:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, err = run_cli([*args, flag], monkeypatch, capsys)
     assert code == 0, err
     return out
 
@@ -53,16 +54,16 @@ def test_every_option_has_help_and_no_flag_shows_a_type(monkeypatch, capsys):
         assert "<bool>" not in _help(path, monkeypatch, capsys), " ".join(path)
 
 
-@pytest.mark.parametrize("command, panels", [
-    ("run", ["Model and data", "Recipe", "Output", "Scale"]),
-    ("eval", ["Model and data", "Methods and probes", "Output", "Scale"]),
+@pytest.mark.parametrize("command, flag, panels", [
+    ("run", "--help-all", ["Model and data", "Recipe", "Output", "Scale"]),
+    ("eval", "--help", ["Model and data", "Methods and probes", "Output", "Scale"]),
 ])
-def test_options_are_grouped_in_panels(command, panels, monkeypatch, capsys):
-    text = _help([command], monkeypatch, capsys)
+def test_options_are_grouped_in_panels(command, flag, panels, monkeypatch, capsys):
+    text = _help([command], monkeypatch, capsys, flag)
     for panel in panels:
         assert f"─ {panel} ─" in text, panel
     assert text.index("--model ") > text.index("─ Model and data ─")
-    assert text.index("─ Recipe ─" if command == "run" else "─ Output ─") < text.index("--json")
+    assert text.index("─ Output ─") < text.index("--json")
 
 
 def test_samples_help_states_the_demo_default(monkeypatch, capsys):
@@ -72,3 +73,33 @@ def test_samples_help_states_the_demo_default(monkeypatch, capsys):
     text = " ".join(_help(["run"], monkeypatch, capsys).replace("│", " ").split())
     assert "demo: 4 on the trained fixture, 1 on the random fallback" in text
     assert _default_samples(True) == (4 if fixture_available() else 1) and _default_samples(False) == 32
+
+
+def test_every_option_of_every_command_is_in_a_named_panel(monkeypatch, capsys):
+    """Each option (`--help` too) sits in a panel of help_layout.PANELS for its command, never in typer's unnamed
+    "Options" panel; so no help opens with a panel holding one stray option or only `--help`."""
+    from oscar_calib.cli.help_layout import panels_of
+
+    for path, cmd, ctx in _all_commands():
+        group = path[0] if len(path) > 1 else None
+        named = set(panels_of(group, path[-1]))
+        options = [p for p in cmd.get_params(ctx) if p.param_type_name == "option"]
+        stray = [p.name for p in options if getattr(p, "rich_help_panel", None) not in named]
+        assert named and not stray, f"{' '.join(path)}: options outside a named panel: {stray}"
+        flag = "--help-all" if any(p.name == "help_all" for p in options) else "--help"
+        text = _help(path, monkeypatch, capsys, flag)
+        assert "─ Options ─" not in text and "list[" not in text, " ".join(path)
+        for p in options:  # every option is shown (with --help-all where there is one)
+            assert p.opts[0] in text, (" ".join(path), p.opts[0])
+
+
+def test_run_help_fits_two_screens_and_help_all_shows_the_rest(monkeypatch, capsys):
+    short = _help(["run"], monkeypatch, capsys, columns=80)
+    full = _help(["run"], monkeypatch, capsys, "--help-all", columns=160)
+    assert len(short.splitlines()) <= 100, len(short.splitlines())  # two screens of 50 lines at 80 columns
+    assert max(len(line) for line in short.splitlines()) <= 80
+    for flag in ("--model", "--dataset", "--out", "--help-all"):
+        assert flag in short, flag
+    for flag in ("--granularity", "--hadamard-key-mass", "--offload-folder", "--trust-remote-code"):
+        assert flag not in short and flag in full, flag
+    assert short.index("─ Model and data ─") < short.index("─ Output ─")  # the first panel is a named one

@@ -105,7 +105,7 @@ def test_push_creates_one_tagged_commit_and_load_verifies(hub, tmp_path):
     from huggingface_hub import ModelCard
 
     assert ModelCard(card).data.base_model == "tiny/qwen3" and "oscar-kv" in ModelCard(card).data.tags
-    assert REV in card and "ppl_delta" in card and "load_artifact(" in card
+    assert REV in card and "ppl_delta" in card and f"OscarCache.from_pretrained('tiny/qwen3', model.config, repo='{REPO}', revision='v1')" in card
     assert "## Run report" in card and "held-out MSE 0.5" in card and "x: 1" not in card
     cfg = tiny_config("qwen3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)
     loaded = do_load(hub, tmp_path, model_config=cfg)

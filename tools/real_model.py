@@ -114,6 +114,48 @@ def default_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# output folders: only folders this tool made are ever replaced
+# ------------------------------------------------------------------------------------------------------------------
+def made_here(out: Path) -> bool:
+    """Whether `out` is a real folder holding this tool's MARKER as a regular file (not through a symlink)."""
+    import stat
+
+    try:
+        return stat.S_ISDIR(os.lstat(out).st_mode) and stat.S_ISREG(os.lstat(out / MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def check_out(out: Path, flag: str = "--out") -> None:
+    """Refuse an output this tool may not replace: a file or symlink, or a non-empty folder without MARKER (a
+    user's folder is never removed). An absent or empty folder, or one this tool made, is fine."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UsageError(f"{flag} {out}: is a file or a symlink (expected a folder that this tool makes)")
+    if out.is_dir() and any(out.iterdir()) and not made_here(out):
+        raise UsageError(f"{flag} {out}: exists and was not made by this tool (no {MARKER} in it); it is never "
+                         "removed: choose another --out, or empty it yourself")
+
+
+def install(out: Path, build, flag: str = "--out"):
+    """`build(tmp)` into a fresh scratch folder beside `out`, then swapped in at `out` in one step
+    (runtime_kernels.atomic.atomic_output_dir: lock, scratch folder with its marker, renameat2 exchange). `out`
+    must pass `check_out` (checked before and again under the lock); on any failure `out` is as it was and the
+    scratch folder is removed. Returns what `build` returned."""
+    from runtime_kernels.atomic import OutputDirError, atomic_output_dir
+
+    check_out(out, flag)
+    try:
+        with atomic_output_dir(out, overwrite=True, field=flag) as tmp:
+            check_out(out, flag)  # under the lock: a folder of the user's that appeared meanwhile is not replaced
+            result = build(tmp)
+            if not made_here(tmp):
+                raise IntegrityError(f"{flag} {out}: the new folder has no {MARKER}; nothing was replaced")
+    except OutputDirError as exc:
+        raise UsageError(str(exc)) from None
+    return result
+
+
 def require_gguf() -> None:
     import importlib.util
 
@@ -246,8 +288,14 @@ MAX_CHECK_PPL = 40.0
 def convert(gguf: Path, out: Path) -> dict:
     """The verified GGUF -> a plain bf16 LlamaForCausalLM directory `out` with the tokenizer and MARKER.
 
-    Written into a temporary sibling and renamed, so `out` is either complete (with its marker) or absent.
+    Built in a scratch folder and swapped in (`install`), so `out` is either complete (with its marker) or as it
+    was; an existing `out` without the marker is refused, never removed.
     """
+    return install(out, lambda tmp: _convert_into(gguf, tmp))
+
+
+def _convert_into(gguf: Path, tmp: Path) -> dict:
+    """The conversion itself, written into the empty folder `tmp`; returns the marker (written last)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -263,9 +311,6 @@ def convert(gguf: Path, out: Path) -> dict:
     dst = LlamaForCausalLM(config)
     dst.load_state_dict(src.state_dict(), strict=True)  # strict: every tensor has its place, none left over
     dst = dst.to(torch.bfloat16).eval()
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     dst.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "gguf").mkdir()
@@ -284,9 +329,6 @@ def convert(gguf: Path, out: Path) -> dict:
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "seconds": round(time.perf_counter() - t0, 1)}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
     return marker
 
 
@@ -307,6 +349,7 @@ def ensure_model(out: Path | None = None) -> Path:
     if is_ready(out):
         log(f"{out}: present and verified")
         return out
+    check_out(out)  # before the download: a folder of the user's is refused at once
     require_gguf()
     kept = out.parent / f".{out.name}.{GGUF_NAME}"  # outside `out`: a failed conversion must not cost the download
     convert(fetch_gguf(kept), out)
@@ -351,13 +394,14 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None) -> Path:
     """A copy of the converted model with only its first `layers` decoder layers (for CI), at `<model_dir>-layersN`,
     with the same cut of the GGUF in its `gguf/` folder."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out = out or model_dir.parent / f"{model_dir.name}-layers{layers}"
     if is_ready(out, layers):
         return out
     if not 1 <= layers <= GEOMETRY["num_hidden_layers"]:
         raise UsageError(f"--slice {layers}: expected 1..{GEOMETRY['num_hidden_layers']} layers")
+    check_out(out, "--slice")  # before the model loads: a folder of the user's at <out>-layersN is never removed
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -366,8 +410,14 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(model_dir, num_hidden_layers=layers, dtype=torch.bfloat16)
     finally:
         hf_logging.set_verbosity(verbosity)
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+    install(out, lambda tmp: _slice_into(model, model_dir, layers, tmp), "--slice")
+    return out
+
+
+def _slice_into(model, model_dir: Path, layers: int, tmp: Path) -> dict:
+    """The sliced model, its tokenizer, the cut GGUF and MARKER (last) written into the empty folder `tmp`."""
+    from transformers import AutoTokenizer
+
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
     sliced_gguf = slice_gguf_path(tmp, layers)
@@ -379,10 +429,7 @@ def write_slice(model_dir: Path, layers: int, out: Path | None = None) -> Path:
               "sliced_from": str(model_dir),
               "weights_sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
-    return out
+    return marker
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -514,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.parts_dir / part['name']}: {part['size']:,} bytes, sha256 {part['sha256']}")
             return 0
         if args.command == "join" and not is_ready(out):
+            check_out(out)
             require_gguf()
             kept = join_gguf(args.parts_dir, out.parent / f".{out.name}.{GGUF_NAME}")
             convert(kept, out)

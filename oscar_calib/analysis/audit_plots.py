@@ -8,6 +8,7 @@ flags, and the worst heads' INT2 errors next to the alternatives (or their spect
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +259,8 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from runtime_kernels.atomic import write_file_atomically
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     layers = sorted({r["layer"] for r in report["heads"]})
@@ -269,12 +272,13 @@ def write_audit_plots(report: dict, directory: str | Path) -> list[Path]:
         if fig is None:
             continue
         path = directory / f"{name}.png"
-        tmp = directory / f".{name}.png.tmp"  # renamed into place: an interrupted write leaves no broken PNG
+        buffer = io.BytesIO()
         try:
-            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-            tmp.replace(path)
+            fig.savefig(buffer, dpi=110, bbox_inches="tight", format="png")
         finally:
             plt.close(fig)
-            tmp.unlink(missing_ok=True)
+        # Renamed into place through a fresh temporary file: an interrupted write leaves no broken PNG, and nothing
+        # planted beside it is written through.
+        write_file_atomically(path, buffer.getvalue(), "--plots")
         written.append(path)
     return written

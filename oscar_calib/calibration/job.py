@@ -50,6 +50,7 @@ from runtime_kernels.artifact import (
     write_artifact,
 )
 from runtime_kernels.atomic import OutputDirError, atomic_output_dir, output_lock, preflight
+from runtime_kernels.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -427,8 +428,8 @@ def _print_summary(console: Console, out_dir: Path, report: CalibrationReport, l
     mem, timings = log["memory"], log["timings"]
     console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
                   f"skipped {report.skipped_layers or 'none'}) in {timings['total_s']:.1f}s; peak host memory "
-                  f"{mem['host_peak_bytes'] / 2**30:.2f} GiB" + "".join(
-                      f", {dev} {b / 2**30:.2f} GiB" for dev, b in mem["device_peak_bytes"].items()))
+                  f"{format_bytes(mem['host_peak_bytes'])}" + "".join(
+                      f", {dev} {format_bytes(b)}" for dev, b in mem["device_peak_bytes"].items()))
     k, v = summary["key_error"], summary["value_rel_out_err"]
     console.print(f"held-out key {summary['key_objective']} {k['fitted']:.4g} (no clip {k['no_clip']:.4g}); value output error "
                   f"{v['fitted']:.4g} (no clip {v['no_clip']:.4g})")

@@ -16,6 +16,7 @@ from oscar_calib.config import SolverSettings
 from oscar_calib.progress import log_console
 from oscar_calib.zoo.model_card import render_model_card
 from runtime_kernels.artifact import ARTIFACT_FILENAME, write_artifact
+from runtime_kernels.atomic import output_lock
 
 
 def refit(stats_path: Path, out_dir: Path, settings: SolverSettings, overwrite: bool = False,
@@ -27,6 +28,12 @@ def refit(stats_path: Path, out_dir: Path, settings: SolverSettings, overwrite: 
     """
     console = console or log_console(logging.getLogger(__name__))  # the CLI passes its own; a library caller gets logs
     check_output_dir(out_dir, overwrite)
+    with output_lock(out_dir):  # one writer per output from the start, as `run`: a second refit is refused before it fits
+        return _refit(stats_path, Path(out_dir), settings, overwrite, device, console)
+
+
+def _refit(stats_path: Path, out_dir: Path, settings: SolverSettings, overwrite: bool, device: str,
+           console: Console) -> Path:
     t0 = time.perf_counter()
     statistics = load_statistics(stats_path)
     prov = statistics.provenance

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -259,18 +258,8 @@ def _holdout_from_tensors(tensors: dict[str, torch.Tensor], layers: list[int], w
 
 
 # -- file I/O ------------------------------------------------------------------------------------------------------
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path,
+                            field: str = "--out") -> None:
     """Write a safetensors file through a temporary file in the same directory and `os.replace`.
 
     A reader (or a run killed at any point) sees the old file or the new one, never part of one. The header's
@@ -279,33 +268,20 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str
     from runtime_kernels.artifact import canonical_safetensors_bytes
 
     payload = canonical_safetensors_bytes({n: t.contiguous() for n, t in tensors.items()}, metadata)
-    atomic_write_bytes(payload, path)
+    atomic_write_bytes(payload, path, field)
 
 
-def atomic_write_bytes(payload: bytes, path: Path) -> None:
-    """Write `payload` to `path` through a fsynced temporary file in the same directory and `os.replace`.
+def atomic_write_bytes(payload: bytes, path: Path, field: str = "--out") -> None:
+    """Write `payload` to `path` atomically (`runtime_kernels.atomic.write_file_atomically`).
 
     A full disk (ENOSPC / EDQUOT) becomes `DiskFullError` naming the path and the bytes needed; the temporary
-    file is removed and the old file stays, whatever fails.
+    file is removed and the old file stays, whatever fails. A symlink, directory or special file at `path` is
+    refused (OutputDirError, exit 2), never written through. An interrupt after the replace says that `path`
+    holds the new content.
     """
-    from runtime_kernels.artifact import current_umask
-    from runtime_kernels.atomic import disk_space_for
+    from runtime_kernels.atomic import write_file_atomically
 
-    path = Path(path)
-    with disk_space_for(path, len(payload)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o666 & ~current_umask())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    write_file_atomically(path, payload, field)
 
 
 def save_statistics(statistics: CalibrationStatistics, path: str | os.PathLike) -> Path:

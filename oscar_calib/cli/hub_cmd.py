@@ -28,6 +28,7 @@ _PUSH_EXAMPLES = """
 Examples:
 
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo                 # next version vN
+  oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --with-wheels   # with the runtime wheel the card installs
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --version v3 --calibration chat
   oscar-calib push zoo/qwen3-8b --repo my-org/oscar-zoo --repo-type dataset        # in a dataset repo
 """
@@ -50,6 +51,9 @@ def push_cmd(
     include_stats: Annotated[bool, typer.Option("--include-stats", help="Also upload oscar_stats.safetensors: "
                                                 "statistics of your calibration data and the model's o_proj "
                                                 "weights (off by default).")] = False,
+    with_wheels: Annotated[bool, typer.Option("--with-wheels", help="Also build the serving runtime's wheel "
+                                              "(oscar-kv-runtime) from this source tree and publish it with the "
+                                              "release; the model card's install line installs it.")] = False,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -70,14 +74,16 @@ def push_cmd(
         what = "not a directory" if directory.exists() else "no such directory"
         raise InputError(f"DIR {directory}: {what} (expected an artifact directory)")
     from oscar_calib.zoo.hub import STATS_FILENAME, STATS_WARNING
+    from runtime_kernels.units import format_bytes
 
     stats = directory / STATS_FILENAME
     if include_stats and stats.is_file():
-        output.warn(f"--include-stats: {STATS_WARNING.format(name=stats, size=stats.stat().st_size / 1e6)}")
+        output.warn(f"--include-stats: {STATS_WARNING.format(name=stats, size=format_bytes(stats.stat().st_size))}")
     if dry_run:
 
         plan = push_plan(directory, repo, calibration, include_stats) | {"version": version or "next free vN",
-                                                                           "repo_type": repo_type.value}
+                                                                           "repo_type": repo_type.value,
+                                                                           "with_wheels": with_wheels}
         if as_json:
             output.json(plan, indent=2, sort_keys=True)
         else:
@@ -86,13 +92,23 @@ def push_cmd(
             for name, rec in plan["files"].items():
                 output.result(f"  {name}  {rec['size']} bytes  sha256 {rec['sha256']}")
             output.result("  + README.md (model card) and release.json, generated")
+            if with_wheels:
+                output.result("  + the oscar-kv-runtime wheel, built from this source tree when pushing")
             if plan["local_only"]:
                 output.result(f"kept local: {', '.join(plan['local_only'])}")
         return
-    with translate_errors(flags=True):
-        result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
-                      endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value,
-                      include_stats=include_stats)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="oscar-wheels-") as built:
+        wheels = []
+        if with_wheels:
+            from oscar_calib.zoo.wheels import build_runtime_wheel
+
+            wheels = [build_runtime_wheel(Path(built))]
+        with translate_errors(flags=True):
+            result = push(directory, repo, version=version, calibration=calibration, private=private, token=token,
+                          endpoint=endpoint(), commit_message=commit_message, repo_type=repo_type.value,
+                          include_stats=include_stats, wheels=wheels)
     if version is not None and result.version != version and not result.created and not allow_unchanged:
         raise UnchangedRelease(f"--version {version}: the content of {directory} is already released as "
                                f"{result.version} (commit {result.commit}); nothing was pushed. Pass "

@@ -3,8 +3,10 @@ with the documented exit code (docs/errors.md, "Checks before the expensive work
 
 - a path that does not exist (`./no-such-model`): exit 2, "no such directory", instead of transformers' rule for
   Hub repo ids;
+- a file where a model folder is expected (`--model m/config.json`): exit 2, naming the folder to pass;
 - a Hub id while the Hub cannot be reached: exit 5 after one request of at most a few seconds (the client's own
-  retries took 26 s), with the `HF_HUB_OFFLINE=1` hint;
+  retries took 26 s), with the `HF_HUB_OFFLINE=1` hint; a Hub id the local cache does not hold while
+  `HF_HUB_OFFLINE=1`: exit 5, as docs/cli.md's table says for "not cached while offline";
 - a dataset folder or Hub dataset without the `datasets` package: exit 7, naming which of the two it is.
 """
 
@@ -30,6 +32,9 @@ def check_model_ref(ref: str | None, flag: str = "--model") -> None:
     if ref is None:
         return
     path = Path(ref).expanduser()
+    if path.is_file() and not ref.lower().endswith(".gguf"):
+        raise InputError(f"{flag} {ref}: is a file; pass the model folder that holds config.json and the weights "
+                         f"({flag} {path.parent}), or a Hub model id ORG/NAME")
     if path.exists():
         return
     if ref.lower().endswith(".gguf"):
@@ -37,7 +42,22 @@ def check_model_ref(ref: str | None, flag: str = "--model") -> None:
     if looks_like_path(ref):
         raise InputError(f"{flag} {ref}: no such directory (expected a local model directory with config.json, "
                          "or a Hub model id ORG/NAME)")
+    _check_cached_when_offline(f"{flag} {ref}", ref)
     _check_hub_reachable(f"{flag} {ref}", ref)
+
+
+def _check_cached_when_offline(what: str, repo_id: str) -> None:
+    """Offline (HF_HUB_OFFLINE=1), a Hub id the local cache holds no snapshot of cannot load: exit 5 (the Hub's
+    "not cached while offline"), not the loader's exit 2 with transformers' two-line advice."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    if not (snapshots.is_dir() and any(snapshots.iterdir())):
+        raise HubError(f"{what}: not in the local Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; "
+                       "unset HF_HUB_OFFLINE to download it once, or pass a local model folder")
 
 
 def _check_hub_reachable(what: str, repo_id: str) -> None:

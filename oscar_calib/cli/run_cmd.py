@@ -155,13 +155,13 @@ _WHAT = {"oscar_kv.safetensors": "artifact (what serving loads)",
 
 def written_summary(out: Path, model: str | None) -> str:
     """A few lines on stderr: what was written (paths, sizes) and the next two commands."""
+    from runtime_kernels.units import format_bytes
+
     lines = [f"wrote {out}/:"]
     for name, what in _WHAT.items():
         path = out / name
         if path.is_file():
-            size = path.stat().st_size
-            shown = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 2**10:.0f} KB"
-            lines.append(f"  {name:<24} {shown:>7}  {what}")
+            lines.append(f"  {name:<24} {format_bytes(path.stat().st_size):>9}  {what}")
     model_flag = "" if model is None else f" --model {model}"
     lines += ["next:",
               f"  oscar-calib eval{model_flag} --artifact {out}      # vs BF16 and the baselines",

@@ -79,12 +79,14 @@ def merge_cmd(
     """Sum statistics files by addition; refuses files of other models, configs, data or tool versions."""
     from oscar_calib.calibration.calibrate import created_at
     from oscar_calib.calibration.stats_file import load_statistics, merge_statistics, save_statistics
+    from runtime_kernels.atomic import check_file_target
 
     output = Output(as_json)
     if out.is_dir():
         raise InputError(f"--out {out}: is a directory (expected the statistics file to write)")
     if out.exists() and not overwrite:
         raise InputError(f"--out {out}: already exists; pass --overwrite to replace it")
+    check_file_target(out, "--out")  # a symlink, FIFO or device: refused before the merge, never written through
     merged = merge_statistics([(str(p), load_statistics(p)) for p in inputs], created_at())
     save_statistics(merged, out)
     if as_json:

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from oscar_calib.errors import HubError, InputError, IntegrityError, OscarError
-from runtime_kernels.artifact import ARTIFACT_FILENAME, ArtifactError, read_artifact
+from runtime_kernels.artifact import (
+    ARTIFACT_FILENAME,
+    ArtifactError,
+    artifacts_below,
+    no_artifact_hint,
+    read_artifact,
+)
 from runtime_kernels.loader import (
     COMMIT_RE,
     RELEASE_FILENAME,
@@ -83,7 +89,7 @@ def next_version(tags: list[str]) -> str:
 
 
 STATS_FILENAME = "oscar_stats.safetensors"  # oscar_calib.calibration.stats_file's name (not imported: that brings torch)
-STATS_WARNING = ("{name} ({size:.1f} MB) holds statistics computed from your calibration data (second moments of "
+STATS_WARNING = ("{name} ({size}) holds statistics computed from your calibration data (second moments of "
                  "its keys, values and queries, the held-out sequence's captured keys, values and queries) and every "
                  "layer's o_proj weight of the model: publish it only if both may be public")
 
@@ -102,6 +108,8 @@ def collect_files(directory: Path, include_stats: bool = False) -> dict[str, Pat
     """
     if not directory.is_dir():
         raise InputError(f"DIR {directory}: no such directory (expected an artifact directory)")
+    if not (directory / ARTIFACT_FILENAME).is_file() and artifacts_below(directory):
+        raise InputError(f"DIR {directory}: has no '{ARTIFACT_FILENAME}'{no_artifact_hint(directory)}")
     files: dict[str, Path] = {}
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith(".") or entry.name in GENERATED:
@@ -149,6 +157,88 @@ def _strip_front_matter(text: str) -> str:
     return text
 
 
+def _without_section(markdown: str, heading: str) -> str:
+    """`markdown` without the section that starts at the line `heading` (up to the next heading of its level)."""
+    out, skipping = [], False
+    level = heading.split(" ", 1)[0] + " "
+    for line in markdown.splitlines():
+        if line.strip() == heading:
+            skipping = True
+            continue
+        if skipping and line.startswith(level):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def how_to_use(model_id: str, repo: str, version: str, calibration: str, repo_type: str,
+               files: list[str]) -> list[str]:
+    """The card's one "How to use" section: install the runtime from what exists (the wheel published with the
+    release, else the project's source tree: neither distribution is on a package index), then load the release
+    by repo and version, which works from any folder (downloaded through the Hub cache, every sha256 verified)."""
+    from oscar_calib.zoo.wheels import is_runtime_wheel
+
+    base = release_dir(model_id, calibration)
+    wheel = next((n for n in files if is_runtime_wheel(n)), None)
+    type_kw = f", repo_type={repo_type!r}" if repo_type != "model" else ""
+    type_flag = f" --repo-type {repo_type}" if repo_type != "model" else ""
+    cal_kw = f", calibration={calibration!r}" if calibration != "default" else ""
+    cal_json = f', "calibration": "{calibration}"' if calibration != "default" else ""
+    type_json = f', "repo_type": "{repo_type}"' if repo_type != "model" else ""
+    lines = ["## How to use", ""]
+    if wheel:
+        lines += [
+            "Install the serving runtime (`oscar-kv-runtime`) from the wheel published with this release; its sha256 "
+            "is in `release.json`. Neither `oscar-kv-runtime` nor `oscar-calib` is on PyPI.",
+            "",
+            "```bash",
+            "pip install huggingface_hub",
+            f"hf download {repo} {base}/{wheel} --revision {version}{type_flag} --local-dir oscar-release",
+            f'pip install "oscar-release/{base}/{wheel}[hf]"   # [hf]: transformers; add [gpu] for Triton on a GPU',
+            "```",
+        ]
+    else:
+        lines += [
+            "Install the serving runtime (`oscar-kv-runtime`) from the oscar-calib source tree that made this release "
+            "(neither `oscar-kv-runtime` nor `oscar-calib` is on PyPI; `oscar-calib push --with-wheels` publishes the "
+            "runtime wheel with a release):",
+            "",
+            "```bash",
+            'pip install "./runtime[hf]"      # in a clone of oscar-calib; [hf]: transformers; add [gpu] on a GPU',
+            "```",
+        ]
+    lines += [
+        "",
+        "Then, from any folder (the release is downloaded through the Hub cache, every sha256 verified, and checked "
+        "against the model):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from runtime_kernels.hf import OscarCache, enable_oscar_attention",
+        f"model = AutoModelForCausalLM.from_pretrained({model_id!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
+        "enable_oscar_attention(model)",
+        f"cache = OscarCache.from_pretrained({model_id!r}, model.config, repo={repo!r}, revision={version!r}"
+        f"{cal_kw}{type_kw})",
+        "inputs = tokenizer('Hello', return_tensors='pt')",
+        "out = model.generate(**inputs, cache=cache, max_new_tokens=64)",
+        "print(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:]))",
+        "```",
+        "",
+        "In vLLM (the runtime's `[vllm]` extra; its plugin loads the release the same way):",
+        "",
+        "```bash",
+        f"vllm serve {model_id} --block-size 64 --additional-config "
+        f"'{{\"oscar\": {{\"repo\": \"{repo}\", \"revision\": \"{version}\"{cal_json}{type_json}}}}}'",
+        "```",
+        "",
+        f"With the calibrator: `oscar-calib pull {model_id} --repo {repo} --revision {version} --calibration "
+        f"{calibration}{type_flag} --local-dir DIR` verifies and copies the files.",
+    ]
+    return lines
+
+
 def model_card(metadata: dict[str, str], repo: str, version: str, calibration: str,
                files: dict[str, dict[str, Any]], receipts: dict[str, Any], recipe: dict[str, Any] | None,
                run_report: str | None = None, repo_type: str = "model") -> str:
@@ -186,19 +276,8 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
             lines += [f"### {name}", "```json", json.dumps(data, indent=2, sort_keys=True), "```"]
     else:
         lines.append("None published with this release.")
-    # A dataset-repo zoo needs its repo type named in both ways to load it (the default is a model repo).
-    type_kw, type_flag = (f", repo_type={repo_type!r}", f" --repo-type {repo_type}") if repo_type != "model" else ("", "")
+    lines += ["", *how_to_use(model_id, repo, version, calibration, repo_type, sorted(files)), ""]
     lines += [
-        "",
-        "## How to load it",
-        "```python",
-        "from runtime_kernels import load_artifact",
-        f"artifact = load_artifact({model_id!r}, repo={repo!r}, revision={version!r}, calibration={calibration!r},",
-        f"                         model_config=model.config{type_kw})  # sha256-verified, checked against the model",
-        "```",
-        "or: `oscar-calib pull " + f"{model_id} --repo {repo} --revision {version} --calibration {calibration}"
-        f"{type_flag}`",
-        "",
         "## Files",
         "| file | bytes | sha256 |",
         "|---|---|---|",
@@ -207,6 +286,7 @@ def model_card(metadata: dict[str, str], repo: str, version: str, calibration: s
     if run_report:
         # The calibration run's own report (the README written by `oscar-calib run`), headings demoted.
         body = _strip_front_matter(run_report)
+        body = _without_section(body, "## Use")  # one "how to use" section per card: the release's, above
         lines += ["", "## Calibration run report", ""]
         lines += [("#" + line) if line.startswith("#") else line for line in body.splitlines()]
     lines.append("")
@@ -298,12 +378,14 @@ class _Remote:
 def push(directory: str | Path, repo: str, *, version: str | None = None, calibration: str = "default",
          private: bool = False, token: str | None = None, endpoint: str | None = None,
          recipe: dict[str, Any] | None = None, commit_message: str | None = None,
-         repo_type: str = "model", include_stats: bool = False) -> PushResult:
+         repo_type: str = "model", include_stats: bool = False, wheels: list[Path] | None = None) -> PushResult:
     """Publish `directory` (an artifact directory) to `repo` as release `version` (default: next vN).
     `commit_message` replaces the default '<model_id>/<calibration>: release vN'. `repo_type` is the kind
     of Hub repo the zoo is ("model" or "dataset"); a repo of that name and the other kind is refused.
     Uploaded: the artifact, its `eval*.json` receipts, the model card and `release.json`; the statistics
-    (`oscar_stats.safetensors`: calibration data and o_proj weights) only with `include_stats=True`. Files are
+    (`oscar_stats.safetensors`: calibration data and o_proj weights) only with `include_stats=True`; `wheels`
+    (the runtime wheel, `oscar_calib.zoo.wheels.build_runtime_wheel`) go up beside them, and the model card's install
+    line installs that wheel. Files are
     streamed from disk by huggingface_hub (a path per `CommitOperationAdd`, never read whole here)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.utils import HfHubHTTPError
@@ -318,6 +400,12 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
     if version is not None:
         check_version(version)
     files = collect_files(directory, include_stats)
+    for wheel in wheels or []:
+        wheel = Path(wheel)
+        if not wheel.name.endswith(".whl") or not wheel.is_file() or wheel.name in files:
+            raise InputError(f"wheel {wheel}: expected a .whl file whose name is not already in the release")
+        check_component(wheel.name, "wheel file name")
+        files[wheel.name] = wheel
     artifact = read_artifact(files[ARTIFACT_FILENAME])  # the contract is checked before anything is sent
     meta = artifact.metadata
     try:
@@ -396,7 +484,7 @@ def push(directory: str | Path, repo: str, *, version: str | None = None, calibr
             raise _hub_error(exc, doing) from None
         except Exception as exc:
             if is_connection_error(exc):
-                raise HubError(str(unreachable(endpoint, f"push to {repo}", exc))) from None
+                raise HubError(str(unreachable(endpoint, f"push to {repo}", exc, reads=False))) from None
             raise
     finally:
         remote.close()
@@ -445,6 +533,37 @@ def translate_errors() -> Iterator[None]:
         raise
 
 
+def what_the_zoo_holds(message: str, repo: str, revision: str | None, *, token: str | None = None,
+                       endpoint: str | None = None, repo_type: str = "model") -> str:
+    """What to add to a 'not found' of `pull`: the releases the zoo holds at that revision when the model or
+    calibration is missing, its version tags when the revision is, and `vN` for a bare number. '' when nothing
+    helps or the Hub cannot be asked (offline, unreachable)."""
+    hint = ""
+    if revision is not None and revision.isdigit() and len(revision) < 7:
+        hint = f"; release tags are written 'v{int(revision)}' (--revision v{int(revision)})"
+    if is_offline() or "not in the local cache" in message:
+        return hint
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        if "field 'revision'" in message:
+            tags = [t.name for t in api.list_repo_refs(repo, repo_type=repo_type).tags if VERSION_RE.fullmatch(t.name)]
+            tags.sort(key=lambda t: int(t[1:]))
+            return hint + (f"; its release tags are {', '.join(tags)}" if tags else "; it has no release tags (vN)")
+        if "field 'path'" in message:
+            info = api.repo_info(repo, revision=revision or "main", repo_type=repo_type)
+            held = sorted({name.rsplit("/", 1)[0] for name in (s.rfilename for s in info.siblings or [])
+                           if name.endswith("/" + RELEASE_FILENAME) and name.count("/") == 3})
+            shown = [f"{d.rsplit('/', 1)[0]} (--calibration {d.rsplit('/', 1)[1]})" for d in held[:20]]
+            more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+            return hint + (f"; at '{revision}' the zoo holds {', '.join(shown)}{more}" if held else
+                           f"; the zoo holds no release at '{revision}'")
+    except Exception:  # noqa: BLE001 - a hint is best effort: the refusal itself is already worded
+        return hint
+    return hint
+
+
 def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "default",
          local_dir: str | Path | None = None, token: str | None = None, cache_dir: str | Path | None = None,
          endpoint: str | None = None, expected_sha256: dict[str, str] | None = None, model_config: Any = None,
@@ -452,12 +571,28 @@ def pull(model_id: str, repo: str, revision: str | None, *, calibration: str = "
     """Download and verify a release (runtime_kernels.loader.pull_release), read the artifact, check it
     against `model_config`, and only then copy the files to `local_dir`. Errors become OscarErrors."""
     from runtime_kernels.artifact import check_against_model
-    from runtime_kernels.loader import ModelMismatchError, copy_release_files, pull_release
+    from runtime_kernels.loader import (
+        ModelMismatchError,
+        ReleaseNotFoundError,
+        WrongRepoTypeError,
+        copy_release_files,
+        pull_release,
+    )
 
     with translate_errors():
-        pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
-                              cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
-                              repo_type=repo_type, commit=commit)
+        try:
+            pulled = pull_release(model_id, repo, revision, calibration=calibration, token=token,
+                                  cache_dir=cache_dir, endpoint=endpoint, expected_sha256=expected_sha256,
+                                  repo_type=repo_type, commit=commit)
+        except ReleaseNotFoundError as exc:
+            if isinstance(exc, WrongRepoTypeError):
+                raise
+            message = str(exc)
+            if message.startswith("field 'path'"):  # the release directory is missing: say it of the model
+                message = (f"MODEL {model_id}: no release of it (calibration '{calibration}') in '{repo}' at "
+                           f"'{revision or commit or 'main'}'")
+            raise HubError(message + what_the_zoo_holds(str(exc), repo, revision, token=token, endpoint=endpoint,
+                                                        repo_type=repo_type)) from None
         artifact = read_artifact(pulled.artifact_path)
         if artifact.metadata["model_id"] != model_id:
             raise ModelMismatchError(f"{artifact.source}: field 'model_id': artifact has "

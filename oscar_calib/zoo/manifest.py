@@ -433,18 +433,12 @@ def append_release(path: str | Path, release: Release) -> ZooManifest:
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path` and rename it over `path`; a full disk is one DiskFullError
-    naming the path and the bytes (the temporary file is removed, the manifest unchanged)."""
-    from runtime_kernels.atomic import disk_space_for
+    """Write `text` to a temporary file beside `path` and rename it over `path` (runtime_kernels.atomic: the
+    temporary is made with O_EXCL under a random name, so nothing planted is written through); a full disk is one
+    DiskFullError naming the path and the bytes (the temporary file is removed, the manifest unchanged)."""
+    from runtime_kernels.atomic import write_file_atomically
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = text.encode("utf-8")
-    try:
-        with disk_space_for(path, len(data)):
-            tmp.write_bytes(data)
-            tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_file_atomically(path, text.encode("utf-8"), "manifest")
 
 
 def json_schema() -> str:

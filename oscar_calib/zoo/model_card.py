@@ -139,31 +139,28 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         for name, errs in summary["alternatives"].items():
             lines.append(f"| {name} | {_fmt(errs['key'])} | {_fmt(errs['value'])} |")
         lines += ["", _why_the_default(summary["alternatives"], meta["granularity"], meta["value_target"]), ""]
-    repo_hint = meta["model_id"]
+    model_id = meta["model_id"]
     lines += [
         "## Use",
         "",
-        "```bash",
-        "pip install oscar-calib          # the runtime: torch, safetensors, huggingface_hub (Triton on a GPU)",
-        "```",
+        "This folder is a local artifact (`oscar-calib run --out DIR` wrote it). Serve it with the runtime from the "
+        "oscar-calib source tree (`pip install \"./runtime[hf]\"` in a clone; neither `oscar-kv-runtime` nor "
+        "`oscar-calib` is on PyPI), naming the folder by its path:",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "from runtime_kernels.hf import OscarCache, enable_oscar_attention",
-        f"model = AutoModelForCausalLM.from_pretrained('{repo_hint}')",
-        f"tokenizer = AutoTokenizer.from_pretrained('{repo_hint}')",
+        f"model = AutoModelForCausalLM.from_pretrained({model_id!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
         "enable_oscar_attention(model)",
-        "cache = OscarCache.from_pretrained('.', model.config)   # this folder; a local copy of the model: "
-        f"model_id='{repo_hint}'",
+        "cache = OscarCache.from_pretrained('path/to/DIR', model.config)   # a local copy of the model: "
+        f"model_id={model_id!r}",
         "inputs = tokenizer('Hello', return_tensors='pt')",
         "out = model.generate(**inputs, cache=cache, max_new_tokens=64)",
         "```",
         "",
-        "Serving in vLLM (the `oscar` plugin is installed with the package):",
-        "",
-        "```bash",
-        f"vllm serve {repo_hint} --block-size 64 --additional-config '{{\"oscar\": {{\"path\": \".\"}}}}'",
-        "```",
+        "`oscar-calib push DIR --repo ORG/NAME --with-wheels` publishes it as a release whose card says how to "
+        "install the runtime and load the release from any folder.",
         "",
     ]
     return with_metadata(card_metadata(meta["model_id"], calib.get("dataset")), "\n".join(lines))

@@ -17,12 +17,8 @@ vLLM behaves as without the plugin. With one:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import torch
-from vllm.config import get_current_vllm_config_or_none
-from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import (
@@ -31,95 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from runtime_kernels.artifact import OscarArtifact, model_geometry
-from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
-from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
-from runtime_kernels.vllm.layout import PackedLayout
-from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
-from runtime_kernels.vllm.report import LOGGER_NAME, past_fitted_context_line, startup_line
-
-logger = init_logger(LOGGER_NAME)  # a child of vLLM's `vllm` logger: printed at vLLM's level (report.py says why)
-
-
-class _PluginState:
-    """What the process serves: the vLLM config seen last, its `oscar` entry, the artifact and the engine."""
-
-    def __init__(self) -> None:
-        self.vllm_config = None
-        self.cfg: OscarServeConfig | None = None
-        self.artifact: OscarArtifact | None = None
-        self.engine: OscarEngine | None = None
-        self.calibrated: frozenset[int] = frozenset()  # decoder layer indices with the INT2 cache
-
-    def update(self, vllm_config) -> None:
-        """(Re)load for a new vLLM config (a new `LLM` in this process): parse, load, check; raise on mismatch."""
-        if vllm_config is None or vllm_config is self.vllm_config:
-            return
-        cfg = parse_oscar_config(getattr(vllm_config, "additional_config", None))
-        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
-        if cfg is None and cache_dtype == KV_CACHE_DTYPE:
-            raise ValueError(f"kv_cache_dtype '{KV_CACHE_DTYPE}' needs an artifact: pass --additional-config "
-                             f"'{{\"oscar\": {{\"repo\": ..., \"revision\": ...}}}}' (or {{\"path\": ...}})")
-        if cfg is not None and cache_dtype not in ("auto", KV_CACHE_DTYPE):
-            raise ValueError(f"kv_cache_dtype: additional_config.oscar stores the cache in INT2; expected 'auto' or "
-                             f"'{KV_CACHE_DTYPE}', got '{cache_dtype}'")
-        self.vllm_config, self.cfg, self.artifact, self.engine = vllm_config, cfg, None, None
-        self.calibrated = frozenset()
-        if cfg is None:
-            return
-        model_config = vllm_config.model_config
-        try:
-            artifact = load_checked_artifact(cfg, model_config.hf_config, served_model=model_config.model)
-        except Exception as exc:
-            self.vllm_config, self.cfg = None, None  # a retry re-checks instead of serving half-configured
-            # vLLM buries the cause in a long engine traceback: say it once, on one line, before raising it.
-            logger.error("%s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            raise
-        self.artifact = artifact
-        self.calibrated = frozenset(int(i) for i in artifact.layer_ids.tolist())
-        n_layers = model_geometry(model_config.hf_config)[0]
-        dtype = getattr(model_config, "dtype", None) or torch.bfloat16  # for the log line only (vLLM sets it)
-        dense = 2 * artifact.head_dim * torch.empty((), dtype=dtype).element_size()
-        logger.info("%s", startup_line(str(artifact.source), artifact.metadata.get("model_id", "?"),
-                                       sorted(self.calibrated), n_layers, self.packed.bytes_per_token_head, dense,
-                                       str(dtype).replace("torch.", ""), artifact.kv_format.sink_tokens,
-                                       artifact.kv_format.recent_tokens))
-        fitted, served = artifact.fitted_context, getattr(model_config, "max_model_len", None)
-        if fitted is not None and isinstance(served, int) and served > fitted:
-            logger.warning("%s", past_fitted_context_line(str(artifact.source), fitted, served))
-
-    @property
-    def packed(self) -> PackedLayout:
-        return PackedLayout(self.artifact.kv_format, self.artifact.head_dim)
-
-    def engine_for(self, vllm_config, block_size: int, device: torch.device) -> OscarEngine:
-        if self.engine is None:
-            art, cfg = self.artifact, self.cfg
-            fmt = art.kv_format.with_(page_size=block_size)  # vLLM's blocks are the INT2 pages
-            max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-            capacity = math.ceil(cfg.window_reserve * max_seqs * window_blocks_per_request(fmt))
-            self.engine = OscarEngine(art, max_seqs=max_seqs, dtype=vllm_config.model_config.dtype, fmt=fmt,
-                                      window_capacity=capacity, device=device, backend=cfg.kernel_backend)
-            logger.info("OSCAR window store: %d blocks of %d tokens, %.1f MiB (outside vLLM's KV budget)",
-                        capacity, block_size, self.engine.windows.nbytes() / 2**20)
-        return self.engine
-
-
-STATE = _PluginState()
-
-
-def active_state(vllm_config=None) -> _PluginState | None:
-    """The plugin state when the current vLLM config asks for OSCAR, else None (vLLM's own behaviour)."""
-    STATE.update(vllm_config if vllm_config is not None else get_current_vllm_config_or_none())
-    return STATE if STATE.cfg is not None else None
-
-
-@dataclass
-class OscarMetadata:
-    """Per-step metadata of the OSCAR layers: the real token count and the step's plan (shared by layers)."""
-
-    num_actual_tokens: int
-    plan: StepPlan
+from runtime_kernels.vllm.state import STATE, OscarMetadata, active_state, layer_of, request_steps
 
 
 class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -143,17 +51,7 @@ class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
         if self._engine is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
-        p = self._engine.fmt.page_size
-        starts = m.query_start_loc_cpu.tolist()
-        seq_lens = m.seq_lens.cpu().tolist()
-        table = m.block_table_tensor.cpu()
-        requests = []
-        for i in range(m.num_reqs):
-            q_len = starts[i + 1] - starts[i]
-            if q_len <= 0:
-                continue
-            n = int(seq_lens[i])
-            requests.append(RequestStep(starts[i], q_len, n - q_len, table[i, :-(-n // p)].tolist()))
+        requests = request_steps(m, self._engine.fmt.page_size)
         return OscarMetadata(num_actual_tokens=m.num_actual_tokens, plan=self._engine.plan(requests))
 
 
@@ -172,7 +70,7 @@ class OscarAttentionImpl(CPUAttentionBackendImpl):
         state = active_state()
         if state is None:
             return
-        layer = _layer_of(self, state.vllm_config)
+        layer = layer_of(self, state.vllm_config)
         if extract_layer_index(layer.layer_name) not in state.calibrated:
             layer.attn_backend = CPUAttentionBackend
 
@@ -198,14 +96,6 @@ class OscarAttentionImpl(CPUAttentionBackendImpl):
         if self._is_oscar(layer):  # written by forward, which needs the tokens before they are quantized
             return
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-
-
-def _layer_of(impl, vllm_config):
-    """The vLLM `Attention` module that owns `impl` (vLLM builds the impl without telling it its layer)."""
-    for module in vllm_config.compilation_config.static_forward_context.values():
-        if getattr(module, "impl", None) is impl:
-            return module
-    raise RuntimeError("OSCAR attention: the layer of this attention impl is not in vLLM's forward context")
 
 
 class OscarAttentionBackend(CPUAttentionBackend):

@@ -31,6 +31,7 @@ from runtime_kernels.cache import check_served_format, check_served_quantizer, r
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
+from runtime_kernels.vllm.report import HistoryReport
 
 
 def window_blocks_per_request(fmt: KVFormat) -> int:
@@ -179,6 +180,24 @@ class StepPlan:
     gather: tuple[torch.Tensor, torch.Tensor] | None = None  # preallocated K, V window gathers (static steps)
 
 
+@dataclass
+class EngineStats:
+    """What the engine has booked since it was built (host counters, no GPU sync): steps, the decode-only steps
+    booked into static buffers (those a CUDA graph can replay), decode tokens, and the tokens of history they read
+    from INT2 pages (0 until a request is longer than its sink and recent windows)."""
+
+    steps: int = 0
+    static_steps: int = 0
+    decode_tokens: int = 0
+    history_tokens: int = 0
+
+    def count(self, hist_lens: list[int], static: bool) -> None:
+        self.steps += 1
+        self.static_steps += int(static)
+        self.decode_tokens += len(hist_lens)
+        self.history_tokens += int(sum(hist_lens))
+
+
 def _long(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -291,6 +310,8 @@ class OscarEngine:
                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
         self.windows = WindowStore(len(self.local_of), capacity, self.num_kv_heads, p, self.head_dim, dtype,
                                    self.device)
+        self.stats = EngineStats()
+        self.history_report = HistoryReport()  # the INFO line that says INT2 history was served
 
     # -- host bookkeeping --------------------------------------------------------------------------------
     def _window_positions(self, n: int) -> list[int]:
@@ -389,6 +410,8 @@ class OscarEngine:
         pages, rows, slots = self._book_writes(requests, pinned)
         # Decode reads the state after its write: sink and recent BF16 (one token later), history INT2.
         tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(decode)
+        self.stats.count(hist, static=False)
+        self.history_report.log(hist)
         width = max([1] + [len(t) for t in tables])
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
                                    device=dev)[:len(tables)]
@@ -417,12 +440,16 @@ class OscarEngine:
             raise ValueError(f"num_tokens: expected {max(1, len(requests))} .. {bufs.max_tokens} (the requests, "
                              f"up to the static buffers' size), got {num_tokens}")
         for t, r in enumerate(requests):
-            if r.q_len != 1 or r.n_old < 1 or r.q_start != t:
+            # A one-token prompt (n_old == 0) is a decode over an empty history: its window is its own token.
+            if r.q_len != 1 or r.n_old < 0 or r.q_start != t:
                 raise ValueError(f"requests: a static step is decode-only with token t for request t; request {t} "
                                  f"has q_start={r.q_start}, q_len={r.q_len}, n_old={r.n_old}")
         pinned = self._check_blocks(requests)
         pages, rows, slots = self._book_writes(requests, pinned)
         tables, hist, win_s, win_r, win_b, win_p, win_len = self._decode_reads(requests)
+        if requests:  # a CUDA-graph capture books padding only: not a step served
+            self.stats.count(hist, static=True)
+            self.history_report.log(hist)
         if any(len(t) > bufs.max_pages for t in tables):
             raise ValueError(f"requests: a history of more than max_pages={bufs.max_pages} blocks")
         pad, scratch = num_tokens - len(requests), self.windows.scratch
@@ -440,13 +467,16 @@ class OscarEngine:
         return self.local_of[layer_idx]
 
     def forward(self, layer_idx: int, plan: StepPlan, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+                v: torch.Tensor, sm_scale: float, out: torch.Tensor, dense_prefill=None) -> torch.Tensor:
         """Write this step's tokens of one layer and compute its attention.
 
         Args:
             kv_cache: vLLM's layer cache `[num_blocks, H, P, C]` (packed bytes, `layout.page_pools`).
             q: `[T, H_q, d]`, k/v: `[T, H, d]` post-RoPE, model basis (T = plan.num_tokens, padding excluded).
             out: `[T, H_q, d]`, written in place and returned.
+            dense_prefill: optional `f(q [T', H_q, d], k, v [T', H, d], out [T', H_q, d])`, causal attention of a
+                new request's prompt over its own tokens (nothing is cached before it): the engine's host backend
+                runs its own kernel there (FlashAttention on CUDA). None: SDPA, as `OscarCache`'s prefill.
         """
         li = self.local_index(layer_idx)
         pools = page_pools(kv_cache, self.packed)
@@ -468,6 +498,9 @@ class OscarEngine:
                                                    sm_scale).to(out.dtype)
         for req, seg in plan.prefills:
             lo, hi = req.q_start, req.q_start + req.q_len
+            if req.n_old == 0 and dense_prefill is not None:
+                dense_prefill(q[lo:hi], k[lo:hi], v[lo:hi], out[lo:hi])
+                continue
             past_k, past_v = self._dense_past(li, seg, pools, win_k, win_v, k.dtype)
             out[lo:hi] = _causal_attention(q[lo:hi], torch.cat([past_k, k[lo:hi]]), torch.cat([past_v, v[lo:hi]]),
                                            sm_scale).to(out.dtype)
@@ -527,5 +560,5 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
     return o.transpose(0, 1)
 
 
-__all__ = ["NULL_BLOCK", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
+__all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
            "window_blocks_per_request"]

@@ -35,3 +35,40 @@ def startup_line(source: str, model_id: str, int2_layers: list[int], n_layers: i
             f"{model_id}; keys and values rotated, 2-bit codes + scales in vLLM's blocks ({packed_bytes} B per "
             f"token and KV head instead of {dense_bytes} in {dtype_name}), BF16 sink {sink} + recent {recent} "
             f"tokens per request outside vLLM's budget; {gain:.2f}x the KV tokens per byte of KV cache")
+
+
+HISTORY_LINE = "OSCAR INT2 history served"
+
+
+class HistoryReport:
+    """Counts the tokens decode steps read from the INT2 history and says so in one INFO line: at the first step that
+    reads any, then every `every` steps that read some. The line is how a user sees that a prompt got past the BF16
+    windows and the 2-bit cache was really used (the CPU recipe greps for it).
+
+    The engine calls `record(hist_lens)` once per decode step (not per layer), with the INT2 history length of each
+    decode request of the step (`fmt.history_tokens(n)`); it returns the line when one is due, else None.
+    """
+
+    def __init__(self, every: int = 64):
+        self.every = every
+        self.steps = 0  # decode steps that read any history
+        self.tokens = 0  # history tokens read, summed over requests and steps (per layer: every layer reads as many)
+
+    def record(self, hist_lens) -> str | None:
+        lens = [int(h) for h in hist_lens]
+        if not any(lens):
+            return None
+        self.steps += 1
+        self.tokens += sum(lens)
+        if self.steps != 1 and self.steps % self.every:
+            return None
+        return (f"{HISTORY_LINE}: {self.tokens} history tokens read from INT2 over {self.steps} decode step(s); this "
+                f"step {sum(1 for h in lens if h)} request(s), up to {max(lens)} tokens each")
+
+    def log(self, hist_lens) -> None:
+        """`record`, and the line (if due) on the `vllm.oscar` logger at INFO."""
+        import logging
+
+        line = self.record(hist_lens)
+        if line is not None:
+            logging.getLogger(LOGGER_NAME).info(line)

@@ -107,10 +107,10 @@ def save_checkpoint(path: Path, totals: dict[int, LayerStats], next_sample: int,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if not (path / MARKER_FILENAME).is_file():
-        atomic_write_bytes(MARKER_TEXT.encode(), path / MARKER_FILENAME)
+        atomic_write_bytes(MARKER_TEXT.encode(), path / MARKER_FILENAME, "--checkpoint")
     meta = {"format": CHECKPOINT_FORMAT, "next_sample": str(next_sample),
             "identity": json.dumps(identity, sort_keys=True)}
-    atomic_save_safetensors(sums_to_tensors(totals), meta, _checkpoint_file(path))
+    atomic_save_safetensors(sums_to_tensors(totals), meta, _checkpoint_file(path), "--checkpoint")
 
 
 def remove_stale_temporaries(path: Path) -> list[Path]:

@@ -18,6 +18,7 @@ import torch
 
 from runtime_kernels.artifact import model_geometry, text_config
 from runtime_kernels.atomic import DiskFullError, free_bytes
+from runtime_kernels.units import format_bytes
 
 SLACK_BYTES = 1 << 20  # model card, calibration log, safetensors headers
 
@@ -64,5 +65,5 @@ def check_run_space(out_dir: Path, out_bytes: int, checkpoint_dir: Path | None, 
         free = free_bytes(path)
         if free is not None and free < total:
             raise DiskFullError(f"{path}: ENOSPC: {' and '.join(whats)} need about {total} bytes "
-                                f"({total / 2**20:.1f} MiB), only {free} are free there; free space or choose another "
+                                f"({format_bytes(total)}), only {free} are free there; free space or choose another "
                                 "location (checked before the calibration; nothing was written)")
