@@ -63,7 +63,7 @@ def hub(tmp_path, monkeypatch, request):
 # and the tests below. A test is slow when it calibrates, evaluates or generates with a trained fixture end to end,
 # compiles kernels, or runs the CLI in several subprocesses; the seconds are `pytest --durations` of the fast suite
 # on the 2-core development machine under load (the fast suite first took 3853 s wall for 889 s of CPU there; with this
-# list, 172 s wall for 123 s of CPU at load 1.5-2.7).
+# list, 147 s wall for 95 s of CPU at load 1.0-2.6).
 SLOW_TESTS = (
     "tests/test_cli_run.py::test_demo_runs_without_arguments",  # 86 s: the whole demo, as a user runs it
     "tests/test_cli_run.py::test_demo_falls_back_to_a_random_model_without_the_fixture",  # 83 s
