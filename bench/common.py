@@ -176,7 +176,7 @@ def row(op: str, variant: str, shape: dict, times: tuple[float, float, float], *
 
 def gpu_state() -> dict:
     """SM clock (MHz) and board power (W) read right after a measurement, through NVML: the H200 holds its 700 W cap
-    under the INT2 decode and its SM clock falls with heat (bench/results/harness_probe_NVIDIA_H200.log), so a
+    under the INT2 decode and its SM clock falls with heat (docs/kernels.md, "Sustained load"), so a
     timing is read with the clock it ran at. Empty where NVML is not available."""
     try:
         return {"sm_clock_mhz": torch.cuda.clock_rate(), "power_w": round(torch.cuda.power_draw() / 1000, 1)}

@@ -28,7 +28,7 @@ def main() -> None:
 
 
 def _arm(point: str, n: int, sig: int) -> None:
-    import oscar_calib.calibration.sharded_capture as sc
+    import oscar_calib.calibration.scale.sharded_capture as sc
 
     calls = {"n": 0}
 
@@ -76,7 +76,7 @@ def gather_with_a_dead_peer(rank: int, port: int, queue) -> None:
                       LOCAL_RANK=str(rank))
     import torch
 
-    from oscar_calib.calibration import distributed
+    from oscar_calib.calibration.scale import distributed
     from oscar_calib.errors import CaptureError
 
     ctx = distributed.from_environment()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scale import EPOCH, args, model_dir, text_file  # noqa: F401  (module-scoped fixtures)
 
-from oscar_calib.calibration.checkpoint import (
+from oscar_calib.calibration.scale.checkpoint import (
     CHECKPOINT_FILENAME,
     MARKER_FILENAME,
     load_checkpoint,
@@ -133,7 +133,7 @@ def test_a_run_removes_only_what_it_wrote(model_dir, text_file, tmp_path, monkey
 
 
 def test_a_file_the_user_put_in_a_checkpoint_directory_stays(tmp_path):
-    from oscar_calib.calibration.checkpoint import remove_checkpoint
+    from oscar_calib.calibration.scale.checkpoint import remove_checkpoint
 
     path = tmp_path / "c"
     save_checkpoint(path, _totals(), 2, _identity())

@@ -10,10 +10,11 @@ import torch
 from format_helpers import PAPER, restamp
 from tiny_models import tiny_model
 
+from oscar_calib.analysis.eval_job import compare_to_best_peer
 from oscar_calib.analysis.evaluate import greedy_continuation
 from oscar_calib.analysis.methods import hadamard
 from oscar_calib.analysis.peers import centered_hadamard_clip, centered_peer
-from oscar_calib.cli.eval_cmd import _table, compare_to_best_peer
+from oscar_calib.cli.eval_cmd import _table
 from runtime_kernels.artifact import identity_artifact
 
 

@@ -8,6 +8,7 @@ placed inside a function to dodge a cycle at load time still counts as the edge 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # the tree does not change during a test session
 def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def imports_of(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
     """(imported module, name or '') pairs of the project's own modules that `path` imports anywhere in its body."""
+    return _imports_of(path, frozenset(known))
+
+
+@functools.cache
+def _imports_of(path: Path, known: frozenset[str]) -> list[tuple[str, str]]:
     me = module_name(path)
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -140,4 +147,32 @@ def test_the_calibration_package_is_laid_out_as_its_pipeline():
                     offenders.append(f"foundation {name} imports {target}")
             elif theirs and theirs != mine and theirs not in LAYERS[mine]:
                 offenders.append(f"{name} imports {target}")
+    assert not offenders, offenders
+
+
+# calibration/ has two rooms: the steps of a run (data, capture, statistics, solve, clip fit, artifact) and, in
+# calibration/scale/, the scale-out (ranks, sharded capture, checkpoints, disk and memory budgets). The scale-out
+# works on the steps' statistics and capture session, never on their solver or the job; of the steps only the job,
+# which runs both, imports the scale-out.
+SCALE = "oscar_calib.calibration.scale"
+SCALE_OUT = {"distributed", "sharded_capture", "checkpoint", "disk_budget", "memory"}
+STEPS_THE_SCALE_OUT_USES = {"oscar_calib.calibration.stats", "oscar_calib.calibration.stats_checks",
+                            "oscar_calib.calibration.stats_file", "oscar_calib.calibration.capture"}
+
+
+def test_calibration_keeps_its_scale_out_apart_from_the_steps_of_a_run():
+    known = modules()
+    assert {m.rsplit(".", 1)[-1] for m in known if m.startswith(SCALE + ".")} == SCALE_OUT
+    assert not SCALE_OUT & {m.rsplit(".", 1)[-1] for m in known if m.count(".") == 2
+                            and m.startswith("oscar_calib.calibration.")}, "a scale-out module outside scale/"
+    offenders = []
+    for name, path in known.items():
+        for target, _ in imports_of(path, known):
+            if name.startswith(SCALE + "."):
+                if (target.startswith("oscar_calib.calibration.") and not target.startswith(SCALE)
+                        and target not in STEPS_THE_SCALE_OUT_USES):
+                    offenders.append(f"scale-out {name} imports the step {target}")
+            elif (name.startswith("oscar_calib.calibration") and name != "oscar_calib.calibration.job"
+                  and target.startswith(SCALE)):
+                offenders.append(f"step {name} imports the scale-out {target}")
     assert not offenders, offenders

@@ -10,6 +10,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
 
@@ -113,3 +114,20 @@ def test_the_main_distribution_requires_the_runtime_from_the_checkout_and_by_ver
     (pinned,) = [Requirement(r) for r in sdist["DEPENDENCIES"] if norm(Requirement(r).name) == "oscar-kv-runtime"]
     assert pinned.url is None and str(pinned.specifier) == f"=={RUNTIME['project']['version']}"
 
+
+
+@pytest.mark.slow  # builds the wheel (40 s on a loaded 2-core machine)
+def test_the_wheel_ships_the_demo_fixture_and_not_the_second_one(tmp_path):
+    """pyproject's package data: tiny-qwen3 (the demo's model) is in the wheel, the 11 MB tiny-llama (the studies'
+    second model) is not, and the checkout still holds it for the studies and tests."""
+    import subprocess
+    import zipfile
+
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    [wheel] = tmp_path.glob("oscar_calib-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "oscar_calib/fixtures/tiny-qwen3/config.json" in names
+    assert not [n for n in names if "fixtures/tiny-llama" in n]
+    assert (ROOT / "oscar_calib" / "fixtures" / "tiny-llama" / "config.json").is_file()

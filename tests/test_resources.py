@@ -128,7 +128,7 @@ def test_full_disk_during_run_output_is_one_line_exit_1(code, name, model_dir, t
 
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(model_dir, text_file, tmp_path,  # noqa: F811
                                                                     monkeypatch, capsys):
-    import oscar_calib.calibration.sharded_capture as sc
+    import oscar_calib.calibration.scale.sharded_capture as sc
 
     real, calls = sc.save_checkpoint, []
 
@@ -170,7 +170,7 @@ def test_output_size_estimate_bounds_what_a_run_writes(model_dir, text_file, tmp
     """The estimate the pre-check uses is an upper bound of the real output, and not absurdly loose."""
     from transformers import AutoConfig
 
-    from oscar_calib.calibration.disk_budget import output_bytes
+    from oscar_calib.calibration.scale.disk_budget import output_bytes
 
     rc, _, err = run_cli(args(model_dir, text_file, tmp_path / "o"), monkeypatch, capsys)
     assert rc == 0, err

@@ -270,7 +270,7 @@ def test_a_dead_peer_turns_into_a_clear_capture_error(monkeypatch):
 # -- checkpoint and resume -----------------------------------------------------------------------------------------
 def test_sigint_leaves_a_consistent_checkpoint_then_resume_gives_the_same_bytes(model_dir, text_file, tmp_path,
                                                                                  monkeypatch, capsys, reference):
-    import oscar_calib.calibration.sharded_capture as sc
+    import oscar_calib.calibration.scale.sharded_capture as sc
 
     out, ckpt_dir = tmp_path / "art", tmp_path / "art.checkpoint"
     ckpt = ckpt_dir / "oscar.checkpoint.safetensors"
@@ -422,7 +422,7 @@ def test_artifact_bits_do_not_depend_on_the_thread_count():
 
 
 def test_checkpoint_file_round_trip_and_refusals(tmp_path, reference):
-    from oscar_calib.calibration.checkpoint import MARKER_FILENAME, load_checkpoint, save_checkpoint
+    from oscar_calib.calibration.scale.checkpoint import MARKER_FILENAME, load_checkpoint, save_checkpoint
     from oscar_calib.calibration.stats import LayerStats
 
     totals = {3: LayerStats.zeros(2, 4)}

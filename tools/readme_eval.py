@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The fixtures' quality tables (docs/quality.md): calibrate OSCAR (per head and per layer) and compare every KV method.
 
-Same computation as `oscar-calib eval` (it calls the same functions), without the Typer CLI, so it also
+Same computation as `oscar-calib eval` (it calls the same entry point, `analysis.eval_job.run_eval`), without the Typer CLI, so it also
 runs where only torch + transformers (+ pydantic) are installed. Writes `eval_<context>.json`,
 `eval_<context>.md` (a markdown table) and, when matplotlib is there, `eval_<context>.png` into `--out`.
 
@@ -78,12 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the 128/1024 layout")
     args = p.parse_args(argv)
 
-    from oscar_calib.analysis.evaluate import (
-        evaluate_methods,
-        generation_agreement,
-        make_windows,
-        read_documents,
-    )
+    from oscar_calib.analysis.eval_job import EvalRequest, calibration_ids, eval_methods, run_eval
+    from oscar_calib.analysis.evaluate import generation_agreement, make_windows, read_documents
     from oscar_calib.analysis.methods import standard_methods
     from oscar_calib.calibration.calibrate import calibrate_model_with_report
     from oscar_calib.config import SolverSettings
@@ -100,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[readme_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     tok, model, device, dtype = load_fixture(args.model)
-    cal = make_windows(tok, read_documents(args.model / "calib.txt"), args.context)
-    ids = torch.cat([cal.long, cal.packed])[:args.calib_samples].to(device)
+    ids = calibration_ids(tok, args.model / "calib.txt", args.context, args.calib_samples).to(device)
     # The main table's rows share its windows (64/256) and fp16 scales, so its bits are equal; the recipe itself
     # (ue5m3 scales, 128/1024 windows) is a row of the --equal-bits sweep.
     variants = {MAIN_ROW: {}}
@@ -146,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     windows = make_windows(tok, read_documents(args.model / "heldout.txt"), args.context, args.max_windows)
     t0 = time.perf_counter()
     main_arts = {k: v for k, v in arts.items() if k not in layouts}
-    result = evaluate_methods(model, standard_methods(model.config.head_dim, main_fmt, main_arts), windows, main_fmt,
-                              args.batch_size)
+    # The main table through the entry point `oscar-calib eval` calls (without its centered peer row, and with the
+    # agreement below over every artifact, the window-sweep ones included).
+    main_request = EvalRequest(fmt=main_fmt, simulated=main_fmt, batch_size=args.batch_size, generation_steps=0,
+                               generation_windows=0, probes=0)
+    result = run_eval(model, tok, eval_methods(model.config.head_dim, main_fmt, main_arts, with_centered_peer=False),
+                      main_arts, windows, main_request)
     log(f"evaluated in {time.perf_counter() - t0:.1f}s")
     result["fits"] = fits
     head_dim = model.config.head_dim
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"eval_{args.context}.md").write_text(markdown_table(result))
     print(markdown_table(result))
     try:
-        from oscar_calib.cli.eval_cmd import write_plot
+        from oscar_calib.analysis.eval_plot import write_plot
 
         write_plot(result, args.out / f"eval_{args.context}.png")
     except Exception as exc:  # noqa: BLE001 - no matplotlib / typer on this machine: the JSON and table remain

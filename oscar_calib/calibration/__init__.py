@@ -1,1 +1,1 @@
-"""Calibration: data -> capture -> statistics -> solve / clip fit -> artifact, with scale-out (distributed, sharded capture) and checkpoints."""
+"""Calibration: data -> capture -> statistics -> solve / clip fit -> artifact (the steps of a run, here), and its scale-out (distributed ranks, sharded capture, checkpoints, disk and memory budgets) in `calibration.scale`."""

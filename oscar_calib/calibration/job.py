@@ -16,7 +16,6 @@ import torch
 from rich.console import Console
 
 from oscar_calib import __version__
-from oscar_calib.calibration import distributed
 from oscar_calib.calibration.calibrate import (
     CalibrationReport,
     artifact_from_statistics,
@@ -25,11 +24,16 @@ from oscar_calib.calibration.calibrate import (
     check_supported,
 )
 from oscar_calib.calibration.capture import sliding_window_layers
-from oscar_calib.calibration.checkpoint import checkpoint_exists, prepare_checkpoint_dir, remove_checkpoint
 from oscar_calib.calibration.data import load_calibration_data
-from oscar_calib.calibration.disk_budget import check_run_space, output_bytes, sums_bytes
-from oscar_calib.calibration.memory import peak_memory
-from oscar_calib.calibration.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
+from oscar_calib.calibration.scale import distributed
+from oscar_calib.calibration.scale.checkpoint import (
+    checkpoint_exists,
+    prepare_checkpoint_dir,
+    remove_checkpoint,
+)
+from oscar_calib.calibration.scale.disk_budget import check_run_space, output_bytes, sums_bytes
+from oscar_calib.calibration.scale.memory import peak_memory
+from oscar_calib.calibration.scale.sharded_capture import CapturePlan, checkpoint_identity, make_accumulator
 from oscar_calib.calibration.stats_file import STATS_FILENAME, make_provenance, save_statistics
 from oscar_calib.config import AUTO_HOLDOUT_CAP, CalibrationConfig, DataConfig
 from oscar_calib.errors import InputError
@@ -59,7 +63,7 @@ class RunOptions:
     """How a run is carried out, not what it computes (so none of it is in the recipe).
 
     - `checkpoint`: checkpoint directory (default `<out>.checkpoint` beside the output directory; see
-      `oscar_calib.calibration.checkpoint`: a directory of its own kind, never an existing file or other directory);
+      `oscar_calib.calibration.scale.checkpoint`: a directory of its own kind, never an existing file or other directory);
     - `checkpoint_every`: samples between checkpoints (None: no checkpoints, unless resuming);
     - `resume`: continue from the checkpoint (refused if it was made with other settings);
     - `shard`: `(index, count)`: sum only that contiguous part of the samples (merge the statistics later);
@@ -222,12 +226,53 @@ def run_calibration(config: CalibrationConfig, out_dir: str | os.PathLike, overw
 
 def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Console | None, options: RunOptions,
          ctx: distributed.DistContext | None) -> Path | None:
-    from oscar_calib import demo
-
+    """The steps of a run, in order: checks that need nothing loaded, device, model, sizes, data, capture and solve,
+    then the atomic write and the summary."""
     main_rank = ctx is None or ctx.is_main
     # The caller's console (the CLI's output object) on rank 0; else lines are logged, not printed (ranks other
     # than 0 of a data-parallel run, and library callers that passed none).
     console = console if console is not None and main_rank else log_console(logger)
+    _check_before_work(config, out_dir, overwrite, options)
+    choices = Choices()
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    device, dtype = _device_and_dtype(config, ctx, choices)
+    t0 = time.perf_counter()
+    source = _model_source(config, choices)
+    source = _open_model(config, source, dtype, device)
+    sizes = _sizes(config, source, device, dtype, options, out_dir, main_rank, choices)
+    for key, reason in choices.reasons.items():
+        console.print(f"[cyan]{key}[/]={choices.values[key]}: {reason}")
+    data = _load_data(sizes, source, options, console)
+    with tempfile.TemporaryDirectory(prefix="oscar-offload-") as scratch:
+        model = source.model
+        if model is None:
+            offload = options.offload_folder or Path(scratch)
+            model = _load_model(source.ref, config.model_revision, dtype, device, config.trust_remote_code,
+                                config.device_map, config.max_memory, offload)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings["load_s"] = time.perf_counter() - t0
+        placement = placement_summary(model)
+        if placement is not None:
+            console.print("placement (accelerate):\n" + describe_placement(placement))
+        result = _calibrate(model, source.model_id, source.revision, config, sizes.data, data, sizes.batch_size,
+                            sizes.sample_range, options, out_dir, ctx, console, dtype)
+    if result is None:
+        return None
+    artifact, report, statistics, plan = result
+    timings.update(report.timings)
+    log = _write_outputs(out_dir, overwrite, sizes, artifact, report, statistics, plan, config, choices, timings,
+                         placement, options, ctx, t_start)
+    if plan.checkpoint_path is not None:
+        # the statistics file supersedes it; only the run's files go (an empty directory the user made stays)
+        remove_checkpoint(plan.checkpoint_path, keep_dir=options.keep_checkpoint_dir)
+    _print_summary(console, out_dir, report, log, config)
+    return out_dir
+
+
+def _check_before_work(config: CalibrationConfig, out_dir: Path, overwrite: bool, options: RunOptions) -> None:
+    """What can be refused before the model loads: the output directory, the checkpoint, --resume, --max-memory."""
     check_output_dir(out_dir, overwrite)
     if options.checkpointing() or options.checkpoint is not None:  # before the model loads: nothing is lost later
         options.keep_checkpoint_dir = prepare_checkpoint_dir(options.checkpoint_path(out_dir), forbidden=out_dir)
@@ -235,10 +280,11 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         raise InputError(f"--resume: no checkpoint at {options.checkpoint_path(out_dir)} (pass --checkpoint PATH)")
     if config.max_memory is not None and config.device_map is None:
         raise InputError("--max-memory needs --device-map (auto, balanced, balanced_low_0 or sequential)")
-    choices = Choices()
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
 
+
+def _device_and_dtype(config: CalibrationConfig, ctx: distributed.DistContext | None,
+                      choices: Choices) -> tuple[str, torch.dtype]:
+    """The device (one GPU per rank under a launcher, whose process group starts here) and the capture dtype."""
     device = resolve_device(config.device, choices)
     if ctx is not None:
         if config.device_map is not None:
@@ -250,89 +296,129 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         backend = distributed.initialise(ctx, device)
         choices.set("data_parallel", f"{ctx.world_size} ranks ({backend})",
                     "WORLD_SIZE set by the launcher: the samples are shared among the ranks, rank 0 writes")
-    dtype = resolve_dtype(config.dtype, device, choices)
-    data_cfg = config.data
-    default_text = None
-    t0 = time.perf_counter()
-    if config.model is None:
-        if demo.fixture_available():
-            model_ref = str(demo.FIXTURE_DIR)
-            choices.set("model", "tiny-qwen3 fixture", "no --model: the small Qwen3 trained for this project")
-        else:
-            model_ref = None
-            choices.set("model", demo.DEMO_MODEL_ID, "no --model: a tiny random Qwen3 built from a config")
-        if data_cfg.dataset is None:
-            default_text = demo.demo_text_path()
-            choices.set("dataset", default_text.name, "no --dataset: the demo text shipped with the package")
-    else:
-        model_ref = config.model
-        if data_cfg.dataset is None:
-            raise InputError("--dataset is required with --model (a Hub dataset id, or a local .jsonl/.txt file)")
+    return device, resolve_dtype(config.dtype, device, choices)
 
-    if model_ref is None:
+
+@dataclass
+class ModelSource:
+    """The model a run calibrates, before its weights load.
+
+    - ref: what loads the weights (a Hub id, a folder, a .gguf file); None for the random demo model, built in memory;
+    - default_text: the demo text when no --dataset was given (else None);
+    - after `_open_model`: its config, tokenizer, the model id and revision the artifact names, and `model` when
+      built already (the random demo model)."""
+
+    ref: str | None
+    default_text: Path | None
+    config: object = None
+    tokenizer: object = None
+    model_id: str = ""
+    revision: str = ""
+    model: torch.nn.Module | None = None
+
+
+def _model_source(config: CalibrationConfig, choices: Choices) -> ModelSource:
+    """The model and text a run uses: --model and --dataset, else the demo's (the fixture, or a random Qwen3)."""
+    from oscar_calib import demo
+
+    if config.model is not None:
+        if config.data.dataset is None:
+            raise InputError("--dataset is required with --model (a Hub dataset id, or a local .jsonl/.txt file)")
+        return ModelSource(config.model, None)
+    if demo.fixture_available():
+        ref = str(demo.FIXTURE_DIR)
+        choices.set("model", "tiny-qwen3 fixture", "no --model: the small Qwen3 trained for this project")
+    else:
+        ref = None
+        choices.set("model", demo.DEMO_MODEL_ID, "no --model: a tiny random Qwen3 built from a config")
+    default_text = None
+    if config.data.dataset is None:
+        default_text = demo.demo_text_path()
+        choices.set("dataset", default_text.name, "no --dataset: the demo text shipped with the package")
+    return ModelSource(ref, default_text)
+
+
+def _open_model(config: CalibrationConfig, source: ModelSource, dtype: torch.dtype, device: str) -> ModelSource:
+    """`source` with its config, tokenizer and identity (the weights load later, after every check); the random
+    demo model is built here, on `device`."""
+    from oscar_calib import demo
+
+    if source.ref is None:
         model, tokenizer = demo.random_demo_model(dtype=dtype)
         model.to(device)
-        model_config = model.config
-        model_id, revision = demo.DEMO_MODEL_ID, "random-init-seed0"
+        opened = ModelSource(None, source.default_text, model.config, tokenizer, demo.DEMO_MODEL_ID,
+                             "random-init-seed0", model)
     else:
-        model_config = _load_config(model_ref, config.model_revision, config.trust_remote_code)
+        model_config = _load_config(source.ref, config.model_revision, config.trust_remote_code)
         check_supported(model_config)
-        model = None
-        tokenizer = _load_tokenizer(model_ref, config.model_revision, config.trust_remote_code)
-        model_id = recorded_model_id(config.model) or demo.FIXTURE_MODEL_ID
+        tokenizer = _load_tokenizer(source.ref, config.model_revision, config.trust_remote_code)
         revision = (config.model_revision or getattr(model_config, "_commit_hash", None)
                     or (demo.fixture_revision() if config.model is None else "local"))
-    check_supported(model_config)
-    limit = max_positions(model_config)
-    if limit is not None and data_cfg.seq_len > limit:
-        raise InputError(f"--seq-len {data_cfg.seq_len}: above the model's max_position_embeddings={limit}")
-    data_cfg = resolve_holdout_len(data_cfg, limit, choices)
+        opened = ModelSource(source.ref, source.default_text, model_config, tokenizer,
+                             recorded_model_id(config.model) or demo.FIXTURE_MODEL_ID, revision)
+    check_supported(opened.config)
+    return opened
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    """The data settings with the held-out length decided, the batch size, this process's samples `[start, end)`
+    and the bytes the output directory will take."""
+
+    data: DataConfig
+    batch_size: int
+    sample_range: tuple[int, int]
+    out_bytes: int
+
+
+def _sizes(config: CalibrationConfig, source: ModelSource, device: str, dtype: torch.dtype, options: RunOptions,
+           out_dir: Path, main_rank: bool, choices: Choices) -> RunSizes:
+    """Lengths against the model's context, the batch size, the shard, and the disk space (refused now, not after
+    the calibration); --device-map needs a model that loads."""
+    limit = max_positions(source.config)
+    if limit is not None and config.data.seq_len > limit:
+        raise InputError(f"--seq-len {config.data.seq_len}: above the model's max_position_embeddings={limit}")
+    data_cfg = resolve_holdout_len(config.data, limit, choices)
     check_holdout_length(config.solver, data_cfg.holdout_len)
     batch_size = resolve_batch_size(config.batch_size, device, data_cfg.seq_len, choices)
     sample_range = shard_range(data_cfg.samples, options.shard, batch_size)
-    out_bytes = output_bytes(model_config, dtype, data_cfg.holdout_len, data_cfg.holdout_samples, data_cfg.holdout_queries)
+    out_bytes = output_bytes(source.config, dtype, data_cfg.holdout_len, data_cfg.holdout_samples,
+                             data_cfg.holdout_queries)
     if main_rank:  # rank 0 writes: a full disk is refused now, not after the calibration
         check_run_space(out_dir, out_bytes,
                         options.checkpoint_path(out_dir) if options.checkpointing() else None,
-                        2 * sums_bytes(model_config))
+                        2 * sums_bytes(source.config))
     if config.device_map is not None:
-        if model_ref is None:
+        if source.ref is None:
             raise InputError("--device-map needs --model (the demo model is built in memory)")
         choices.set("device_map", config.device_map, "given on the command line: accelerate spreads the layers")
-    for key, reason in choices.reasons.items():
-        console.print(f"[cyan]{key}[/]={choices.values[key]}: {reason}")
+    return RunSizes(data_cfg, batch_size, sample_range, out_bytes)
 
-    data = load_calibration_data(data_cfg, tokenizer, default_path=default_text)
+
+def _load_data(sizes: RunSizes, source: ModelSource, options: RunOptions, console: Console):
+    """The calibration and held-out token ids, with a line saying how many and from where."""
+    data_cfg = sizes.data
+    data = load_calibration_data(data_cfg, source.tokenizer, default_path=source.default_text)
     console.print(f"data: {data.input_ids.shape[0]} x {data_cfg.seq_len} tokens for statistics, "
                   f"{data.holdout_ids.shape[0]} x {data_cfg.holdout_len} held out, from {data.documents} documents of "
                   f"'{data.source}'")
     if options.shard is not None:
-        console.print(f"shard {options.shard[0]}/{options.shard[1]}: samples [{sample_range[0]}, {sample_range[1]})")
-    with tempfile.TemporaryDirectory(prefix="oscar-offload-") as scratch:
-        if model is None:
-            offload = options.offload_folder or Path(scratch)
-            model = _load_model(model_ref, config.model_revision, dtype, device, config.trust_remote_code,
-                                config.device_map, config.max_memory, offload)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        timings["load_s"] = time.perf_counter() - t0
-        placement = placement_summary(model)
-        if placement is not None:
-            console.print("placement (accelerate):\n" + describe_placement(placement))
-        result = _calibrate(model, model_id, revision, config, data_cfg, data, batch_size, sample_range, options,
-                            out_dir, ctx, console, dtype)
-    if result is None:
-        return None
-    artifact, report, statistics, plan = result
-    timings.update(report.timings)
+        console.print(f"shard {options.shard[0]}/{options.shard[1]}: samples [{sizes.sample_range[0]}, "
+                      f"{sizes.sample_range[1]})")
+    return data
 
+
+def _write_outputs(out_dir: Path, overwrite: bool, sizes: RunSizes, artifact, report: CalibrationReport, statistics,
+                   plan, config: CalibrationConfig, choices: Choices, timings: dict, placement, options: RunOptions,
+                   ctx: distributed.DistContext | None, t_start: float) -> dict:
+    """Artifact, statistics, model card and log into `out_dir`, atomically (all or nothing); returns the log."""
     t0 = time.perf_counter()
-    with atomic_output_dir(out_dir, overwrite, "--out", needed_bytes=out_bytes) as tmp:
+    with atomic_output_dir(out_dir, overwrite, "--out", needed_bytes=sizes.out_bytes) as tmp:
         write_artifact(artifact, tmp)
         save_statistics(statistics, tmp / STATS_FILENAME)
         log = build_log(config, choices, report, timings, artifact.metadata)
         log["placement"] = placement
-        log["run"] = {"world_size": ctx.world_size if ctx else 1, "sample_range": list(sample_range),
+        log["run"] = {"world_size": ctx.world_size if ctx else 1, "sample_range": list(sizes.sample_range),
                       "shard": list(options.shard) if options.shard else None, "resumed_from_sample": plan.resumed_from,
                       "checkpoint_every": options.checkpoint_every, "statistics_file": STATS_FILENAME}
         log["memory"] = {**peak_memory(), "accumulator_bytes": statistics.accumulator_bytes()}
@@ -341,11 +427,14 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         timings["total_s"] = time.perf_counter() - t_start
         log["timings"] = timings
         (tmp / LOG_FILENAME).write_text(json.dumps(log, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    if plan.checkpoint_path is not None:
-        # the statistics file supersedes it; only the run's files go (an empty directory the user made stays)
-        remove_checkpoint(plan.checkpoint_path, keep_dir=options.keep_checkpoint_dir)
+    return log
+
+
+def _print_summary(console: Console, out_dir: Path, report: CalibrationReport, log: dict,
+                   config: CalibrationConfig) -> None:
+    """What was written, the peak memory, the held-out errors and the heads that took Hadamard keys."""
     summary = report.summary()
-    mem = log["memory"]
+    mem, timings = log["memory"], log["timings"]
     console.print(f"[green]wrote[/] {out_dir}/{ARTIFACT_FILENAME} ({len(report.layer_ids)} layers, "
                   f"skipped {report.skipped_layers or 'none'}) in {timings['total_s']:.1f}s; peak host memory "
                   f"{format_bytes(mem['host_peak_bytes'])}" + "".join(
@@ -357,7 +446,6 @@ def _run(config: CalibrationConfig, out_dir: Path, overwrite: bool, console: Con
         n = sum(map(len, report.hadamard_key_heads.values()))
         console.print(f"keys rotated by Hadamard in {n} KV heads (layer:heads {head_list(report.hadamard_key_heads)};"
                       f" INT2-history attention share above {config.solver.hadamard_key_mass:g})")
-    return out_dir
 
 
 def _calibrate(model, model_id, revision, config: CalibrationConfig, data_cfg, data, batch_size: int,

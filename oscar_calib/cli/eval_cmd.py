@@ -36,17 +36,11 @@ def _sized(output: Output, value, flag: str, on_gpu: bool, gpu, cpu):
 
 def _calibrate(output: Output, model, tokenizer, calib_path: Path, context: int, samples: int, fmt) -> dict:
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
-    import torch
-
-    from oscar_calib.analysis.evaluate import make_windows, read_documents
+    from oscar_calib.analysis.eval_job import calibration_ids
     from oscar_calib.calibration.calibrate import calibrate_model
     from oscar_calib.config import SolverSettings, format_settings
 
-    w = make_windows(tokenizer, read_documents(calib_path), context)
-    ids = torch.cat([w.long, w.packed])[:samples]
-    if ids.shape[0] < 2:
-        raise InputError(f"--calib-data {calib_path}: gives {ids.shape[0]} window(s) of {context} tokens; "
-                         "expected at least 2 (one is held out for the clip fit); pass more text or a shorter --context")
+    ids = calibration_ids(tokenizer, calib_path, context, samples)
     device = next(model.parameters()).device
     out = {}
     for gran in ("head", "layer"):
@@ -69,33 +63,6 @@ def _ci(ci) -> str:
     return "" if not ci or any(x != x for x in ci) else f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
 
 
-def compare_to_best_peer(result: dict, oscar_names: list[str]) -> dict:
-    """Each OSCAR row against the best non-OSCAR INT2 row of no more bits at 128K (lowest perplexity): the paired
-    bootstrap interval of the perplexity change over the same windows, and a verdict that a reader can trust (a tie
-    when the interval holds 0)."""
-    import torch
-
-    from oscar_calib.analysis.evaluate import bootstrap_delta_ci
-
-    rows = {r["name"]: r for r in result["methods"]}
-    out = {}
-    for name in oscar_names:
-        r = rows.get(name)
-        if r is None:
-            continue
-        # a peer of no more bits at 128K (KIVI with 32-token groups spends 2.74 bits: not a peer of a 2.25-bit cache)
-        peers = [p for p in result["methods"] if p["name"] not in oscar_names and p["name"] != "bf16"
-                 and p["effective_bits_128k"] <= r["effective_bits_128k"] + 1e-9]
-        if not peers:
-            continue
-        best = min(peers, key=lambda p: p["ppl"])
-        lo, hi = bootstrap_delta_ci(torch.tensor(r["window_nll"]), torch.tensor(best["window_nll"]))
-        delta = 100.0 * (r["ppl"] / best["ppl"] - 1.0)
-        verdict = "tie" if lo != lo or lo <= 0 <= hi else ("better" if hi < 0 else "worse")
-        out[name] = {"peer": best["name"], "delta_pct": delta, "ci95": [lo, hi], "verdict": verdict}
-    return out
-
-
 def _table(result: dict):
     from rich.table import Table
 
@@ -114,37 +81,6 @@ def _table(result: dict):
                   "" if delta is None else f"{delta:+.2f}%{_ci(r.get('ppl_delta_ci95'))}", peer_text,
                   f"{r['mean_attn_kl']:.4f}", f"{r['mean_out_rel_err']:.4f}")
     return t
-
-
-def write_plot(result: dict, path: Path) -> None:
-    """Two panels: perplexity change vs BF16 per method (with its bits), per-layer attention KL per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["methods"] if r["name"] != "bf16"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [f"{r['name']}\n{r['effective_bits_128k']:.2f} b@128K" for r in rows]
-    a.bar(range(len(rows)), [r["ppl_delta_pct"] or 0.0 for r in rows], color="tab:blue")
-    a.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=8)
-    a.set_ylabel("perplexity vs BF16 (%)")
-    a.set_title(f"context {result['context']}")
-    for r in rows:
-        if r["layers"]:
-            b.plot([x["layer"] for x in r["layers"]], [max(x["attn_kl"], 1e-12) for x in r["layers"]], marker="o",
-                   label=r["name"])
-    b.set_yscale("log")
-    from matplotlib.ticker import MaxNLocator
-
-    b.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
-    b.set_xlabel("layer")
-    b.set_ylabel("attention KL to BF16")
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 @app.command("eval", epilog=_EXAMPLES)
@@ -176,25 +112,85 @@ def eval_cmd(
     """Teacher-forced evaluation of KV methods as a decoder sees them (BF16 sink + recent, INT2 history)."""
     if plot is not None:
         require("matplotlib", "plot", "--plot")
-    import torch
-
-    from oscar_calib.analysis.evaluate import (
-        evaluate_methods,
-        generation_agreement,
-        make_windows,
-        read_documents,
-    )
-    from oscar_calib.analysis.methods import standard_methods
-    from oscar_calib.calibration.job import Choices, max_positions, resolve_device, resolve_dtype
-    from oscar_calib.cli.checks import check_model, local_model_id
-    from oscar_calib.cli.preflight import check_model_ref
-    from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
-    from oscar_calib.loading import is_gguf, load_model, load_tokenizer
-    from runtime_kernels.artifact import model_geometry, read_artifact
+    from oscar_calib.analysis.eval_job import EvalRequest, check_generation_steps, eval_methods, run_eval
+    from oscar_calib.analysis.evaluate import make_windows, read_documents
+    from oscar_calib.demo import FIXTURE_DIR
+    from runtime_kernels.artifact import model_geometry
 
     output = Output(as_json, tag="eval")
+    model, model_id, data = _inputs(output, model, model_id, artifact, data, context)
+    dev, torch_dtype = _device(output, device, dtype)
+    calib_samples, max_windows, generation_steps, bs, probes = _sizes(
+        output, dev.startswith("cuda"), calib_samples, max_windows, generation_steps, batch_size, probes)
+    tokenizer, lm = _load(model, revision, torch_dtype, dev, context)
+    arts = _read_artifacts(artifact or [], lm.config, model, model_id, allow_other_model)
+    fmt = _format(arts, sink, recent, context)
+    if not arts:
+        arts = _calibrate(output, lm, tokenizer, calib_data or FIXTURE_DIR / "calib.txt", context, calib_samples, fmt)
+    windows = make_windows(tokenizer, read_documents(data), context, max_windows)
+    if not windows.all():
+        raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
+    wanted = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    all_methods = eval_methods(model_geometry(lm.config)[3], fmt, arts, wanted)
+    check_generation_steps(generation_steps, context, fmt)  # before the evaluation, not after it
+    output.note(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
+                f"methods: {', '.join(m.name for m in all_methods)}")
+    # the teacher-forced history grows a page at a time
+    request = EvalRequest(fmt=fmt, simulated=format_from_flags(fmt, page_size=page_size), batch_size=bs,
+                          generation_steps=generation_steps, generation_windows=generation_windows, probes=probes)
+    with output.stages() as stages:
+        progress = _progress(stages, len(all_methods) * len(list(windows.all())))
+        result = run_eval(lm, tokenizer, all_methods, arts, windows, request, progress=progress)
+    result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", "")})
+    _report(output, result, json_out, plot, as_json)
+
+
+def _sizes(output: Output, on_gpu: bool, calib_samples, max_windows, generation_steps, batch_size, probes):
+    """The sizes left unset, at their GPU or CPU default (noted); a negative --probes is refused."""
+    calib_samples = _sized(output, calib_samples, "--calib-samples", on_gpu, gpu=16, cpu=6)
+    max_windows = _sized(output, max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
+    generation_steps = _sized(output, generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
+    batch_size = _sized(output, batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
+    probes = _sized(output, probes, "--probes", on_gpu, gpu=16, cpu=0)
+    if probes < 0:
+        raise InputError(f"--probes {probes}: expected 0 (skip) or a number of passkey needles")
+    return calib_samples, max_windows, generation_steps, batch_size, probes
+
+
+def _format(arts: dict, sink, recent, context: int):
+    """The one KV format of this evaluation: the first artifact's (else the recipe's), with --sink/--recent; the
+    context must leave an INT2 history between the windows."""
+    fmt = format_from_flags(next(iter(arts.values())).kv_format if arts else DEFAULT_FORMAT, sink_tokens=sink,
+                            recent_tokens=recent)
+    windows = fmt.sink_tokens + fmt.recent_tokens
+    if context <= windows:
+        raise InputError(f"--context {context}: the windows (sink {fmt.sink_tokens} + recent {fmt.recent_tokens}) "
+                         f"leave no INT2 history to evaluate; use --context {2 * windows} or more, or smaller "
+                         "--sink/--recent")
+    return fmt
+
+
+def _progress(stages, total: int):
+    """A progress callback for `run_eval`: one step per method and window set, out of `total`."""
+    step, done = stages.steps("eval", unit="method x window set"), [0]
+
+    def advance(name: str, kind: str) -> None:
+        done[0] += 1
+        step(f"{name} ({kind})", done[0], total)
+
+    step("", 0, total)
+    return advance
+
+
+def _inputs(output: Output, model, model_id, artifacts, data, context: int):
+    """(model, model_id, data) with the fixture's defaults, after the checks that need nothing loaded."""
+    from oscar_calib.cli.checks import local_model_id
+    from oscar_calib.cli.preflight import check_model_ref
+    from oscar_calib.demo import FIXTURE_DIR, FIXTURE_MODEL_ID, fixture_available
+    from oscar_calib.loading import is_gguf
+
     check_model_ref(model)  # a missing path (exit 2) or an unreachable Hub (exit 5) before anything loads
-    for path in artifact or []:
+    for path in artifacts or []:
         if not path.exists():
             raise InputError(f"--artifact {path}: no such directory (expected an artifact directory or "
                              "oscar_kv.safetensors file)")
@@ -211,116 +207,81 @@ def eval_cmd(
         output.note(f"data={data} (the fixture's held-out text: no --data given)")
     if context < 8:
         raise InputError(f"--context {context}: expected at least 8 tokens")
+    return model, model_id, data
+
+
+def _device(output: Output, device, dtype):
+    """The device and torch dtype, each auto-chosen value noted with its reason."""
+    from oscar_calib.calibration.job import Choices, resolve_device, resolve_dtype
+
     choices = Choices()
     dev = resolve_device(device, choices)
     torch_dtype = resolve_dtype(dtype, dev, choices)
     for key, reason in choices.reasons.items():
         output.note(f"{key}={choices.values[key]} ({reason})")
-    on_gpu = dev.startswith("cuda")
-    calib_samples = _sized(output, calib_samples, "--calib-samples", on_gpu, gpu=16, cpu=6)
-    max_windows = _sized(output, max_windows, "--max-windows", on_gpu, gpu=16, cpu=4)
-    generation_steps = _sized(output, generation_steps, "--generation-steps", on_gpu, gpu=64, cpu=16)
-    bs = _sized(output, batch_size, "--batch-size", on_gpu, gpu=4, cpu=1)
-    probes = _sized(output, probes, "--probes", on_gpu, gpu=16, cpu=0)
-    if probes < 0:
-        raise InputError(f"--probes {probes}: expected 0 (skip) or a number of passkey needles")
+    return dev, torch_dtype
+
+
+def _load(model: str, revision, torch_dtype, dev: str, context: int):
+    """The tokenizer and the model; a context beyond the model's positions is refused."""
+    from oscar_calib.calibration.job import max_positions
+    from oscar_calib.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(model, revision, False)
     lm = load_model(model, revision, torch_dtype, dev, False)
     limit = max_positions(lm.config)
     if limit is not None and context > limit:
         raise InputError(f"--context {context}: the model's max_position_embeddings is {limit}")
+    return tokenizer, lm
+
+
+def _read_artifacts(paths: list[Path], config, model: str, model_id, allow_other_model: bool) -> dict:
+    """name -> artifact, each checked against the model; names `oscar-<granularity>`, primed when repeated."""
+    from oscar_calib.cli.checks import check_model
+    from runtime_kernels.artifact import read_artifact
 
     arts = {}
-    for path in artifact or []:
+    for path in paths:
         art = read_artifact(path)
-        check_model(art, lm.config, model=model, model_id=model_id, allow_other_model=allow_other_model)
+        check_model(art, config, model=model, model_id=model_id, allow_other_model=allow_other_model)
         name = f"oscar-{art.metadata.get('granularity', 'head')}"
         while name in arts:
             name += "'"
         arts[name] = art
-    # The one KV format of this evaluation: the first artifact's (else the recipe's), with --sink/--recent.
-    fmt = format_from_flags(next(iter(arts.values())).kv_format if arts else DEFAULT_FORMAT, sink_tokens=sink,
-                            recent_tokens=recent)
-    simulated = format_from_flags(fmt, page_size=page_size)  # the teacher-forced history grows a page at a time
-    sink, recent = fmt.sink_tokens, fmt.recent_tokens
-    if context <= sink + recent:
-        raise InputError(f"--context {context}: the windows (sink {sink} + recent {recent}) leave no INT2 history to "
-                         f"evaluate; use --context {2 * (sink + recent)} or more, or smaller --sink/--recent")
-    if not arts:
-        calib_data = calib_data or FIXTURE_DIR / "calib.txt"
-        arts = _calibrate(output, lm, tokenizer, calib_data, context, calib_samples, fmt)
+    return arts
 
-    windows = make_windows(tokenizer, read_documents(data), context, max_windows)
-    if not windows.all():
-        raise InputError(f"--data {data}: holds fewer than {context} tokens (no full window)")
-    head_dim = model_geometry(lm.config)[3]
-    from oscar_calib.analysis.peers import centered_peer
 
-    all_methods = standard_methods(head_dim, fmt, arts)
-    first_oscar = next((i for i, m in enumerate(all_methods) if m.name in arts), len(all_methods))
-    all_methods[first_oscar:first_oscar] = centered_peer(arts)  # the strongest simple peer, next to OSCAR
-    if methods:
-        wanted = [m.strip() for m in methods.split(",") if m.strip()]
-        known = [m.name for m in all_methods]
-        unknown = [m for m in wanted if m not in known]
-        if unknown:
-            raise InputError(f"--methods: unknown method(s) {unknown}; expected names from {known}")
-        all_methods = [m for m in all_methods if m.name in wanted]
-    if generation_steps > 0 and generation_steps >= context - sink - recent:  # checked before the evaluation
-        raise InputError(f"--generation-steps {generation_steps}: must leave a prompt longer than sink + recent "
-                         f"({sink + recent}) inside the {context}-token window (pass --generation-steps 0 to skip)")
-    output.note(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
-                f"methods: {', '.join(m.name for m in all_methods)}")
-    t0 = time.perf_counter()
-    kinds = len(list(windows.all()))
-    with output.stages() as stages:
-        step, done = stages.steps("eval", unit="method x window set"), [0]
-
-        def advance(name: str, kind: str) -> None:
-            done[0] += 1
-            step(f"{name} ({kind})", done[0], len(all_methods) * kinds)
-
-        step("", 0, len(all_methods) * kinds)
-        result = evaluate_methods(lm, all_methods, windows, simulated, bs, progress=advance)
-    if generation_steps > 0:
-        gen_windows = torch.cat([windows.long, windows.packed])[:generation_windows]
-        result["generation_agreement"] = generation_agreement(lm, arts, gen_windows, generation_steps, fmt)
-    if probes > 0:
-        from oscar_calib.analysis.probes import run_probes
-
-        result["probes"] = run_probes(lm, tokenizer, all_methods, arts, torch.cat([windows.long, windows.packed]),
-                                      probes, fmt)
-        brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in result["probes"]["passkey"].items()}
-        output.note(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(result['probes']['verbatim'])}")
-    result["vs_best_peer"] = compare_to_best_peer(result, list(arts))
-    result.update({"model": model, "data": str(data), "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
-                   "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                   "seconds": round(time.perf_counter() - t0, 1)})
+def _report(output: Output, result: dict, json_out: Path | None, plot: Path | None, as_json: bool) -> None:
+    """The files asked for, then the table (or the JSON) and the agreement and probe lines."""
+    pr = result.get("probes")
+    if pr:
+        brief = {name: {k: v for k, v in r.items() if k != "per_needle"} for name, r in pr["passkey"].items()}
+        output.note(f"probes: passkey {json.dumps(brief)}; verbatim {json.dumps(pr['verbatim'])}")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=1))
         output.note(f"wrote {json_out}")
     if plot is not None:
+        from oscar_calib.analysis.eval_plot import write_plot
+
         write_plot(result, plot)
         output.note(f"wrote {plot}")
     if as_json:
         output.json(result, indent=1)
-    else:
-        output.rich(_table(result))  # no truncated columns in pipes/logs
-        agree = result.get("generation_agreement")
-        if agree and agree.get("status") == "ok":
-            for name, r in agree["methods"].items():
-                output.rich(f"{name}: greedy next-token match with BF16 through the runtime "
-                            f"{100 * r['match_rate']:.1f}% over {agree['steps']} steps "
-                            f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
-        elif agree:
-            output.rich(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")
-        pr = result.get("probes")
-        if pr:
-            for name, r in pr["passkey"].items():
-                output.rich(f"{name}: passkey {100 * r['key_token_accuracy']:.0f}% of key tokens, "
-                            f"{100 * r['keys_exact']:.0f}% of {r['needles']} keys exact; verbatim recall "
-                            f"{_pct(pr['verbatim'].get(name))}")
-            if "bf16" not in pr["passkey"]:
-                output.rich(f"bf16: verbatim recall {_pct(pr['verbatim'].get('bf16'))}")
+        return
+    output.rich(_table(result))  # no truncated columns in pipes/logs
+    agree = result.get("generation_agreement")
+    if agree and agree.get("status") == "ok":
+        for name, r in agree["methods"].items():
+            output.rich(f"{name}: greedy next-token match with BF16 through the runtime "
+                        f"{100 * r['match_rate']:.1f}% over {agree['steps']} steps "
+                        f"(first divergence at step {r['first_divergence_mean']:.1f} on average)")
+    elif agree:
+        output.rich(f"generation agreement: {agree['status']} ({agree.get('reason', '')})")
+    if pr:
+        for name, r in pr["passkey"].items():
+            output.rich(f"{name}: passkey {100 * r['key_token_accuracy']:.0f}% of key tokens, "
+                        f"{100 * r['keys_exact']:.0f}% of {r['needles']} keys exact; verbatim recall "
+                        f"{_pct(pr['verbatim'].get(name))}")
+        if "bf16" not in pr["passkey"]:
+            output.rich(f"bf16: verbatim recall {_pct(pr['verbatim'].get('bf16'))}")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -143,6 +147,80 @@ def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_
                           key_clip_objective=key_objective.value, group_size=group_size,
                           center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
                           quantizer=quantizer.value, hadamard_key_mass=hadamard_key_mass, **windows)
+
+
+@dataclass(frozen=True)
+class SolverFlags:
+    """The solver flags of one `run` or `refit` call, as typed (`settings()` builds SolverSettings from them)."""
+
+    granularity: Granularity
+    value_target: ValueTarget
+    k_clip_grid: Optional[str]
+    v_clip_grid: Optional[str]
+    key_objective: ClipObjective
+    center_keys: bool
+    center_values: bool
+    scale_dtype: ScaleDtype
+    quantizer: Quantizer
+    hadamard_key_mass: float
+    clip: bool
+    sink: Optional[int]
+    recent: Optional[int]
+    group_size: Optional[int]
+
+    def settings(self):
+        """SolverSettings (pydantic's ValidationError propagates, for the caller to name the flag)."""
+        return solver_settings(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _solver_parameters() -> list[inspect.Parameter]:
+    """The solver flags, declared once for `run` and `refit`: name, option (help, spelling) and default."""
+    from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS
+
+    declared = (("granularity", GranularityOpt, Granularity.head),
+                ("value_target", ValueTargetOpt, ValueTarget.attn_output),
+                ("k_clip_grid", KGridOpt, None),
+                ("v_clip_grid", VGridOpt, None),
+                ("key_objective", ClipObjectiveOpt, ClipObjective.block_out),
+                ("center_keys", CenterKeysOpt, DEFAULT_CENTERED),
+                ("center_values", CenterValuesOpt, DEFAULT_CENTERED),
+                ("scale_dtype", ScaleDtypeOpt, DEFAULT_SCALE_DTYPE),
+                ("quantizer", QuantizerOpt, DEFAULT_QUANTIZER),
+                ("hadamard_key_mass", HadamardKeyMassOpt, DEFAULT_HADAMARD_KEY_MASS),
+                ("clip", ClipOpt, True),
+                ("sink", SinkOpt, None),
+                ("recent", RecentOpt, None),
+                ("group_size", GroupSizeOpt, None))
+    assert [name for name, _, _ in declared] == [f.name for f in fields(SolverFlags)]
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=opt, default=default)
+            for name, opt, default in declared]
+
+
+# The default of a command's `solver` parameter: where `with_solver_flags` puts the flags (never passed on).
+SOLVER_FLAGS = None
+
+
+def with_solver_flags(command: Callable) -> Callable:
+    """Give a command the solver flags in place of its `solver: SolverFlags` parameter (typer reads the signature):
+    `run` and `refit` spell, document and default them the same way because there is one declaration."""
+    signature = inspect.signature(command, eval_str=True)
+    solver = _solver_parameters()
+    names = [p.name for p in solver]
+    params = []
+    for p in signature.parameters.values():
+        if p.name == "solver":
+            params += solver
+        else:
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        flags = SolverFlags(**{name: kwargs.pop(name) for name in names})
+        return command(**kwargs, solver=flags)
+
+    wrapper.__signature__ = signature.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+    return wrapper
 
 
 # KVFormat field -> the flag that sets it (commands that take a format from flags: eval, import).

@@ -12,39 +12,17 @@ from oscar_calib.cli._common import run_result
 from oscar_calib.cli.app import app
 from oscar_calib.cli.exit_codes import require
 from oscar_calib.cli.options import (
-    DEFAULT_CENTERED,
-    DEFAULT_QUANTIZER,
-    DEFAULT_SCALE_DTYPE,
-    CenterKeysOpt,
-    CenterValuesOpt,
-    ClipObjective,
-    ClipObjectiveOpt,
-    ClipOpt,
+    SOLVER_FLAGS,
     DeviceOpt,
     DtypeOpt,
-    Granularity,
-    GranularityOpt,
-    GroupSizeOpt,
-    HadamardKeyMassOpt,
     JsonOpt,
-    KGridOpt,
-    QuantizerOpt,
-    RecentOpt,
     RevisionOpt,
-    ScaleDtypeOpt,
-    SinkOpt,
-    ValueTarget,
-    ValueTargetOpt,
-    VGridOpt,
-    solver_settings,
+    SolverFlags,
     validation_message,
+    with_solver_flags,
 )
 from oscar_calib.cli.output import Output
-from oscar_calib.config import (
-    DEFAULT_HADAMARD_KEY_MASS,
-    CalibrationConfig,
-    DataConfig,
-)
+from oscar_calib.config import CalibrationConfig, DataConfig
 from oscar_calib.errors import InputError
 
 _EXAMPLES = """
@@ -82,6 +60,7 @@ def _default_samples(demo: bool) -> int:
 
 
 @app.command("run", epilog=_EXAMPLES)
+@with_solver_flags
 def run(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hub model id, local directory or .gguf file (default: demo).")] = None,
     revision: RevisionOpt = None,
@@ -95,20 +74,7 @@ def run(
     holdout_len: Annotated[Optional[int], typer.Option("--holdout-len", help="Tokens of the held-out sequence the clips are fitted on: the context the artifact is fitted for (default: the model's context, at most 8192; must exceed sink + recent).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Shuffles the documents (local files) or the stream's buffer (Hub) before sampling.")] = 0,
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Render `messages` rows (or each text as a user turn) with the tokenizer's chat template.")] = False,
-    granularity: GranularityOpt = Granularity.head,
-    value_target: ValueTargetOpt = ValueTarget.attn_output,
-    k_clip_grid: KGridOpt = None,
-    v_clip_grid: VGridOpt = None,
-    key_objective: ClipObjectiveOpt = ClipObjective.block_out,
-    center_keys: CenterKeysOpt = DEFAULT_CENTERED,
-    center_values: CenterValuesOpt = DEFAULT_CENTERED,
-    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
-    quantizer: QuantizerOpt = DEFAULT_QUANTIZER,
-    hadamard_key_mass: HadamardKeyMassOpt = DEFAULT_HADAMARD_KEY_MASS,
-    clip: ClipOpt = True,
-    sink: SinkOpt = None,
-    recent: RecentOpt = None,
-    group_size: GroupSizeOpt = None,
+    solver: SolverFlags = SOLVER_FLAGS,  # --granularity ... --group-size, declared once (cli/options.py)
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass (default: ~16K tokens per forward on a GPU, 1 on a CPU).")] = None,
@@ -125,7 +91,7 @@ def run(
     as_json: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for a causal LM and write a validated artifact."""
-    from oscar_calib.calibration.job import RunOptions, run_calibration
+    from oscar_calib.calibration.job import RunOptions
     from oscar_calib.cli.preflight import check_dataset_ref, check_model_ref
     from oscar_calib.loading import is_gguf
     from oscar_calib.placement import parse_max_memory
@@ -145,9 +111,7 @@ def run(
                             split=split, text_column=text_column,
                             samples=_default_samples(demo) if samples is None else samples,
                             seq_len=2048 if seq_len is None else seq_len, holdout_len=holdout_len, seed=seed, chat_template=chat_template),
-            solver=solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
-                                   center_values, sink, recent, group_size, scale_dtype,
-                                   clip, quantizer, hadamard_key_mass),
+            solver=solver.settings(),
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )
@@ -159,22 +123,29 @@ def run(
         out = Path("zoo/demo")
     options = RunOptions(checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
                          shard=_shard(shard), offload_folder=offload_folder)
-    try:
-        written = run_calibration(config, out, overwrite=overwrite, options=options, console=output.console)
-    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: oscar_calib.interrupts prints the outcome, exit 130 / 143
-        from oscar_calib.calibration.checkpoint import checkpoint_exists
-
-        kept = options.checkpoint_path(out)
-        if options.checkpointing() and checkpoint_exists(kept):
-            output.note(f"the checkpoint {kept} is kept for --resume")
-        raise
-    if written is None:  # ranks other than 0 of a data-parallel run write nothing
+    if _calibrate(output, config, out, overwrite, options) is None:  # ranks > 0 of a data-parallel run write nothing
         return
     if as_json:
         output.json(run_result(Path(out)), indent=2, sort_keys=True)
     else:
         output.note(written_summary(Path(out), model))
         output.result(out)
+
+
+def _calibrate(output: Output, config, out: Path, overwrite: bool, options):
+    """`run_calibration`; on Ctrl-C / SIGTERM, says where the checkpoint is kept before the interrupt goes on
+    (oscar_calib.interrupts prints the outcome, exit 130 / 143)."""
+    from oscar_calib.calibration.job import run_calibration
+
+    try:
+        return run_calibration(config, out, overwrite=overwrite, options=options, console=output.console)
+    except KeyboardInterrupt:
+        from oscar_calib.calibration.scale.checkpoint import checkpoint_exists
+
+        kept = options.checkpoint_path(out)
+        if options.checkpointing() and checkpoint_exists(kept):
+            output.note(f"the checkpoint {kept} is kept for --resume")
+        raise
 
 
 # What each file of an output directory is, for the summary a run ends with (push uploads only the first two).

@@ -11,34 +11,15 @@ from pydantic import ValidationError
 from oscar_calib.cli.app import app
 from oscar_calib.cli.help_layout import UserOrderGroup
 from oscar_calib.cli.options import (
-    DEFAULT_CENTERED,
-    DEFAULT_QUANTIZER,
-    DEFAULT_SCALE_DTYPE,
-    CenterKeysOpt,
-    CenterValuesOpt,
-    ClipObjective,
-    ClipObjectiveOpt,
-    ClipOpt,
+    SOLVER_FLAGS,
     DeviceOpt,
-    Granularity,
-    GranularityOpt,
-    GroupSizeOpt,
-    HadamardKeyMassOpt,
     JsonOpt,
-    KGridOpt,
     OutDirOpt,
-    QuantizerOpt,
-    RecentOpt,
-    ScaleDtypeOpt,
-    SinkOpt,
-    ValueTarget,
-    ValueTargetOpt,
-    VGridOpt,
-    solver_settings,
+    SolverFlags,
     validation_message,
+    with_solver_flags,
 )
 from oscar_calib.cli.output import Output
-from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS
 from oscar_calib.errors import InputError
 
 stats_app = typer.Typer(help="Work with calibration statistics files (oscar_stats.safetensors).", no_args_is_help=True,
@@ -54,23 +35,11 @@ Examples:
 
 
 @app.command("refit", epilog=_REFIT_EXAMPLES)
+@with_solver_flags
 def refit_cmd(
     stats: Annotated[Path, typer.Argument(help="Statistics file (or a run's output directory).")],
     out: OutDirOpt,
-    granularity: GranularityOpt = Granularity.head,
-    value_target: ValueTargetOpt = ValueTarget.attn_output,
-    k_clip_grid: KGridOpt = None,
-    v_clip_grid: VGridOpt = None,
-    key_objective: ClipObjectiveOpt = ClipObjective.block_out,
-    center_keys: CenterKeysOpt = DEFAULT_CENTERED,
-    center_values: CenterValuesOpt = DEFAULT_CENTERED,
-    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
-    quantizer: QuantizerOpt = DEFAULT_QUANTIZER,
-    hadamard_key_mass: HadamardKeyMassOpt = DEFAULT_HADAMARD_KEY_MASS,
-    clip: ClipOpt = True,
-    sink: SinkOpt = None,
-    recent: RecentOpt = None,
-    group_size: GroupSizeOpt = None,
+    solver: SolverFlags = SOLVER_FLAGS,  # --granularity ... --group-size, declared once (cli/options.py)
     device: DeviceOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     as_json: JsonOpt = False,
@@ -80,9 +49,7 @@ def refit_cmd(
 
     output = Output(as_json)
     try:
-        settings = solver_settings(granularity, value_target, k_clip_grid, v_clip_grid, key_objective, center_keys,
-                                   center_values, sink, recent, group_size, scale_dtype,
-                                   clip, quantizer, hadamard_key_mass)
+        settings = solver.settings()
     except ValidationError as exc:  # named by the flag, as in `run` (not the settings field behind it)
         raise InputError(validation_message(exc)) from exc
     if device not in (None, "cpu") and not device.startswith("cuda"):

@@ -14,8 +14,17 @@ from pathlib import Path
 import torch
 
 from oscar_calib.calibration.capture import CaptureSession, capturing, forward_batch
-from oscar_calib.calibration.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
-from oscar_calib.calibration.distributed import DistContext, gather_partials, pack_partial, unpack_partial
+from oscar_calib.calibration.scale.checkpoint import (
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+from oscar_calib.calibration.scale.distributed import (
+    DistContext,
+    gather_partials,
+    pack_partial,
+    unpack_partial,
+)
 from oscar_calib.calibration.stats import LayerStats
 from oscar_calib.errors import InputError
 from oscar_calib.placement import input_device
