@@ -382,7 +382,7 @@ def test_statistics_metadata_of_any_json_type(edits):
 def test_checkpoint_metadata_of_any_json_type(field, value):
     from safetensors.torch import save_file as save
 
-    from oscar_calib.calibration.checkpoint import CHECKPOINT_FILENAME, load_checkpoint, save_checkpoint
+    from oscar_calib.calibration.scale.checkpoint import CHECKPOINT_FILENAME, load_checkpoint, save_checkpoint
     from oscar_calib.errors import InputError
 
     statistics = _synthetic_statistics()
