@@ -135,8 +135,9 @@ def test_the_calibration_package_is_laid_out_as_its_pipeline():
     assert all(p in known for p in LAYERS), "each layer is a package with an __init__.py"
     flat = [m for m, path in known.items() if m.startswith("oscar_calib.") and m.count(".") == 1
             and path.name != "__init__.py"]
-    # the foundations only: every step of the pipeline lives in its sub-package
-    assert len(flat) <= 9, flat
+    # the foundations only (loading and its GGUF header check among them): every step of the pipeline lives in its
+    # sub-package
+    assert len(flat) <= 10, flat
     offenders = []
     for name, path in known.items():
         mine = sub_package(name)

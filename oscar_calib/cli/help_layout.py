@@ -141,7 +141,9 @@ def _help_all_option(cmd, ctx, advanced: tuple[str, ...]):
         for p in ctx.command.params:
             if getattr(p, "_oscar_advanced", False):
                 p.hidden = False
-        print(ctx.get_help(), end="")
+        from oscar_calib.cli.output import Output
+
+        Output().result(ctx.get_help(), end="")
         ctx.exit()
 
     option.callback = show_all

@@ -34,7 +34,7 @@ def test_valid_entries():
     ({"repo": "org/zoo"}, r"'revision' is required"),
     ({"path": "a", "pth": "b"}, r"additional_config\.oscar\.pth: Extra inputs are not permitted"),
     ({"path": "a", "kernel_backend": "cuda"}, r"additional_config\.oscar\.kernel_backend"),
-    ({"path": "a", "window_reserve": 0.5}, r"'window_reserve' must be >= 1"),
+    ({"path": "a", "window_reserve": 0.5}, r"window_reserve: Input should be greater than or equal to 1"),
     ({"path": "a", "layers": []}, r"'layers' must be a non-empty list"),
     ({"path": "a", "layers": [1, 1]}, r"'layers' must be a non-empty list of distinct"),
     ({"path": "a", "layers": ["x"]}, r"additional_config\.oscar\.layers\.0"),
