@@ -127,6 +127,6 @@ def test_readme_snippets_run_as_printed(tmp_path):
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert "wrote zoo/demo/:" in demo.stderr and "oscar-calib eval --artifact zoo/demo" in demo.stderr
     card = (work / "zoo" / "demo" / "README.md").read_text()  # the model card: commands, no timings, no empty fields
-    assert "OscarCache.from_pretrained" in card and "--additional-config" in card
+    assert "OscarCache.from_pretrained" in card and "--with-wheels" in card  # serve it; publish it with its wheel
     assert "Timings" not in card and "None" not in card
     _run_readme(work, env)

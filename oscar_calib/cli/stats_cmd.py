@@ -116,8 +116,6 @@ def _check_merge_out(out: Path, overwrite: bool) -> None:
 
     if out.is_dir():
         raise InputError(f"--out {out}: is a directory (expected the statistics file to write)")
-    if out.is_symlink() or (out.exists() and not out.is_file()):
-        raise InputError(f"--out {out}: is a symlink or a special file (expected a regular file to write)")
     if out.exists() and not overwrite:
         raise InputError(f"--out {out}: already exists; pass --overwrite to replace it")
     ancestor = Path(os.path.abspath(out)).parent

@@ -12,6 +12,7 @@ transformers config.
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
@@ -152,7 +153,25 @@ def restrict_layers(artifact: OscarArtifact, keep) -> OscarArtifact:
     rows = torch.tensor([artifact.index_of_layer(i) for i in sorted(set(int(i) for i in keep))])
     kw = {f.name: getattr(artifact, f.name) for f in fields(OscarArtifact)}
     kw.update({k: v[rows].clone() for k, v in kw.items() if isinstance(v, torch.Tensor)})
+    kw["metadata"] = _restrict_recipe_rows(artifact.metadata, rows.tolist())
     return OscarArtifact(**kw).validate()
+
+
+def _restrict_recipe_rows(metadata: dict, rows: list[int]) -> dict:
+    """The metadata with the recipe's per-layer-row records (`calibration.kv_rms`: `[A][H]` per side) kept for
+    `rows` only, so they stay aligned with the restricted tensors."""
+    calib = metadata.get("calibration")
+    if not isinstance(calib, str):
+        return dict(metadata)
+    try:
+        recipe = json.loads(calib)
+    except ValueError:
+        return dict(metadata)  # validate() names the field
+    record = recipe.get("kv_rms") if isinstance(recipe, dict) else None
+    if isinstance(record, dict) and all(isinstance(record.get(s), list) for s in ("k", "v")):
+        recipe["kv_rms"] = {s: [record[s][r] for r in rows if r < len(record[s])] for s in ("k", "v")}
+        return {**metadata, "calibration": json.dumps(recipe)}
+    return dict(metadata)
 
 
 __all__ = ["CONFIG_KEY", "OscarServeConfig", "load_checked_artifact", "parse_oscar_config", "restrict_layers"]
