@@ -27,7 +27,14 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from runtime_kernels.vllm.state import STATE, OscarMetadata, active_state, layer_of, request_steps
+from runtime_kernels.vllm.state import (
+    STATE,
+    OscarImplMixin,
+    OscarMetadata,
+    active_state,
+    layer_of,
+    request_steps,
+)
 
 
 class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -55,7 +62,7 @@ class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
         return OscarMetadata(num_actual_tokens=m.num_actual_tokens, plan=self._engine.plan(requests))
 
 
-class OscarAttentionImpl(CPUAttentionBackendImpl):
+class OscarAttentionImpl(OscarImplMixin, CPUAttentionBackendImpl):
     """vLLM's CPU attention when OSCAR is off; the OSCAR engine (write + attention in `forward`) when on."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -74,28 +81,6 @@ class OscarAttentionImpl(CPUAttentionBackendImpl):
         if extract_layer_index(layer.layer_name) not in state.calibrated:
             layer.attn_backend = CPUAttentionBackend
 
-    def _is_oscar(self, layer) -> bool:
-        name = layer.layer_name
-        if name not in self._oscar:
-            self._oscar[name] = STATE.cfg is not None and extract_layer_index(name) in STATE.calibrated
-        return self._oscar[name]
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if not isinstance(attn_metadata, OscarMetadata):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("OSCAR attention: fused output quantization is not supported")
-        t = attn_metadata.num_actual_tokens
-        STATE.engine.forward(extract_layer_index(layer.layer_name), attn_metadata.plan, kv_cache, query[:t],
-                             key[:t], value[:t], self.scale, output[:t])
-        return output
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self._is_oscar(layer):  # written by forward, which needs the tokens before they are quantized
-            return
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
 class OscarAttentionBackend(CPUAttentionBackend):

@@ -31,7 +31,14 @@ from vllm.v1.attention.backends.flash_attn import (
 
 from runtime_kernels.vllm.engine import StaticStep
 from runtime_kernels.vllm.spec import OscarAttentionSpec, int2_spec
-from runtime_kernels.vllm.state import STATE, OscarMetadata, active_state, layer_of, logger, request_steps
+from runtime_kernels.vllm.state import (
+    OscarImplMixin,
+    OscarMetadata,
+    active_state,
+    layer_of,
+    logger,
+    request_steps,
+)
 
 
 class OscarFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -93,7 +100,7 @@ class OscarFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         return OscarMetadata(num_actual_tokens=n, plan=self._engine.plan_static([], n, self._static))
 
 
-class OscarFlashAttentionImpl(FlashAttentionImpl):
+class OscarFlashAttentionImpl(OscarImplMixin, FlashAttentionImpl):
     """FlashAttention when OSCAR is off or the layer is not calibrated; the OSCAR engine when on."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -126,25 +133,7 @@ class OscarFlashAttentionImpl(FlashAttentionImpl):
         logger.info("OSCAR: layer %d (%s) -> OscarFlashAttentionBackend (INT2 history, %d B per token and KV head)",
                     index, layer.layer_name, cell)
 
-    def _is_oscar(self, layer) -> bool:
-        name = layer.layer_name
-        if name not in self._oscar:
-            self._oscar[name] = STATE.cfg is not None and extract_layer_index(name) in STATE.calibrated
-        return self._oscar[name]
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if not isinstance(attn_metadata, OscarMetadata):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("OSCAR attention: fused output quantization is not supported")
-        t = attn_metadata.num_actual_tokens
-        STATE.engine.forward(extract_layer_index(layer.layer_name), attn_metadata.plan, kv_cache, query[:t],
-                             key[:t], value[:t], self.scale, output[:t], dense_prefill=self._prompt_attention)
-        return output
-
-    def _prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def dense_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """A new request's prompt: causal FlashAttention over its own tokens (`[T, H_q, d]`, `[T, H, d]`), written
         into `out [T, H_q, d]`; the cache is not read (there is nothing cached before a new prompt)."""
         n = q.shape[0]
@@ -153,10 +142,6 @@ class OscarFlashAttentionImpl(FlashAttentionImpl):
                                        max_seqlen_k=n, softmax_scale=self.scale, causal=True,
                                        fa_version=self.vllm_flash_attn_version)
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self._is_oscar(layer):  # written by forward, which needs the tokens before they are quantized
-            return
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
 class OscarFlashAttentionBackend(FlashAttentionBackend):

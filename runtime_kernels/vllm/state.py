@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
 
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
@@ -128,6 +129,37 @@ def request_steps(common_attn_metadata, page_size: int) -> list[RequestStep]:
     return requests
 
 
+class OscarImplMixin:
+    """What both backends' attention impls do the same way (put before vLLM's impl class in the bases): the OSCAR
+    engine runs a calibrated layer when the step's metadata is OSCAR's, vLLM's impl everything else. `dense_prefill`
+    is the backend's kernel for a new prompt (None: the engine's SDPA); `self._oscar` caches which layers are INT2."""
+
+    dense_prefill = None
+
+    def _is_oscar(self, layer) -> bool:
+        name = layer.layer_name
+        if name not in self._oscar:
+            self._oscar[name] = STATE.cfg is not None and extract_layer_index(name) in STATE.calibrated
+        return self._oscar[name]
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if not isinstance(attn_metadata, OscarMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("OSCAR attention: fused output quantization is not supported")
+        t = attn_metadata.num_actual_tokens
+        STATE.engine.forward(extract_layer_index(layer.layer_name), attn_metadata.plan, kv_cache, query[:t],
+                             key[:t], value[:t], self.scale, output[:t], dense_prefill=self.dense_prefill)
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self._is_oscar(layer):  # written by forward, which needs the tokens before they are quantized
+            return
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
 def layer_of(impl, vllm_config):
     """The vLLM `Attention` module that owns `impl` (vLLM builds the impl without telling it its layer)."""
     for module in vllm_config.compilation_config.static_forward_context.values():
@@ -136,4 +168,4 @@ def layer_of(impl, vllm_config):
     raise RuntimeError("OSCAR attention: the layer of this attention impl is not in vLLM's forward context")
 
 
-__all__ = ["STATE", "OscarMetadata", "PluginState", "active_state", "layer_of", "request_steps"]
+__all__ = ["STATE", "OscarImplMixin", "OscarMetadata", "PluginState", "active_state", "layer_of", "request_steps"]

@@ -3,15 +3,19 @@ Skipped where vLLM is not importable; run against vLLM 0.26's package with `PYTH
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import pickle
 from dataclasses import replace
 
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
-if not vllm.__version__.startswith("0.26."):  # the spec is the CUDA backend's, for the release without customize_spec
-    pytest.skip(f"vLLM {vllm.__version__}: the INT2 spec route is vLLM 0.26's", allow_module_level=True)
+# not `vllm`: tests/vllm/ is a namespace package of that name
+pytest.importorskip("vllm.v1.kv_cache_interface", reason="vLLM is not installed")
+VERSION = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm.version") else "?"
+if not VERSION.startswith("0.26."):  # the spec is the CUDA backend's, for the release without customize_spec
+    pytest.skip(f"vLLM {VERSION}: the INT2 spec route is vLLM 0.26's", allow_module_level=True)
 
 from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs  # noqa: E402
