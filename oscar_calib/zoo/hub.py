@@ -177,6 +177,7 @@ def how_to_use(model_id: str, repo: str, version: str, calibration: str, repo_ty
     """The card's one "How to use" section: install the runtime from what exists (the wheel published with the
     release, else the project's source tree: neither distribution is on a package index), then load the release
     by repo and version, which works from any folder (downloaded through the Hub cache, every sha256 verified)."""
+    from oscar_calib.zoo.model_card import transformers_snippet
     from oscar_calib.zoo.wheels import is_runtime_wheel
 
     base = release_dir(model_id, calibration)
@@ -213,18 +214,8 @@ def how_to_use(model_id: str, repo: str, version: str, calibration: str, repo_ty
         "Then, from any folder (the release is downloaded through the Hub cache, every sha256 verified, and checked "
         "against the model):",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "from runtime_kernels.hf import OscarCache, enable_oscar_attention",
-        f"model = AutoModelForCausalLM.from_pretrained({model_id!r})",
-        f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
-        "enable_oscar_attention(model)",
-        f"cache = OscarCache.from_pretrained({model_id!r}, model.config, repo={repo!r}, revision={version!r}"
-        f"{cal_kw}{type_kw})",
-        "inputs = tokenizer('Hello', return_tensors='pt')",
-        "out = model.generate(**inputs, cache=cache, max_new_tokens=64)",
-        "print(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:]))",
-        "```",
+        *transformers_snippet(model_id, f"cache = OscarCache.from_pretrained({model_id!r}, model.config, "
+                                        f"repo={repo!r}, revision={version!r}{cal_kw}{type_kw})", show_output=True),
         "",
         "In vLLM (the runtime's `[vllm]` extra; its plugin loads the release the same way):",
         "",

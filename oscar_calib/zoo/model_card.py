@@ -147,20 +147,27 @@ def render_model_card(artifact: OscarArtifact, report, log: dict) -> str:
         "oscar-calib source tree (`pip install \"./runtime[hf]\"` in a clone; neither `oscar-kv-runtime` nor "
         "`oscar-calib` is on PyPI), naming the folder by its path:",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "from runtime_kernels.hf import OscarCache, enable_oscar_attention",
-        f"model = AutoModelForCausalLM.from_pretrained({model_id!r})",
-        f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
-        "enable_oscar_attention(model)",
-        "cache = OscarCache.from_pretrained('path/to/DIR', model.config)   # a local copy of the model: "
-        f"model_id={model_id!r}",
-        "inputs = tokenizer('Hello', return_tensors='pt')",
-        "out = model.generate(**inputs, cache=cache, max_new_tokens=64)",
-        "```",
+        *transformers_snippet(model_id, "cache = OscarCache.from_pretrained('path/to/DIR', model.config)   "
+                              f"# a local copy of the model: model_id={model_id!r}"),
         "",
         "`oscar-calib push DIR --repo ORG/NAME --with-wheels` publishes it as a release whose card says how to "
         "install the runtime and load the release from any folder.",
         "",
     ]
     return with_metadata(card_metadata(meta["model_id"], calib.get("dataset")), "\n".join(lines))
+
+
+def transformers_snippet(model_id: str, cache_line: str, show_output: bool = False) -> list[str]:
+    """The card's Python block: load `model_id` in transformers, build the cache with `cache_line`, generate (and
+    print the continuation with `show_output`). One text for the run card and the release card."""
+    return ["```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "from runtime_kernels.hf import OscarCache, enable_oscar_attention",
+            f"model = AutoModelForCausalLM.from_pretrained({model_id!r})",
+            f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
+            "enable_oscar_attention(model)",
+            cache_line,
+            "inputs = tokenizer('Hello', return_tensors='pt')",
+            "out = model.generate(**inputs, cache=cache, max_new_tokens=64)",
+            *(["print(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:]))"] if show_output else []),
+            "```"]

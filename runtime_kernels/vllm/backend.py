@@ -65,11 +65,6 @@ class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
 class OscarAttentionImpl(OscarImplMixin, CPUAttentionBackendImpl):
     """vLLM's CPU attention when OSCAR is off; the OSCAR engine (write + attention in `forward`) when on."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        active_state()  # loads and checks the artifact at model build time (startup fails on a mismatch)
-        self._oscar: dict[str, bool] = {}  # layer name -> INT2 cache (False: vLLM's own)
-
     def process_weights_after_loading(self, act_dtype) -> None:
         """After the whole model is built and loaded (before vLLM asks the layers for their KV spec): an
         uncalibrated layer gets vLLM's own backend class, so its spec, metadata builder and cache are vLLM's."""

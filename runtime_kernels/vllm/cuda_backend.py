@@ -103,11 +103,6 @@ class OscarFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
 class OscarFlashAttentionImpl(OscarImplMixin, FlashAttentionImpl):
     """FlashAttention when OSCAR is off or the layer is not calibrated; the OSCAR engine when on."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        active_state()  # loads and checks the artifact at model build time (startup fails on a mismatch)
-        self._oscar: dict[str, bool] = {}  # layer name -> INT2 cache (False: FlashAttention's own)
-
     def process_weights_after_loading(self, act_dtype) -> None:
         """After the model is loaded, before vLLM asks the layers for their KV spec: an uncalibrated layer gets
         vLLM's `FlashAttentionBackend`; a calibrated one reports the INT2 spec (vLLM 0.26 has no

@@ -136,6 +136,11 @@ class OscarImplMixin:
 
     dense_prefill = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        active_state()  # loads and checks the artifact at model build time (startup fails on a mismatch)
+        self._oscar: dict[str, bool] = {}  # layer name -> INT2 cache (False: vLLM's own impl)
+
     def _is_oscar(self, layer) -> bool:
         name = layer.layer_name
         if name not in self._oscar:
