@@ -10,7 +10,6 @@ default `~/.cache/oscar-calib/gemma3-270m`; `.ci/run` fetches it first). Where i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from real_model_helpers import real_model_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "oscar_calib" / "fixtures" / "tiny-qwen3"  # its Python-source texts: calibration and held out
@@ -28,11 +28,7 @@ SINK, RECENT = 64, 256
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("real_model", ROOT / "tools" / "real_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("real_model", module)
-    spec.loader.exec_module(module)
-    return module
+    return real_model_tool()
 
 
 @pytest.fixture(scope="module")

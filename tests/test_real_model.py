@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import run_cli
+from real_model_helpers import real_model_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "oscar_calib" / "fixtures" / "tiny-qwen3"  # its Python-source texts: calibration and held out
@@ -31,11 +31,7 @@ INT2_MARGIN = 0.002  # plain INT2 at least 0.2 points worse than OSCAR
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("real_model", ROOT / "tools" / "real_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("real_model", module)
-    spec.loader.exec_module(module)
-    return module
+    return real_model_tool()
 
 
 @pytest.fixture(scope="module")
