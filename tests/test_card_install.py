@@ -1,13 +1,15 @@
-"""The model card's "How to use", as a user who has only the zoo meets it: a release pushed with `--with-wheels`,
-then, in a fresh virtual environment and a folder of its own, the card's install lines and its Python snippet run
-verbatim against the stand-in Hub (tests/hub_server.py), which also serves the model the artifact names.
+"""The model card's "How to use", as a user who has only the zoo meets it: a release pushed with `--with-wheels`, then,
+in a fresh virtual environment and a folder of its own, the card's install lines and its Python snippet run verbatim
+against the stand-in Hub (tests/hub_server.py), which also serves the model the artifact names.
 
-The venv is made with `--system-site-packages` so that it reuses this environment's torch and transformers (the
-test machine has no index to fetch a second torch from), and the card's pip lines run with `--no-deps` added: every
+The venv is made with `--system-site-packages` so that it reuses this environment's torch and transformers (the test
+machine has no index to fetch a second torch from), and the card's pip lines run with `--no-deps` added: every
 dependency is already there, but pip re-checks torch's own requirements and this environment's setuptools is older
-than the `setuptools>=77` torch 2.13 declares, which it cannot fetch offline. The wheel lands in the venv, where it
-shadows the development checkout (the test asserts `runtime_kernels` is imported from the venv). About 60 s on 2
-cores: marked slow.
+than the `setuptools>=77` torch 2.13 declares, which it cannot fetch offline. `--force-reinstall` on the release's
+wheel because the venv sees this environment's oscar-kv-runtime: where that is a copy of the same version (CI's `pip
+install -e .` builds the runtime from runtime/ as a copy), pip would call the release's wheel "already satisfied" and
+install nothing. The wheel lands in the venv, where it shadows the development checkout (the test asserts
+`runtime_kernels` is imported from the venv). About 60 s on 2 cores: marked slow.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def test_card_install_line_and_snippet_work_in_a_fresh_venv(hub, tmp_path, monke
            "HF_HOME": str(tmp_path / "user-hf"), "HF_HUB_OFFLINE": "0", "PIP_NO_INDEX": "1",
            "PYTHONPATH": "", "VIRTUAL_ENV": str(venv)}
     install = install.replace("pip install ", "pip install --no-deps ")  # why: the module docstring
+    install = install.replace('pip install --no-deps "oscar-release/', 'pip install --no-deps --force-reinstall "oscar-release/')
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", install], cwd=user, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
