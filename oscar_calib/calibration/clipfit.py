@@ -106,10 +106,8 @@ def _quant_error(rows: _RotatedRows, ratio: float | torch.Tensor, fmt: KVFormat)
     (group, scale format, quantizer). ratio: a scalar or per head `[H]`."""
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
-    codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt.group_size, scale_format=fmt.scale_format,
-                                               quantizer=fmt.quantizer,
-                                               sorted_abs=None if clip is None else rows.sorted_abs)
-    out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero), rows.rotation)
+    codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt, sorted_abs=None if clip is None else rows.sorted_abs)
+    out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero, fmt), rows.rotation)
     return (out if rows.mean is None else out + rows.mean[None, :, None, :]) - rows.x
 
 
