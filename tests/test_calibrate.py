@@ -14,7 +14,7 @@ from oscar_calib.errors import InputError
 from runtime_kernels.artifact import orthogonality_error, read_artifact, write_artifact
 from runtime_kernels.quant import naive
 
-SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+SMALL = SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8})
 W48 = PAPER.with_(sink_tokens=4, recent_tokens=8)  # the slow reference: fp16 scales, min-max
 
 

@@ -96,7 +96,7 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     calib = tok((FIXTURE / "calib.txt").read_text(), return_tensors="pt")["input_ids"][0]
     ids = calib[: 4 * 128].reshape(4, 128)
     # the shipped recipe (centered, block_out clips) with the test's small windows
-    art = calibrate_model(model, ids, SolverSettings(sink_tokens=S, recent_tokens=R), model_id=MODEL,
+    art = calibrate_model(model, ids, SolverSettings(kv_format={"sink_tokens": S, "recent_tokens": R}), model_id=MODEL,
                           model_revision=REV, holdout_queries=64)
     assert art.is_centered
     write_artifact(art, tmp_path / "art")

@@ -36,15 +36,14 @@ from runtime_kernels.artifact import (
     read_raw,
     validate_tensors,
 )
-from runtime_kernels.format import QUANTIZERS, KVFormat
+from runtime_kernels.format import DEFAULT_FORMAT, QUANTIZERS, KVFormat
 from runtime_kernels.quant import naive
 
 AUDIT_ATTENTION = "oscar_audit"
 # The audit compares rotations (naive, Hadamard, OSCAR) at one scale format, fp16, whatever the artifact
 # stores: scale rounding is not what it measures. Min-max for an artifact whose quantizer the runtime does not serve
 # (a codebook artifact's rotations are still compared); the group and a served quantizer are the artifact's.
-AUDIT_FORMAT = KVFormat(sink_tokens=0, recent_tokens=0, page_size=1, group_size=None, scale_format="float16",
-                        quantizer="uniform_minmax", centered=False)
+AUDIT_FORMAT = DEFAULT_FORMAT.with_(scale_format="float16", quantizer="uniform_minmax")  # windows and pages unread
 
 
 @dataclass

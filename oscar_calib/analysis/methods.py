@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.format import BF16_BITS, CODE_BITS, KVFormat
+from runtime_kernels.format import BF16_BITS, CODE_BITS, DEFAULT_FORMAT, KVFormat
 from runtime_kernels.quant import naive
 
 KIVI_SCALE_BITS = 16  # KIVI stores each group's scale and zero in 16 bits each (fp16)
 # KIVI-2 is a fixed peer baseline, not a format of this project: fp16 scales and zeros, plain min-max rounding (its
 # windows and pages are not read; its groups are set per call).
-KIVI_FORMAT = KVFormat(sink_tokens=0, recent_tokens=0, page_size=1, group_size=None, scale_format="float16",
-                       quantizer="uniform_minmax", centered=False)
+KIVI_FORMAT = DEFAULT_FORMAT.with_(scale_format="float16", quantizer="uniform_minmax", centered=False)
 
 
 def hadamard(d: int) -> torch.Tensor:

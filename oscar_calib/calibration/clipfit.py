@@ -32,12 +32,12 @@ from functools import cached_property
 import torch
 
 from oscar_calib.errors import InputError
-from runtime_kernels.format import KVFormat
+from runtime_kernels.format import MIN_CLIP_RATIO, KVFormat
 from runtime_kernels.quant import naive
 
 KEY_OBJECTIVES = ("attn_kl", "logit_mse", "out_err", "block_out")
 VALUE_OBJECTIVES = ("out_err", "block_out")
-MIN_RATIO = 0.5  # never clip more than half of a row's entries
+MIN_RATIO = MIN_CLIP_RATIO  # never clip more than half of a row's entries (the contract's floor)
 EXTEND_STEP = 0.02
 
 
