@@ -211,3 +211,22 @@ def test_pending_files_exist():
     """The skipped paths name real files, so the skip cannot outlive a rename unnoticed."""
     for path in PENDING_SERVE_ONCE:
         assert (ROOT / path).exists(), path
+
+
+def test_a_clip_ratio_below_the_floor_fails_when_the_flags_are_parsed(tmp_path, monkeypatch, capsys):
+    """`--k-clip-grid 0.3` is refused before any model or statistics file is read: one line naming the flag, the
+    value and the floor, exit 2 (bad input, docs/errors.md), nothing written."""
+    from cli_helpers import run_cli
+
+    from oscar_calib.cli import exit_codes
+    from runtime_kernels.format import MIN_CLIP_RATIO
+
+    stats = tmp_path / "missing.safetensors"  # never read: the flags are checked first
+    for command in (["refit", str(stats)], ["run", "--model", str(tmp_path / "no-model")]):
+        code, out, err = run_cli([*command, "--out", str(tmp_path / "o"), "--k-clip-grid", "0.3,0.9"],
+                                 monkeypatch, capsys)
+        assert code == exit_codes.BAD_INPUT and out == "", err
+        line = err.strip()
+        assert "\n" not in line and line.startswith("Error: --k-clip-grid '0.3,0.9': 0.3 is outside"), line
+        assert f"clip floor is {MIN_CLIP_RATIO:g}" in line
+        assert not (tmp_path / "o").exists()
