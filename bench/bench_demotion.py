@@ -30,12 +30,12 @@ from common import H_KV, PAGE, D, commit  # noqa: E402
 
 from runtime_kernels import quant  # noqa: E402
 from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools  # noqa: E402
+from runtime_kernels.format import DEFAULT_FORMAT, KVFormat  # noqa: E402
 
 DEV = "cuda"
 
 
-def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool = True,
-                 quantizer: str = "uniform_minmax"):
+def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate: bool, fmt: KVFormat):
     """`n_calls` write_pages calls (K and V) of `tokens` tokens each, to distinct random pages and rows; `rotate`
     False: rows already rotated (bf16), as the cache demotes them."""
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=DEV, generator=gen))[0] if rotate else None
@@ -47,8 +47,8 @@ def demote_calls(tokens: int, n_calls: int, pools, gen: torch.Generator, rotate:
         rows = torch.randint(0, PAGE, (tokens,), device=DEV, generator=gen, dtype=torch.int32)
 
         def call(x=x, ids=ids, rows=rows):
-            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows, quantizer=quantizer)
-            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows, quantizer=quantizer)
+            quant.write_pages(x, rot, ratio, pools[0], pools[1], pools[2], ids, rows, fmt)
+            quant.write_pages(x, rot, ratio, pools[3], pools[4], pools[5], ids, rows, fmt)
         calls.append(call)
     return calls
 
@@ -75,7 +75,8 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     n_pages = 8192
     # The pools as `PagedKVCache` allocates them at one group per row: a row's four scale/zero entries side by side.
-    sdt = quant.scale_storage_dtype(args.scale_format)
+    fmt = DEFAULT_FORMAT.with_(scale_format=args.scale_format, quantizer=args.quantizer)
+    sdt = quant.scale_storage_dtype(fmt)
     ks, kz, vs, vz = alloc_quad_pools(n_pages, H_KV, PAGE, DEV, dtype=sdt)
     pools = (torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV), ks, kz,
              torch.zeros(n_pages, H_KV, PAGE, D // 4, dtype=torch.uint8, device=DEV), vs, vz)
@@ -84,7 +85,7 @@ def main() -> None:
         res = {}
         for name, tokens, steps, rotate in (("page_batched_cache", batch * PAGE, PAGE, False),
                                             ("page_batched", batch * PAGE, PAGE, True), ("one_token", batch, 1, True)):
-            calls = demote_calls(tokens, 16, pools, gen, rotate, args.quantizer)
+            calls = demote_calls(tokens, 16, pools, gen, rotate, fmt)
             res[f"{name}_graph_ms_per_step"] = graph_times(calls)[0] / steps
             res[f"{name}_eager_ms_per_step"] = triton.testing.do_bench(calls[0], warmup=10, rep=50) / steps
         per_batch[batch] = res

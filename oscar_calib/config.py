@@ -5,13 +5,28 @@ The JSON dump of `CalibrationConfig` goes into the artifact's `calibration` meta
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from dataclasses import fields
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    field_validator,
+)
 
-from runtime_kernels.format import DEFAULT_FORMAT, MAX_WINDOW_TOKENS, KVFormat
-
-MIN_CLIP_RATIO = 0.5  # runtime_kernels.contract.MIN_CLIP_RATIO (not imported: that module loads torch)
+from runtime_kernels.format import (
+    DEFAULT_FORMAT,
+    MAX_CLIP_RATIO,
+    MIN_CLIP_RATIO,
+    QUANTIZERS,
+    RECORD_VERSION,
+    SCALE_FORMATS,
+    KVFormat,
+)
 
 # Clip grids (ratio of the order statistic, 1.0 = no clipping). Each contains the reference's global
 # ratio (K 0.96, V 0.92) so the per-head fit is never worse than it on the held-out attention-aware error.
@@ -34,6 +49,38 @@ AUTO_HOLDOUT_CAP = 8192
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _kv_format(value: Any) -> KVFormat:
+    """A KVFormat as given, or from a mapping of its record's entries (a recipe names those that differ from
+    DEFAULT_FORMAT; `KVFormat.from_record` refuses an unknown entry or a value out of its domain, naming it)."""
+    if isinstance(value, KVFormat):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of KVFormat fields, got {type(value).__name__}")
+    return KVFormat.from_record({**DEFAULT_FORMAT.to_record(), **value})
+
+
+# JSON Schema of the recipe's `kv_format` (the zoo manifest's schema): the record's entries, every one optional.
+_KV_FORMAT_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "description": "runtime_kernels.format.KVFormat's record; entries not given are DEFAULT_FORMAT's.",
+    "properties": {
+        "record_version": {"const": RECORD_VERSION},
+        **{f.name: {"type": "integer", "minimum": 0} for f in fields(KVFormat) if f.name.endswith("_tokens")},
+        "page_size": {"type": "integer", "minimum": 1},
+        "group_size": {"anyOf": [{"type": "integer", "minimum": 4}, {"type": "null"}]},
+        "scale_format": {"enum": list(SCALE_FORMATS)},
+        "quantizer": {"enum": list(QUANTIZERS)},
+        "centered": {"type": "boolean"},
+    },
+}
+assert set(_KV_FORMAT_SCHEMA["properties"]) == {"record_version", *(f.name for f in fields(KVFormat))}
+
+# SolverSettings' format: a KVFormat in memory, its record (`KVFormat.to_record`) in the recipe's JSON.
+KVFormatField = Annotated[KVFormat, BeforeValidator(_kv_format),
+                          PlainSerializer(lambda fmt: fmt.to_record(), return_type=dict),
+                          WithJsonSchema(_KV_FORMAT_SCHEMA)]
 
 
 class DataConfig(_Strict):
@@ -84,55 +131,24 @@ class SolverSettings(_Strict):
         description="Keys take the Hadamard rotation (clips fitted for it) in KV heads whose held-out queries put "
                     "more than this share of their attention on the INT2 history (the tokens neither BF16 window keeps); "
                     "1 = the attention-aware rotation in every head (docs/recipe.md).")
-    # The KV format fields (`kv_format()` turns them into the one value; their defaults are DEFAULT_FORMAT's).
-    center_keys: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated per-(layer, KV head) key "
-                                                                   "mean before quantizing (exact for attention: "
-                                                                   "q . mu is added back).")
-    center_values: bool = Field(DEFAULT_FORMAT.centered, description="Subtract the calibrated value mean before "
-                                                                     "quantizing.")
-    group_size: Optional[int] = Field(DEFAULT_FORMAT.group_size, description="Quantization group (channels); None = "
-                                                                             "head_dim.")
-    scale_dtype: Literal["float16", "ue5m3"] = Field(
-        DEFAULT_FORMAT.scale_format, description="How the INT2 history stores each group's scale and zero point: fp16 "
-                                                 "both (32 bits per group) or ue5m3 (8-bit float scale + 8-bit zero "
-                                                 "point, 16 bits).")
-    quantizer: Literal["uniform_unbiased", "uniform_minmax"] = Field(
-        DEFAULT_FORMAT.quantizer, description="How each INT2 group is encoded: min-max over the clipped group (the "
-                                              "reference's `uniform_minmax`), or min-max then again with a gain that "
-                                              "keeps the group's projection on the unclipped one (`uniform_unbiased`: "
-                                              "better far-token retrieval on the 4K fixtures, but +1.6 to +3.1 points "
-                                              "of perplexity at a real model's 8K context; docs/recipe.md).")
-    sink_tokens: int = Field(DEFAULT_FORMAT.sink_tokens, ge=0, le=MAX_WINDOW_TOKENS)
-    recent_tokens: int = Field(DEFAULT_FORMAT.recent_tokens, ge=0, le=MAX_WINDOW_TOKENS)
-
-    def kv_format(self) -> KVFormat:
-        """The KV format these settings calibrate for: the windows, group, scale format and quantizer above,
-        DEFAULT_FORMAT's page size (pages are the runtime's; the clip fit scores every token), centered when
-        either side is. The artifact records it with `centered` read from the means it holds."""
-        return KVFormat(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
-                        page_size=DEFAULT_FORMAT.page_size, group_size=self.group_size, scale_format=self.scale_dtype,
-                        quantizer=self.quantizer, centered=self.center_keys or self.center_values)
+    kv_format: KVFormatField = Field(
+        DEFAULT_FORMAT, description="The KV format calibrated for (runtime_kernels.format.KVFormat, docs/kv_format.md): "
+                                    "windows, group, scale format, quantizer, centering; the clip fit scores every "
+                                    "token, so the page size is the runtime's. The artifact records it with "
+                                    "`centered` read from the means it holds.")
 
     @field_validator("k_clip_grid", "v_clip_grid")
     @classmethod
     def _grid_valid(cls, grid: tuple[float, ...]) -> tuple[float, ...]:
         if not grid:
             raise ValueError("a clip grid must not be empty")
-        if any(not (MIN_CLIP_RATIO <= r <= 1.0) for r in grid):  # NaN fails too
-            raise ValueError(f"clip ratios must lie in [{MIN_CLIP_RATIO}, 1] (the contract's range: below half the "
-                             f"order statistic 2-bit levels are spent on nothing), got {list(grid)}")
+        if any(not (MIN_CLIP_RATIO <= r <= MAX_CLIP_RATIO) for r in grid):  # NaN fails too
+            raise ValueError(f"clip ratios must lie in [{MIN_CLIP_RATIO}, {MAX_CLIP_RATIO:g}] (the contract's range: "
+                             f"below half the order statistic 2-bit levels are spent on nothing), got {list(grid)}")
         grid = tuple(sorted(set(float(r) for r in grid)))
         if grid[-1] != 1.0:
             grid = grid + (1.0,)  # "no clipping" is always a candidate
         return grid
-
-
-def format_settings(fmt: KVFormat) -> dict:
-    """The SolverSettings fields of a KV format (the inverse of `SolverSettings.kv_format`, page size aside: the clip
-    fit is per token), for callers that calibrate for a given format: `SolverSettings(**format_settings(fmt))`."""
-    return {"sink_tokens": fmt.sink_tokens, "recent_tokens": fmt.recent_tokens, "group_size": fmt.group_size,
-            "scale_dtype": fmt.scale_format, "quantizer": fmt.quantizer, "center_keys": fmt.centered,
-            "center_values": fmt.centered}
 
 
 class CalibrationConfig(_Strict):
@@ -152,10 +168,3 @@ class CalibrationConfig(_Strict):
         None, description="Bytes accelerate may place per device ('0', '1', ... for GPUs, 'cpu', 'disk'); beyond "
                           "them layers are offloaded (CPU, then disk). Needs device_map.")
     trust_remote_code: bool = False
-
-    @model_validator(mode="after")
-    def _check(self) -> CalibrationConfig:
-        g = self.solver.group_size
-        if g is not None and (g <= 0 or g % 4):
-            raise ValueError(f"solver.group_size must be a positive multiple of 4, got {g}")
-        return self

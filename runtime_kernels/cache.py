@@ -343,11 +343,11 @@ class PagedKVCache:
         self.device = normalize_device(device)
         self.fmt = fmt.resolved(d)
         self.scale_format, self.quantizer = fmt.scale_format, fmt.quantizer
-        sdt = quant_api.scale_storage_dtype(fmt.scale_format)
+        sdt = quant_api.scale_storage_dtype(fmt)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
         self.page_size, self.sink, self.recent = fmt.page_size, fmt.sink_tokens, fmt.recent_tokens
-        self.window = self.sink + self.recent + self.page_size - 1
+        self.window = fmt.window_rows
         self.backend = backend
         self.check_finite = bool(check_finite)
         self._broken: dict[int, str] = {}  # sequences whose last write was refused half-way -> why
@@ -698,8 +698,7 @@ class PagedKVCache:
             src = torch.cat([win[plan.gather_slots, :, plan.gather_rows], x]) if plan.gather_rows.numel() else x
             if plan.demote_src.numel():  # rows are already rotated: (center,) clip, quantize, pack
                 quant_api.write_pages(src[plan.demote_src], None, clip, codes, scale, zero, plan.demote_pages,
-                                      plan.demote_rows, group_size=self.group_size, backend=self.backend,
-                                      mean=mean, quantizer=self.quantizer)
+                                      plan.demote_rows, self.fmt, backend=self.backend, mean=mean)
             if plan.win_src.numel():
                 win[plan.win_slots, :, plan.win_rows] = src[plan.win_src]
 

@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from runtime_kernels.format import MAX_WINDOW_TOKENS, RECORD_KEY, KVFormat, KVFormatError
+from runtime_kernels.format import (
+    MAX_CLIP_RATIO,
+    MAX_WINDOW_TOKENS,
+    MIN_CLIP_RATIO,
+    RECORD_KEY,
+    KVFormat,
+    KVFormatError,
+)
 from runtime_kernels.quant import naive
 
 FORMAT_NAME = "oscar-kv"
@@ -76,8 +83,6 @@ MAX_LAYERS = 4096
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 1024
 MAX_METADATA_VALUE_CHARS = 1 << 18  # the calibration recipe JSON is a few KB
-MIN_CLIP_RATIO = 0.5  # below half the order statistic a 2-bit code spends its levels on nothing useful
-MAX_CLIP_RATIO = 1.0
 # Centering means, bounded by what serving decodes (checked per (layer, KV head), as the L2 norm of the mean, which is
 # the same in every basis):
 # - MAX_MEAN_ABS: the INT2 pages quantize `x_rot - mean_rot` with scale and zero in fp16 (or an 8-bit scale of fp16's

@@ -33,6 +33,11 @@ SCALE_FORMATS = tuple(SCALE_BYTES)
 # The quantizers this runtime serves (`runtime_kernels.quant.naive.QUANTIZERS` says what they do; levels are uniform
 # in both). The contract also reads `lloyd_max` artifacts, which are not served, so they have no KVFormat.
 QUANTIZERS = ("uniform_minmax", "uniform_unbiased")
+# Clip ratios (of a row's order statistic; 1 = no clipping) the contract accepts: below half the order statistic the
+# 2-bit levels are spent on nothing useful. The calibration's flags and settings, its clip fit and the contract's
+# check of an artifact all read these bounds.
+MIN_CLIP_RATIO = 0.5
+MAX_CLIP_RATIO = 1.0
 RECORD_VERSION = 1
 RECORD_KEY = "kv_format"  # the artifact metadata key holding `to_record()` as JSON
 
@@ -118,6 +123,12 @@ class KVFormat:
     def window_tokens(self) -> int:
         """Tokens kept in BF16 once a sequence is longer than both windows."""
         return self.sink_tokens + self.recent_tokens
+
+    @property
+    def window_rows(self) -> int:
+        """Rows a sequence's BF16 windows need: the sink, the recent window, and the `page_size - 1` recent tokens
+        that wait there until a whole page of them is demoted to the INT2 history (`history_tokens`)."""
+        return self.sink_tokens + self.recent_tokens + self.page_size - 1
 
     def per_token(self) -> KVFormat:
         """This format with one-token pages: the history the clip fit scores (a pair counts as soon as any page
@@ -205,5 +216,5 @@ class KVFormat:
 DEFAULT_FORMAT = KVFormat(sink_tokens=128, recent_tokens=1024, page_size=64, group_size=None, scale_format="ue5m3",
                           quantizer="uniform_minmax", centered=True)
 
-__all__ = ["DEFAULT_FORMAT", "KVFormat", "KVFormatError", "MAX_WINDOW_TOKENS", "QUANTIZERS", "RECORD_KEY",
-           "RECORD_VERSION", "SCALE_BYTES", "SCALE_FORMATS"]
+__all__ = ["DEFAULT_FORMAT", "KVFormat", "KVFormatError", "MAX_CLIP_RATIO", "MAX_WINDOW_TOKENS", "MIN_CLIP_RATIO",
+           "QUANTIZERS", "RECORD_KEY", "RECORD_VERSION", "SCALE_BYTES", "SCALE_FORMATS"]

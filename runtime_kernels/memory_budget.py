@@ -116,7 +116,7 @@ def cache_bytes(fmt: KVFormat, *, num_layers: int, num_kv_heads: int, head_dim: 
     slots of `sink + recent + page_size - 1` rows (K and V) and `max_pages` INT2 pages of `page_size` tokens at
     `fmt.bytes_per_token(head_dim)` per (token, KV head)."""
     elem = torch.empty((), dtype=window_dtype).element_size()
-    window_tokens = fmt.window_tokens + fmt.page_size - 1
+    window_tokens = fmt.window_rows
     window = num_layers * 2 * max_seqs * num_kv_heads * window_tokens * head_dim * elem
     per_page = num_kv_heads * fmt.page_size * fmt.bytes_per_token(head_dim)
     return window + num_layers * max_pages * per_page, window

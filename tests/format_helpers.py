@@ -38,3 +38,9 @@ def served(art: OscarArtifact, page: int | None = None, sink: int | None = None,
     """The artifact's own format with a test's page size and windows (None = the artifact's; the runtime takes other
     windows only for an identity artifact, which fitted nothing)."""
     return art.kv_format.with_(page_size=page, sink_tokens=sink, recent_tokens=recent)
+
+
+def qfmt(group_size: int | None = None, scale_format: str = "float16", quantizer: str = "uniform_minmax") -> KVFormat:
+    """PAPER with another group, scale format or quantizer: the format a quantization test encodes with (the windows
+    and pages are not read by `runtime_kernels.quant`)."""
+    return PAPER.with_(group_size=group_size, scale_format=scale_format, quantizer=quantizer)

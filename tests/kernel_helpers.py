@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from format_helpers import qfmt
 
 from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
@@ -78,8 +79,7 @@ def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, devic
     def pool():
         x = torch.randn(n_pages * page, h_kv, d, generator=gen) * torch.exp(
             0.5 * torch.randn(n_pages * page, h_kv, 1, generator=gen))
-        c, s, z = qnaive.quantize_pack(x, None, None, g, scale_format=scale_format,
-                                       quantizer="uniform_minmax")
+        c, s, z = qnaive.quantize_pack(x, None, None, qfmt(g, scale_format))
         return [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous().to(device) for t in (c, s, z)]
 
     kc, ks, kz = pool()

@@ -372,7 +372,7 @@ def test_calibration_writes_contract_v2_through_the_one_builder(monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     model = tiny_model("qwen3", head_dim=D, num_layers=2, vocab_size=64)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
-    art = calibrate_model(model, ids, SolverSettings(sink_tokens=4, recent_tokens=8, k_clip_grid=(1.0,),
+    art = calibrate_model(model, ids, SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8}, k_clip_grid=(1.0,),
                                                      v_clip_grid=(1.0,)), compare_alternatives=False,
                           holdout_queries=8)
     assert art.schema_version == 2

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from format_helpers import qfmt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -145,8 +146,8 @@ def test_reference_matches_dense_attention_on_dequantized_history():
     kc, ks, kz, vc, vs, vz, table, lens = pool
     q = make_q(1, 2, 64, torch.float32)
     ids = table[0, :5].long()
-    k = qnaive.unpack_dequantize(kc[ids], ks[ids], kz[ids]).transpose(0, 1).reshape(1, -1, 64)[:, :70]
-    v = qnaive.unpack_dequantize(vc[ids], vs[ids], vz[ids]).transpose(0, 1).reshape(1, -1, 64)[:, :70]
+    k = qnaive.unpack_dequantize(kc[ids], ks[ids], kz[ids], qfmt()).transpose(0, 1).reshape(1, -1, 64)[:, :70]
+    v = qnaive.unpack_dequantize(vc[ids], vs[ids], vz[ids], qfmt()).transpose(0, 1).reshape(1, -1, 64)[:, :70]
     scores = q[0] @ k[0].T / math.sqrt(64)
     want = torch.softmax(scores, dim=-1) @ v[0]
     o, lse = paged_ref.int2_decode_attention_ref(q, *pool)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from cli_helpers import run_cli
-from format_helpers import PAPER, restamp
+from format_helpers import PAPER, qfmt, restamp
 from safetensors.torch import save_file
 from tiny_models import tiny_model
 
@@ -156,8 +156,7 @@ def test_capture_and_error_measures(model, tmp_path):
     q0 = acts.q[0][:, 0:2].transpose(1, 2).reshape(-1, 64)
     q0 = q0[torch.linspace(0, q0.shape[0] - 1, min(256, q0.shape[0])).long()]
     for quantizer, agrees in (("uniform_unbiased", True), ("uniform_minmax", False)):
-        k_hat = naive.fake_quantize(k0[:, None], None, 0.9, None, quantizer=quantizer,
-                                    scale_format="float16")[:, 0]
+        k_hat = naive.fake_quantize(k0[:, None], None, 0.9, qfmt(quantizer=quantizer))[:, 0]
         assert (u0["k_err_oscar"] == pytest.approx(au.key_logit_error(k0, k_hat, q0), rel=1e-9)) == agrees
 
     had = _calibrated_like()

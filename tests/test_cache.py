@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_helpers import PAPER, served
+from format_helpers import PAPER, qfmt, served
 
 from runtime_kernels.artifact import identity_artifact
 from runtime_kernels.attention import naive as attn_naive
@@ -54,10 +54,8 @@ def reference_attention(art, layer, q, k, v):
     segs_k, segs_v = [k[:S]], [v[:S]]
     if h:
         q_ = art.quantizer
-        segs_k.append(quant_naive.fake_quantize(k[S:S + h], art.k_rotation[layer], art.k_clip_ratio[layer], G,
-                                                quantizer=q_, scale_format="float16"))
-        segs_v.append(quant_naive.fake_quantize(v[S:S + h], art.v_rotation[layer], art.v_clip_ratio[layer], G,
-                                                quantizer=q_, scale_format="float16"))
+        segs_k.append(quant_naive.fake_quantize(k[S:S + h], art.k_rotation[layer], art.k_clip_ratio[layer], qfmt(G, quantizer=q_)))
+        segs_v.append(quant_naive.fake_quantize(v[S:S + h], art.v_rotation[layer], art.v_clip_ratio[layer], qfmt(G, quantizer=q_)))
     segs_k.append(k[S + h:])
     segs_v.append(v[S + h:])
     kk = torch.cat(segs_k).transpose(0, 1)[None]  # [1, H, n, d]
@@ -144,10 +142,8 @@ def test_demotion_keeps_segment_sizes_and_int2_codes_equal_quantize_pack(group):
             for name, x, rot, clip in (("k", work.k[s][0], art.k_rotation[0], art.k_clip_ratio[0]),
                                        ("v", work.v[s][0], art.v_rotation[0], art.v_clip_ratio[0])):
                 # the quantizer given the same rotated rows; naive's own fp32 rotation agrees almost everywhere
-                packed, scale, zero = quant_naive.quantize_pack(exact_rotate(x[S:S + h], rot), None, clip, group,
-                                                                scale_format="float16", quantizer="uniform_minmax")
-                fp32_packed = quant_naive.quantize_pack(x[S:S + h], rot, clip, group, scale_format="float16",
-                                                        quantizer="uniform_minmax")[0]
+                packed, scale, zero = quant_naive.quantize_pack(exact_rotate(x[S:S + h], rot), None, clip, qfmt(group))
+                fp32_packed = quant_naive.quantize_pack(x[S:S + h], rot, clip, qfmt(group))[0]
                 assert (fp32_packed == packed).float().mean() > 0.99
                 codes = getattr(pool, f"{name}_codes")[pages].permute(0, 2, 1, 3).reshape(h, H, D // 4)
                 sc = getattr(pool, f"{name}_scale")[pages].permute(0, 2, 1, 3).reshape(h, H, D // group)
@@ -201,8 +197,7 @@ def test_chunked_appends_equal_one_prefill():
                                    rtol=1e-6)
         k, v = b.dense_kv(i, t)  # dense view: sink | dequantized history | recent, original basis
         h = expected_history(43)
-        want = quant_naive.fake_quantize(work.k[s][i][S:S + h], art.k_rotation[i], art.k_clip_ratio[i], G,
-                                         scale_format="float16", quantizer="uniform_minmax")
+        want = quant_naive.fake_quantize(work.k[s][i][S:S + h], art.k_rotation[i], art.k_clip_ratio[i], qfmt(G))
         torch.testing.assert_close(k[S:S + h], want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v[:S], work.v[s][i][:S])
 

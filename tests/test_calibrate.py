@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from format_helpers import PAPER
+from format_helpers import PAPER, qfmt
 from tiny_models import tiny_model
 
 from oscar_calib.calibration.calibrate import calibrate_model_with_report
@@ -14,7 +14,7 @@ from oscar_calib.errors import InputError
 from runtime_kernels.artifact import orthogonality_error, read_artifact, write_artifact
 from runtime_kernels.quant import naive
 
-SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+SMALL = SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8})
 W48 = PAPER.with_(sink_tokens=4, recent_tokens=8)  # the slow reference: fp16 scales, min-max
 
 
@@ -74,10 +74,8 @@ def _slow_clip_errors(keys, values, queries, positions, k_rot, v_rot, ratio, sca
     v_den = torch.zeros(h_kv, dtype=torch.float64)
     pairs = torch.zeros(h_kv, dtype=torch.float64)
     for h in range(h_kv):
-        khat = naive.fake_quantize(keys[:, h].reshape(-1, 1, d), k_rot[h][None], torch.tensor([ratio]),
-                                   scale_format="float16", quantizer="uniform_minmax").reshape(s, t, d)
-        vhat = naive.fake_quantize(values[:, h].reshape(-1, 1, d), v_rot[h][None], torch.tensor([ratio]),
-                                   scale_format="float16", quantizer="uniform_minmax").reshape(s, t, d)
+        khat = naive.fake_quantize(keys[:, h].reshape(-1, 1, d), k_rot[h][None], torch.tensor([ratio]), qfmt()).reshape(s, t, d)
+        vhat = naive.fake_quantize(values[:, h].reshape(-1, 1, d), v_rot[h][None], torch.tensor([ratio]), qfmt()).reshape(s, t, d)
         for si in range(s):
             for qi in range(h * g, (h + 1) * g):
                 for n, pos in enumerate(positions[si].tolist()):

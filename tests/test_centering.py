@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_helpers import PAPER
+from format_helpers import PAPER, qfmt
 
 from runtime_kernels import PagedKVCache, identity_artifact, quant
 from runtime_kernels import attention as A
@@ -119,16 +119,14 @@ def test_centered_quantizer_subtracts_the_mean_before_clipping():
     rot = torch.linalg.qr(torch.randn(2, 64, 64, generator=gen, dtype=torch.float64))[0].float()
     ratio = torch.tensor([0.95, 0.9])
     mean = qnaive.rotate(x, rot).mean(dim=0)  # [H, d]
-    got = quant.quantize_pack(x, rot, ratio, backend="triton", mean=mean, scale_format="float16",
-                              quantizer="uniform_minmax")
-    want = qnaive.quantize_pack(x, rot, ratio, mean=mean, scale_format="float16", quantizer="uniform_minmax")
+    got = quant.quantize_pack(x, rot, ratio, qfmt(), backend="triton", mean=mean)
+    want = qnaive.quantize_pack(x, rot, ratio, qfmt(), mean=mean)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     # Centering pays off for offset data: less reconstruction error than uncentered at the same bits.
     xr = qnaive.rotate(x, rot)
-    err_c = (qnaive.unpack_dequantize(*want) + mean - xr).pow(2).mean()
-    err_u = (qnaive.unpack_dequantize(*qnaive.quantize_pack(x, rot, ratio, scale_format="float16",
-                                                            quantizer="uniform_minmax")) - xr).pow(2).mean()
+    err_c = (qnaive.unpack_dequantize(*want, qfmt()) + mean - xr).pow(2).mean()
+    err_u = (qnaive.unpack_dequantize(*qnaive.quantize_pack(x, rot, ratio, qfmt()), qfmt()) - xr).pow(2).mean()
     assert err_c < err_u
     # And the cache path (rows already rotated, bf16) writes the same pages through the kernel and the reference.
     pools = []
@@ -136,8 +134,8 @@ def test_centered_quantizer_subtracts_the_mean_before_clipping():
         c = torch.zeros(3, 2, 64, 16, dtype=torch.uint8)
         s, z = torch.zeros(3, 2, 64, 1, dtype=torch.float16), torch.zeros(3, 2, 64, 1, dtype=torch.float16)
         ids = torch.arange(70, dtype=torch.int32)
-        quant.write_pages(xr.to(torch.bfloat16), None, ratio, c, s, z, ids // 64, ids % 64, backend=backend,
-                          mean=mean, quantizer="uniform_minmax")
+        quant.write_pages(xr.to(torch.bfloat16), None, ratio, c, s, z, ids // 64, ids % 64, qfmt(),
+                          backend=backend, mean=mean)
         pools.append((c, s, z))
     for a, b in zip(*pools):
         assert torch.equal(a, b)
@@ -188,5 +186,4 @@ def test_bad_means_name_the_input():
         PagedKVCache(art.k_rotation, art.v_rotation, art.k_clip_ratio, art.v_clip_ratio, max_pages=2, max_seqs=1,
                      fmt=PAPER.with_(centered=True), k_mean=torch.zeros(2, 64), v_mean=torch.zeros(1, 2, 64))
     with pytest.raises(ValueError, match=r"mean: expected shape \(2, 64\)"):
-        quant.quantize_pack(torch.zeros(3, 2, 64), None, None, mean=torch.zeros(64, 2),
-                            scale_format="float16", quantizer="uniform_minmax")
+        quant.quantize_pack(torch.zeros(3, 2, 64), None, None, qfmt(), mean=torch.zeros(64, 2))

@@ -90,7 +90,7 @@ recipes:
   - model_id: tiny/qwen3
     model_revision: "{rev}"
     data: {{dataset: {text_file.name}, samples: 2, seq_len: 32}}
-    solver: {{sink_tokens: 4, recent_tokens: 8}}
+    solver: {{kv_format: {{sink_tokens: 4, recent_tokens: 8}}}}
 """)
     (tmp_path / text_file.name).write_text(text_file.read_text())
     argv = ["zoo", "build", "--manifest", str(manifest), "--out-root", str(tmp_path / "b"),

@@ -277,15 +277,15 @@ def test_no_clip_writes_unclipped_ratios_and_records_it(model_dir, text_file, tm
 def test_quantizer_flag_is_recorded_and_an_unknown_one_refused(model_dir, text_file, tmp_path, monkeypatch, capsys):
     """--quantizer: the artifact's metadata and recipe carry it (default uniform_minmax); only a min-max artifact
     exports to the reference's format; an unknown name is exit 2 naming the flag, with nothing written."""
-    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "mm", "--no-center-values"), monkeypatch, capsys)
+    code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "mm", "--no-centered"), monkeypatch, capsys)
     assert code == 0, err
     art = read_artifact(tmp_path / "mm")
     assert art.quantizer == "uniform_minmax"
-    assert json.loads(art.metadata["calibration"])["solver"]["quantizer"] == "uniform_minmax"
+    assert json.loads(art.metadata["calibration"])["solver"]["kv_format"]["quantizer"] == "uniform_minmax"
     code, _, err = run_cli(["export", str(tmp_path / "mm"), "--out", str(tmp_path / "ref")], monkeypatch, capsys)
     assert code == 0, err
     code, _, err = run_cli(_args(model_dir, text_file, tmp_path / "ub", "--quantizer", "uniform_unbiased",
-                                 "--no-center-values"), monkeypatch, capsys)
+                                 "--no-centered"), monkeypatch, capsys)
     assert code == 0, err
     assert read_artifact(tmp_path / "ub").quantizer == "uniform_unbiased"
     code, _, err = run_cli(["export", str(tmp_path / "ub"), "--out", str(tmp_path / "ref2")], monkeypatch, capsys)

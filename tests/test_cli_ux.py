@@ -281,7 +281,7 @@ def test_clip_fit_reports_progress_over_every_layer_fit():
     ids = torch.randint(0, 64, (3, 32), generator=torch.Generator().manual_seed(0))
     for compare, passes in ((False, 1), (True, 6)):
         calls, tokens = [], []
-        calibrate_model_with_report(m, ids, SolverSettings(sink_tokens=4, recent_tokens=8),
+        calibrate_model_with_report(m, ids, SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8}),
                                     compare_alternatives=compare, holdout_queries=8,
                                     progress=lambda n, total: tokens.append((n, total)),
                                     fit_progress=lambda what, done, total: calls.append((what, done, total)))

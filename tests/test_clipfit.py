@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from format_helpers import PAPER, restamp, served
+from format_helpers import PAPER, qfmt, restamp, served
 
 from oscar_calib.analysis.methods import centered_fake_quantize
 from oscar_calib.calibration.clipfit import MIN_RATIO, clip_errors, extended_grid, fit_layer
@@ -33,8 +33,7 @@ def _slow_out_errors(keys, values, queries, positions, rot, ratio, scaling, sink
     for h in range(h_kv):
         def fq(x, mean):
             rows = (x[0, h] - mean[h]).reshape(-1, 1, d)
-            return naive.fake_quantize(rows, rot[h][None], torch.tensor([ratio]), scale_format="float16",
-                                       quantizer="uniform_minmax").reshape(t, d).double() + mean[h]
+            return naive.fake_quantize(rows, rot[h][None], torch.tensor([ratio]), qfmt()).reshape(t, d).double() + mean[h]
         khat, vhat = fq(keys, k_mean), fq(values, v_mean)
         for n, pos in enumerate(positions[0].tolist()):
             mask = torch.tensor([(sink <= j <= pos - recent) for j in range(pos + 1)], dtype=torch.float64)

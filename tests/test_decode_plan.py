@@ -28,9 +28,8 @@ BENCH_BATCHES = sorted({b for _, b in bench.DEFAULT_POINTS})
 
 def test_the_bench_times_the_shipped_recipe():
     """The bench's headline format is what `oscar-calib run` ships (so the plan pinned below is the served one)."""
-    s = SolverSettings()
-    assert bench.FORMATS["recipe"] == (s.scale_dtype, s.center_keys and s.center_values, s.sink_tokens,
-                                       s.recent_tokens)
+    f = SolverSettings().kv_format
+    assert bench.FORMATS["recipe"] == (f.scale_format, f.centered, f.sink_tokens, f.recent_tokens)
     assert bench.DEFAULT_FORMATS[0] == "recipe"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import qfmt
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention.int2_decode import naive as paged_ref
@@ -42,7 +43,7 @@ def as_fp16_pool(pool):
     scale/zero layout."""
     out = list(pool)
     for i in (1, 4):
-        scale, zero = qnaive.scale_zero_fp32(pool[i], pool[i + 1])
+        scale, zero = qnaive.scale_zero_fp32(pool[i], pool[i + 1], qfmt(scale_format="ue5m3"))
         s16, z16 = scale.half(), zero.half()
         assert torch.equal(s16.float(), scale) and torch.equal(z16.float(), zero)  # the transcription is exact
         out[i], out[i + 1] = s16, z16

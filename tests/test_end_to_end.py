@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from format_helpers import qfmt
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -73,8 +74,7 @@ def fake_quant_attention(art):
                                  (vr, art.value_mean("rotated")[i], art.v_clip_ratio[i])):
                 for b in range(t.shape[0]):
                     seg = t[b, :, S:S + h].transpose(0, 1)  # [h, H, d], rotated
-                    fq = quant_naive.fake_quantize(seg, None, ratio, art.group_size, unrotate=False, mean=mu,
-                                                   scale_format=art.scale_format, quantizer=art.quantizer)
+                    fq = quant_naive.fake_quantize(seg, None, ratio, qfmt(art.group_size, art.scale_format, quantizer=art.quantizer), unrotate=False, mean=mu)
                     t[b, :, S:S + h] = fq.transpose(0, 1)
             rq = rk.repeat_interleave(query.shape[1] // key.shape[1], dim=0)  # query head j reads KV head j // g
             qr = rotated_rows(query, rq)
@@ -96,7 +96,7 @@ def test_calibrate_push_load_generate_matches_the_fake_quant_reference(hub, tmp_
     calib = tok((FIXTURE / "calib.txt").read_text(), return_tensors="pt")["input_ids"][0]
     ids = calib[: 4 * 128].reshape(4, 128)
     # the shipped recipe (centered, block_out clips) with the test's small windows
-    art = calibrate_model(model, ids, SolverSettings(sink_tokens=S, recent_tokens=R), model_id=MODEL,
+    art = calibrate_model(model, ids, SolverSettings(kv_format={"sink_tokens": S, "recent_tokens": R}), model_id=MODEL,
                           model_revision=REV, holdout_queries=64)
     assert art.is_centered
     write_artifact(art, tmp_path / "art")

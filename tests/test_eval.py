@@ -283,7 +283,7 @@ def test_quality_regression_on_the_trained_fixture():
     lm = AutoModelForCausalLM.from_pretrained(FIXTURE_DIR, dtype=torch.float32).eval()
     cal = ev.make_windows(tok, ev.read_documents(FIXTURE_DIR / "calib.txt"), context, 8)
     # fp16 scales: the rivals' bits (ue5m3 scales would give OSCAR fewer bits than theirs)
-    settings = SolverSettings(sink_tokens=sink, recent_tokens=recent, scale_dtype="float16")
+    settings = SolverSettings(kv_format={"sink_tokens": sink, "recent_tokens": recent, "scale_format": "float16"})
     art = calibrate_model(lm, torch.cat([cal.long, cal.packed])[:8], settings, compare_alternatives=False)
     windows = ev.make_windows(tok, ev.read_documents(FIXTURE_DIR / "heldout.txt"), context, 4)
     assert windows.long.shape[0] == 2 and windows.packed.shape[0] == 2

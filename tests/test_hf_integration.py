@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from format_helpers import PAPER, served
+from format_helpers import PAPER, qfmt, served
 from tiny_models import tiny_model
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -83,12 +83,8 @@ def make_reference_attention(art, use_clip=True):
                 seg_k = key[:, :, S:S + h].transpose(1, 2)  # [B, h, H, d]
                 seg_v = value[:, :, S:S + h].transpose(1, 2)
                 for b in range(key.shape[0]):
-                    key[b, :, S:S + h] = quant_naive.fake_quantize(
-                        seg_k[b], art.k_rotation[i], kc, G, scale_format="float16",
-                        quantizer="uniform_minmax").transpose(0, 1)
-                    value[b, :, S:S + h] = quant_naive.fake_quantize(
-                        seg_v[b], art.v_rotation[i], vc, G, scale_format="float16",
-                        quantizer="uniform_minmax").transpose(0, 1)
+                    key[b, :, S:S + h] = quant_naive.fake_quantize(seg_k[b], art.k_rotation[i], kc, qfmt(G)).transpose(0, 1)
+                    value[b, :, S:S + h] = quant_naive.fake_quantize(seg_v[b], art.v_rotation[i], vc, qfmt(G)).transpose(0, 1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
 

@@ -411,8 +411,7 @@ recipes:
       holdout_queries: 8
     solver:
       granularity: head
-      sink_tokens: 4
-      recent_tokens: 8
+      kv_format: {{sink_tokens: 4, recent_tokens: 8}}
     dtype: float32
 releases: {releases}
 """

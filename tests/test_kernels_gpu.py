@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_helpers import PAPER
+from format_helpers import PAPER, qfmt
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant
@@ -31,7 +31,7 @@ def make_pool(lens, h_kv, d, page=64, group_size=None, seed=0, scale_format="flo
     out = []
     for _ in range(2):
         x = torch.randn(n_pages * page, h_kv, d, generator=gen, device=DEV)
-        c, s, z = naive.quantize_pack(x, None, None, g, scale_format=scale_format, quantizer="uniform_minmax")
+        c, s, z = naive.quantize_pack(x, None, None, qfmt(g, scale_format))
         out += [t.reshape(n_pages, page, h_kv, -1).transpose(1, 2).contiguous() for t in (c, s, z)]
     table = torch.randperm(n_pages, generator=gen, device=DEV)[: len(lens) * max_pages].reshape(len(lens), max_pages)
     return out + [table.to(torch.int32), torch.tensor(lens, dtype=torch.int32, device=DEV)]
@@ -49,20 +49,17 @@ def test_quantize_bit_exact_on_gpu(t, d, group_size, clip_mode):
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
     ratio = torch.linspace(0.85, 1.0, h, device=DEV)
     g = group_size or d
-    want = naive.quantize_pack(x, rot, ratio, g, scale_format="float16", quantizer="uniform_minmax")
+    want = naive.quantize_pack(x, rot, ratio, qfmt(g))
     xr = naive.rotate(x, rot).contiguous()
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
     scale = torch.empty(t, h, 1, d // g, dtype=torch.float16, device=DEV)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, device=DEV, dtype=torch.int32)
-    quantize_pack_into(xr, ratio, codes, scale, zero, idx, idx * 0, g, clip_mode=clip_mode,
-                       quantizer="uniform_minmax")
+    quantize_pack_into(xr, ratio, codes, scale, zero, idx, idx * 0, qfmt(g), clip_mode=clip_mode)
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
-    got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, group_size, scale_format="float16",
-                              quantizer="uniform_minmax")
-    for a, b in zip(got, naive.quantize_pack(x.to(torch.bfloat16), rot, ratio, g, scale_format="float16",
-                                             quantizer="uniform_minmax")):
+    got = quant.quantize_pack(x.to(torch.bfloat16), rot, ratio, qfmt(group_size))
+    for a, b in zip(got, naive.quantize_pack(x.to(torch.bfloat16), rot, ratio, qfmt(g))):
         assert torch.equal(a, b)
 
 
@@ -245,8 +242,7 @@ def test_write_pages_on_gpu():
         c = torch.zeros(10, h, p, d // 4, dtype=torch.uint8, device=DEV)
         s = torch.zeros(10, h, p, 1, dtype=torch.float16, device=DEV)
         z = torch.zeros_like(s)
-        quant.write_pages(x, rot, ratio, c, s, z, slots // p, slots % p, backend=backend,
-                          quantizer="uniform_minmax")
+        quant.write_pages(x, rot, ratio, c, s, z, slots // p, slots % p, qfmt(), backend=backend)
         pools.append((c, s, z))
     for a, b in zip(*pools):
         assert torch.equal(a, b)
@@ -317,13 +313,13 @@ def test_ue5m3_quantize_bit_exact_on_gpu(clip_mode):
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
     ratio = torch.linspace(0.85, 1.0, h, device=DEV)
     mean = torch.randn(h, d, generator=gen, device=DEV) * 0.3
-    want = naive.quantize_pack(x, rot, ratio, d, mean=mean, scale_format="ue5m3", quantizer="uniform_minmax")
+    want = naive.quantize_pack(x, rot, ratio, qfmt(d, "ue5m3"), mean=mean)
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
     scale = torch.empty(t, h, 1, 1, dtype=torch.uint8, device=DEV)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, device=DEV, dtype=torch.int32)
-    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0, d,
-                       clip_mode=clip_mode, mean=mean, quantizer="uniform_minmax")
+    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0,
+                       qfmt(d, "ue5m3"), clip_mode=clip_mode, mean=mean)
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
 
@@ -343,14 +339,14 @@ def test_unbiased_quantize_bit_exact_on_gpu(clip_mode, scale_format, group_size)
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen, device=DEV))[0]
     ratio = torch.linspace(0.85, 1.0, h, device=DEV)
     mean = torch.randn(h, d, generator=gen, device=DEV) * 0.3
-    want = naive.quantize_pack(x, rot, ratio, g, mean=mean, scale_format=scale_format, quantizer="uniform_unbiased")
+    want = naive.quantize_pack(x, rot, ratio, qfmt(g, scale_format, quantizer="uniform_unbiased"), mean=mean)
     sdt = naive.SCALE_STORAGE[scale_format]
     codes = torch.empty(t, h, 1, d // 4, dtype=torch.uint8, device=DEV)
     scale = torch.empty(t, h, 1, d // g, dtype=sdt, device=DEV)
     zero = torch.empty_like(scale)
     idx = torch.arange(t, device=DEV, dtype=torch.int32)
-    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0, g,
-                       clip_mode=clip_mode, mean=mean, quantizer="uniform_unbiased")
+    quantize_pack_into(naive.rotate(x, rot).contiguous(), ratio, codes, scale, zero, idx, idx * 0,
+                       qfmt(g, scale_format, quantizer="uniform_unbiased"), clip_mode=clip_mode, mean=mean)
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
 
@@ -380,7 +376,7 @@ def fp16_twin(pool):
     tests/test_decode_ue5m3_paths.py), in the same scale/zero layout."""
     out = list(pool)
     for i in (1, 4):
-        scale, zero = naive.scale_zero_fp32(pool[i], pool[i + 1])
+        scale, zero = naive.scale_zero_fp32(pool[i], pool[i + 1], qfmt(scale_format="ue5m3"))
         s16, z16 = scale.half(), zero.half()
         assert torch.equal(s16.float(), scale) and torch.equal(z16.float(), zero)
         out[i], out[i + 1] = s16, z16

@@ -14,7 +14,7 @@ from oscar_calib.calibration.solve import hadamard
 from oscar_calib.config import DEFAULT_HADAMARD_KEY_MASS, SolverSettings
 from oscar_calib.zoo.model_card import head_list
 
-SMALL = SolverSettings(sink_tokens=4, recent_tokens=8)
+SMALL = SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8})
 OFF = SMALL.model_copy(update={"hadamard_key_mass": 1.0})  # the attention-aware key basis in every head
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from format_helpers import qfmt
 
 from runtime_kernels.quant import naive, quantize_pack
 
@@ -19,10 +20,9 @@ def _rows(d=64):
 @pytest.mark.parametrize("group_size", [None, 16])
 def test_degenerate_rows_stay_finite_and_close(group_size):
     x = _rows()
-    packed, scale, zero = naive.quantize_pack(x, None, None, group_size, scale_format="float16",
-                                              quantizer="uniform_minmax")
+    packed, scale, zero = naive.quantize_pack(x, None, None, qfmt(group_size))
     assert torch.isfinite(scale.float()).all() and (scale.float() > 0).all() and torch.isfinite(zero.float()).all()
-    xq = naive.unpack_dequantize(packed, scale, zero)
+    xq = naive.unpack_dequantize(packed, scale, zero, qfmt())
     assert torch.isfinite(xq).all()
     err = (xq - x).abs().amax(dim=-1).flatten()
     assert err[0] == 0 and err[1] < 5.0 * 2**-10 and err[2] < 300.0 * 2**-10
@@ -36,8 +36,7 @@ def test_degenerate_rows_stay_finite_and_close(group_size):
 def test_triton_matches_reference_on_degenerate_rows(group_size):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs the Triton interpreter
     x = _rows().to(device)
-    ref = naive.quantize_pack(x, None, None, group_size, scale_format="float16", quantizer="uniform_minmax")
-    got = quantize_pack(x, None, None, group_size, backend="triton", scale_format="float16",
-                        quantizer="uniform_minmax")
+    ref = naive.quantize_pack(x, None, None, qfmt(group_size))
+    got = quantize_pack(x, None, None, qfmt(group_size), backend="triton")
     for r, g in zip(ref, got):
         assert torch.equal(r, g)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import qfmt
 
 from runtime_kernels import quant
 from runtime_kernels.attention.int2_decode import naive as paged_ref
@@ -38,14 +39,12 @@ def test_pack_golden_bytes():
 def test_kernel_golden_bytes():
     """A row whose min-max quantization is the identity (lo = 0, hi = 3 -> scale 1, zero 0) packs to known bytes."""
     x = torch.tensor([[[0.0, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.0]]])  # [T=1, H=1, d=8]
-    packed, scale, zero = quant.quantize_pack(x, None, None, backend="triton", scale_format="float16",
-                                              quantizer="uniform_minmax")
+    packed, scale, zero = quant.quantize_pack(x, None, None, qfmt(), backend="triton")
     assert packed.tolist() == [[[120, 45]]]
     assert scale.tolist() == [[[1.0]]] and zero.tolist() == [[[0.0]]]
     # One more: all bits set in byte 0 (channels 0, 2, 4, 6 = 3) and byte 1 = 0 except the top pair (channel 7 = 1).
     x = torch.tensor([[[3.0, 0.0, 3.0, 0.0, 3.0, 0.0, 3.0, 1.0]]])
-    packed, _, _ = quant.quantize_pack(x, None, None, backend="triton", scale_format="float16",
-                                       quantizer="uniform_minmax")
+    packed, _, _ = quant.quantize_pack(x, None, None, qfmt(), backend="triton")
     assert packed.tolist() == [[[255, 64]]]
 
 
@@ -57,9 +56,8 @@ def test_quantize_pack_bit_exact(t, d):
     x = _data(t, h, d, seed=t * 1000 + d)
     rot = _rotations(h, d, seed=d)
     ratio = torch.tensor([0.9, 0.97])
-    got = quant.quantize_pack(x, rot, ratio, backend="triton", scale_format="float16",
-                              quantizer="uniform_minmax")
-    want = naive.quantize_pack(x, rot, ratio, scale_format="float16", quantizer="uniform_minmax")
+    got = quant.quantize_pack(x, rot, ratio, qfmt(), backend="triton")
+    want = naive.quantize_pack(x, rot, ratio, qfmt())
     for name, a, b in zip(("packed", "scale", "zero"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), f"{name} differs at t={t} d={d}"
@@ -70,9 +68,8 @@ def test_quantize_pack_groups_and_no_clip(group_size, clip):
     d = 96 if group_size == 24 else 64  # 96: head_dim not a power of two
     x = _data(19, 3, d, seed=5)
     ratio = torch.tensor([0.5, 0.9, 1.0]) if clip else None
-    got = quant.quantize_pack(x, None, ratio, group_size, backend="triton", scale_format="float16",
-                              quantizer="uniform_minmax")
-    want = naive.quantize_pack(x, None, ratio, group_size, scale_format="float16", quantizer="uniform_minmax")
+    got = quant.quantize_pack(x, None, ratio, qfmt(group_size), backend="triton")
+    want = naive.quantize_pack(x, None, ratio, qfmt(group_size))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -82,9 +79,8 @@ def test_quantize_pack_half_inputs(dtype):
     x = _data(9, 2, 64, seed=11, dtype=dtype)
     rot = _rotations(2, 64, seed=3)
     ratio = torch.tensor([0.95, 0.92])
-    got = quant.quantize_pack(x, rot, ratio, backend="triton", scale_format="float16",
-                              quantizer="uniform_minmax")
-    want = naive.quantize_pack(x, rot, ratio, scale_format="float16", quantizer="uniform_minmax")
+    got = quant.quantize_pack(x, rot, ratio, qfmt(), backend="triton")
+    want = naive.quantize_pack(x, rot, ratio, qfmt())
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -101,10 +97,9 @@ def test_in_kernel_sort_matches_torch_threshold():
         scale = torch.zeros(3, 2, 1, 1, dtype=torch.float16)
         zero = torch.zeros_like(scale)
         rows = torch.arange(3)
-        quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, 64, clip_mode=mode,
-                           quantizer="uniform_minmax")
+        quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, qfmt(64), clip_mode=mode)
         outs.append((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]))
-    want = naive.quantize_pack(x, None, ratio, scale_format="float16", quantizer="uniform_minmax")
+    want = naive.quantize_pack(x, None, ratio, qfmt())
     for got in outs:
         for a, b in zip(got, want):
             assert torch.equal(a, b)
@@ -123,9 +118,8 @@ def test_in_kernel_clip_index_from_the_ratio_matches_the_reference(dtype):
     scale = torch.zeros(5, 4, 1, 1, dtype=torch.float16)
     zero = torch.zeros_like(scale)
     rows = torch.arange(5)
-    quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, 64, clip_mode="kernel",
-                       quantizer="uniform_minmax")
-    want = naive.quantize_pack(x, None, ratio, scale_format="float16", quantizer="uniform_minmax")
+    quantize_pack_into(x, ratio, codes, scale, zero, rows, rows * 0, qfmt(64), clip_mode="kernel")
+    want = naive.quantize_pack(x, None, ratio, qfmt())
     for a, b in zip((codes[:, :, 0], scale[:, :, 0], zero[:, :, 0]), want):
         assert torch.equal(a, b)
 
@@ -134,11 +128,9 @@ def test_rotation_matches_reference_by_tolerance():
     """Dequantized rotated values equal naive.fake_quantize (the rotation itself is a torch fp32 matmul)."""
     x = _data(33, 2, 64, seed=8)
     rot = _rotations(2, 64, seed=9)
-    packed, scale, zero = quant.quantize_pack(x, rot, None, backend="triton", scale_format="float16",
-                                              quantizer="uniform_minmax")
-    got = naive.unpack_dequantize(packed, scale, zero)
-    want = naive.fake_quantize(x, rot, None, unrotate=False, scale_format="float16",
-                               quantizer="uniform_minmax")
+    packed, scale, zero = quant.quantize_pack(x, rot, None, qfmt(), backend="triton")
+    got = naive.unpack_dequantize(packed, scale, zero, qfmt())
+    want = naive.fake_quantize(x, rot, None, qfmt(), unrotate=False)
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
@@ -158,14 +150,12 @@ def test_write_pages_scatter_matches_reference(group_size):
         codes = torch.full((n_pages, h, p, d // 4), 7, dtype=torch.uint8)
         scale = torch.full((n_pages, h, p, d // g), -1.0, dtype=torch.float16)
         zero = scale.clone()
-        quant.write_pages(x, rot, ratio, codes, scale, zero, page_ids, rows, group_size, backend=backend,
-                          quantizer="uniform_minmax")
+        quant.write_pages(x, rot, ratio, codes, scale, zero, page_ids, rows, qfmt(group_size), backend=backend)
         pools.append((codes, scale, zero))
     for a, b in zip(*pools):
         assert torch.equal(a, b)
     # Untouched rows keep their fill value; written rows hold the reference bytes.
-    packed, _, _ = naive.quantize_pack(x, rot, ratio, group_size, scale_format="float16",
-                                       quantizer="uniform_minmax")
+    packed, _, _ = naive.quantize_pack(x, rot, ratio, qfmt(group_size))
     assert torch.equal(pools[0][0][page_ids.long(), :, rows], packed)
     untouched = torch.ones(n_pages * p, dtype=torch.bool)
     untouched[slots] = False
@@ -180,16 +170,14 @@ def test_write_pages_ref_is_quantize_pack_ref():
     zero = torch.zeros_like(scale)
     ids = torch.tensor([1, 1, 0, 0, 1])
     rows = torch.tensor([0, 7, 3, 4, 2])
-    paged_ref.write_pages_ref(x, None, None, codes, scale, zero, ids, rows, quantizer="uniform_minmax")
-    packed, s, z = paged_ref.quantize_pack_ref(x, None, None, scale_format="float16",
-                                               quantizer="uniform_minmax")
+    paged_ref.write_pages_ref(x, None, None, codes, scale, zero, ids, rows, qfmt())
+    packed, s, z = paged_ref.quantize_pack_ref(x, None, None, qfmt())
     assert torch.equal(codes[ids, :, rows], packed) and torch.equal(scale[ids, :, rows], s)
 
 
 def test_empty_input_is_a_no_op():
     x = torch.zeros(0, 2, 64)
-    packed, scale, zero = quant.quantize_pack(x, None, None, backend="triton", scale_format="float16",
-                                              quantizer="uniform_minmax")
+    packed, scale, zero = quant.quantize_pack(x, None, None, qfmt(), backend="triton")
     assert packed.shape == (0, 2, 16) and scale.shape == (0, 2, 1)
 
 
@@ -197,33 +185,29 @@ def test_empty_input_is_a_no_op():
 def test_bad_inputs_name_the_tensor():
     x = torch.randn(4, 2, 64)
     with pytest.raises(TypeError, match="x: dtype"):
-        quant.quantize_pack(x.to(torch.int32), None, None, scale_format="float16", quantizer="uniform_minmax")
+        quant.quantize_pack(x.to(torch.int32), None, None, qfmt())
     with pytest.raises(ValueError, match="x: head_dim must be a multiple of 4"):
-        quant.quantize_pack(torch.randn(4, 2, 66), None, None, scale_format="float16",
-                            quantizer="uniform_minmax")
+        quant.quantize_pack(torch.randn(4, 2, 66), None, None, qfmt())
     with pytest.raises(ValueError, match="x: expected 3 dimensions"):
-        quant.quantize_pack(torch.randn(4, 64), None, None, scale_format="float16",
-                            quantizer="uniform_minmax")
+        quant.quantize_pack(torch.randn(4, 64), None, None, qfmt())
     with pytest.raises(ValueError, match="rotation: expected shape"):
-        quant.quantize_pack(x, torch.eye(64).expand(3, 64, 64), None, scale_format="float16",
-                            quantizer="uniform_minmax")
+        quant.quantize_pack(x, torch.eye(64).expand(3, 64, 64), None, qfmt())
     with pytest.raises(ValueError, match="clip_ratio: .*device"):
-        quant.quantize_pack(x, None, torch.ones(2, device="meta"), scale_format="float16",
-                            quantizer="uniform_minmax")
+        quant.quantize_pack(x, None, torch.ones(2, device="meta"), qfmt())
     with pytest.raises(ValueError, match="clip_ratio: .*size 3"):
-        quant.quantize_pack(x, None, torch.ones(3), scale_format="float16", quantizer="uniform_minmax")
+        quant.quantize_pack(x, None, torch.ones(3), qfmt())
     with pytest.raises(ValueError, match="group_size"):
-        quant.quantize_pack(x, None, None, group_size=48, scale_format="float16", quantizer="uniform_minmax")
+        quant.quantize_pack(x, None, None, qfmt(48))
     with pytest.raises(ValueError, match="backend"):
-        quant.quantize_pack(x, None, None, backend="cuda", scale_format="float16", quantizer="uniform_minmax")
+        quant.quantize_pack(x, None, None, qfmt(), backend="cuda")
     codes = torch.zeros(2, 2, 8, 16, dtype=torch.uint8)
     scale = torch.zeros(2, 2, 8, 1, dtype=torch.float16)
     ids = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(TypeError, match="scale_pool: dtype must be float16"):
-        quant.write_pages(x, None, None, codes, scale.float(), scale, ids, ids, quantizer="uniform_minmax")
+        quant.write_pages(x, None, None, codes, scale.float(), scale, ids, ids, qfmt())
     with pytest.raises(ValueError, match="codes_pool: .*head_dim // 4"):
-        quant.write_pages(x, None, None, codes[..., :8], scale, scale, ids, ids, quantizer="uniform_minmax")
+        quant.write_pages(x, None, None, codes[..., :8], scale, scale, ids, ids, qfmt())
     with pytest.raises(ValueError, match="rows: .*one entry per token"):
-        quant.write_pages(x, None, None, codes, scale, scale, ids, ids[:3], quantizer="uniform_minmax")
+        quant.write_pages(x, None, None, codes, scale, scale, ids, ids[:3], qfmt())
     with pytest.raises(TypeError, match="page_ids: dtype"):
-        quant.write_pages(x, None, None, codes, scale, scale, ids.float(), ids, quantizer="uniform_minmax")
+        quant.write_pages(x, None, None, codes, scale, scale, ids.float(), ids, qfmt())

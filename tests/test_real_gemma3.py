@@ -120,7 +120,7 @@ def test_calibrated_slice_serves_through_oscar_cache_with_sliding_layers_in_thei
 
     tok = AutoTokenizer.from_pretrained(full_dir)
     sliced = _load(slice_dir)
-    art = calibrate_model(sliced, _windows(tok, "calib.txt", 3), SolverSettings(sink_tokens=SINK, recent_tokens=RECENT),
+    art = calibrate_model(sliced, _windows(tok, "calib.txt", 3), SolverSettings(kv_format={"sink_tokens": SINK, "recent_tokens": RECENT}),
                           compare_alternatives=False)
     assert art.layer_ids.tolist() == [5] and (art.num_kv_heads, art.head_dim) == (1, 256)
     cache = OscarCache.from_artifact(art, sliced.config, batch_size=1)

@@ -92,7 +92,7 @@ def test_calibrate_a_slice_and_evaluate_it_inside_the_full_model(real_model, tmp
     calib_ids = torch.cat([cal.long, cal.packed])[:3]  # 2 for the statistics, the last one for the clip fit
     # The recipe's defaults but the windows; `run` calibrates the same way (plus a comparison of alternatives,
     # 10x the time: the CLI path is the GGUF test's).
-    art = calibrate_model(_load(slice_dir), calib_ids, SolverSettings(sink_tokens=SINK, recent_tokens=RECENT),
+    art = calibrate_model(_load(slice_dir), calib_ids, SolverSettings(kv_format={"sink_tokens": SINK, "recent_tokens": RECENT}),
                           compare_alternatives=False)
     assert art.layer_ids.tolist() == list(range(LAYERS))
     h_kv, d = art.k_rotation.shape[1], art.k_rotation.shape[-1]

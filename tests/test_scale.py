@@ -69,7 +69,7 @@ def text_file(tmp_path_factory):
 
 
 WINDOWS = ("--sink", "4", "--recent", "8")
-SMALL_WINDOWS = SolverSettings(sink_tokens=4, recent_tokens=8)  # the test sequences are short: windows they exceed, run and refit alike
+SMALL_WINDOWS = SolverSettings(kv_format={"sink_tokens": 4, "recent_tokens": 8})  # the test sequences are short: windows they exceed, run and refit alike
 
 
 def args(model_dir, text_file, out, *extra):
@@ -413,7 +413,7 @@ def test_artifact_bits_do_not_depend_on_the_thread_count():
     try:
         for threads in (2, 1):
             torch.set_num_threads(threads)
-            settings = SolverSettings(sink_tokens=2, recent_tokens=4, key_clip_objective="out_err")  # no o_proj here
+            settings = SolverSettings(kv_format={"sink_tokens": 2, "recent_tokens": 4}, key_clip_objective="out_err")  # no o_proj here
             arts.append(artifact_from_statistics(statistics, settings, compare_alternatives=False)[0])
     finally:
         torch.set_num_threads(before)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_helpers import qfmt
 
 from runtime_kernels import attention as A
 from runtime_kernels import quant as Q
@@ -52,9 +53,9 @@ def test_ue5m3_error_is_within_a_percent_of_fp16_scales(group_size):
     x = torch.randn(4000, 2, 128, generator=gen) * torch.exp(torch.randn(4000, 2, 1, generator=gen))
     err = {}
     for fmt in naive.SCALE_FORMATS:
-        codes, scale, zero = naive.quantize(x, group_size, scale_format=fmt)
+        codes, scale, zero = naive.quantize(x, qfmt(group_size, fmt))
         assert scale.dtype == (torch.uint8 if fmt == "ue5m3" else torch.float16) and zero.dtype == scale.dtype
-        err[fmt] = (naive.dequantize(codes, scale, zero) - x).pow(2).mean().item()
+        err[fmt] = (naive.dequantize(codes, scale, zero, qfmt(group_size, fmt)) - x).pow(2).mean().item()
     assert err["ue5m3"] / err["float16"] < 1.01
 
 
@@ -65,13 +66,13 @@ def test_ue5m3_levels_cover_the_row_and_zero_points_stay_in_range():
     x = torch.randn(3000, 128, generator=gen) * 3
     x[:500] = x[:500].abs() + 5  # all positive
     x[500:1000] = -x[500:1000].abs() - 5  # all negative
-    codes, scale, zero = naive.quantize(x, None, scale_format="ue5m3")
-    s, z = naive.scale_zero_fp32(scale, zero)
+    ue5m3 = qfmt(scale_format="ue5m3")
+    codes, scale, zero = naive.quantize(x, ue5m3)
+    s, z = naive.scale_zero_fp32(scale, zero, ue5m3)
     assert (z >= 0).all() and (z <= 3.3).all()
-    err = (naive.dequantize(codes, scale, zero) - x).abs()
+    err = (naive.dequantize(codes, scale, zero, ue5m3) - x).abs()
     assert (err <= s * (0.5 + 3 / 16 + 1 / 128) + 1e-6).all()
-    assert torch.isfinite(naive.dequantize(*naive.quantize(torch.zeros(4, 128), None,
-                                                           scale_format="ue5m3"))).all()
+    assert torch.isfinite(naive.dequantize(*naive.quantize(torch.zeros(4, 128), ue5m3), ue5m3)).all()
 
 
 @pytest.mark.interpreter
@@ -82,10 +83,8 @@ def test_triton_quantizer_equals_the_reference_bit_for_bit(group_size, clip, cen
     rot = torch.linalg.qr(torch.randn(2, 128, 128, generator=gen))[0]
     ratio = torch.tensor([0.9, 0.95]) if clip else None
     mean = torch.randn(2, 128, generator=gen) if centered else None
-    got = Q.quantize_pack(x, rot, ratio, group_size, backend="triton", mean=mean, scale_format="ue5m3",
-                          quantizer="uniform_minmax")
-    want = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format="ue5m3",
-                               quantizer="uniform_minmax")
+    got = Q.quantize_pack(x, rot, ratio, qfmt(group_size, "ue5m3"), backend="triton", mean=mean)
+    want = naive.quantize_pack(x, rot, ratio, qfmt(group_size, "ue5m3"), mean=mean)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
@@ -100,14 +99,14 @@ def test_write_pages_into_uint8_pools_equals_the_reference():
         scale, zero = torch.zeros(6, 2, 8, 1, dtype=torch.uint8), torch.zeros(6, 2, 8, 1, dtype=torch.uint8)
         page_ids = torch.tensor([5, 2, 0, 3] * 5, dtype=torch.int32)
         rows = torch.arange(20, dtype=torch.int32) % 8
-        Q.write_pages(x, None, torch.tensor([0.9, 1.0]), codes, scale, zero, page_ids, rows, backend=backend,
-                      quantizer="uniform_minmax")
+        Q.write_pages(x, None, torch.tensor([0.9, 1.0]), codes, scale, zero, page_ids, rows,
+                      qfmt(scale_format="ue5m3"), backend=backend)
         outs[backend] = (codes, scale, zero)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="zero_pool"):
-        Q.write_pages(x, None, None, codes, scale, zero.half(), page_ids, rows, backend="torch",
-                      quantizer="uniform_minmax")
+        Q.write_pages(x, None, None, codes, scale, zero.half(), page_ids, rows, qfmt(scale_format="ue5m3"),
+                      backend="torch")
 
 
 # Bounds as in test_attention_kernels (the dequantized pools are the reference, whatever their scale format).

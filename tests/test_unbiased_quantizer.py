@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from format_helpers import PAPER, restamp, served
+from format_helpers import PAPER, qfmt, restamp, served
 
 from runtime_kernels import quant as Q
 from runtime_kernels.artifact import identity_artifact
@@ -31,21 +31,22 @@ def projection(x, x_hat):
     return (x.double() * x_hat.double()).sum(-1) / (x.double() ** 2).sum(-1)
 
 
-def deq(codes_scale_zero):
-    return naive.dequantize(*codes_scale_zero)
+def deq(codes_scale_zero, fmt=None):
+    """Dequantized rows of `naive.quantize`'s output in `fmt` (default `qfmt()`, fp16 scales)."""
+    return naive.dequantize(*codes_scale_zero, fmt or qfmt())
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_gain_equals_an_independent_float64_computation(group_size):
     x = rows(seed=1)
     xc = naive.clip_rows(x, 0.9)
-    first = deq(naive.quantize(xc, group_size, scale_format="float16"))
+    first = deq(naive.quantize(xc, qfmt(group_size)), qfmt(group_size))
     g = group_size or x.shape[-1]
     xs = x.numpy().astype(np.float64).reshape(x.shape[0], -1, g)
     hs = first.numpy().astype(np.float64).reshape(x.shape[0], -1, g)
     want = np.einsum("rgc,rgc->rg", xs, xs) / np.einsum("rgc,rgc->rg", xs, hs)
     want = np.floor(np.clip(want, 0.5, 2.0) * 65536 + 0.5) / 65536
-    got = naive.unbiased_gain(x, first, group_size).reshape(x.shape[0], -1, g)
+    got = naive.unbiased_gain(x, first, qfmt(group_size)).reshape(x.shape[0], -1, g)
     assert torch.equal(got, got[..., :1].expand_as(got))  # one gain per group
     np.testing.assert_array_equal(got[..., 0].numpy(), want.astype(np.float32))
     # clipping shrinks groups (measured: gain > 1 for 99.9 % of rows, mean 1.30; 82 % of 32-channel groups, mean 1.20)
@@ -57,14 +58,14 @@ def test_gain_equals_an_independent_float64_computation(group_size):
 def test_second_pass_is_min_max_of_the_scaled_clipped_group(scale_format):
     x = rows(400, seed=2)
     xc = naive.clip_rows(x, 0.92)
-    gain = naive.unbiased_gain(x, deq(naive.quantize(xc, None, scale_format=scale_format)))
-    got = naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_unbiased")
-    want = naive.quantize(xc * gain, None, scale_format=scale_format)
+    fmt = qfmt(scale_format=scale_format)
+    gain = naive.unbiased_gain(x, deq(naive.quantize(xc, fmt), fmt), fmt)
+    got = naive.quantize_rows(x, 0.92, fmt.with_(quantizer="uniform_unbiased"))
+    want = naive.quantize(xc * gain, fmt)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     # without the gain it is the plain quantizer of the clipped rows
-    for a, b in zip(naive.quantize_rows(x, 0.92, None, scale_format=scale_format, quantizer="uniform_minmax"),
-                    naive.quantize(xc, None, scale_format=scale_format)):
+    for a, b in zip(naive.quantize_rows(x, 0.92, fmt), naive.quantize(xc, fmt)):
         assert torch.equal(a, b)
 
 
@@ -73,10 +74,9 @@ def test_clipped_rows_keep_their_projection(scale_format):
     """Measured (3000 rows, clip 0.9): min-max keeps 0.92 of the projection on average, unbiased 1.000 (fp16 scales)
     and 0.998 (ue5m3: the second pass re-rounds the scale to 3 mantissa bits)."""
     x = rows(seed=3)
-    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
-                                                   quantizer="uniform_minmax")))
-    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, None, scale_format=scale_format,
-                                                     quantizer="uniform_unbiased")))
+    fmt = qfmt(scale_format=scale_format)
+    minmax = projection(x, deq(naive.quantize_rows(x, 0.9, fmt), fmt))
+    unbiased = projection(x, deq(naive.quantize_rows(x, 0.9, fmt.with_(quantizer="uniform_unbiased")), fmt))
     assert minmax.mean() < 0.95
     assert abs(unbiased.mean() - 1) < 0.005
     assert (unbiased - 1).abs().mean() < 0.5 * (minmax - 1).abs().mean()
@@ -96,7 +96,7 @@ def test_a_matching_far_key_keeps_its_attention_weight():
         q = keys[needle] * (0.5 / keys[needle].norm())
         exact = torch.softmax(keys @ q, dim=0)[needle]
         for name in errs:
-            k_hat = deq(naive.quantize_rows(keys, 0.9, None, scale_format="float16", quantizer=name))
+            k_hat = deq(naive.quantize_rows(keys, 0.9, qfmt(quantizer=name)))
             errs[name].append(float(torch.softmax(k_hat @ q, dim=0)[needle] - exact))
     minmax, unbiased = np.array(errs["uniform_minmax"]), np.array(errs["uniform_unbiased"])
     assert (minmax < 0).all() and minmax.mean() < -0.15
@@ -114,20 +114,17 @@ def test_triton_unbiased_quantizer_equals_the_reference_bit_for_bit(scale_format
     rot = torch.linalg.qr(torch.randn(2, 128, 128, generator=gen))[0]
     ratio = torch.tensor([0.9, 0.96]) if clip else None
     mean = torch.randn(2, 128, generator=gen) if centered else None
-    got = Q.quantize_pack(x, rot, ratio, group_size, backend="triton", mean=mean, scale_format=scale_format,
-                          quantizer="uniform_unbiased")
-    want = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format,
-                               quantizer="uniform_unbiased")
+    got = Q.quantize_pack(x, rot, ratio, qfmt(group_size, scale_format, quantizer="uniform_unbiased"), backend="triton", mean=mean)
+    want = naive.quantize_pack(x, rot, ratio, qfmt(group_size, scale_format, quantizer="uniform_unbiased"), mean=mean)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
-    plain = naive.quantize_pack(x, rot, ratio, group_size, mean=mean, scale_format=scale_format,
-                                quantizer="uniform_minmax")
+    plain = naive.quantize_pack(x, rot, ratio, qfmt(group_size, scale_format), mean=mean)
     assert not torch.equal(plain[1], want[1])  # the gain moved the scales: the test can tell the quantizers apart
 
 
 def test_unknown_quantizer_is_refused_naming_it():
     with pytest.raises(ValueError, match="quantizer: expected one of .*'lloyd'"):
-        Q.quantize_pack(torch.randn(4, 1, 8), None, None, quantizer="lloyd", scale_format="float16")
+        Q.quantize_pack(torch.randn(4, 1, 8), None, None, qfmt(quantizer="lloyd"))
 
 
 def test_cache_serves_unbiased_artifacts_and_refuses_codebooks():

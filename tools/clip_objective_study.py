@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_ids = sorted(session.stats)
     n_layers = len(layer_ids)
     h_kv, d = session.stats[layer_ids[0]].key_sum.shape[:2]
-    base = SolverSettings(sink_tokens=sink, recent_tokens=recent, scale_dtype="float16")
+    base = SolverSettings(kv_format={"sink_tokens": sink, "recent_tokens": recent, "scale_format": "float16"})
     k_rot, _, v_rot, _ = _solve_all(session, layer_ids, base, "attn_output", "head")
     k_mean, v_mean = session_means(session, layer_ids)
     had = hadamard(d).float().expand(n_layers, h_kv, d, d).contiguous()

@@ -48,8 +48,11 @@ def codebook_quantize(xr: torch.Tensor, book: torch.Tensor | None, scale_format:
     from runtime_kernels.quant import naive
 
     if book is None:
-        c, s, z = naive.quantize(xr, None, scale_format=scale_format)
-        return naive.dequantize(c, s, z)
+        from runtime_kernels.format import DEFAULT_FORMAT
+
+        fmt = DEFAULT_FORMAT.with_(scale_format=scale_format, quantizer="uniform_minmax")
+        c, s, z = naive.quantize(xr, fmt)
+        return naive.dequantize(c, s, z, fmt)
     lo = xr.amin(-1, keepdim=True)
     span = (xr.amax(-1, keepdim=True) - lo).clamp(min=1e-12)
     u = (xr - lo) / span

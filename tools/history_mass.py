@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stats = load_statistics(args.stats)
     windows = {k: v for k, v in (("sink_tokens", args.sink), ("recent_tokens", args.recent)) if v is not None}
-    settings = SolverSettings(**windows)
-    masses = history_masses(stats, stats.layer_ids, settings.sink_tokens, settings.recent_tokens)
+    settings = SolverSettings(kv_format=windows)
+    fmt = settings.kv_format
+    masses = history_masses(stats, stats.layer_ids, fmt.sink_tokens, fmt.recent_tokens)
     per_head = {layer: (None if m is None else [round(float(x), 4) for x in m]) for layer, m in masses.items()}
     print("layer  mass (mean of KV heads; per head)")
     for layer, m in masses.items():

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"oscar, fitted clips, uniform_minmax": {"quantizer": "uniform_minmax"},
                "oscar, fitted clips, uniform_unbiased (default)": {"quantizer": "uniform_unbiased"},
                "oscar, no clip": {"clip": False, "quantizer": "uniform_minmax"}}
-    assert SolverSettings().quantizer == "uniform_unbiased", "the default row's label names the default quantizer"
+    assert SolverSettings().kv_format.quantizer == "uniform_unbiased", "the default row's label names the default quantizer"
     had = hadamard(d).float()
     methods = [KVMethod(),
                RowwiseInt2("hadamard-clip, uniform_minmax", k_rotation=had, v_rotation=had, k_clip=0.96, v_clip=0.92,

@@ -36,12 +36,14 @@ from runtime_kernels.artifact import (
     read_raw,
     validate_tensors,
 )
+from runtime_kernels.format import DEFAULT_FORMAT, QUANTIZERS, KVFormat
 from runtime_kernels.quant import naive
 
 AUDIT_ATTENTION = "oscar_audit"
 # The audit compares rotations (naive, Hadamard, OSCAR) at one scale format, fp16, whatever the artifact
-# stores: scale rounding is not what it measures.
-AUDIT_SCALE_FORMAT = "float16"
+# stores: scale rounding is not what it measures. Min-max for an artifact whose quantizer the runtime does not serve
+# (a codebook artifact's rotations are still compared); the group and a served quantizer are the artifact's.
+AUDIT_FORMAT = DEFAULT_FORMAT.with_(scale_format="float16", quantizer="uniform_minmax")  # windows and pages unread
 
 
 @dataclass
@@ -141,14 +143,13 @@ def channel_ratio(x: torch.Tensor) -> float:
     return float(rms.max()) / med if med > 0 else float("inf")
 
 
-def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, group: int | None,
-        mean: torch.Tensor | None, quantizer: str) -> torch.Tensor:
+def _fq(x: torch.Tensor, rotation: torch.Tensor | None, clip: float, fmt: KVFormat,
+        mean: torch.Tensor | None) -> torch.Tensor:
     """Fake-quantize rows `x [T, d]` with the runtime quantizer (rotation `[d, d]` or None), centered on `mean [d]`
     (model basis) when given: `fq(x - mean) + mean`, what a centered cache stores and reads back."""
     ratio = None if clip >= 1.0 else clip
     xc = x.float() if mean is None else x.float() - mean.float()
-    out = naive.fake_quantize(xc[:, None], rotation, ratio, group, scale_format=AUDIT_SCALE_FORMAT,
-                              quantizer=quantizer)[:, 0].float()
+    out = naive.fake_quantize(xc[:, None], rotation, ratio, fmt)[:, 0].float()
     return out if mean is None else out + mean.float()
 
 
@@ -283,9 +284,8 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
     layer_ids = t["layer_ids"].tolist()
     h_kv, d = t["k_rotation"].shape[1], t["k_rotation"].shape[-1]
     group = int(raw.metadata.get("group_size", d) or d)
-    quantizer = raw.metadata.get("quantizer", "uniform_minmax")
-    if quantizer not in naive.QUANTIZERS:  # a codebook artifact: its rotations are still compared, min-max
-        quantizer = "uniform_minmax"
+    quantizer = raw.metadata.get("quantizer")
+    fmt = AUDIT_FORMAT.with_(group_size=group, quantizer=quantizer if quantizer in QUANTIZERS else None)
     grids = {"k": _clip_grid(raw.metadata, "k"), "v": _clip_grid(raw.metadata, "v")}
     windows = _windows(raw.metadata)
     floors = {kind: _search_floor(raw.metadata, grid) for kind, grid in grids.items()}
@@ -319,7 +319,7 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
                 if floors[name] is not None and c <= floors[name] + 1e-6:
                     row["flags"].append(f"clip-at-grid-edge-{name}")
             if acts is not None and layer in acts.k and finite:
-                _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries, quantizer,
+                _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, fmt, max_queries,
                                   _head_means(raw, a, h, rk, rv))
             if acts is not None and layer in acts.k and windows is not None:
                 g = acts.q[layer].shape[1] // h_kv
@@ -335,10 +335,10 @@ def audit_artifact(raw: RawArtifact, acts: Activations | None = None, max_querie
             "flags_total": sum(len(r["flags"]) for r in heads) + (1 if raw.contract_error else 0)}
 
 
-def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max_queries, quantizer: str,
+def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, fmt: KVFormat, max_queries,
                       means=(None, None)) -> None:
-    """Per-head activation statistics; the errors of every rotation use the artifact's `quantizer`, so that the
-    comparison is of rotations alone."""
+    """Per-head activation statistics; the errors of every rotation use one format `fmt` (the artifact's group and
+    quantizer, AUDIT_FORMAT's scales), so that the comparison is of rotations alone."""
     k = acts.k[layer][:, h].reshape(-1, rk.shape[0])  # [N*T, d]
     v = acts.v[layer][:, h].reshape(-1, rk.shape[0])
     q_all = acts.q[layer]
@@ -354,8 +354,8 @@ def _activation_stats(row, acts, layer, h, h_kv, rk, rv, ck, cv, had, group, max
     variants = {"naive": (None, None, 1.0, 1.0), "hadamard": (had, had, 1.0, 1.0), "oscar": (rk, rv, ck, cv)}
     for vname, (r_k, r_v, c_k, c_v) in variants.items():
         m_k, m_v = means if vname == "oscar" else (None, None)  # the artifact's centering applies to OSCAR only
-        row[f"k_err_{vname}"] = key_logit_error(k, _fq(k, r_k, c_k, group, m_k, quantizer), q)
-        row[f"v_err_{vname}"] = rel_error(v, _fq(v, r_v, c_v, group, m_v, quantizer))
+        row[f"k_err_{vname}"] = key_logit_error(k, _fq(k, r_k, c_k, fmt, m_k), q)
+        row[f"v_err_{vname}"] = rel_error(v, _fq(v, r_v, c_v, fmt, m_v))
     for name in ("k", "v"):
         if row[f"{name}_err_oscar"] > row[f"{name}_err_hadamard"]:
             row["flags"].append(f"oscar-worse-than-hadamard-{name}")

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime_kernels.artifact import OscarArtifact
-from runtime_kernels.format import BF16_BITS, CODE_BITS, KVFormat
+from runtime_kernels.format import BF16_BITS, CODE_BITS, DEFAULT_FORMAT, KVFormat
 from runtime_kernels.quant import naive
 
 KIVI_SCALE_BITS = 16  # KIVI stores each group's scale and zero in 16 bits each (fp16)
-# KIVI-2 is a fixed baseline, not a KV format: fp16 scales and zeros, plain min-max rounding.
-KIVI_SCALE_FORMAT = "float16"
-KIVI_QUANTIZER = "uniform_minmax"
+# KIVI-2 is a fixed peer baseline, not a format of this project: fp16 scales and zeros, plain min-max rounding (its
+# windows and pages are not read; its groups are set per call).
+KIVI_FORMAT = DEFAULT_FORMAT.with_(scale_format="float16", quantizer="uniform_minmax", centered=False)
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -194,8 +194,7 @@ def centered_fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip,
     if mean is not None:
         xf = xf - mean.to(xf.device, torch.float32)[None, :, None, :]
     rot = None if rotation is None else rotation.to(x.device, torch.float32)
-    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, fmt.group_size, scale_format=fmt.scale_format,
-                                         quantizer=fmt.quantizer), b, t)
+    out = _from_rows(naive.fake_quantize(_to_rows(xf), rot, clip, fmt), b, t)
     if mean is not None:
         out = out + mean.to(out.device, torch.float32)[None, :, None, :]
     return out
@@ -228,8 +227,8 @@ class Kivi2(KVMethod):
 
     def fake_quantize(self, layer_idx, keys, values, windows):
         b, h, t, d = values.shape
-        v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None, self.value_group,
-                                               scale_format=KIVI_SCALE_FORMAT, quantizer=KIVI_QUANTIZER), b, t)
+        v_hat = _from_rows(naive.fake_quantize(_to_rows(values.float()), None, None,
+                                               KIVI_FORMAT.with_(group_size=self.value_group)), b, t)
         return kivi_keys(keys, self.token_group, windows.sink_tokens), v_hat
 
 
@@ -246,8 +245,8 @@ def kivi_keys(keys: torch.Tensor, token_group: int, start: int = 0) -> torch.Ten
     while pos < t:
         n = min(token_group, t - pos)
         block = k[:, :, pos:pos + n].transpose(-1, -2)  # [B, H, d, n]: channels as rows, tokens as the group
-        codes, scale, zero = naive.quantize(block, n, scale_format=KIVI_SCALE_FORMAT)
-        out[:, :, pos:pos + n] = naive.dequantize(codes, scale, zero).transpose(-1, -2)
+        codes, scale, zero = naive.quantize_groups(block.unsqueeze(-2), KIVI_FORMAT)  # one group of n tokens
+        out[:, :, pos:pos + n] = naive.dequantize(codes.squeeze(-2), scale, zero, KIVI_FORMAT).transpose(-1, -2)
         pos += n
     return out
 

@@ -37,6 +37,7 @@ from oscar_calib.placement import input_device
 from oscar_calib.progress import StepFn
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.contract import build_metadata, created_at
+from runtime_kernels.format import KVFormatError
 
 ProgressFn = Callable[[int, int], None]  # (tokens done in this call, total tokens)
 AccumulateFn = Callable[..., "dict[int, LayerStats] | None"]  # (model, session, input_ids, progress)
@@ -169,15 +170,15 @@ def _fit_all(session: CaptureSession, layer_ids: list[int], k_rot, v_rot, settin
 
     `tick` is called once per layer (progress)."""
     no_clip = no_clip or not settings.clip
-    fmt = settings.kv_format()
+    fmt = settings.kv_format
     fits = {}
     for a, layer in enumerate(layer_ids):
         if tick is not None:
             tick()
         keys, values, queries, positions = session.holdout[layer].stacked()
         dev = keys.device
-        k_mean = means[0][a].to(dev) if means is not None and settings.center_keys else None
-        v_mean = means[1][a].to(dev) if means is not None and settings.center_values else None
+        k_mean = means[0][a].to(dev) if means is not None and fmt.centered else None
+        v_mean = means[1][a].to(dev) if means is not None and fmt.centered else None
         w_o = o_weights.get(layer).to(dev) if o_weights and settings.key_clip_objective == "block_out" else None
         fits[layer] = fit_layer(keys, values, queries, positions, k_rot[a].to(dev), v_rot[a].to(dev),
                                 (1.0,) if no_clip else settings.k_clip_grid, session.scaling, fmt,
@@ -226,18 +227,21 @@ def calibrate_model_with_report(model, input_ids: torch.Tensor, settings: Solver
 
 def check_holdout_length(settings: SolverSettings, held_len: int) -> None:
     """Refuse a held-out sequence no longer than the BF16 windows: no held-out query would read an INT2 key."""
-    windows = settings.kv_format().window_tokens
+    fmt = settings.kv_format
+    windows = fmt.window_tokens
     if held_len <= windows:
         raise InputError(
             f"--holdout-len {held_len}: the held-out sequence must be longer than the BF16 windows (sink "
-            f"{settings.sink_tokens} + recent {settings.recent_tokens} = {windows} tokens), or no held-out query "
+            f"{fmt.sink_tokens} + recent {fmt.recent_tokens} = {windows} tokens), or no held-out query "
             f"reads an INT2 key and the clip fit has nothing to score; use --holdout-len {windows + 64} or more, or "
             "smaller --sink / --recent")
 
 
 def _check_group_size(settings: SolverSettings, d: int) -> None:
-    if settings.group_size and d % settings.group_size:
-        raise InputError(f"group_size={settings.group_size} must divide head_dim={d}")
+    try:
+        settings.kv_format.group(d)
+    except KVFormatError as exc:
+        raise InputError(f"--group-size {settings.kv_format.group_size}: {str(exc).split(': ', 1)[1]}") from None
 
 
 def capture_statistics(model, input_ids: torch.Tensor, holdout_ids: torch.Tensor | None = None, *,
@@ -388,10 +392,10 @@ def artifact_from_statistics(statistics: CalibrationStatistics, settings: Solver
                           "history_mass": {str(i): [round(float(x), 4) for x in m] for i, m in masses.items()
                                            if m is not None}}
     # Contract v2 means (model basis, `mean_basis=original`); zeros = that side is not centered.
-    k_mean = (means[0] if settings.center_keys else torch.zeros_like(means[0])).contiguous()
-    v_mean = (means[1] if settings.center_values else torch.zeros_like(means[1])).contiguous()
+    k_mean = (means[0] if settings.kv_format.centered else torch.zeros_like(means[0])).contiguous()
+    v_mean = (means[1] if settings.kv_format.centered else torch.zeros_like(means[1])).contiguous()
     # The format recorded is the one fitted; centered as the runtime will serve it: when a mean is non-zero.
-    fmt = settings.kv_format().with_(centered=bool(k_mean.any() or v_mean.any()))
+    fmt = settings.kv_format.with_(centered=bool(k_mean.any() or v_mean.any()))
     meta = build_metadata(
         model_id=prov.model_id, model_revision=prov.model_revision,
         num_attention_heads=h_q, num_key_value_heads=h_kv, head_dim=d, granularity=settings.granularity,
@@ -428,7 +432,7 @@ def history_hadamard_keys(session, layer_ids: list[int], settings: SolverSetting
     computed when it is 1."""
     if settings.hadamard_key_mass >= 1.0:
         return {}, {}
-    masses = history_masses(session, layer_ids, settings.sink_tokens, settings.recent_tokens)
+    masses = history_masses(session, layer_ids, settings.kv_format.sink_tokens, settings.kv_format.recent_tokens)
     return masses, hadamard_key_heads(masses, settings.hadamard_key_mass, settings.granularity)
 
 
@@ -476,8 +480,8 @@ def _compare_alternatives(session, layer_ids, settings: SolverSettings, chosen: 
     fits = _fit_all(session, layer_ids, had, had, settings, means=means, o_weights=o_weights, tick=tick)
     out["hadamard_only"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     eye = torch.eye(d).expand(len(layer_ids), h_kv, d, d)
-    fits = _fit_all(session, layer_ids, eye, eye, settings.model_copy(update={"center_keys": False,
-                    "center_values": False}), no_clip=True, o_weights=o_weights, tick=tick)
+    fits = _fit_all(session, layer_ids, eye, eye, settings.model_copy(
+                    update={"kv_format": settings.kv_format.with_(centered=False)}), no_clip=True, o_weights=o_weights, tick=tick)
     out["no_rotation_no_clip"] = {"key": best(fits, "k"), "value": best(fits, "v")}
     return out
 

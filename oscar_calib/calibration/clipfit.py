@@ -32,12 +32,12 @@ from functools import cached_property
 import torch
 
 from oscar_calib.errors import InputError
-from runtime_kernels.format import KVFormat
+from runtime_kernels.format import MIN_CLIP_RATIO, KVFormat
 from runtime_kernels.quant import naive
 
 KEY_OBJECTIVES = ("attn_kl", "logit_mse", "out_err", "block_out")
 VALUE_OBJECTIVES = ("out_err", "block_out")
-MIN_RATIO = 0.5  # never clip more than half of a row's entries
+MIN_RATIO = MIN_CLIP_RATIO  # never clip more than half of a row's entries (the contract's floor)
 EXTEND_STEP = 0.02
 
 
@@ -106,10 +106,8 @@ def _quant_error(rows: _RotatedRows, ratio: float | torch.Tensor, fmt: KVFormat)
     (group, scale format, quantizer). ratio: a scalar or per head `[H]`."""
     r = torch.as_tensor(ratio, dtype=torch.float64)
     clip = (r[None, :, None] if r.dim() == 1 else r) if bool((r < 1.0).any()) else None
-    codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt.group_size, scale_format=fmt.scale_format,
-                                               quantizer=fmt.quantizer,
-                                               sorted_abs=None if clip is None else rows.sorted_abs)
-    out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero), rows.rotation)
+    codes, scale, zero = naive.quantize_rows(rows.xr, clip, fmt, sorted_abs=None if clip is None else rows.sorted_abs)
+    out = torch.einsum("shte,hde->shtd", naive.dequantize(codes, scale, zero, fmt), rows.rotation)
     return (out if rows.mean is None else out + rows.mean[None, :, None, :]) - rows.x
 
 

@@ -38,14 +38,14 @@ def _calibrate(output: Output, model, tokenizer, calib_path: Path, context: int,
     """OSCAR artifacts (per-head and per-layer rotations) calibrated on `calib_path` for the KV format `fmt`."""
     from oscar_calib.analysis.eval_job import calibration_ids
     from oscar_calib.calibration.calibrate import calibrate_model
-    from oscar_calib.config import SolverSettings, format_settings
+    from oscar_calib.config import SolverSettings
 
     ids = calibration_ids(tokenizer, calib_path, context, samples)
     device = next(model.parameters()).device
     out = {}
     for gran in ("head", "layer"):
         t0 = time.perf_counter()
-        settings = SolverSettings(granularity=gran, **format_settings(fmt))
+        settings = SolverSettings(granularity=gran, kv_format=fmt)
         with output.stages() as stages:
             out[f"oscar-{gran}"] = calibrate_model(model, ids.to(device), settings, compare_alternatives=False,
                                                    progress=stages.tokens(f"capture oscar-{gran}", ids.numel()),
@@ -96,7 +96,7 @@ def eval_cmd(
     max_windows: Annotated[int | None, typer.Option("--max-windows", help="At most this many windows (long and packed share it; default 16 on a GPU, 4 on a CPU).")] = None,
     sink: Annotated[int | None, typer.Option("--sink", help=f"BF16 sink tokens (default: the artifact's, else the recipe's {DEFAULT_FORMAT.sink_tokens}).")] = None,
     recent: Annotated[int | None, typer.Option("--recent", help=f"BF16 recent tokens (default: the artifact's, else the recipe's {DEFAULT_FORMAT.recent_tokens}).")] = None,
-    page_size: Annotated[int, typer.Option("--page-size", help="History grows this many tokens at a time (1 = per token).")] = 1,
+    page_size: Annotated[int | None, typer.Option("--page-size", help="History grows this many tokens at a time (default: per token, as the clip fit scores it).", show_default=False)] = None,
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated subset of method names.")] = None,
     generation_steps: Annotated[int | None, typer.Option("--generation-steps", help="Greedy steps per window for the runtime agreement (0 = skip; default 64 on a GPU, 16 on a CPU).")] = None,
     generation_windows: Annotated[int, typer.Option("--generation-windows", help="Windows used for the runtime agreement.")] = 2,
@@ -136,7 +136,7 @@ def eval_cmd(
     output.note(f"{windows.long.shape[0]} long + {windows.packed.shape[0]} packed windows of {context} tokens; "
                 f"methods: {', '.join(m.name for m in all_methods)}")
     # the teacher-forced history grows a page at a time
-    request = EvalRequest(fmt=fmt, simulated=format_from_flags(fmt, page_size=page_size), batch_size=bs,
+    request = EvalRequest(fmt=fmt, simulated=format_from_flags(fmt.per_token(), page_size=page_size), batch_size=bs,
                           generation_steps=generation_steps, generation_windows=generation_windows, probes=probes)
     with output.stages() as stages:
         progress = _progress(stages, len(all_methods) * len(list(windows.all())))

@@ -15,8 +15,8 @@ from typer.core import TyperGroup
 # The order of a first session: calibrate, measure, inspect, publish, fetch; then the zoo and the tools.
 COMMAND_ORDER = ("run", "eval", "audit", "push", "pull", "zoo", "refit", "stats", "import", "export")
 
-_RECIPE = ("granularity", "value_target", "k_clip_grid", "v_clip_grid", "key_objective", "clip", "center_keys",
-           "center_values", "quantizer", "scale_dtype", "hadamard_key_mass", "sink", "recent", "group_size")
+_RECIPE = ("granularity", "value_target", "k_clip_grid", "v_clip_grid", "key_objective", "clip", "centered",
+           "quantizer", "scale_dtype", "hadamard_key_mass", "sink", "recent", "group_size")
 
 # command ("zoo list" for a sub-command) -> panel -> option names (the Python parameter names), panels in the order
 # they are shown. `--help` (and `--help-all`) go in the last panel `--help` shows.

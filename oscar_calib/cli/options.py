@@ -12,7 +12,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from runtime_kernels.format import DEFAULT_FORMAT, KVFormat, KVFormatError
+from runtime_kernels.format import (
+    DEFAULT_FORMAT,
+    MAX_CLIP_RATIO,
+    MIN_CLIP_RATIO,
+    QUANTIZERS,
+    SCALE_FORMATS,
+    KVFormat,
+    KVFormatError,
+)
 
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Git revision (branch, tag or commit sha).")]
 TokenOpt = Annotated[
@@ -57,14 +65,9 @@ class ValueTarget(str, Enum):
     logit_weighted = "logit_weighted"
 
 
-class ScaleDtype(str, Enum):
-    ue5m3 = "ue5m3"
-    float16 = "float16"
-
-
-class Quantizer(str, Enum):
-    uniform_unbiased = "uniform_unbiased"
-    uniform_minmax = "uniform_minmax"
+# The KV format's choices are the format module's own lists (one place names them).
+ScaleDtype = Enum("ScaleDtype", {name: name for name in SCALE_FORMATS}, type=str)
+Quantizer = Enum("Quantizer", {name: name for name in QUANTIZERS}, type=str)
 
 
 class ClipObjective(str, Enum):
@@ -89,10 +92,9 @@ ClipObjectiveOpt = Annotated[ClipObjective, typer.Option(
 ClipOpt = Annotated[bool, typer.Option(
     "--clip/--no-clip", help="Fit per-head clip ratios (--no-clip: none; on the fixtures about the default's far-token "
                              "retrieval at +0.4-0.5 % perplexity).")]
-CenterKeysOpt = Annotated[bool, typer.Option(
-    "--center-keys/--no-center-keys", help="Subtract the calibrated key mean before quantizing (exact: q.mu is added back).")]
-CenterValuesOpt = Annotated[bool, typer.Option(
-    "--center-values/--no-center-values", help="Subtract the calibrated value mean before quantizing.")]
+CenteredOpt = Annotated[bool, typer.Option(
+    "--centered/--no-centered", help="Subtract the calibrated per-(layer, KV head) key and value means before "
+                                     "quantizing (exact: decode adds them back).")]
 SinkOpt = Annotated[Optional[int], typer.Option(
     "--sink", help=f"BF16 sink tokens the runtime keeps (recorded in the artifact; default "
                    f"{DEFAULT_FORMAT.sink_tokens}).")]
@@ -115,15 +117,23 @@ HadamardKeyMassOpt = Annotated[float, typer.Option(
 
 
 def parse_grid(text: Optional[str], flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    """A comma-separated clip grid, or `default` when the flag is absent."""
+    """A comma-separated clip grid, or `default` when the flag is absent. Each ratio must lie in the contract's
+    [MIN_CLIP_RATIO, MAX_CLIP_RATIO] (runtime_kernels.format): a ratio the artifact could not hold is refused here,
+    naming the flag, before any work."""
     if text is None:
         return default
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        from oscar_calib.errors import InputError
+    from oscar_calib.errors import InputError
 
-        raise InputError(f"{flag} '{text}': expected comma-separated ratios in (0, 1]") from exc
+    expected = f"comma-separated clip ratios in [{MIN_CLIP_RATIO:g}, {MAX_CLIP_RATIO:g}]"
+    try:
+        grid = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise InputError(f"{flag} '{text}': expected {expected}") from exc
+    for r in grid:
+        if not MIN_CLIP_RATIO <= r <= MAX_CLIP_RATIO:  # NaN fails too
+            raise InputError(f"{flag} '{text}': {r:g} is outside [{MIN_CLIP_RATIO:g}, {MAX_CLIP_RATIO:g}] (the "
+                             f"contract's clip floor is {MIN_CLIP_RATIO:g}); expected {expected}")
+    return grid
 
 
 # Defaults of the KV format flags: DEFAULT_FORMAT's, the one default (typer shows them in --help).
@@ -133,20 +143,20 @@ DEFAULT_CENTERED = DEFAULT_FORMAT.centered
 
 
 def solver_settings(granularity: Granularity, value_target: ValueTarget, k_clip_grid: Optional[str],
-                    v_clip_grid: Optional[str], key_objective: ClipObjective, center_keys: bool, center_values: bool,
+                    v_clip_grid: Optional[str], key_objective: ClipObjective, centered: bool,
                     sink: Optional[int], recent: Optional[int], group_size: Optional[int],
                     scale_dtype: ScaleDtype, clip: bool, quantizer: Quantizer, hadamard_key_mass: float):
     """SolverSettings from the shared solver options (pydantic errors propagate for the caller to name the flag).
-    The KV format is built from them once, by `SolverSettings.kv_format()`; windows left unset are DEFAULT_FORMAT's."""
+    The KV format is DEFAULT_FORMAT with the format flags given (`format_from_flags`: a bad value names its flag)."""
     from oscar_calib.config import DEFAULT_K_CLIP_GRID, DEFAULT_V_CLIP_GRID, SolverSettings
 
-    windows = {k: v for k, v in (("sink_tokens", sink), ("recent_tokens", recent)) if v is not None}
+    fmt = format_from_flags(DEFAULT_FORMAT, sink_tokens=sink, recent_tokens=recent, group_size=group_size,
+                            scale_format=scale_dtype.value, quantizer=quantizer.value, centered=centered)
     return SolverSettings(granularity=granularity.value, value_target=value_target.value,
                           k_clip_grid=parse_grid(k_clip_grid, "--k-clip-grid", DEFAULT_K_CLIP_GRID),
                           v_clip_grid=parse_grid(v_clip_grid, "--v-clip-grid", DEFAULT_V_CLIP_GRID),
-                          key_clip_objective=key_objective.value, group_size=group_size,
-                          center_keys=center_keys, center_values=center_values, scale_dtype=scale_dtype.value, clip=clip,
-                          quantizer=quantizer.value, hadamard_key_mass=hadamard_key_mass, **windows)
+                          key_clip_objective=key_objective.value, kv_format=fmt, clip=clip,
+                          hadamard_key_mass=hadamard_key_mass)
 
 
 @dataclass(frozen=True)
@@ -158,8 +168,7 @@ class SolverFlags:
     k_clip_grid: Optional[str]
     v_clip_grid: Optional[str]
     key_objective: ClipObjective
-    center_keys: bool
-    center_values: bool
+    centered: bool
     scale_dtype: ScaleDtype
     quantizer: Quantizer
     hadamard_key_mass: float
@@ -182,8 +191,7 @@ def _solver_parameters() -> list[inspect.Parameter]:
                 ("k_clip_grid", KGridOpt, None),
                 ("v_clip_grid", VGridOpt, None),
                 ("key_objective", ClipObjectiveOpt, ClipObjective.block_out),
-                ("center_keys", CenterKeysOpt, DEFAULT_CENTERED),
-                ("center_values", CenterValuesOpt, DEFAULT_CENTERED),
+                ("centered", CenteredOpt, DEFAULT_CENTERED),
                 ("scale_dtype", ScaleDtypeOpt, DEFAULT_SCALE_DTYPE),
                 ("quantizer", QuantizerOpt, DEFAULT_QUANTIZER),
                 ("hadamard_key_mass", HadamardKeyMassOpt, DEFAULT_HADAMARD_KEY_MASS),
@@ -225,7 +233,8 @@ def with_solver_flags(command: Callable) -> Callable:
 
 # KVFormat field -> the flag that sets it (commands that take a format from flags: eval, import).
 _FLAG_OF_FORMAT_FIELD = {"sink_tokens": "--sink", "recent_tokens": "--recent", "page_size": "--page-size",
-                         "group_size": "--group-size", "scale_format": "--scale-dtype", "quantizer": "--quantizer"}
+                         "group_size": "--group-size", "scale_format": "--scale-dtype", "quantizer": "--quantizer",
+                         "centered": "--centered"}
 
 
 def format_from_flags(base: KVFormat, **changes) -> KVFormat:
@@ -266,8 +275,8 @@ def validation_message(exc) -> str:
     """One line for a pydantic ValidationError of a config built from flags, naming the flag, not the field."""
     first = exc.errors()[0]
     msg = first["msg"].removeprefix("Value error, ")
-    if not any(isinstance(p, str) for p in first["loc"]):  # a model-level check: name the flags it mentions
-        return msg.replace("solver.group_size", "--group-size")
+    if not any(isinstance(p, str) for p in first["loc"]):  # a model-level check
+        return msg
     flag = flag_for_field(tuple(first["loc"]))
     if first["type"] == "value_error":  # our validators already say what they got
         return f"{flag}: {msg}"

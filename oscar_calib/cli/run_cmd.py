@@ -100,6 +100,10 @@ def run(
     if is_gguf(model):  # transformers reads GGUF files through the optional `gguf` package
         require("gguf", "gguf", f"--model {model}")
 
+    try:
+        settings = solver.settings()  # the flags first: a clip ratio below the floor fails before any path is read
+    except ValidationError as exc:
+        raise InputError(validation_message(exc)) from exc
     demo = model is None
     check_model_ref(model)  # before anything loads: a missing path (2), an unreachable Hub (5), no `datasets` (7)
     check_dataset_ref(dataset)
@@ -111,7 +115,7 @@ def run(
                             split=split, text_column=text_column,
                             samples=_default_samples(demo) if samples is None else samples,
                             seq_len=2048 if seq_len is None else seq_len, holdout_len=holdout_len, seed=seed, chat_template=chat_template),
-            solver=solver.settings(),
+            solver=settings,
             device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
             max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
         )

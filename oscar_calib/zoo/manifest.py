@@ -19,6 +19,7 @@ Every problem raises ManifestError (a bad input) naming the file, the field and 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -332,6 +333,8 @@ def _boolean_fields(model: type[BaseModel], seen: set | None = None) -> set[str]
         for sub in getattr(info.annotation, "__args__", ()) + (info.annotation,):
             if isinstance(sub, type) and issubclass(sub, BaseModel):
                 names |= _boolean_fields(sub, seen)
+            elif dataclasses.is_dataclass(sub):  # the recipe's KVFormat (`centered`)
+                names |= {f.name for f in dataclasses.fields(sub) if f.type in (bool, "bool")}
     return names
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime_kernels.format import QUANTIZERS, SCALE_FORMATS, KVFormat  # noqa: F401 (QUANTIZERS: the contract reads it here)
+
 LEVELS = 4  # 2 bits
 # Floors of the fp16 scale, so that degenerate rows stay finite (all powers of two times small integers,
 # so the torch reference and the Triton kernel compute them bit-identically):
@@ -20,7 +22,7 @@ LEVELS = 4  # 2 bits
 SCALE_EPS = 3 * 2.0**-14
 ZERO_LIMIT = 2.0**15
 
-# Scale formats (the artifact's `scale_dtype`):
+# Scale formats (`KVFormat.scale_format`, runtime_kernels.format.SCALE_FORMATS):
 # - "float16": scale and zero point (in codes) in fp16, 32 bits per group;
 # - "ue5m3": 16 bits per group, 2.125 bits per element at d = 128. The scale is an unsigned 8-bit float
 #   (5 exponent bits, bias 15, 3 mantissa bits, no subnormals; within 6.25 % of the fp32 scale), the zero point a
@@ -29,13 +31,13 @@ ZERO_LIMIT = 2.0**15
 #   always lies in [0, 3] codes; a row crossing 0 (every centered rotated row in practice) is unchanged.
 #   Codes are computed against the rounded scale and zero, so dequantization reproduces what was encoded.
 SCALE_STORAGE = {"float16": torch.float16, "ue5m3": torch.uint8}  # format -> dtype of the scale and zero tensors
-SCALE_FORMATS = tuple(SCALE_STORAGE)
+assert tuple(SCALE_STORAGE) == SCALE_FORMATS
 UE5M3_MIN = 2.0**-14
 UE5M3_MAX = 1.875 * 2.0**15
 UE5M3_BIAS = (127 - 15) << 3  # fp32 exponent bias minus ue5m3's, in units of the 3-bit mantissa
 ZERO_STEPS = 64  # ue5m3 zero points are stored in 1/64 of a code
 
-# Quantizers (the artifact's `quantizer`; levels are uniform in both):
+# Quantizers (`KVFormat.quantizer`, runtime_kernels.format.QUANTIZERS; levels are uniform in both):
 # - "uniform_minmax": each group's scale and zero span its (clipped) min and max;
 # - "uniform_unbiased": the same, then each group is quantized again after multiplying the clipped group by the
 #   gain `c = |x|^2 / <x, x_hat>` (x the unclipped group, x_hat its first dequantization), so that the stored
@@ -44,31 +46,8 @@ ZERO_STEPS = 64  # ue5m3 zero points are stored in 1/64 of a code
 #   of `q . k` by that shrinkage, and far tokens lose attention to near ones. The gain undoes it at no bits.
 #   It is computed in float64 and rounded to GAIN_STEPS, so the Triton kernel reproduces it bit for bit, and
 #   kept in [GAIN_MIN, GAIN_MAX] (a group whose first pass is orthogonal to it keeps gain 1).
-QUANTIZERS = ("uniform_minmax", "uniform_unbiased")
 GAIN_STEPS = 2.0**16
 GAIN_MIN, GAIN_MAX = 0.5, 2.0
-
-
-def check_quantizer(quantizer: str) -> str:
-    if quantizer not in QUANTIZERS:
-        raise ValueError(f"quantizer: expected one of {list(QUANTIZERS)}, got {quantizer!r}")
-    return quantizer
-
-
-def scale_format_of(dtype: torch.dtype) -> str:
-    """The scale format of stored scale/zero tensors of `dtype` (the inverse of SCALE_STORAGE)."""
-    return "ue5m3" if dtype == torch.uint8 else "float16"
-
-
-def scale_bits(scale_format: str) -> int:
-    """Bits per group spent on the scale and zero point together."""
-    return {"float16": 32, "ue5m3": 16}[_check_format(scale_format)]
-
-
-def _check_format(scale_format: str) -> str:
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"scale_format: expected one of {list(SCALE_FORMATS)}, got {scale_format!r}")
-    return scale_format
 
 
 def encode_ue5m3(scale: torch.Tensor) -> torch.Tensor:
@@ -106,27 +85,30 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor, sorted_abs: torch.Te
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 
-def quantize(x: torch.Tensor, group_size: int | None = None, *, scale_format: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min-max INT2 per group of `group_size` channels.
+def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max INT2 per group of `fmt.group(d)` channels, scales in `fmt.scale_format`.
 
     Args:
         x: `[..., d]` float tensor.
-        scale_format: "float16" or "ue5m3" (see SCALE_FORMATS above).
     Returns:
-        codes `[..., d]` uint8 in {0..3}; scale, zero `[..., d // group_size]`: float16 both, or uint8 both
+        codes `[..., d]` uint8 in {0..3}; scale, zero `[..., d // G]`: float16 both, or uint8 both
         (ue5m3 scale code, zero point in 1/64 code).
     The arithmetic is done in fp32 with the rounded scale and zero, so dequantization with the
     stored values reproduces exactly what was encoded.
     """
     d = x.shape[-1]
-    g = group_size or d
-    if d % g:
-        raise ValueError(f"group_size={g} must divide head_dim={d}")
-    xg = x.float().reshape(*x.shape[:-1], d // g, g)
+    g = fmt.group(d)
+    codes, scale, zero = quantize_groups(x.float().reshape(*x.shape[:-1], d // g, g), fmt)
+    return codes.reshape(x.shape), scale, zero
+
+
+def quantize_groups(xg: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize` of rows already split into groups, `xg [..., n, g]` fp32 (any g: a baseline that groups along
+    tokens, not packed channels, uses it directly) -> codes `[..., n, g]` uint8, scale and zero `[..., n]` in
+    `fmt.scale_format` (fmt's group is not read)."""
     lo = xg.amin(dim=-1)
     hi = xg.amax(dim=-1)
-    if _check_format(scale_format) == "ue5m3":
+    if fmt.scale_format == "ue5m3":
         lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
         scale = encode_ue5m3(torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1))
         zero = torch.floor(-lo / decode_ue5m3(scale) * ZERO_STEPS + 0.5).clamp(0, 255).to(torch.uint8)
@@ -134,26 +116,27 @@ def quantize(x: torch.Tensor, group_size: int | None = None, *, scale_format: st
         scale = torch.clamp(hi - lo, min=SCALE_EPS) / (LEVELS - 1)
         scale = torch.maximum(scale, torch.maximum(lo.abs(), hi.abs()) * (1.0 / ZERO_LIMIT)).to(torch.float16)
         zero = (-lo / scale.float()).to(torch.float16)
-    s, z = scale_zero_fp32(scale, zero)
+    s, z = scale_zero_fp32(scale, zero, fmt)
     codes = torch.floor(xg / s.unsqueeze(-1) + z.unsqueeze(-1) + 0.5)
-    codes = codes.clamp(0, LEVELS - 1).to(torch.uint8).reshape(x.shape)
-    return codes, scale, zero
+    return codes.clamp(0, LEVELS - 1).to(torch.uint8), scale, zero
 
 
-def scale_zero_fp32(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored scale and zero (fp16, or uint8 ue5m3 and 1/64 codes) -> fp32 scale and zero point in codes."""
-    if scale_format_of(scale.dtype) == "ue5m3":
+def scale_zero_fp32(scale: torch.Tensor, zero: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored scale and zero in `fmt.scale_format` (fp16, or uint8 ue5m3 and 1/64 codes) -> fp32 scale and zero
+    point in codes."""
+    if fmt.scale_format == "ue5m3":
         return decode_ue5m3(scale), zero.float() * (1.0 / ZERO_STEPS)
     return scale.float(), zero.float()
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of `quantize`: `(code - zero) * scale`, per group. Shapes as returned by `quantize`; the scale
-    format follows from the stored dtype (uint8 = ue5m3)."""
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: KVFormat,
+               dtype=torch.float32) -> torch.Tensor:
+    """Inverse of `quantize`: `(code - zero) * scale`, per group. Shapes as returned by `quantize`, scales in
+    `fmt.scale_format` (the groups follow from the shapes)."""
     d = codes.shape[-1]
     n_groups = scale.shape[-1]
     g = d // n_groups
-    s, z = scale_zero_fp32(scale, zero)
+    s, z = scale_zero_fp32(scale, zero, fmt)
     c = codes.float().reshape(*codes.shape[:-1], n_groups, g)
     x = (c - z.unsqueeze(-1)) * s.unsqueeze(-1)
     return x.reshape(codes.shape).to(dtype)
@@ -186,12 +169,12 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thd,hde->the", x.float(), r)
 
 
-def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Gain `[..., d]` (one value per group, repeated over its channels) of the "uniform_unbiased" quantizer:
-    `|x|^2 / <x, x_hat>` per group of `x, x_hat [..., d]`, in float64, rounded to 1/GAIN_STEPS, kept in
+    `|x|^2 / <x, x_hat>` per group (`fmt.group(d)`) of `x, x_hat [..., d]`, in float64, rounded to 1/GAIN_STEPS, kept in
     [GAIN_MIN, GAIN_MAX]; 1 where `<x, x_hat>` is not positive."""
     d = x.shape[-1]
-    g = group_size or d
+    g = fmt.group(d)
     xg = x.double().reshape(*x.shape[:-1], d // g, g)
     hg = x_hat.double().reshape(*x.shape[:-1], d // g, g)
     num = (xg * xg).sum(dim=-1)
@@ -201,26 +184,25 @@ def unbiased_gain(x: torch.Tensor, x_hat: torch.Tensor, group_size: int | None =
     return gain.repeat_interleave(g, dim=-1)
 
 
-def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_size: int | None = None, *,
-                  scale_format: str, quantizer: str, sorted_abs: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clip and quantize rows already rotated (and centered) `xr [..., d]` with `quantizer` (QUANTIZERS).
+def quantize_rows(xr: torch.Tensor, clip_ratio: torch.Tensor | float | None, fmt: KVFormat, *,
+                  sorted_abs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clip and quantize rows already rotated (and centered) `xr [..., d]` with `fmt.quantizer` (QUANTIZERS).
 
-    Returns codes `[..., d]`, scale and zero `[..., d // group_size]` as `quantize` does. `sorted_abs`: as in
+    Returns codes `[..., d]`, scale and zero `[..., d // G]` as `quantize` does. `sorted_abs`: as in
     `clip_rows` (the same rows quantized at several clip ratios).
     """
     xc = clip_rows(xr, clip_ratio, sorted_abs) if clip_ratio is not None else xr.float()
-    codes, scale, zero = quantize(xc, group_size, scale_format=scale_format)
-    if check_quantizer(quantizer) == "uniform_minmax":
+    codes, scale, zero = quantize(xc, fmt)
+    if fmt.quantizer == "uniform_minmax":
         return codes, scale, zero
-    gain = unbiased_gain(xr, dequantize(codes, scale, zero), group_size)
-    return quantize(xc * gain, group_size, scale_format=scale_format)
+    gain = unbiased_gain(xr, dequantize(codes, scale, zero, fmt), fmt)
+    return quantize(xc * gain, fmt)
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | float | None,
-                  group_size: int | None = None, mean: torch.Tensor | None = None, *, scale_format: str,
-                  quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full write path for one layer: rotate, (center,) clip, quantize, pack.
+                  fmt: KVFormat, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full write path for one layer: rotate, (center,) clip, quantize, pack, as `fmt` encodes the history (its
+    group, scale format and quantizer; the windows and pages are the cache's business).
 
     Args:
         x: `[T, H_kv, d]` keys (post-RoPE) or values.
@@ -228,33 +210,28 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: to
         clip_ratio: `[H_kv]` or scalar (None or 1 = no clipping).
         mean: `[H_kv, d]` per-head mean in the rotated basis, subtracted before clipping (a centered cache);
             None = uncentered.
-        scale_format: "float16" or "ue5m3".
-        quantizer: one of QUANTIZERS.
     Returns:
-        packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // group_size]` (fp16, or uint8 for ue5m3).
+        packed `[T, H_kv, d // 4]` uint8, scale and zero `[T, H_kv, d // G]` (fp16, or uint8 for ue5m3).
     """
     xr = rotate(x, rotation) if rotation is not None else x.float()
     if mean is not None:
         xr = xr - mean.float()
-    codes, scale, zero = quantize_rows(xr, clip_ratio, group_size, scale_format=scale_format,
-                                       quantizer=quantizer)
+    codes, scale, zero = quantize_rows(xr, clip_ratio, fmt)
     return pack(codes), scale, zero
 
 
-def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: KVFormat,
                       dtype=torch.float32) -> torch.Tensor:
-    """`[..., d // 4]` packed + per-group scale/zero -> rotated-space values `[..., d]`."""
-    return dequantize(unpack(packed), scale, zero, dtype)
+    """`[..., d // 4]` packed + per-group scale/zero in `fmt.scale_format` -> rotated-space values `[..., d]`."""
+    return dequantize(unpack(packed), scale, zero, fmt, dtype)
 
 
-def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, group_size: int | None = None,
-                  unrotate: bool = True, mean: torch.Tensor | None = None, *, scale_format: str,
-                  quantizer: str) -> torch.Tensor:
-    """Quantize then dequantize `x [T, H_kv, d]` (centered by `mean [H_kv, d]` if given: dequant + mean); with
-    `unrotate`, map back to the original basis."""
-    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format,
-                                        quantizer=quantizer)
-    xr = unpack_dequantize(packed, scale, zero)
+def fake_quantize(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio, fmt: KVFormat, unrotate: bool = True,
+                  mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize `x [T, H_kv, d]` as `fmt` encodes it (centered by `mean [H_kv, d]` if given:
+    dequant + mean); with `unrotate`, map back to the original basis."""
+    packed, scale, zero = quantize_pack(x, rotation, clip_ratio, fmt, mean=mean)
+    xr = unpack_dequantize(packed, scale, zero, fmt)
     if mean is not None:
         xr = xr + mean.float()
     if unrotate and rotation is not None:

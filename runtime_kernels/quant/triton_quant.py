@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime_kernels.format import KVFormat
 from runtime_kernels.launch_util import next_pow2
 from runtime_kernels.quant import naive
 
@@ -267,29 +268,29 @@ def _clip_threshold(x_rot: torch.Tensor, clip_idx: torch.Tensor) -> torch.Tensor
 
 def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, codes: torch.Tensor,
                        scale: torch.Tensor, zero: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
-                       group_size: int, rows_per_program: int | None = None, clip_mode: str | None = None,
-                       mean: torch.Tensor | None = None, *, quantizer: str) -> None:
-    """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them).
+                       fmt: KVFormat, rows_per_program: int | None = None, clip_mode: str | None = None,
+                       mean: torch.Tensor | None = None) -> None:
+    """Launch the kernel (no input checks: the functional API in `runtime_kernels.quant` does them). The group,
+    scale format and quantizer are `fmt`'s: the pools' dtypes are not read to guess them.
 
     Args:
         x_rot: fp32, bf16 or fp16 `[T, H, d]`, already rotated, last dim contiguous.
         clip_ratio: fp32 `[H]` contiguous clip ratio per head, or None for no clipping. The order-statistic index
             (`naive.clip_index`) is derived from it in the kernel ("kernel" mode: no small torch ops per call) or
             on the host ("torch" mode).
-        codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: `[num_pages, H, P, d // group_size]`, fp16 both
-            or uint8 both (the ue5m3 format: `naive.SCALE_FORMATS`), any strides for the first three dims, last
-            dim contiguous.
+        codes: uint8 `[num_pages, H, P, d // 4]`; scale, zero: `[num_pages, H, P, d // G]`, fp16 both or uint8
+            both (`fmt.scale_format` ue5m3), any strides for the first three dims, last dim contiguous.
         page_ids, rows: int `[T]` destination of each token.
         clip_mode: "kernel" (order statistic by `tl.sort` inside the kernel; default on CUDA) or "torch"
             (a torch sort before the kernel; default off-GPU, where the interpreter's `tl.sort` is very slow).
             Both give the same threshold.
         mean: fp32 `[H, d]` contiguous per-head mean subtracted before clipping (centered caches), or None.
-        quantizer: one of `naive.QUANTIZERS`.
     """
     t, h, d = x_rot.shape
     if t == 0:
         return
     q = d // 4
+    group_size = fmt.group(d)
     ng = d // group_size
     rows_pp = rows_per_program or (16 if x_rot.is_cuda else 64)
     rows_pp = min(rows_pp, next_pow2(t))
@@ -311,6 +312,6 @@ def quantize_pack_into(x_rot: torch.Tensor, clip_ratio: torch.Tensor | None, cod
         scale.stride(0), scale.stride(1), scale.stride(2),
         D=d, Q=q, G=group_size, NG=ng,
         D_PAD=next_pow2(d), Q_PAD=next_pow2(q), ROWS=rows_pp,
-        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=naive.scale_format_of(scale.dtype) == "ue5m3",
-        UNBIASED=naive.check_quantizer(quantizer) == "uniform_unbiased", num_warps=4,
+        CLIP=mode, RECIP=x_rot.is_cuda, MEAN=mean is not None, UE5M3=fmt.scale_format == "ue5m3",
+        UNBIASED=fmt.quantizer == "uniform_unbiased", num_warps=4,
     )

@@ -227,7 +227,7 @@ class StaticStep:
         if max_tokens < 1 or max_pages < 1:
             raise ValueError(f"max_tokens, max_pages: expected >= 1, got {max_tokens}, {max_pages}")
         self.max_tokens, self.max_pages = int(max_tokens), int(max_pages)
-        self.win_width = fmt.window_tokens + fmt.page_size - 1
+        self.win_width = fmt.window_rows
         t, w, dev = self.max_tokens, self.win_width, device
         i64 = dict(dtype=torch.int64, device=dev)
         self.write_pages, self.write_rows, self.write_slots = (torch.zeros(t, **i64) for _ in range(3))
@@ -500,11 +500,11 @@ class OscarEngine:
             win_k[plan.write_slots, :, plan.write_rows] = k_rot
             win_v[plan.write_slots, :, plan.write_rows] = v_rot
             quant_api.write_pages(k_rot, None, self.k_clip[li], pools.k_codes, pools.k_scale, pools.k_zero,
-                                  plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend, mean=self.k_mean[li], quantizer=self.quantizer)
+                                  plan.write_pages, plan.write_rows, self.fmt,
+                                  backend=self.backend, mean=self.k_mean[li])
             quant_api.write_pages(v_rot, None, self.v_clip[li], pools.v_codes, pools.v_scale, pools.v_zero,
-                                  plan.write_pages, plan.write_rows, group_size=self.packed.group_size,
-                                  backend=self.backend, mean=self.v_mean[li], quantizer=self.quantizer)
+                                  plan.write_pages, plan.write_rows, self.fmt,
+                                  backend=self.backend, mean=self.v_mean[li])
         if plan.decode_tokens.numel():
             out[plan.decode_tokens] = self._decode(li, plan, pools, win_k, win_v, q[plan.decode_tokens],
                                                    sm_scale).to(out.dtype)
@@ -553,7 +553,7 @@ class OscarEngine:
             rows = win[seg.win_slots, :, seg.win_rows].float()  # [n_bf16, H, d]
             if seg.pages.numel():
                 hist = quant_naive.unpack_dequantize(codes[seg.pages, :, seg.rows], scale[seg.pages, :, seg.rows],
-                                                     zero[seg.pages, :, seg.rows]).float()  # [n_int2, H, d]
+                                                     zero[seg.pages, :, seg.rows], self.fmt).float()  # [n_int2, H, d]
                 rows = torch.cat([rows, hist if mean is None else hist + mean])
             rows = rows[seg.order] if seg.order.numel() else rows
             out.append(torch.einsum("the,hde->thd", rows, rot).to(dtype))

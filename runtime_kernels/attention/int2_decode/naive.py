@@ -19,6 +19,7 @@ import math
 import torch
 
 from runtime_kernels.attention import naive as attn_naive
+from runtime_kernels.format import DEFAULT_FORMAT, KVFormat
 from runtime_kernels.quant import naive as quant_naive
 
 
@@ -40,7 +41,9 @@ def gather_history(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     c = codes[ids].permute(1, 0, 2, 3).reshape(codes.shape[1], n_pages * p, codes.shape[3])
     s = scale[ids].permute(1, 0, 2, 3).reshape(scale.shape[1], n_pages * p, scale.shape[3])
     z = zero[ids].permute(1, 0, 2, 3).reshape(zero.shape[1], n_pages * p, zero.shape[3])
-    return quant_naive.unpack_dequantize(c[:, :length], s[:, :length], z[:, :length])
+    # The pools' dtype still names their scale format here until PagePools carries its KVFormat (issue 52, serve-once).
+    return quant_naive.unpack_dequantize(c[:, :length], s[:, :length], z[:, :length], DEFAULT_FORMAT.with_(
+        scale_format="ue5m3" if s.dtype == torch.uint8 else "float16"))
 
 
 def _one_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,25 +136,23 @@ def merge_attention_ref(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tenso
 
 
 def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
-                      group_size: int | None = None, mean: torch.Tensor | None = None, *, scale_format: str,
-                      quantizer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]`: fp16, or uint8 for ue5m3)."""
-    return quant_naive.quantize_pack(x, rotation, clip_ratio, group_size, mean=mean, scale_format=scale_format,
-                                     quantizer=quantizer)
+                      fmt: KVFormat, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x [T, H, d]` -> (packed uint8 `[T, H, d // 4]`, scale and zero `[T, H, d // G]`: fp16, or uint8 for ue5m3),
+    as `fmt` encodes the history."""
+    return quant_naive.quantize_pack(x, rotation, clip_ratio, fmt, mean=mean)
 
 
 def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                     codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
-                    page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                    mean: torch.Tensor | None = None, *, quantizer: str) -> None:
-    """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]` (in place).
+                    page_ids: torch.Tensor, rows: torch.Tensor, fmt: KVFormat,
+                    mean: torch.Tensor | None = None) -> None:
+    """Quantize `x [T, H, d]` as `fmt` encodes the history and scatter token t into `pool[page_ids[t], :, rows[t]]`
+    (in place).
 
     Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
     page_ids, rows: int `[T]`.
     """
-    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean,
-                                            scale_format=quant_naive.scale_format_of(scale_pool.dtype),
-                                            quantizer=quantizer)
+    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, fmt, mean)
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
     scale_pool[p, :, r] = scale.to(scale_pool.dtype)
