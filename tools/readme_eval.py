@@ -15,7 +15,7 @@ import sys
 import time
 
 import torch
-from study_common import fixture_parser, load_fixture
+from study_common import fixture_parser, load_fixture, solver_settings
 
 MAIN_ROW = "oscar (default clips, fp16)"  # the default solver at the main table's 64/256 windows and fp16 scales
 # Windows that ue5m3 scales (2.125 history bits at d = 128) pay for within fp16-scale 64/256's 2.284 bits at 128K.
@@ -82,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_calib.analysis.evaluate import generation_agreement, make_windows, read_documents
     from oscar_calib.analysis.methods import standard_methods
     from oscar_calib.calibration.calibrate import calibrate_model_with_report
-    from oscar_calib.config import SolverSettings
     from runtime_kernels.format import KVFormat
 
     # The main table's windows (64/256, token-granular history) and fp16 scales.
@@ -102,37 +101,36 @@ def main(argv: list[str] | None = None) -> int:
     variants = {MAIN_ROW: {}}
     if args.variants == "all":
         variants.update({
-            "oscar attn_kl, uncentered, min-max": {"key_clip_objective": "attn_kl", "center_keys": False,
-                                             "center_values": False, "quantizer": "uniform_minmax"},
+            "oscar attn_kl, uncentered, min-max": {"key_clip_objective": "attn_kl", "centered": False,
+                                             "quantizer": "uniform_minmax"},
             "oscar min-max": {"quantizer": "uniform_minmax"},
-            "oscar out_err": {"key_clip_objective": "out_err", "center_keys": False, "center_values": False},
-            "oscar out_err +ck": {"key_clip_objective": "out_err", "center_keys": True, "center_values": False},
-            "oscar out_err +ck+cv": {"key_clip_objective": "out_err", "center_keys": True, "center_values": True},
-            "oscar block_out +ck+cv": {"key_clip_objective": "block_out", "center_keys": True, "center_values": True},
-            "oscar-layer out_err +ck+cv": {"granularity": "layer", "key_clip_objective": "out_err",
-                                           "center_keys": True, "center_values": True},
-            "oscar ue5m3": {"scale_dtype": "ue5m3"},
+            "oscar out_err": {"key_clip_objective": "out_err", "centered": False},
+            "oscar out_err centered": {"key_clip_objective": "out_err", "centered": True},
+            "oscar block_out centered": {"key_clip_objective": "block_out", "centered": True},
+            "oscar-layer out_err centered": {"granularity": "layer", "key_clip_objective": "out_err",
+                                           "centered": True},
+            "oscar ue5m3": {"scale_format": "ue5m3"},
         })
     # Variants calibrated for other windows, evaluated in those windows (rows of the window sweep).
     layouts = {}
     if args.equal_bits:
         for sink, recent in EQUAL_BITS_LAYOUTS[1:]:  # 64/256 is the main table's "oscar ue5m3"
-            layouts[f"oscar ue5m3 [{sink}/{recent}]"] = {"scale_dtype": "ue5m3", "sink_tokens": sink,
+            layouts[f"oscar ue5m3 [{sink}/{recent}]"] = {"scale_format": "ue5m3", "sink_tokens": sink,
                                                           "recent_tokens": recent}
         layouts["oscar fp16 uncentered attn_kl minmax [128/1024]"] = {
-            "key_clip_objective": "attn_kl", "center_keys": False, "center_values": False,
-            "sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16", "quantizer": "uniform_minmax"}
-        layouts["oscar ue5m3 minmax [128/1024]"] = {"scale_dtype": "ue5m3", "sink_tokens": 128, "recent_tokens": 1024,
+            "key_clip_objective": "attn_kl", "centered": False,
+            "sink_tokens": 128, "recent_tokens": 1024, "scale_format": "float16", "quantizer": "uniform_minmax"}
+        layouts["oscar ue5m3 minmax [128/1024]"] = {"scale_format": "ue5m3", "sink_tokens": 128, "recent_tokens": 1024,
                                                      "quantizer": "uniform_minmax"}
-        layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024, "scale_dtype": "float16"}
+        layouts["oscar fp16 [128/1024]"] = {"sink_tokens": 128, "recent_tokens": 1024, "scale_format": "float16"}
     variants.update(layouts)
     for name in variants:
         if name not in layouts:
-            variants[name] = {"sink_tokens": 64, "recent_tokens": 256, "scale_dtype": "float16", **variants[name]}
+            variants[name] = {"sink_tokens": 64, "recent_tokens": 256, "scale_format": "float16", **variants[name]}
     arts, fits = {}, {}
     for name, overrides in variants.items():
         t0 = time.perf_counter()
-        arts[name], report = calibrate_model_with_report(model, ids, SolverSettings(**overrides),
+        arts[name], report = calibrate_model_with_report(model, ids, solver_settings(**overrides),
                                                          compare_alternatives=False)
         fits[name] = report.summary()
         log(f"calibrated {name} on {ids.shape[0]} x {args.context} tokens in {time.perf_counter() - t0:.1f}s: "

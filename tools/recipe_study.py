@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     SINK, RECENT = args.sink, args.recent  # noqa: N806
     fmt = DEFAULT_FORMAT.with_(sink_tokens=SINK, recent_tokens=RECENT)  # every row's cache: ue5m3, the given windows
 
+    from study_common import solver_settings
+
     from oscar_calib.analysis.evaluate import method_nll
     from oscar_calib.analysis.methods import (
         Kivi2,
@@ -183,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from oscar_calib.calibration.solve import solve_rotations, target_from_rotation
     from oscar_calib.calibration.window_target import blend_targets, window_aware_key_target
-    from oscar_calib.config import SolverSettings
 
     class SidedTables(TableInt2):
         """TableInt2 with its own quantizer per side (keys, values)."""
@@ -264,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         del model32
         torch.cuda.empty_cache()
 
-    base = dict(scale_dtype="ue5m3", sink_tokens=SINK, recent_tokens=RECENT)
+    base = dict(scale_format="ue5m3", sink_tokens=SINK, recent_tokens=RECENT)
     arts, fits = {}, {}
 
     def calibrate(name: str, cap: str, **overrides) -> None:
         t = time.perf_counter()
-        arts[name], report = artifact_from_statistics(caps[cap], SolverSettings(**{**base, **overrides}),
+        arts[name], report = artifact_from_statistics(caps[cap], solver_settings(**{**base, **overrides}),
                                                       compare_alternatives=False)
         fits[name] = {"capture": cap, "settings": overrides, **report.summary()}
         log(f"calibrated {name} in {time.perf_counter() - t:.1f}s: K clips {fits[name]['k_clip_ratio_mean']:.3f}, "
@@ -289,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrate("default (shipped)", "stats2k/fit2k", quantizer="uniform_unbiased")
         calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
         calibrate("fitlong unbiased", "stats2k/fitlong", quantizer="uniform_unbiased")
-        calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", center_keys=False,
-                  center_values=False)
+        calibrate("fitlong min-max, uncentered", "stats2k/fitlong", quantizer="uniform_minmax", centered=False)
         calibrate("fitlong min-max, no clip", "stats2k/fitlong", quantizer="uniform_minmax", clip=False)
         calibrate("statslong fitlong min-max", "statslong/fitlong", quantizer="uniform_minmax")
         calibrate("statslong fitlong unbiased", "statslong/fitlong", quantizer="uniform_unbiased")
@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         means = session_means(st, layer_ids)
         rot = had.expand(len(layer_ids), h_kv, head_dim, head_dim).contiguous()
         if clips is None:  # clips fitted for the Hadamard basis, exactly as OSCAR's are for its own
-            settings = SolverSettings(**{**base, "quantizer": quantizer, "center_keys": centered,
-                                         "center_values": centered})
+            settings = solver_settings(**{**base, "quantizer": quantizer, "centered": centered})
             fit = _fit_all(st, layer_ids, rot, rot, settings, means=means, o_weights=st.o_weights)
             kc = [fit[i].k_ratio for i in layer_ids]
             vc = [fit[i].v_ratio for i in layer_ids]
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         if solver is None:  # an imported artifact does not record its fit: the study's own settings then
             log(f"--window-aware-keys: {first} records no solver settings; key clips fitted with the study's")
             solver = {"quantizer": art.quantizer}
-        settings = SolverSettings(**{**solver, **base})  # the artifact's fit, for the format every row is read in
+        settings = solver_settings(**{**solver, **base})  # the artifact's fit, for the format every row is read in
         own = tables_of(first, centered=bool(art.key_mean("original").any()))
         means = (art.key_mean("original"), art.value_mean("original"))  # model basis; zeros = that side uncentered
         t = time.perf_counter()

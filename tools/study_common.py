@@ -30,3 +30,18 @@ def load_fixture(path: Path):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return tok, model, device, dtype
+
+
+# The studies name their variants by flat overrides; the format's fields among them go into SolverSettings.kv_format.
+_FORMAT_KEYS = {"sink_tokens", "recent_tokens", "page_size", "group_size", "scale_format", "quantizer", "centered"}
+
+
+def solver_settings(**flat):
+    """SolverSettings from a flat mapping of its own fields and KVFormat's (`scale_format`, `quantizer`, `centered`,
+    the windows ...): the studies' variants stay one dict each. A `kv_format` entry (an artifact's recorded solver)
+    is the base the flat format fields change."""
+    from oscar_calib.config import SolverSettings
+
+    fmt = {k: flat.pop(k) for k in list(flat) if k in _FORMAT_KEYS}
+    base = flat.pop("kv_format", None) or {}
+    return SolverSettings(**flat, kv_format={**dict(base), **fmt})
