@@ -103,3 +103,17 @@ def test_run_help_fits_two_screens_and_help_all_shows_the_rest(monkeypatch, caps
     for flag in ("--granularity", "--hadamard-key-mass", "--offload-folder", "--trust-remote-code"):
         assert flag not in short and flag in full, flag
     assert short.index("─ Model and data ─") < short.index("─ Output ─")  # the first panel is a named one
+
+
+def test_no_option_name_is_cut_at_80_columns(monkeypatch, capsys):
+    """Rich shortens a column it cannot fit with an ellipsis: at 80 columns a wide metavar (choices joined into one
+    word, typer's range text) once squeezed `--hadamard-key-mass` to `--hadamard-key-ma…`. Every option's every name
+    must show whole in every command's fullest help."""
+    for path, cmd, ctx in _all_commands():
+        options = [p for p in cmd.get_params(ctx) if p.param_type_name == "option"]
+        flag = "--help-all" if any(p.name == "help_all" for p in options) else "--help"
+        text = _help(path, monkeypatch, capsys, flag, columns=80)
+        assert "…" not in text, (" ".join(path), [line for line in text.splitlines() if "…" in line])
+        for p in options:
+            for name in (*p.opts, *p.secondary_opts):
+                assert re.search(rf"(^|[\s│]){re.escape(name)}($|[\s│,])", text, flags=re.M), (" ".join(path), name)

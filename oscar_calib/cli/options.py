@@ -67,6 +67,9 @@ class ValueTarget(str, Enum):
 
 # The KV format's choices are the format module's own lists (one place names them).
 ScaleDtype = Enum("ScaleDtype", {name: name for name in SCALE_FORMATS}, type=str)
+# The metavar of an option whose help names its choices: the choices joined as one word could not wrap, and at 80
+# columns they squeezed the Recipe panel until `--hadamard-key-mass` lost its last letters.
+CHOICE = "<name>"
 Quantizer = Enum("Quantizer", {name: name for name in QUANTIZERS}, type=str)
 
 
@@ -81,13 +84,13 @@ class ClipObjective(str, Enum):
 GranularityOpt = Annotated[Granularity, typer.Option(
     "--granularity", help="One rotation per KV head, or the reference's one per layer.")]
 ValueTargetOpt = Annotated[ValueTarget, typer.Option(
-    "--value-target", help="attn_output (paper) or logit_weighted (reference code).")]
+    "--value-target", metavar=CHOICE, help="attn_output (paper) or logit_weighted (reference code).")]
 KGridOpt = Annotated[Optional[str], typer.Option(
     "--k-clip-grid", help="Starting key clip ratios, comma-separated; 1.0 is always added, the fit extends downward.")]
 VGridOpt = Annotated[Optional[str], typer.Option(
     "--v-clip-grid", help="Starting value clip ratios, comma-separated; 1.0 is always added.")]
 ClipObjectiveOpt = Annotated[ClipObjective, typer.Option(
-    "--key-objective", help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys "
+    "--key-objective", metavar=CHOICE, help="Held-out error that picks clips: block_out (attention-output error after o_proj, keys "
                             "and values), out_err (before o_proj), attn_kl or logit_mse (keys only).")]
 ClipOpt = Annotated[bool, typer.Option(
     "--clip/--no-clip", help="Fit per-head clip ratios (--no-clip: none; on the fixtures about the default's far-token "
@@ -105,13 +108,13 @@ ScaleDtypeOpt = Annotated[ScaleDtype, typer.Option(
     "--scale-dtype", help="Per-row scale and zero point of the INT2 history: ue5m3 (8 + 8 bits, 2.125 bits per "
                           "element at head_dim 128) or float16 (16 + 16 bits, 2.25).")]
 QuantizerOpt = Annotated[Quantizer, typer.Option(
-    "--quantizer", help="How each INT2 row is encoded: uniform_unbiased (min-max over the clipped row, with a gain "
+    "--quantizer", metavar=CHOICE, help="How each INT2 row is encoded: uniform_unbiased (min-max over the clipped row, with a gain "
                         "that keeps the row's projection on the unclipped one, so far tokens keep their attention "
                         "logits) or uniform_minmax (the reference's).")]
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", help="Quantization group (default: head_dim).")]
 HadamardKeyMassOpt = Annotated[float, typer.Option(
-    "--hadamard-key-mass", min=0.0, max=1.0,
-    help="Keys take the Hadamard rotation in KV heads whose held-out queries put more than this share of their "
+    "--hadamard-key-mass",  # 0..1 is SolverSettings' check: typer's range text widened the Recipe panel past 80 columns
+    help="A share from 0 to 1. Keys take the Hadamard rotation in KV heads whose held-out queries put more than this share of their "
          "attention on the INT2 history (the tokens neither BF16 window keeps): those queries are the ones key error "
          "reaches; 1 = the attention-aware rotation in every head.")]
 
