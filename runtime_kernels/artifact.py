@@ -78,6 +78,15 @@ class ModelMismatchError(ArtifactError):
     """The artifact was made for another model (shapes or model identity disagree with the model)."""
 
 
+@dataclass(frozen=True)
+class _Check:
+    """A passed validation: what it saw (`OscarArtifact._fingerprint`) and the typed metadata it returned (with the
+    KV format, `ContractMetadata.served`)."""
+
+    fingerprint: tuple
+    contract: ContractMetadata
+
+
 @dataclass
 class OscarArtifact:
     """In-memory form of one artifact. Tensors live on the CPU in their contract dtypes.
@@ -131,7 +140,13 @@ class OscarArtifact:
         """The encoding of the INT2 history the artifact was calibrated for (`runtime_kernels.format.KVFormat`):
         its `kv_format` record, or for an artifact written before the record (v1 included) its separate keys
         (`contract.kv_format_of`). Centering is whether its means are non-zero. Raises ArtifactError naming the
-        field for metadata that breaks the contract or a quantizer this runtime does not serve (lloyd_max)."""
+        field for metadata that breaks the contract or a quantizer this runtime does not serve (lloyd_max).
+
+        A validated artifact (`validate`, `read_artifact`) parsed its format then: that value is returned while
+        the artifact is unchanged, so the loaders, the caches and the vLLM plugin read one parse."""
+        checked = self._checked()
+        if checked is not None and checked.contract.served is not None:
+            return checked.contract.served
         meta = parse_metadata(self.metadata, self.source)
         return kv_format_of(meta, has_means(self.tensors()), self.source)
 
@@ -234,8 +249,36 @@ class OscarArtifact:
         return out
 
     def validate(self) -> OscarArtifact:
-        validate_tensors(self.tensors(), self.metadata, self.source)
+        """Check every rule of the contract (ArtifactError naming the field) and remember that this object, as it
+        is now, passed (`ensure_valid`, `kv_format`). Returns self."""
+        self._record_check(validate_tensors(self.tensors(), self.metadata, self.source))
         return self
+
+    def ensure_valid(self) -> OscarArtifact:
+        """`validate`, unless this object already passed it and is unchanged since (the same tensor objects, not
+        modified in place, and equal metadata): what a consumer handed a loaded artifact calls, so one load
+        validates once. Returns self."""
+        return self if self._checked() is not None else self.validate()
+
+    # -- the record of a passed validation ----------------------------------------------------------------
+    def _fingerprint(self) -> tuple:
+        """What validation saw: every tensor's identity and in-place version counter (torch bumps `_version` on
+        every in-place write), and the metadata."""
+        return (tuple((name, id(t), t._version) for name, t in sorted(self._stored_tensors().items())),
+                tuple(sorted(self.metadata.items())), self.source)
+
+    def _stored_tensors(self) -> dict[str, torch.Tensor]:
+        names = V1_TENSOR_NAMES + MEAN_TENSOR_NAMES + CODEBOOK_TENSOR_NAMES
+        return {n: getattr(self, n) for n in names if isinstance(getattr(self, n), torch.Tensor)}
+
+    def _record_check(self, contract: ContractMetadata) -> None:
+        # Not a dataclass field: `dataclasses.replace` and `fields()` copies start unchecked, equality ignores it.
+        self.__dict__["_check"] = _Check(self._fingerprint(), contract)
+
+    def _checked(self) -> _Check | None:
+        """The record of the last validation, if this object is unchanged since (else None)."""
+        check = self.__dict__.get("_check")
+        return check if check is not None and check.fingerprint == self._fingerprint() else None
 
     def as_v2(self) -> OscarArtifact:
         """This artifact in contract v2 (a v1 one gains zero means and v1's defaults, written out)."""
@@ -248,9 +291,10 @@ class OscarArtifact:
                              k_mean=zeros, v_mean=zeros.clone())
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str,
+                     meta: ContractMetadata | None = None) -> ContractMetadata:
     """Check every rule of contract v1/v2 (see runtime_kernels.contract). Raises ArtifactError naming the field."""
-    return _validate_contract(tensors, metadata, source)
+    return _validate_contract(tensors, metadata, source, meta)
 
 
 def artifacts_below(directory: str | os.PathLike, limit: int = 8) -> list[str]:
@@ -321,8 +365,10 @@ def read_artifact(path: str | os.PathLike) -> OscarArtifact:
         if entry.shape != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(entry.shape)}")
     tensors = _load_tensors(file)
-    validate_tensors(tensors, header.metadata, source)
-    return OscarArtifact(**tensors, metadata=dict(header.metadata), source=source)
+    contract = validate_tensors(tensors, header.metadata, source, meta)
+    artifact = OscarArtifact(**tensors, metadata=dict(header.metadata), source=source)
+    artifact._record_check(contract)  # the one validation of this load: consumers call `ensure_valid`
+    return artifact
 
 
 def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Path:

@@ -43,7 +43,7 @@ from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
-from runtime_kernels.memory_budget import check_cache_fits
+from runtime_kernels.memory_budget import CheckedFit, cache_bytes, check_cache_fits, window_rows
 
 
 def _step_kernels():
@@ -305,7 +305,7 @@ class PagedKVCache:
                  v_clip_ratio: torch.Tensor, *, fmt: KVFormat, max_pages: int, max_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                 check_finite: bool = True):
+                 check_finite: bool = True, fit: CheckedFit | None = None):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
@@ -347,7 +347,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim, self.group_size = a, h, d, g
         self.page_size, self.sink, self.recent = fmt.page_size, fmt.sink_tokens, fmt.recent_tokens
-        self.window = self.sink + self.recent + self.page_size - 1
+        self.window = window_rows(self.fmt)  # TODO(merge): KVFormat.window_rows
         self.backend = backend
         self.check_finite = bool(check_finite)
         self._broken: dict[int, str] = {}  # sequences whose last write was refused half-way -> why
@@ -362,9 +362,11 @@ class PagedKVCache:
         self._version = 0
 
         n_pages, p, w, s = int(max_pages), self.page_size, self.window, self.max_seqs
-        # Refused here, with the size the windows would need, rather than by the allocator half-way through.
-        check_cache_fits(self.device, self.fmt, num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages,
-                         max_seqs=s, window_dtype=dtype)
+        # Refused here, with the size the windows would need, rather than by the allocator half-way through; not
+        # again when the caller's check (`fit`, OscarCache's at construction) already covers these pools.
+        shape = dict(num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages, max_seqs=s, window_dtype=dtype)
+        if fit is None or not fit.covers(self.device, cache_bytes(self.fmt, **shape)[0]):
+            check_cache_fits(self.device, self.fmt, **shape)
         self.allocator = PageAllocator(n_pages)  # its free list is O(max_pages) host memory: after the check
         self._token = object()  # what this cache's plans carry (`_check_plan`)
         self._plan_serial = 0
@@ -408,23 +410,25 @@ class PagedKVCache:
     @classmethod
     def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, fmt: KVFormat | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                      clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
+                      clip: bool = True, backend: str = "auto", check_finite: bool = True,
+                      fit: CheckedFit | None = None) -> PagedKVCache:
         """Build a cache for every layer of `artifact`, in `fmt` (default: the artifact's own `kv_format`).
 
         `fmt` must be the artifact's format but for the page size (pages are the runtime's: the clip fit scores
         every token), and for the windows of an identity artifact (which fitted nothing). Refused, naming the field:
         a quantizer this runtime does not serve (`lloyd_max` codebooks), windows that disagree with the ones a
         calibrated artifact's clips were fitted for, and a group size, scale format, quantizer or centering other
-        than the artifact's (they are how its tensors are read).
+        than the artifact's (they are how its tensors are read). A loaded artifact is not validated again
+        (`OscarArtifact.ensure_valid`); `fit`: a memory check already made that may cover these pools.
         """
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
-        artifact.validate()
+        artifact.ensure_valid()
         check_served_quantizer(artifact)
         fmt = check_served_format(artifact, fmt)
         return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio, fmt=fmt,
                    max_pages=max_pages, max_seqs=max_seqs, device=device, dtype=dtype, clip=clip, backend=backend,
-                   check_finite=check_finite,
+                   check_finite=check_finite, fit=fit,
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if fmt.centered else None,
                    v_mean=artifact.value_mean("rotated") if fmt.centered else None)

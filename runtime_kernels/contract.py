@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from runtime_kernels.format import MAX_WINDOW_TOKENS, RECORD_KEY, KVFormat, KVFormatError
+from runtime_kernels.format import QUANTIZERS as SERVED_QUANTIZERS
 from runtime_kernels.quant import naive
 
 FORMAT_NAME = "oscar-kv"
@@ -229,6 +230,9 @@ class ContractMetadata:
     quantizer: str
     scale_dtype: str
     record: KVFormat | None = None  # the `kv_format` record (None: an artifact written before it)
+    # The artifact's KV format, set by `validate_tensors` (which sees the means): None before, and for a quantizer
+    # the runtime reads but does not serve (lloyd_max).
+    served: KVFormat | None = None
 
 
 def _bounded_int(metadata: dict[str, str], key: str, source: str, low: int, high: int) -> int:
@@ -472,9 +476,14 @@ def _check_mean_own(mean: torch.Tensor, rms: torch.Tensor, name: str, source: st
                            "mean, not the data")
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
-    """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field."""
-    meta = parse_metadata(metadata, source)
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str,
+                     meta: ContractMetadata | None = None) -> ContractMetadata:
+    """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field.
+
+    `meta`: `parse_metadata(metadata, source)` when the caller already has it (`read_artifact` parses the metadata
+    before it reads a tensor), so one read parses it once. Returns the typed metadata with `served`, the artifact's
+    KV format (`kv_format_of`; None for lloyd_max, which is read but not served)."""
+    meta = parse_metadata(metadata, source) if meta is None else meta
     layer_ids = tensors.get("layer_ids")
     if not isinstance(layer_ids, torch.Tensor) or layer_ids.dim() != 1:
         fail(source, "layer_ids", "expected an int64 [A] tensor" if layer_ids is not None else "missing tensor")
@@ -487,9 +496,10 @@ def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         if tuple(t.shape) != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
     _check_values(tensors, source, metadata)
-    if meta.record is not None:
-        kv_format_of(meta, has_means(tensors), source)  # refuses a record whose centering the means contradict
-    return meta
+    if meta.record is None and meta.quantizer not in SERVED_QUANTIZERS:
+        return meta  # lloyd_max codebooks: read, not served (`kv_format_of` names the field when a cache asks)
+    # kv_format_of also refuses a record whose centering the means contradict
+    return replace(meta, served=kv_format_of(meta, has_means(tensors), source))
 
 
 def has_means(tensors: dict[str, torch.Tensor]) -> bool:

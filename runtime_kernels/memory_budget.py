@@ -13,10 +13,16 @@ RLIMIT_AS (`ulimit -v`) and RLIMIT_DATA (`ulimit -d`) less what the process alre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from runtime_kernels.format import KVFormat
 from runtime_kernels.units import format_bytes
+
+
+def window_rows(fmt: KVFormat) -> int:  # TODO(merge): KVFormat.window_rows
+    return fmt.sink_tokens + fmt.recent_tokens + fmt.page_size - 1
 
 
 class CacheTooLargeError(ValueError):
@@ -116,8 +122,7 @@ def cache_bytes(fmt: KVFormat, *, num_layers: int, num_kv_heads: int, head_dim: 
     slots of `sink + recent + page_size - 1` rows (K and V) and `max_pages` INT2 pages of `page_size` tokens at
     `fmt.bytes_per_token(head_dim)` per (token, KV head)."""
     elem = torch.empty((), dtype=window_dtype).element_size()
-    window_tokens = fmt.window_tokens + fmt.page_size - 1
-    window = num_layers * 2 * max_seqs * num_kv_heads * window_tokens * head_dim * elem
+    window = num_layers * 2 * max_seqs * num_kv_heads * window_rows(fmt) * head_dim * elem
     per_page = num_kv_heads * fmt.page_size * fmt.bytes_per_token(head_dim)
     return window + num_layers * max_pages * per_page, window
 
@@ -130,9 +135,22 @@ def check_fits(device: torch.device, need: int, describe) -> None:
         raise CacheTooLargeError(f"{describe(found[0])} (the limit: {found[1]})")
 
 
-def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
+@dataclass(frozen=True)
+class CheckedFit:
+    """A passed `check_cache_fits`: room was found on `device` for `nbytes`. A cache allocated later within it
+    (`covers`) is not checked again: `OscarCache` checks at construction and hands this to the pools it allocates
+    at the first update."""
+
+    device: torch.device
+    nbytes: int
+
+    def covers(self, device: torch.device, nbytes: int) -> bool:
+        return device == self.device and nbytes <= self.nbytes
+
+
+def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> CheckedFit:
     """Raise CacheTooLargeError when the pools of a cache in `fmt` of `shape` (see `cache_bytes`) exceed what `device`
-    has."""
+    has; else return the `CheckedFit` (the device and the bytes checked)."""
     total, window = cache_bytes(fmt, **shape)
     check_fits(device, total, lambda free: (
         f"field 'sink_tokens'/'recent_tokens': windows of {fmt.sink_tokens} + {fmt.recent_tokens} tokens need {window} "
@@ -140,6 +158,7 @@ def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
         f"{shape['max_seqs']} sequence slot(s) x {shape['num_layers']} layers, {total} bytes with the INT2 pages, but "
         f"{device} has {free} bytes ({format_bytes(free)}) available; serve with smaller sink_tokens/recent_tokens "
         "or fewer sequences"))
+    return CheckedFit(device, total)
 
 
-__all__ = ["CacheTooLargeError", "available_bytes", "available_with_source", "cache_bytes", "check_cache_fits", "check_fits"]
+__all__ = ["CacheTooLargeError", "CheckedFit", "available_bytes", "available_with_source", "cache_bytes", "check_cache_fits", "check_fits"]

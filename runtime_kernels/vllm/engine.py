@@ -288,7 +288,7 @@ class OscarEngine:
     def __init__(self, artifact: OscarArtifact, *, max_seqs: int, dtype: torch.dtype,
                  fmt: KVFormat | None = None, window_capacity: int | None = None,
                  device: torch.device | str = "cpu", backend: str = "auto"):
-        artifact.validate()
+        artifact.ensure_valid()  # a loaded artifact was validated by its loader: not again
         self.quantizer = check_served_quantizer(artifact)
         self.fmt = check_served_format(artifact, fmt)
         p = self.fmt.page_size
