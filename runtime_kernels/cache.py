@@ -29,6 +29,7 @@ The window of a sequence is therefore always chronological and its valid rows ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -213,29 +214,36 @@ class SequenceState:
 
 @dataclass
 class LayerPool:
-    """Device storage and the artifact's transform for one calibrated attention layer.
+    """Device storage and the artifact's transform for one calibrated attention layer, as whole records: the decode
+    kernels' `PagePools` (INT2 pages, the means of a centered cache, and the cache's format) and `Windows`, built
+    once when the pools are allocated and again when they grow (`PagedKVCache.grow_pages`), and passed as they are
+    to every decode call.
 
     Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16 or uint8 (ue5m3);
-    windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
-    With one group per row (G = d), k_scale, k_zero, v_scale and v_zero are the four quarters of one
-    `[num_pages, H, P, 4]` buffer (row strides 4, `int2_decode.pools.alloc_quad_pools`); every other pool is
-    contiguous.
+    windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping); means
+    fp32 `[H, d]` in the rotated basis (None: uncentered). With one group per row (G = d), k_scale, k_zero, v_scale
+    and v_zero are the four quarters of one `[num_pages, H, P, 4]` buffer (row strides 4,
+    `int2_decode.pools.alloc_quad_pools`); every other pool is contiguous. The tensors are read through the records
+    (`pool.k_codes` is `pool.pages.k_codes`).
     """
 
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
-    k_scale: torch.Tensor
-    k_zero: torch.Tensor
-    v_scale: torch.Tensor
-    v_zero: torch.Tensor
-    k_win: torch.Tensor
-    v_win: torch.Tensor
+    pages: PagePools
+    windows: Windows
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
     k_clip: torch.Tensor | None
     v_clip: torch.Tensor | None
-    k_mean: torch.Tensor | None = None  # centered cache: fp32 [H, d] means in the rotated basis (None: uncentered)
-    v_mean: torch.Tensor | None = None
+
+    k_codes = property(lambda self: self.pages.k_codes)
+    v_codes = property(lambda self: self.pages.v_codes)
+    k_scale = property(lambda self: self.pages.k_scale)
+    k_zero = property(lambda self: self.pages.k_zero)
+    v_scale = property(lambda self: self.pages.v_scale)
+    v_zero = property(lambda self: self.pages.v_zero)
+    k_mean = property(lambda self: self.pages.k_mean)
+    v_mean = property(lambda self: self.pages.v_mean)
+    k_win = property(lambda self: self.windows.k_win)
+    v_win = property(lambda self: self.windows.v_win)
 
 
 @dataclass
@@ -384,24 +392,24 @@ class PagedKVCache:
                 return alloc_quad_pools(n_pages, h, p, self.device, dtype=sdt)
             return tuple(zeros((n_pages, h, p, d // g), sdt) for _ in range(4))
 
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device, torch.float32).contiguous()
+
         self.pools: list[LayerPool] = []
         for i in range(a):
             k_scale, k_zero, v_scale, v_zero = scale_zero_pools()
+            pages = PagePools(k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                              v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                              k_scale=k_scale, k_zero=k_zero, v_scale=v_scale, v_zero=v_zero, fmt=self.fmt,
+                              k_mean=fp32(None if k_mean is None else k_mean[i]),
+                              v_mean=fp32(None if v_mean is None else v_mean[i]))
             self.pools.append(LayerPool(
-                k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                k_scale=k_scale,
-                k_zero=k_zero,
-                v_scale=v_scale,
-                v_zero=v_zero,
-                k_win=zeros((s, h, w, d), dtype),
-                v_win=zeros((s, h, w, d), dtype),
-                k_rotation=k_rotation[i].to(self.device, torch.float32).contiguous(),
-                v_rotation=v_rotation[i].to(self.device, torch.float32).contiguous(),
-                k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
-                v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
-                k_mean=None if k_mean is None else k_mean[i].to(self.device, torch.float32).contiguous(),
-                v_mean=None if v_mean is None else v_mean[i].to(self.device, torch.float32).contiguous(),
+                pages=pages,
+                windows=Windows(zeros((s, h, w, d), dtype), zeros((s, h, w, d), dtype)),
+                k_rotation=fp32(k_rotation[i]),
+                v_rotation=fp32(v_rotation[i]),
+                k_clip=fp32(k_clip_ratio[i]) if clip else None,
+                v_clip=fp32(v_clip_ratio[i]) if clip else None,
             ))
         # Arrival counts of the fused decode launch (one per sequence and KV head; every call leaves them zero). The
         # layers of a step run one after another on one stream, so they share it.
@@ -486,8 +494,9 @@ class PagedKVCache:
             else:
                 new_sz = tuple(grown(t) for t in old_sz)
             new_pools.append((grown(pool.k_codes), grown(pool.v_codes), *new_sz))
-        for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):
-            pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero = kc, vc, ks, kz, vs, vz
+        for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):  # the records, rebuilt once here
+            pool.pages = dataclasses.replace(pool.pages, k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs,
+                                             v_zero=vz)
         self.allocator.grow(n)
         self._meta_cache = None
         self._version += 1
@@ -925,10 +934,9 @@ class PagedKVCache:
         return pool, seq_ids, self.batch_metadata(seq_ids)
 
     def _attend(self, pool, q_rot, meta, sm_scale, return_lse: bool, fused, out_dtype):
-        """Attention of rotated queries over the layer's pools and windows, un-rotated into out_dtype."""
-        pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
-                          v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
-        o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
+        """Attention of rotated queries over the layer's pools and windows (its records, as kept), un-rotated into
+        out_dtype."""
+        o, lse = attn_api.decode_attention(q_rot, pool.pages, meta, pool.windows, sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused, v_rotation=pool.v_rotation, out_dtype=out_dtype)
         return (o, lse) if return_lse else o

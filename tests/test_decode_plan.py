@@ -14,6 +14,7 @@ from oscar_calib.config import SolverSettings
 from runtime_kernels import attention as A
 from runtime_kernels.attention import BatchMetadata, Windows
 from runtime_kernels.attention.int2_decode import launch as L
+from runtime_kernels.attention.int2_decode import plan as P
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.format import DEFAULT_FORMAT
 from tests.kernel_helpers import batch_of, decode_inputs, make_pool, make_q, make_window, pages_of, relayout
@@ -68,7 +69,7 @@ def bench_call(batch: int) -> tuple:
     args = bench_common.decode_inputs(batch, window + bench_common.PAGE, seed=0, device="cpu",
                                       scale_format=scale_format, window=window)
     means = bench_common.decode_means(0, device="cpu") if centered else None
-    return (*bench_common.decode_records(args, means), {})
+    return (*bench_common.decode_records(args, means, scale_format=scale_format), {})
 
 
 def recipe_plans(monkeypatch, compiled: bool):
@@ -201,8 +202,8 @@ def test_a_decode_call_chooses_its_kernel_once(monkeypatch):
     q = make_q(2, 4, 64, torch.bfloat16)
     slots, win_len = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 2], dtype=torch.int32)
     count = []
-    real = L.production_declines
-    monkeypatch.setattr(L, "production_declines", lambda *a: count.append(1) or real(*a))
+    real = P.production_declines
+    monkeypatch.setattr(P, "production_declines", lambda *a: count.append(1) or real(*a))
     for dtype, fused in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
         count.clear()
         k_win, v_win = make_window(2, 2, 8, 64, dtype)
@@ -212,3 +213,4 @@ def test_a_decode_call_chooses_its_kernel_once(monkeypatch):
     count.clear()
     A.int2_decode_attention(q, pages_of(pool), BatchMetadata(pool[6], pool[7]), backend="triton")
     assert len(count) == 1
+

@@ -180,7 +180,8 @@ def test_write_pages_ref_is_quantize_pack_ref():
     zero = torch.zeros_like(scale)
     ids = torch.tensor([1, 1, 0, 0, 1])
     rows = torch.tensor([0, 7, 3, 4, 2])
-    paged_ref.write_pages_ref(x, None, None, codes, scale, zero, ids, rows, quantizer="uniform_minmax")
+    paged_ref.write_pages_ref(x, None, None, codes, scale, zero, ids, rows, scale_format="float16",
+                              quantizer="uniform_minmax")
     packed, s, z = paged_ref.quantize_pack_ref(x, None, None, scale_format="float16",
                                                quantizer="uniform_minmax")
     assert torch.equal(codes[ids, :, rows], packed) and torch.equal(scale[ids, :, rows], s)

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from test_hf_integration import cache_kw
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from runtime_kernels import contract, memory_budget
 from runtime_kernels.artifact import check_against_model, identity_artifact, read_artifact, write_artifact

@@ -145,7 +145,7 @@ def write_pages(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torc
         from runtime_kernels.attention.int2_decode.naive import write_pages_ref
 
         write_pages_ref(x, rotation, clip_ratio, codes_pool, scale_pool, zero_pool, page_ids, rows, g, mean,
-                        quantizer=quantizer)
+                        scale_format=naive.scale_format_of(scale_pool.dtype), quantizer=quantizer)
         return
     from runtime_kernels.quant.triton_quant import quantize_pack_into
 

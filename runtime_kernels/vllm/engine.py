@@ -35,7 +35,7 @@ from runtime_kernels.cache import (
     rotate_rows,
 )
 from runtime_kernels.format import KVFormat
-from runtime_kernels.memory_budget import check_fits
+from runtime_kernels.memory_budget import check_fits, window_rows
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 from runtime_kernels.vllm.report import HistoryReport
 
@@ -227,7 +227,7 @@ class StaticStep:
         if max_tokens < 1 or max_pages < 1:
             raise ValueError(f"max_tokens, max_pages: expected >= 1, got {max_tokens}, {max_pages}")
         self.max_tokens, self.max_pages = int(max_tokens), int(max_pages)
-        self.win_width = fmt.window_tokens + fmt.page_size - 1
+        self.win_width = window_rows(fmt)  # TODO(merge): KVFormat.window_rows
         t, w, dev = self.max_tokens, self.win_width, device
         i64 = dict(dtype=torch.int64, device=dev)
         self.write_pages, self.write_rows, self.write_slots = (torch.zeros(t, **i64) for _ in range(3))
@@ -572,5 +572,5 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
     return o.transpose(0, 1)
 
 
-__all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
-           "window_blocks_per_request"]
+__all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan",
+           "WindowStore", "window_blocks_per_request"]

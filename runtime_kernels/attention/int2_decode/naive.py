@@ -143,14 +143,14 @@ def quantize_pack_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio
 def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: torch.Tensor | None,
                     codes_pool: torch.Tensor, scale_pool: torch.Tensor, zero_pool: torch.Tensor,
                     page_ids: torch.Tensor, rows: torch.Tensor, group_size: int | None = None,
-                    mean: torch.Tensor | None = None, *, quantizer: str) -> None:
-    """Quantize `x [T, H, d]` and scatter token t into `pool[page_ids[t], :, rows[t]]` (in place).
+                    mean: torch.Tensor | None = None, *, scale_format: str, quantizer: str) -> None:
+    """Quantize `x [T, H, d]` in `scale_format` with `quantizer` and scatter token t into
+    `pool[page_ids[t], :, rows[t]]` (in place).
 
-    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
-    page_ids, rows: int `[T]`.
+    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` stored as `scale_format`
+    says (fp16, or uint8 for ue5m3); page_ids, rows: int `[T]`.
     """
-    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean,
-                                            scale_format=quant_naive.scale_format_of(scale_pool.dtype),
+    packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, group_size, mean, scale_format=scale_format,
                                             quantizer=quantizer)
     p, r = page_ids.long(), rows.long()
     codes_pool[p, :, r] = packed
