@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
 from runtime_kernels.artifact import ArtifactError, OscarArtifact
+from runtime_kernels.attention.int2_decode.records import PagePools
 from runtime_kernels.cache import (
     MEAN_CHECK_ROWS,
     check_served_format,
@@ -318,6 +319,7 @@ class OscarEngine:
                                    self.device)
         self.stats = EngineStats()
         self._means_checked: set[int] = set()  # layers whose means were checked against a prefill's rows
+        self._page_records: dict[int, tuple[tuple, PagePools]] = {}  # layer -> (its vLLM cache, its PagePools)
         self.history_report = HistoryReport()  # the INFO line that says INT2 history was served
 
     # -- host bookkeeping --------------------------------------------------------------------------------
@@ -486,7 +488,7 @@ class OscarEngine:
                 runs its own kernel there (FlashAttention on CUDA). None: SDPA, as `OscarCache`'s prefill.
         """
         li = self.local_index(layer_idx)
-        pools = page_pools(kv_cache, self.packed)
+        pools = self._pages(li, kv_cache)
         win_k, win_v = self.windows.k[li], self.windows.v[li]
         t = plan.num_tokens
         k_rot = rotate_rows(k[:t], self.k_rotation[li]).to(self.dtype)
@@ -518,6 +520,17 @@ class OscarEngine:
                                            sm_scale).to(out.dtype)
         return out
 
+    def _pages(self, li: int, kv_cache: torch.Tensor) -> PagePools:
+        """Layer `li`'s `PagePools` over vLLM's layer cache (views, in the engine's format, with the layer's means),
+        built once per layer cache and kept: vLLM hands every step the same tensor (a new one after a reallocation
+        gets new views)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
+        kept = self._page_records.get(li)
+        if kept is None or kept[0] != key:
+            pages = replace(page_pools(kv_cache, self.packed), k_mean=self.k_mean[li], v_mean=self.v_mean[li])
+            kept = self._page_records[li] = (key, pages)
+        return kept[1]
+
     def _decode(self, li, plan: StepPlan, pools, win_k, win_v, q, sm_scale) -> torch.Tensor:
         """Decode queries `[Bd, H_q, d]` -> `[Bd, H_q, d]` fp32 (model basis), as `PagedKVCache.decode_attention`."""
         bd = q.shape[0]
@@ -534,10 +547,9 @@ class OscarEngine:
                                         validate=False)
         slots = plan.slot_ids if plan.slot_ids is not None else torch.arange(bd, dtype=torch.int32,
                                                                              device=q.device)
-        pages = replace(pools, k_mean=self.k_mean[li], v_mean=self.v_mean[li])
         batch = attn_api.BatchMetadata(block_table=plan.block_table, hist_len=plan.hist_len, slot_ids=slots,
                                        win_len=plan.win_len, whole_pages=plan.whole_pages)
-        o, _ = attn_api.decode_attention(q_rot, pages, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
+        o, _ = attn_api.decode_attention(q_rot, pools, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
                                          backend=self.backend, v_rotation=self.v_rotation[li])
         return o
 
