@@ -30,6 +30,7 @@ The window of a sequence is therefore always chronological and its valid rows ar
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import operator
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_p
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import CheckedFit, cache_bytes, check_cache_fits, window_rows
+
+LOG = logging.getLogger(__name__)  # INFO: the decode path, once per cache (`PagedKVCache._note_decode_path`)
 
 
 def _step_kernels():
@@ -380,6 +383,7 @@ class PagedKVCache:
         self._plan_serial = 0
         self._layer_serial = [0] * a  # serial of the last plan each layer applied
         self._means_checked: set[int] = set()  # layers whose means were checked against written data
+        self._decode_path: str | None = None  # what decode runs and why, said once at the first decode call
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
@@ -936,10 +940,36 @@ class PagedKVCache:
     def _attend(self, pool, q_rot, meta, sm_scale, return_lse: bool, fused, out_dtype):
         """Attention of rotated queries over the layer's pools and windows (its records, as kept), un-rotated into
         out_dtype."""
+        if self._decode_path is None:
+            self._note_decode_path(pool, q_rot, fused)
         o, lse = attn_api.decode_attention(q_rot, pool.pages, meta, pool.windows, sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused, v_rotation=pool.v_rotation, out_dtype=out_dtype)
         return (o, lse) if return_lse else o
+
+    def _note_decode_path(self, pool: LayerPool, q_rot: torch.Tensor, fused: bool | None) -> None:
+        """At the first decode call: say at INFO which kernel decode runs and why (`DecodePlan.summary`), once per
+        cache (every call also logs its plan at DEBUG); `repr` shows it from then on."""
+        backend = resolve_backend(self.backend, self.device)
+        if backend == "triton":
+            plan = attn_api.decode_plan(q_rot, pool.pages, pool.windows, whole_pages=True, fused=fused)
+            self._decode_path = f"Triton {plan.summary()}"
+        else:
+            self._decode_path = (f"the torch reference (backend '{self.backend}' on {self.device.type}; the Triton "
+                                 "kernels run on CUDA or under TRITON_INTERPRET=1)")
+        LOG.info("PagedKVCache (%d layers, %s): decode runs %s", self.num_layers, self._format_text(),
+                 self._decode_path)
+
+    def _format_text(self) -> str:
+        f = self.fmt
+        return (f"sink {f.sink_tokens} + recent {f.recent_tokens}, {f.page_size}-token pages, {f.scale_format} "
+                f"scales{', centered' if f.centered else ''}")
+
+    def __repr__(self) -> str:
+        path = self._decode_path or "not planned yet (at the first decode call)"
+        return (f"PagedKVCache({self.num_layers} layers x {self.num_kv_heads} KV heads x d={self.head_dim}, "
+                f"{self._format_text()}, {self.allocator.num_pages} pages, {self.max_seqs} slots, "
+                f"{len(self._seqs)} live; decode: {path})")
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------
     def snapshot(self, seq_id: int) -> tuple[int, list[int]]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
+from runtime_kernels._validate import resolve_backend
 from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.records import PagePools
 from runtime_kernels.cache import (
@@ -59,6 +60,26 @@ def check_window_store_fits(device: torch.device, fmt: KVFormat, *, num_layers: 
         f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
         f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
         "sequences (max_num_seqs)"))
+
+
+def decode_plan_for(fmt: KVFormat, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device | str, backend: str, whole_pages: bool):
+    """The `DecodePlan` the engine's decode steps in `fmt` run (`attention.decode_plan` on one-block stand-ins of
+    vLLM's layer cache, the model-dtype queries and windows), or None where `backend` resolves to the torch
+    reference (no Triton kernel). `whole_pages`: eager steps promise it, the static steps of CUDA graphs do not."""
+    device = torch.device(device)
+    if resolve_backend(backend, device) != "triton":
+        return None
+    layout = PackedLayout(fmt, head_dim)
+    one_block = torch.zeros(1, num_kv_heads, fmt.page_size, layout.bytes_per_token_head, dtype=torch.uint8,
+                            device=device)
+    pages = page_pools(one_block, layout)
+    if fmt.centered:
+        mean = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
+        pages = replace(pages, k_mean=mean, v_mean=mean)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    win = torch.zeros(1, num_kv_heads, 1, head_dim, dtype=dtype, device=device)
+    return attn_api.decode_plan(q, pages, attn_api.Windows(win, win), whole_pages=whole_pages)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -585,4 +606,4 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
 
 
 __all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan",
-           "WindowStore", "window_blocks_per_request"]
+           "WindowStore", "decode_plan_for", "window_blocks_per_request"]

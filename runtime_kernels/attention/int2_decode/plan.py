@@ -143,6 +143,16 @@ class DecodePlan:
         """The history runs the production kernel (alone, or in the grid)."""
         return self.kernel != "fallback"
 
+    def summary(self) -> str:
+        """One line for a user: the kernel, its launches and tile loop, the decode mode, and why each faster choice
+        was not taken (the cache's first-decode log and repr, the vLLM startup line)."""
+        loop = ("whole-page tiles, " + ("int8" if self.int8_scores else "fp16") + f" scores, {self.scale_layout} "
+                "scale loads") if self.whole_pages else "masked tiles"
+        mode = f"{self.scale_format} scales{', centered' if self.centered else ''}"
+        target = "" if self.compiled else " (Triton interpreter)"
+        why = f"slower choices because: {self.reason}" if self.reason else "the fastest path"
+        return f"{self.kernel} kernel, {self.launches} launch(es), {loop}, {mode}{target}; {why}"
+
 
 def plan_decode(q, pages: PagePools, windows: Windows | None, whole_pages: bool, opts: DecodeOptions,
                 window_splits: int | None = None, compiled: bool | None = None) -> DecodePlan:
