@@ -48,9 +48,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
-from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache, check_served_format
+from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
+from runtime_kernels.serving import check_served_format
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"

@@ -29,15 +29,15 @@ from runtime_kernels import quant as quant_api
 from runtime_kernels._validate import resolve_backend
 from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.records import PagePools
-from runtime_kernels.cache import (
+from runtime_kernels.format import KVFormat
+from runtime_kernels.memory_budget import check_fits, window_rows
+from runtime_kernels.serving import (
     MEAN_CHECK_ROWS,
     check_served_format,
     check_served_quantizer,
     mean_far_from_data,
     rotate_rows,
 )
-from runtime_kernels.format import KVFormat
-from runtime_kernels.memory_budget import check_fits, window_rows
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 from runtime_kernels.vllm.report import HistoryReport
 
@@ -302,7 +302,7 @@ class OscarEngine:
     Args:
         artifact: validated `OscarArtifact` (rotations, clip ratios, group size, windows).
         fmt: the KV format served (default: the artifact's `kv_format`; the page size is vLLM's block size, the
-            rest must be the artifact's, windows aside for an identity artifact: `cache.check_served_format`).
+            rest must be the artifact's, windows aside for an identity artifact: `serving.check_served_format`).
         window_capacity: window blocks in the `WindowStore` (default `2 * max_seqs * window_blocks_per_request`).
         dtype: model dtype (the windows' dtype); backend: kernel backend ("auto" | "torch" | "triton").
     """
