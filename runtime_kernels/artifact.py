@@ -128,12 +128,17 @@ class OscarArtifact:
         raw = self.metadata.get("schema_version", str(SCHEMA_VERSION))
         return int(raw) if raw in ("1", "2") else SCHEMA_VERSION
 
-    def _meta(self, key: str) -> str:
-        return self.metadata.get(key, V1_DEFAULTS.get(key, ""))
+    def typed_metadata(self) -> ContractMetadata:
+        """The typed metadata (`contract.parse_metadata`: v1's values filled in by the contract): that of the last
+        validation while the artifact is unchanged, else parsed now. Raises ArtifactError naming the field for
+        metadata that breaks the contract."""
+        checked = self._checked()
+        return checked.contract if checked is not None else parse_metadata(self.metadata, self.source)
 
     @property
     def group_size(self) -> int:
-        return int(self.metadata.get("group_size", self.head_dim))
+        """Channels per scale group (the metadata's `group_size`)."""
+        return self.typed_metadata().group_size
 
     @property
     def kv_format(self) -> KVFormat:
@@ -152,29 +157,28 @@ class OscarArtifact:
 
     @property
     def quantizer(self) -> str:
-        """`uniform_minmax` (v1 and the default) or `lloyd_max`."""
-        return self._meta("quantizer")
+        """The metadata's quantizer (`uniform_minmax` for v1), `lloyd_max` included."""
+        return self.typed_metadata().quantizer
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        """dtype of the per-group scale and zero (float16 for v1; uint8 for ue5m3)."""
-        return SCALE_DTYPES[self._meta("scale_dtype")]
+        """dtype of the per-group scale and zero the metadata names (float16 for v1; uint8 for ue5m3)."""
+        return SCALE_DTYPES[self.scale_format]
 
     @property
     def scale_format(self) -> str:
-        """The contract's `scale_dtype` name (`float16`, `ue5m3`, ...)."""
-        return self._meta("scale_dtype")
+        """The contract's `scale_dtype` name (`float16`, `ue5m3`, ...; float16 for v1)."""
+        return self.typed_metadata().scale_dtype
 
     @property
     def scale_bits(self) -> int:
         """Bits of each of the scale and the zero point (16 for float16, 8 for ue5m3)."""
-        dt = self.scale_dtype
-        return 8 if dt == torch.uint8 else torch.finfo(dt).bits
+        return 8 if self.scale_format == "ue5m3" else torch.finfo(self.scale_dtype).bits
 
     @property
     def mean_basis(self) -> str:
-        """`original` (means of x) or `rotated` (means of x @ R)."""
-        return self._meta("mean_basis")
+        """`original` (means of x; v1) or `rotated` (means of x @ R)."""
+        return self.typed_metadata().mean_basis
 
     @property
     def is_centered(self) -> bool:

@@ -93,12 +93,14 @@ class PluginState:
         Computed once; the startup lines show it."""
         if self._decode_line is None:
             vc, art = self.vllm_config, self.artifact
-            block_size = block_size or getattr(vc.cache_config, "block_size", None) or art.kv_format.page_size
+            block_size = block_size or getattr(vc.cache_config, "block_size", None)
             device = torch.device(device or getattr(getattr(vc, "device_config", None), "device", None) or "cpu")
             _, h_q, h_kv, d = model_geometry(vc.model_config.hf_config)
             kw = dict(num_heads=h_q, num_kv_heads=h_kv, head_dim=d, dtype=vc.model_config.dtype, device=device,
                       backend=self.cfg.kernel_backend)
-            fmt = art.kv_format.with_(page_size=int(block_size))
+            # vLLM's blocks are the INT2 pages (as `engine_for` serves them); the artifact's own format until vLLM
+            # has sized its blocks
+            fmt = art.kv_format.with_(page_size=int(block_size) if block_size else None)
             eager = decode_plan_for(fmt, whole_pages=True, **kw)
             static = decode_plan_for(fmt, whole_pages=False, **kw) if device.type == "cuda" else None
             self._decode_line = decode_line(eager, static, self.cfg.kernel_backend, device.type)
