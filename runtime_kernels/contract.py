@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from runtime_kernels.format import MAX_WINDOW_TOKENS, RECORD_KEY, KVFormat, KVFormatError
+from runtime_kernels.format import MAX_WINDOW_TOKENS, RECORD_KEY, SCALE_FORMATS, KVFormat, KVFormatError
 from runtime_kernels.format import QUANTIZERS as SERVED_QUANTIZERS
 from runtime_kernels.quant import naive
 
@@ -63,8 +63,10 @@ INT_METADATA = ("schema_version", "num_attention_heads", "num_key_value_heads", 
 GRANULARITIES = ("head", "layer")
 MEAN_BASES = ("original", "rotated")
 QUANTIZERS = naive.QUANTIZERS + ("lloyd_max",)  # the uniform ones are the runtime's; lloyd_max is read, not served
+# The contract's scale dtype names: float scales (a reference import's bfloat16/float32 are served as fp16), then the
+# served formats' storage (`quant.naive.SCALE_STORAGE`; ue5m3: 8-bit scale + 8-bit zero point).
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "ue5m3": torch.uint8}  # ue5m3: 8-bit scale + 8-bit zero point (runtime_kernels.quant.naive)
+                **{name: dtype for name, dtype in naive.SCALE_STORAGE.items() if name != "float16"}}
 CODEBOOK_LEVELS = 4
 V1_DEFAULTS = {"mean_basis": "original", "quantizer": "uniform_minmax", "scale_dtype": "float16"}
 OPTIONAL_V2_METADATA = (RECORD_KEY,)
@@ -163,7 +165,7 @@ def created_at() -> str:
 def served_scale_format(scale_dtype: str) -> str:
     """The scale format the runtime's pages store for a contract `scale_dtype`: `ue5m3` as is, `float16` otherwise
     (a reference import's bfloat16/float32 scales are served as fp16)."""
-    return "ue5m3" if scale_dtype == "ue5m3" else "float16"
+    return scale_dtype if scale_dtype in SCALE_FORMATS else "float16"
 
 
 def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: int, num_key_value_heads: int,

@@ -77,7 +77,7 @@ def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
     """
     if kv_cache.dim() != 4:
         raise ValueError(f"kv_cache: expected [num_blocks, kv_heads, block_size, content], got {list(kv_cache.shape)}")
-    raw = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    raw = kv_cache.view(torch.uint8)  # the cells as bytes, whatever dtype vLLM allocated them in
     want = layout.bytes_per_token_head
     if raw.shape[-1] != want:
         raise ValueError(f"kv_cache: expected {want} bytes per (token, KV head) for head_dim={layout.head_dim}, "
