@@ -127,7 +127,7 @@ def oscar_calls(context: int, batch: int, fused: bool, fmt: str, options=None) -
     layers = [common.decode_inputs(batch, context, seed=context + batch + i, scale_format=scale_format,
                                    window=window) for i in range(layers_for(int2_bytes))]
     means = common.decode_means(context + batch) if centered else None
-    records = [common.decode_records(a, means) for a in layers]
+    records = [common.decode_records(a, means, scale_format=scale_format) for a in layers]
     counters = [torch.zeros(batch * common.H_KV, dtype=torch.int32, device=a[0].device) for a in layers]
     return [lambda r=r, c=c: A.decode_attention(*r, validate=False, fused=fused, counters=c, options=options)
             for r, c in zip(records, counters)], layers, means
@@ -174,7 +174,7 @@ def point(context: int, batch: int, formats, sweeps=()) -> list[dict]:
         state = common.gpu_state()
         o, _ = calls[0]()
         a = layers[0]
-        q, pages, meta, windows = common.decode_records(a, means)
+        q, pages, meta, windows = common.decode_records(a, means, scale_format=scale_format)
         plan = A.decode_plan(q, pages, windows, whole_pages=meta.whole_pages, fused=fused, options=opts)
         nbytes = call_bytes(a)
         rows.append(common.row("decode_attention", f"oscar_{fmt}_{form}", fshape, t, layers=len(layers),

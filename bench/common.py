@@ -90,15 +90,23 @@ def decode_inputs(batch: int, context: int, seed: int, device: str = "cuda", sca
     return q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len
 
 
-def decode_records(args: tuple, means: tuple | None = None) -> tuple:
-    """`decode_inputs`' 13 tensors as `runtime_kernels.attention.decode_attention` takes them -> (q, pages, batch,
-    windows): whole pages (as `PagedKVCache` calls it), the means of a centered cache when given. Only for trees
-    with the record API (imported here, so `decode_inputs` itself still serves older trees)."""
+def decode_records(args: tuple, means: tuple | None = None, *, scale_format: str) -> tuple:
+    """`decode_inputs`' 13 tensors (made with `scale_format`) as `runtime_kernels.attention.decode_attention` takes
+    them -> (q, pages, batch, windows): whole pages (as `PagedKVCache` calls it), the means of a centered cache when
+    given, and (in trees whose `PagePools` carries its format) the bench format with that scale format and
+    centering. Only for trees with the record API (imported here, so `decode_inputs` itself still serves older
+    trees)."""
+    import dataclasses
+
     from runtime_kernels.attention import BatchMetadata, PagePools, Windows
 
     q, kc, ks, kz, vc, vs, vz, table, hist_len, k_win, v_win, slot_ids, win_len = args
     km, vm = means if means is not None else (None, None)
-    pages = PagePools(k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, k_mean=km, v_mean=vm)
+    fmt = {}
+    if "fmt" in {f.name for f in dataclasses.fields(PagePools)}:
+        fmt["fmt"] = BENCH_FORMAT.with_(scale_format=scale_format, centered=means is not None)
+    pages = PagePools(k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, k_mean=km, v_mean=vm,
+                      **fmt)
     batch = BatchMetadata(block_table=table, hist_len=hist_len, slot_ids=slot_ids, win_len=win_len,
                           whole_pages=True)
     return q, pages, batch, Windows(k_win, v_win)

@@ -30,12 +30,12 @@ HERE = Path(__file__).resolve().parent
 FORMS = {"two_launch": False, "one_launch": True}  # decode_attention(fused=...)
 
 
-def run_decode(A, common, args: tuple, fused: bool, num_splits: int | None = None) -> tuple:
+def run_decode(A, common, args: tuple, scale_format: str, fused: bool, num_splits: int | None = None) -> tuple:
     """(splits, (o, lse)) of one decode call on `decode_inputs`' tensors, through whichever API the imported tree
-    has: the records (`PagePools`, `BatchMetadata`, `Windows`) or the older loose tensors. num_splits None: the
-    tree's default history splits."""
+    has: the records (`PagePools`, `BatchMetadata`, `Windows`; their format where the tree's `PagePools` carries one)
+    or the older loose tensors. num_splits None: the tree's default history splits."""
     if hasattr(A, "PagePools"):
-        rec = common.decode_records(args)
+        rec = common.decode_records(args, scale_format=scale_format)
         splits = A.decode_num_splits(*rec, fused=fused)
         out = A.decode_attention(*rec, fused=fused, num_splits=num_splits or splits[0])
     else:
@@ -61,7 +61,7 @@ def child(old_tree: str, out_dir: str, scale_format: str, layout: str) -> None:
     for context, batch in common.DECODE_POINTS:
         args = common.decode_inputs(batch, context, seed=context + batch, scale_format=scale_format, layout=layout)
         for form, fused in FORMS.items():
-            splits, (o, lse) = run_decode(A, common, args, fused)
+            splits, (o, lse) = run_decode(A, common, args, scale_format, fused)
             torch.save({"splits": splits, "o": o.cpu(), "lse": lse.cpu()},
                        os.path.join(out_dir, f"{context}_{batch}_{form}.pt"))
         del args
@@ -120,7 +120,8 @@ def main() -> int:
             inputs = common.decode_inputs(batch, context, seed=context + batch, scale_format=args.scale_format)
             for form, fused in FORMS.items():
                 want = torch.load(os.path.join(rec, f"{context}_{batch}_{form}.pt"))
-                splits, (o, lse) = run_decode(A, common, inputs, fused, num_splits=want["splits"][0])
+                splits, (o, lse) = run_decode(A, common, inputs, args.scale_format, fused,
+                                              num_splits=want["splits"][0])
                 equal = torch.equal(o.cpu(), want["o"]) and torch.equal(lse.cpu(), want["lse"])
                 same &= equal
                 rows.append({"op": "decode_attention", "variant": form,

@@ -29,7 +29,7 @@ def main() -> None:
               for i in range(16)]
     if hasattr(A, "PagePools"):  # the record API
         means = common.decode_means(ctx + batch) if fmt == "ue5m3" else None
-        recs = [common.decode_records(a, means) for a in layers]
+        recs = [common.decode_records(a, means, scale_format=fmt) for a in layers]
 
         def call(r):
             return A.decode_attention(*r, fused=False, validate=False)

@@ -50,7 +50,7 @@ def grid_resources(geometry: tuple[int, int, int], scale_format: str, centered: 
     """`resources` of the production grid at a (KV heads, query heads, head_dim) geometry, batch 1, 4K context."""
     args = common.decode_inputs(1, 4096, seed=0, device="cpu", scale_format=scale_format, geometry=geometry)
     means = common.decode_means(0, "cpu", geometry) if centered else None
-    q, pages, batch, windows = common.decode_records(args, means)
+    q, pages, batch, windows = common.decode_records(args, means, scale_format=scale_format)
     opts = launch.DecodeOptions(maxnreg=maxnreg, prefetch_tiles=prefetch_tiles)
     plan = launch.plan_decode(q, pages, windows, True, opts, compiled=True)
     counters = torch.zeros(geometry[0], dtype=torch.int32)

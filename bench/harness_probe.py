@@ -27,7 +27,7 @@ def oscar_graph(context: int, batch: int, fmt: str, distinct: int | None):
     layers = [common.decode_inputs(batch, context, seed=context + batch + i, scale_format=scale_format,
                                    window=window) for i in range(n)]
     means = common.decode_means(context + batch) if centered else None
-    recs = [common.decode_records(a, means) for a in layers]
+    recs = [common.decode_records(a, means, scale_format=scale_format) for a in layers]
     calls = [lambda r=r: A.decode_attention(*r, validate=False, fused=False) for r in recs]
     return B.capture(calls), layers
 

@@ -21,7 +21,7 @@ context, batch = int(sys.argv[1]), int(sys.argv[2])
 fields = dict(kv.split("=") for kv in sys.argv[3].split(",")) if len(sys.argv) > 3 else {}
 options = A.DecodeOptions(**{k: int(v) for k, v in fields.items()})
 a = common.decode_inputs(batch, context, seed=1, scale_format="ue5m3", window=1152)
-rec = common.decode_records(a, common.decode_means(2))
+rec = common.decode_records(a, common.decode_means(2), scale_format="ue5m3")
 for _ in range(3):
     A.decode_attention(*rec, validate=False, fused=False, options=options)
 torch.cuda.synchronize()

@@ -56,7 +56,8 @@ def compile_history_kernel(scale_format: str, centered: bool, maxnreg: int | Non
     """-> (compiled kernel, plan) of the history kernel for the recipe's pools at Qwen3-8B geometry (batch 8),
     compiled offline from the arguments `launch.launch_history` passes."""
     args = common.decode_inputs(8, 8192, seed=0, device="cpu", scale_format=scale_format)
-    q, pages, batch, _ = common.decode_records(args, common.decode_means(0, "cpu") if centered else None)
+    q, pages, batch, _ = common.decode_records(args, common.decode_means(0, "cpu") if centered else None,
+                                                   scale_format=scale_format)
     opts = launch.DecodeOptions(num_stages=num_stages, maxnreg=maxnreg, prefetch_tiles=prefetch_tiles)
     plan = launch.plan_decode(q, pages, None, batch.whole_pages, opts, compiled=True)
     o_part = torch.empty(q.shape[0], q.shape[1], 3, q.shape[2])  # three splits' partials, as a launch passes them

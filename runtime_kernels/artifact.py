@@ -78,6 +78,15 @@ class ModelMismatchError(ArtifactError):
     """The artifact was made for another model (shapes or model identity disagree with the model)."""
 
 
+@dataclass(frozen=True)
+class _Check:
+    """A passed validation: what it saw (`OscarArtifact._fingerprint`) and the typed metadata it returned (with the
+    KV format, `ContractMetadata.served`)."""
+
+    fingerprint: tuple
+    contract: ContractMetadata
+
+
 @dataclass
 class OscarArtifact:
     """In-memory form of one artifact. Tensors live on the CPU in their contract dtypes.
@@ -119,47 +128,57 @@ class OscarArtifact:
         raw = self.metadata.get("schema_version", str(SCHEMA_VERSION))
         return int(raw) if raw in ("1", "2") else SCHEMA_VERSION
 
-    def _meta(self, key: str) -> str:
-        return self.metadata.get(key, V1_DEFAULTS.get(key, ""))
+    def typed_metadata(self) -> ContractMetadata:
+        """The typed metadata (`contract.parse_metadata`: v1's values filled in by the contract): that of the last
+        validation while the artifact is unchanged, else parsed now. Raises ArtifactError naming the field for
+        metadata that breaks the contract."""
+        checked = self._checked()
+        return checked.contract if checked is not None else parse_metadata(self.metadata, self.source)
 
     @property
     def group_size(self) -> int:
-        return int(self.metadata.get("group_size", self.head_dim))
+        """Channels per scale group (the metadata's `group_size`)."""
+        return self.typed_metadata().group_size
 
     @property
     def kv_format(self) -> KVFormat:
         """The encoding of the INT2 history the artifact was calibrated for (`runtime_kernels.format.KVFormat`):
         its `kv_format` record, or for an artifact written before the record (v1 included) its separate keys
         (`contract.kv_format_of`). Centering is whether its means are non-zero. Raises ArtifactError naming the
-        field for metadata that breaks the contract or a quantizer this runtime does not serve (lloyd_max)."""
+        field for metadata that breaks the contract or a quantizer this runtime does not serve (lloyd_max).
+
+        A validated artifact (`validate`, `read_artifact`) parsed its format then: that value is returned while
+        the artifact is unchanged, so the loaders, the caches and the vLLM plugin read one parse."""
+        checked = self._checked()
+        if checked is not None and checked.contract.served is not None:
+            return checked.contract.served
         meta = parse_metadata(self.metadata, self.source)
         return kv_format_of(meta, has_means(self.tensors()), self.source)
 
     @property
     def quantizer(self) -> str:
-        """`uniform_minmax` (v1 and the default) or `lloyd_max`."""
-        return self._meta("quantizer")
+        """The metadata's quantizer (`uniform_minmax` for v1), `lloyd_max` included."""
+        return self.typed_metadata().quantizer
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        """dtype of the per-group scale and zero (float16 for v1; uint8 for ue5m3)."""
-        return SCALE_DTYPES[self._meta("scale_dtype")]
+        """dtype of the per-group scale and zero the metadata names (float16 for v1; uint8 for ue5m3)."""
+        return SCALE_DTYPES[self.scale_format]
 
     @property
     def scale_format(self) -> str:
-        """The contract's `scale_dtype` name (`float16`, `ue5m3`, ...)."""
-        return self._meta("scale_dtype")
+        """The contract's `scale_dtype` name (`float16`, `ue5m3`, ...; float16 for v1)."""
+        return self.typed_metadata().scale_dtype
 
     @property
     def scale_bits(self) -> int:
         """Bits of each of the scale and the zero point (16 for float16, 8 for ue5m3)."""
-        dt = self.scale_dtype
-        return 8 if dt == torch.uint8 else torch.finfo(dt).bits
+        return 8 if self.scale_format == "ue5m3" else torch.finfo(self.scale_dtype).bits
 
     @property
     def mean_basis(self) -> str:
-        """`original` (means of x) or `rotated` (means of x @ R)."""
-        return self._meta("mean_basis")
+        """`original` (means of x; v1) or `rotated` (means of x @ R)."""
+        return self.typed_metadata().mean_basis
 
     @property
     def is_centered(self) -> bool:
@@ -234,8 +253,36 @@ class OscarArtifact:
         return out
 
     def validate(self) -> OscarArtifact:
-        validate_tensors(self.tensors(), self.metadata, self.source)
+        """Check every rule of the contract (ArtifactError naming the field) and remember that this object, as it
+        is now, passed (`ensure_valid`, `kv_format`). Returns self."""
+        self._record_check(validate_tensors(self.tensors(), self.metadata, self.source))
         return self
+
+    def ensure_valid(self) -> OscarArtifact:
+        """`validate`, unless this object already passed it and is unchanged since (the same tensor objects, not
+        modified in place, and equal metadata): what a consumer handed a loaded artifact calls, so one load
+        validates once. Returns self."""
+        return self if self._checked() is not None else self.validate()
+
+    # -- the record of a passed validation ----------------------------------------------------------------
+    def _fingerprint(self) -> tuple:
+        """What validation saw: every tensor's identity and in-place version counter (torch bumps `_version` on
+        every in-place write), and the metadata."""
+        return (tuple((name, id(t), t._version) for name, t in sorted(self._stored_tensors().items())),
+                tuple(sorted(self.metadata.items())), self.source)
+
+    def _stored_tensors(self) -> dict[str, torch.Tensor]:
+        names = V1_TENSOR_NAMES + MEAN_TENSOR_NAMES + CODEBOOK_TENSOR_NAMES
+        return {n: getattr(self, n) for n in names if isinstance(getattr(self, n), torch.Tensor)}
+
+    def _record_check(self, contract: ContractMetadata) -> None:
+        # Not a dataclass field: `dataclasses.replace` and `fields()` copies start unchecked, equality ignores it.
+        self.__dict__["_check"] = _Check(self._fingerprint(), contract)
+
+    def _checked(self) -> _Check | None:
+        """The record of the last validation, if this object is unchanged since (else None)."""
+        check = self.__dict__.get("_check")
+        return check if check is not None and check.fingerprint == self._fingerprint() else None
 
     def as_v2(self) -> OscarArtifact:
         """This artifact in contract v2 (a v1 one gains zero means and v1's defaults, written out)."""
@@ -248,9 +295,10 @@ class OscarArtifact:
                              k_mean=zeros, v_mean=zeros.clone())
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str,
+                     meta: ContractMetadata | None = None) -> ContractMetadata:
     """Check every rule of contract v1/v2 (see runtime_kernels.contract). Raises ArtifactError naming the field."""
-    return _validate_contract(tensors, metadata, source)
+    return _validate_contract(tensors, metadata, source, meta)
 
 
 def artifacts_below(directory: str | os.PathLike, limit: int = 8) -> list[str]:
@@ -321,8 +369,10 @@ def read_artifact(path: str | os.PathLike) -> OscarArtifact:
         if entry.shape != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(entry.shape)}")
     tensors = _load_tensors(file)
-    validate_tensors(tensors, header.metadata, source)
-    return OscarArtifact(**tensors, metadata=dict(header.metadata), source=source)
+    contract = validate_tensors(tensors, header.metadata, source, meta)
+    artifact = OscarArtifact(**tensors, metadata=dict(header.metadata), source=source)
+    artifact._record_check(contract)  # the one validation of this load: consumers call `ensure_valid`
+    return artifact
 
 
 def write_artifact(artifact: OscarArtifact, directory: str | os.PathLike) -> Path:

@@ -29,6 +29,8 @@ The window of a sequence is therefore always chronological and its valid rows ar
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import operator
 from collections.abc import Sequence
@@ -43,7 +45,18 @@ from runtime_kernels.artifact import ArtifactError, OscarArtifact
 from runtime_kernels.attention.int2_decode.pools import alloc_quad_pools, quad_pools
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
 from runtime_kernels.format import KVFormat
-from runtime_kernels.memory_budget import check_cache_fits
+from runtime_kernels.memory_budget import CheckedFit, cache_bytes, check_cache_fits
+from runtime_kernels.serving import (  # shared with the vLLM engine; the first four are importable from here too
+    MAX_KV_MAGNITUDE,
+    MEAN_CHECK_ROWS,
+    NonFiniteKVError,
+    check_served_format,
+    check_served_quantizer,
+    mean_far_from_data,
+    rotate_rows,
+)
+
+LOG = logging.getLogger(__name__)  # INFO: the decode path, once per cache (`PagedKVCache._note_decode_path`)
 
 
 def _step_kernels():
@@ -53,97 +66,10 @@ def _step_kernels():
     return step_kernels
 
 
-def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """`x [T, H, d] @ R [H, d, d]` per head, accumulated in fp64 and rounded to fp32.
-
-    The exactly rounded product does not depend on how many tokens are rotated together (an fp32 GEMM's
-    summation order does), so a token gets the same rotated row, and the same INT2 codes, whether it
-    arrived in a prompt or in a decode step.
-    """
-    return torch.einsum("thd,hde->the", x.double(), rotation.double()).float()
-
-
-# Largest magnitude a stored (rotated) element may have: the INT2 pages keep scale and zero in fp16, whose range
-# this is; a larger element would give an infinite scale and poison the page like a NaN does.
-MAX_KV_MAGNITUDE = float(torch.finfo(torch.float16).max)
-
-
-def check_served_quantizer(artifact: OscarArtifact) -> str:
-    """The artifact's quantizer if this runtime serves it (`quant.naive.QUANTIZERS`); ValueError naming the field
-    otherwise (`lloyd_max` codebooks: the int8 key scores rely on uniform levels)."""
-    if artifact.quantizer not in quant_api.naive.QUANTIZERS:
-        raise ValueError(f"{artifact.source}: field 'quantizer' is '{artifact.quantizer}'; this runtime serves "
-                         f"{' and '.join(quant_api.naive.QUANTIZERS)} INT2 (uniform levels: the int8 key scores "
-                         "rely on them)")
-    return artifact.quantizer
-
-
-def check_served_format(artifact: OscarArtifact, fmt: KVFormat | None) -> KVFormat:
-    """The format to serve `artifact` in: its own `kv_format` when `fmt` is None, else `fmt` after checking that
-    it differs from the artifact's only where serving may (the page size; the windows of an identity artifact, which
-    fitted nothing). Raises ValueError naming the field and both values."""
-    own = artifact.kv_format
-    if fmt is None:
-        return own
-    if not isinstance(fmt, KVFormat):
-        raise TypeError(f"fmt: expected a KVFormat or None (the artifact's), got {type(fmt).__name__}")
-    fmt = fmt.resolved(artifact.head_dim)
-    fitted_nothing = artifact.metadata.get("key_target") == "identity"
-    for name in fmt.differences(own, ignore=("page_size",)):
-        asked, fitted = getattr(fmt, name), getattr(own, name)
-        if name in ("sink_tokens", "recent_tokens"):
-            if fitted_nothing:
-                continue
-            raise ValueError(f"{artifact.source}: {name}={asked} disagrees with the artifact's {name}={fitted} (its "
-                             f"clips were fitted for those windows); recalibrate with --{name.split('_')[0]} {asked}, "
-                             f"or serve the artifact's own format (fmt=None)")
-        raise ValueError(f"{artifact.source}: {name}={asked!r} disagrees with the artifact's {name}={fitted!r} (how "
-                         "its tensors are read); serve the artifact's own format (fmt=None, or its kv_format with "
-                         "another page_size)")
-    return fmt
-
-
-class NonFiniteKVError(ValueError):
-    """A key or value to be cached is NaN, infinite or beyond the fp16 range of the INT2 page scales.
-
-    Refused at the write (nothing of that layer is written), naming the layer, KV head, sequence and position,
-    because one such element would make every later attention output of that KV head's query group NaN.
-    """
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Allocators
 # ----------------------------------------------------------------------------------------------------------
 MAX_PAGES = 2**31 - 1  # page ids live in the int32 block table
-# A centered cache's means against the data it is given (`PagedKVCache._mean_far_from_data`): a mean of that data
-# is at most its RMS norm (Jensen); 4x leaves room for prompts that differ from the calibration text. Checked on the
-# first write of at least MEAN_CHECK_ROWS rows per layer (a prefill), then not again.
-MEAN_DATA_RATIO = 4.0
-MEAN_CHECK_ROWS = 16
-
-
-def mean_far_from_data(layer: int, k_rot: torch.Tensor, v_rot: torch.Tensor, k_mean: torch.Tensor | None,
-                       v_mean: torch.Tensor | None) -> str | None:
-    """None when each KV head's mean (`[H, d]`, rotated basis) is within MEAN_DATA_RATIO x the root mean square norm
-    of the rows the model writes (`[T, H, d]`, rotated), else what is wrong (one host sync).
-
-    A mean the data really has is at most that data's RMS norm (Jensen: |E x| <= sqrt(E |x|^2)); a forged or foreign
-    mean far outside it sets the INT2 step, so every page would hold the mean, not the data. The bound comes from the
-    data, not from the artifact (whose recorded eigenvalues or RMS a forger can scale too). Used by `PagedKVCache`
-    and the vLLM engine at a layer's first prefill."""
-    for name, x, mean in (("k_mean", k_rot, k_mean), ("v_mean", v_rot, v_mean)):
-        if mean is None:
-            continue
-        rms = x.float().pow(2).sum(-1).mean(0).sqrt()  # [H]
-        ratio = mean.norm(dim=-1) / rms.clamp_min(1e-30)
-        worst = int(ratio.argmax())
-        if float(ratio[worst]) > MEAN_DATA_RATIO:
-            return (f"field '{name}': |mean| = {float(mean[worst].norm()):.4g} at layer {layer}, KV head {worst} is "
-                    f"{float(ratio[worst]):.3g} x the root mean square norm {float(rms[worst]):.4g} of the "
-                    f"{x.shape[0]} rows this model writes (a mean of that data is at most 1x; refused above "
-                    f"{MEAN_DATA_RATIO:g}x): a forged or foreign artifact, whose pages would quantize the mean, "
-                    "not the data")
-    return None
 
 
 class PageAllocator:
@@ -213,29 +139,36 @@ class SequenceState:
 
 @dataclass
 class LayerPool:
-    """Device storage and the artifact's transform for one calibrated attention layer.
+    """Device storage and the artifact's transform for one calibrated attention layer, as whole records: the decode
+    kernels' `PagePools` (INT2 pages, the means of a centered cache, and the cache's format) and `Windows`, built
+    once when the pools are allocated and again when they grow (`PagedKVCache.grow_pages`), and passed as they are
+    to every decode call.
 
     Shapes: codes `[num_pages, H, P, d // 4]` uint8; scale/zero `[num_pages, H, P, d // G]` fp16 or uint8 (ue5m3);
-    windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping).
-    With one group per row (G = d), k_scale, k_zero, v_scale and v_zero are the four quarters of one
-    `[num_pages, H, P, 4]` buffer (row strides 4, `int2_decode.pools.alloc_quad_pools`); every other pool is
-    contiguous.
+    windows `[num_slots, H, W, d]`; rotations `[H, d, d]` fp32; clip ratios `[H]` fp32 (None = no clipping); means
+    fp32 `[H, d]` in the rotated basis (None: uncentered). With one group per row (G = d), k_scale, k_zero, v_scale
+    and v_zero are the four quarters of one `[num_pages, H, P, 4]` buffer (row strides 4,
+    `int2_decode.pools.alloc_quad_pools`); every other pool is contiguous. The tensors are read through the records
+    (`pool.k_codes` is `pool.pages.k_codes`).
     """
 
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
-    k_scale: torch.Tensor
-    k_zero: torch.Tensor
-    v_scale: torch.Tensor
-    v_zero: torch.Tensor
-    k_win: torch.Tensor
-    v_win: torch.Tensor
+    pages: PagePools
+    windows: Windows
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
     k_clip: torch.Tensor | None
     v_clip: torch.Tensor | None
-    k_mean: torch.Tensor | None = None  # centered cache: fp32 [H, d] means in the rotated basis (None: uncentered)
-    v_mean: torch.Tensor | None = None
+
+    k_codes = property(lambda self: self.pages.k_codes)
+    v_codes = property(lambda self: self.pages.v_codes)
+    k_scale = property(lambda self: self.pages.k_scale)
+    k_zero = property(lambda self: self.pages.k_zero)
+    v_scale = property(lambda self: self.pages.v_scale)
+    v_zero = property(lambda self: self.pages.v_zero)
+    k_mean = property(lambda self: self.pages.k_mean)
+    v_mean = property(lambda self: self.pages.v_mean)
+    k_win = property(lambda self: self.windows.k_win)
+    v_win = property(lambda self: self.windows.v_win)
 
 
 @dataclass
@@ -305,7 +238,7 @@ class PagedKVCache:
                  v_clip_ratio: torch.Tensor, *, fmt: KVFormat, max_pages: int, max_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, clip: bool = True,
                  backend: str = "auto", k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                 check_finite: bool = True):
+                 check_finite: bool = True, fit: CheckedFit | None = None):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
         for name, t in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
@@ -362,14 +295,17 @@ class PagedKVCache:
         self._version = 0
 
         n_pages, p, w, s = int(max_pages), self.page_size, self.window, self.max_seqs
-        # Refused here, with the size the windows would need, rather than by the allocator half-way through.
-        check_cache_fits(self.device, self.fmt, num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages,
-                         max_seqs=s, window_dtype=dtype)
+        # Refused here, with the size the windows would need, rather than by the allocator half-way through; not
+        # again when the caller's check (`fit`, OscarCache's at construction) already covers these pools.
+        shape = dict(num_layers=a, num_kv_heads=h, head_dim=d, max_pages=n_pages, max_seqs=s, window_dtype=dtype)
+        if fit is None or not fit.covers(self.device, cache_bytes(self.fmt, **shape)[0]):
+            check_cache_fits(self.device, self.fmt, **shape)
         self.allocator = PageAllocator(n_pages)  # its free list is O(max_pages) host memory: after the check
         self._token = object()  # what this cache's plans carry (`_check_plan`)
         self._plan_serial = 0
         self._layer_serial = [0] * a  # serial of the last plan each layer applied
         self._means_checked: set[int] = set()  # layers whose means were checked against written data
+        self._decode_path: str | None = None  # what decode runs and why, said once at the first decode call
 
         def zeros(shape, dt):
             return torch.zeros(shape, dtype=dt, device=self.device)
@@ -382,24 +318,24 @@ class PagedKVCache:
                 return alloc_quad_pools(n_pages, h, p, self.device, dtype=sdt)
             return tuple(zeros((n_pages, h, p, d // g), sdt) for _ in range(4))
 
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device, torch.float32).contiguous()
+
         self.pools: list[LayerPool] = []
         for i in range(a):
             k_scale, k_zero, v_scale, v_zero = scale_zero_pools()
+            pages = PagePools(k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                              v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
+                              k_scale=k_scale, k_zero=k_zero, v_scale=v_scale, v_zero=v_zero, fmt=self.fmt,
+                              k_mean=fp32(None if k_mean is None else k_mean[i]),
+                              v_mean=fp32(None if v_mean is None else v_mean[i]))
             self.pools.append(LayerPool(
-                k_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                v_codes=zeros((n_pages, h, p, d // 4), torch.uint8),
-                k_scale=k_scale,
-                k_zero=k_zero,
-                v_scale=v_scale,
-                v_zero=v_zero,
-                k_win=zeros((s, h, w, d), dtype),
-                v_win=zeros((s, h, w, d), dtype),
-                k_rotation=k_rotation[i].to(self.device, torch.float32).contiguous(),
-                v_rotation=v_rotation[i].to(self.device, torch.float32).contiguous(),
-                k_clip=k_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
-                v_clip=v_clip_ratio[i].to(self.device, torch.float32).contiguous() if clip else None,
-                k_mean=None if k_mean is None else k_mean[i].to(self.device, torch.float32).contiguous(),
-                v_mean=None if v_mean is None else v_mean[i].to(self.device, torch.float32).contiguous(),
+                pages=pages,
+                windows=Windows(zeros((s, h, w, d), dtype), zeros((s, h, w, d), dtype)),
+                k_rotation=fp32(k_rotation[i]),
+                v_rotation=fp32(v_rotation[i]),
+                k_clip=fp32(k_clip_ratio[i]) if clip else None,
+                v_clip=fp32(v_clip_ratio[i]) if clip else None,
             ))
         # Arrival counts of the fused decode launch (one per sequence and KV head; every call leaves them zero). The
         # layers of a step run one after another on one stream, so they share it.
@@ -408,23 +344,25 @@ class PagedKVCache:
     @classmethod
     def from_artifact(cls, artifact: OscarArtifact, *, max_pages: int, max_seqs: int, fmt: KVFormat | None = None,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                      clip: bool = True, backend: str = "auto", check_finite: bool = True) -> PagedKVCache:
+                      clip: bool = True, backend: str = "auto", check_finite: bool = True,
+                      fit: CheckedFit | None = None) -> PagedKVCache:
         """Build a cache for every layer of `artifact`, in `fmt` (default: the artifact's own `kv_format`).
 
         `fmt` must be the artifact's format but for the page size (pages are the runtime's: the clip fit scores
         every token), and for the windows of an identity artifact (which fitted nothing). Refused, naming the field:
         a quantizer this runtime does not serve (`lloyd_max` codebooks), windows that disagree with the ones a
         calibrated artifact's clips were fitted for, and a group size, scale format, quantizer or centering other
-        than the artifact's (they are how its tensors are read).
+        than the artifact's (they are how its tensors are read). A loaded artifact is not validated again
+        (`OscarArtifact.ensure_valid`); `fit`: a memory check already made that may cover these pools.
         """
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact, got {type(artifact).__name__}")
-        artifact.validate()
+        artifact.ensure_valid()
         check_served_quantizer(artifact)
         fmt = check_served_format(artifact, fmt)
         return cls(artifact.k_rotation, artifact.v_rotation, artifact.k_clip_ratio, artifact.v_clip_ratio, fmt=fmt,
                    max_pages=max_pages, max_seqs=max_seqs, device=device, dtype=dtype, clip=clip, backend=backend,
-                   check_finite=check_finite,
+                   check_finite=check_finite, fit=fit,
                    # a centered artifact (contract v2) carries its means; the pages want them in the rotated basis
                    k_mean=artifact.key_mean("rotated") if fmt.centered else None,
                    v_mean=artifact.value_mean("rotated") if fmt.centered else None)
@@ -482,8 +420,9 @@ class PagedKVCache:
             else:
                 new_sz = tuple(grown(t) for t in old_sz)
             new_pools.append((grown(pool.k_codes), grown(pool.v_codes), *new_sz))
-        for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):
-            pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero = kc, vc, ks, kz, vs, vz
+        for pool, (kc, vc, ks, kz, vs, vz) in zip(self.pools, new_pools):  # the records, rebuilt once here
+            pool.pages = dataclasses.replace(pool.pages, k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs,
+                                             v_zero=vz)
         self.allocator.grow(n)
         self._meta_cache = None
         self._version += 1
@@ -920,13 +859,38 @@ class PagedKVCache:
         return pool, seq_ids, self.batch_metadata(seq_ids)
 
     def _attend(self, pool, q_rot, meta, sm_scale, return_lse: bool, fused, out_dtype):
-        """Attention of rotated queries over the layer's pools and windows, un-rotated into out_dtype."""
-        pages = PagePools(k_codes=pool.k_codes, v_codes=pool.v_codes, k_scale=pool.k_scale, k_zero=pool.k_zero,
-                          v_scale=pool.v_scale, v_zero=pool.v_zero, k_mean=pool.k_mean, v_mean=pool.v_mean)
-        o, lse = attn_api.decode_attention(q_rot, pages, meta, Windows(pool.k_win, pool.v_win), sm_scale=sm_scale,
+        """Attention of rotated queries over the layer's pools and windows (its records, as kept), un-rotated into
+        out_dtype."""
+        if self._decode_path is None:
+            self._note_decode_path(pool, q_rot, fused)
+        o, lse = attn_api.decode_attention(q_rot, pool.pages, meta, pool.windows, sm_scale=sm_scale,
                                            backend=self.backend, validate=False, counters=self._attn_counters,
                                            fused=fused, v_rotation=pool.v_rotation, out_dtype=out_dtype)
         return (o, lse) if return_lse else o
+
+    def _note_decode_path(self, pool: LayerPool, q_rot: torch.Tensor, fused: bool | None) -> None:
+        """At the first decode call: say at INFO which kernel decode runs and why (`DecodePlan.summary`), once per
+        cache (every call also logs its plan at DEBUG); `repr` shows it from then on."""
+        backend = resolve_backend(self.backend, self.device)
+        if backend == "triton":
+            plan = attn_api.decode_plan(q_rot, pool.pages, pool.windows, whole_pages=True, fused=fused)
+            self._decode_path = f"Triton {plan.summary()}"
+        else:
+            self._decode_path = (f"the torch reference (backend '{self.backend}' on {self.device.type}; the Triton "
+                                 "kernels run on CUDA or under TRITON_INTERPRET=1)")
+        LOG.info("PagedKVCache (%d layers, %s): decode runs %s", self.num_layers, self._format_text(),
+                 self._decode_path)
+
+    def _format_text(self) -> str:
+        f = self.fmt
+        return (f"sink {f.sink_tokens} + recent {f.recent_tokens}, {f.page_size}-token pages, {f.scale_format} "
+                f"scales{', centered' if f.centered else ''}")
+
+    def __repr__(self) -> str:
+        path = self._decode_path or "not planned yet (at the first decode call)"
+        return (f"PagedKVCache({self.num_layers} layers x {self.num_kv_heads} KV heads x d={self.head_dim}, "
+                f"{self._format_text()}, {self.allocator.num_pages} pages, {self.max_seqs} slots, "
+                f"{len(self._seqs)} live; decode: {path})")
 
     # -- dense views (for chunked prefill and inspection) ---------------------------------------------------
     def snapshot(self, seq_id: int) -> tuple[int, list[int]]:
@@ -957,7 +921,7 @@ class PagedKVCache:
                 (pool.v_win, pool.v_codes, pool.v_scale, pool.v_zero, pool.v_rotation, pool.v_mean)):
             rows = win[st.slot, :, :n - hist].float().transpose(0, 1)  # [n - hist, H, d], rotated
             if hist:
-                h = gather_history(codes, scale, zero, pages, hist).transpose(0, 1)  # [hist, H, d], rotated
+                h = gather_history(codes, scale, zero, pages, hist, self.fmt).transpose(0, 1)  # [hist, H, d], rotated
                 if mean is not None:
                     h = h + mean
                 rows = torch.cat([rows[:n_sink], h, rows[n_sink:]])

@@ -38,13 +38,18 @@ from typing import Any
 import torch
 
 from runtime_kernels.format import (
+    LEGACY_PAGE_SIZE,
+    LEGACY_QUANTIZER,
+    LEGACY_SCALE_FORMAT,
     MAX_CLIP_RATIO,
     MAX_WINDOW_TOKENS,
     MIN_CLIP_RATIO,
     RECORD_KEY,
+    SCALE_FORMATS,
     KVFormat,
     KVFormatError,
 )
+from runtime_kernels.format import QUANTIZERS as SERVED_QUANTIZERS
 from runtime_kernels.quant import naive
 
 FORMAT_NAME = "oscar-kv"
@@ -69,14 +74,15 @@ INT_METADATA = ("schema_version", "num_attention_heads", "num_key_value_heads", 
 GRANULARITIES = ("head", "layer")
 MEAN_BASES = ("original", "rotated")
 QUANTIZERS = naive.QUANTIZERS + ("lloyd_max",)  # the uniform ones are the runtime's; lloyd_max is read, not served
+# The contract's scale dtype names: float scales (a reference import's bfloat16/float32 are served as fp16), then the
+# served formats' storage (`quant.naive.SCALE_STORAGE`; ue5m3: 8-bit scale + 8-bit zero point).
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "ue5m3": torch.uint8}  # ue5m3: 8-bit scale + 8-bit zero point (runtime_kernels.quant.naive)
+                **{name: dtype for name, dtype in naive.SCALE_STORAGE.items() if name != "float16"}}
 CODEBOOK_LEVELS = 4
-V1_DEFAULTS = {"mean_basis": "original", "quantizer": "uniform_minmax", "scale_dtype": "float16"}
+V1_DEFAULTS = {"mean_basis": "original", "quantizer": LEGACY_QUANTIZER, "scale_dtype": LEGACY_SCALE_FORMAT}
 OPTIONAL_V2_METADATA = (RECORD_KEY,)
-# Artifacts written before the `kv_format` record did not name a page size; the runtime served them with 64-token
-# pages, and that is their format's page (a cache may still be built with another: pages are not fitted).
-LEGACY_PAGE_SIZE = 64
+# Artifacts written before the `kv_format` record did not name a page size: LEGACY_PAGE_SIZE (format.py), the pages
+# the runtime served them with, is their format's page (a cache may still be built with another: pages are not fitted).
 
 # Bounds, checked before anything is allocated from them.
 MAX_LAYERS = 4096
@@ -167,7 +173,7 @@ def created_at() -> str:
 def served_scale_format(scale_dtype: str) -> str:
     """The scale format the runtime's pages store for a contract `scale_dtype`: `ue5m3` as is, `float16` otherwise
     (a reference import's bfloat16/float32 scales are served as fp16)."""
-    return "ue5m3" if scale_dtype == "ue5m3" else "float16"
+    return scale_dtype if scale_dtype in SCALE_FORMATS else "float16"
 
 
 def build_metadata(*, model_id: str, model_revision: str, num_attention_heads: int, num_key_value_heads: int,
@@ -234,6 +240,9 @@ class ContractMetadata:
     quantizer: str
     scale_dtype: str
     record: KVFormat | None = None  # the `kv_format` record (None: an artifact written before it)
+    # The artifact's KV format, set by `validate_tensors` (which sees the means): None before, and for a quantizer
+    # the runtime reads but does not serve (lloyd_max).
+    served: KVFormat | None = None
 
 
 def _bounded_int(metadata: dict[str, str], key: str, source: str, low: int, high: int) -> int:
@@ -477,9 +486,14 @@ def _check_mean_own(mean: torch.Tensor, rms: torch.Tensor, name: str, source: st
                            "mean, not the data")
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> ContractMetadata:
-    """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field."""
-    meta = parse_metadata(metadata, source)
+def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str,
+                     meta: ContractMetadata | None = None) -> ContractMetadata:
+    """Check every rule of contract v1/v2 on in-memory tensors. Raises ArtifactError naming the first broken field.
+
+    `meta`: `parse_metadata(metadata, source)` when the caller already has it (`read_artifact` parses the metadata
+    before it reads a tensor), so one read parses it once. Returns the typed metadata with `served`, the artifact's
+    KV format (`kv_format_of`; None for lloyd_max, which is read but not served)."""
+    meta = parse_metadata(metadata, source) if meta is None else meta
     layer_ids = tensors.get("layer_ids")
     if not isinstance(layer_ids, torch.Tensor) or layer_ids.dim() != 1:
         fail(source, "layer_ids", "expected an int64 [A] tensor" if layer_ids is not None else "missing tensor")
@@ -492,9 +506,10 @@ def validate_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         if tuple(t.shape) != shape:
             fail(source, name, f"expected shape {list(shape)}, got {list(t.shape)}")
     _check_values(tensors, source, metadata)
-    if meta.record is not None:
-        kv_format_of(meta, has_means(tensors), source)  # refuses a record whose centering the means contradict
-    return meta
+    if meta.record is None and meta.quantizer not in SERVED_QUANTIZERS:
+        return meta  # lloyd_max codebooks: read, not served (`kv_format_of` names the field when a cache asks)
+    # kv_format_of also refuses a record whose centering the means contradict
+    return replace(meta, served=kv_format_of(meta, has_means(tensors), source))
 
 
 def has_means(tensors: dict[str, torch.Tensor]) -> bool:

@@ -33,6 +33,10 @@ SCALE_FORMATS = tuple(SCALE_BYTES)
 # The quantizers this runtime serves (`runtime_kernels.quant.naive.QUANTIZERS` says what they do; levels are uniform
 # in both). The contract also reads `lloyd_max` artifacts, which are not served, so they have no KVFormat.
 QUANTIZERS = ("uniform_minmax", "uniform_unbiased")
+# Artifacts written before the format record: schema v1 named no quantizer or scale format (they were min-max with
+# fp16 scales), and no artifact before the record named a page size (the runtime served 64-token pages). The
+# contract reads old artifacts with these.
+LEGACY_QUANTIZER, LEGACY_SCALE_FORMAT, LEGACY_PAGE_SIZE = "uniform_minmax", "float16", 64
 # Clip ratios (of a row's order statistic; 1 = no clipping) the contract accepts: below half the order statistic the
 # 2-bit levels are spent on nothing useful. The calibration's flags and settings, its clip fit and the contract's
 # check of an artifact all read these bounds.

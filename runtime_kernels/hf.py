@@ -48,9 +48,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from runtime_kernels._validate import normalize_device
 from runtime_kernels.artifact import OscarArtifact, check_against_model, read_artifact
-from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache, check_served_format
+from runtime_kernels.cache import FLOAT_DTYPES, PagedKVCache
 from runtime_kernels.format import KVFormat
 from runtime_kernels.memory_budget import check_cache_fits
+from runtime_kernels.serving import check_served_format
 
 ATTENTION_NAME = "oscar"
 _TAG = "_oscar_layer"
@@ -134,7 +135,8 @@ class OscarCache(Cache):
                  allow_other_model: bool = False, model_id: str | None = None):
         if not isinstance(artifact, OscarArtifact):
             raise TypeError(f"artifact: expected an OscarArtifact (or a path to one), got {type(artifact).__name__}")
-        artifact.validate()
+        artifact.ensure_valid()  # a loaded artifact was validated by its loader: not again
+        # The one identity check of a load (`from_pretrained` leaves it to this constructor).
         check_against_model(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model)
         cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         if batch_size is not None and int(batch_size) < 1:
@@ -155,9 +157,13 @@ class OscarCache(Cache):
         self.max_seqs = int(max_seqs) if max_seqs is not None else (int(batch_size) if batch_size else None)
         # The pools are allocated at the first update; windows the device cannot hold are refused now, with the
         # size they would need (the model's device is not known yet without `device`: the host's memory is used).
-        check_cache_fits(self.device or torch.device("cpu"), self.fmt, num_layers=int(artifact.layer_ids.numel()),
-                         num_kv_heads=artifact.num_kv_heads, head_dim=artifact.head_dim, max_pages=1,
-                         max_seqs=self.max_seqs or self.batch_rows, window_dtype=dtype or torch.bfloat16)
+        # The pools are checked again at allocation only where this check does not cover them (another device,
+        # more slots or pages: `CheckedFit.covers`).
+        slots = self.max_seqs or self.batch_rows
+        self._fit = check_cache_fits(self.device or torch.device("cpu"), self.fmt,
+                                     num_layers=int(artifact.layer_ids.numel()), num_kv_heads=artifact.num_kv_heads,
+                                     head_dim=artifact.head_dim, max_pages=self._initial_pages(slots, max_tokens),
+                                     max_seqs=slots, window_dtype=dtype or _config_dtype(cfg))
         self.paged: PagedKVCache | None = None  # allocated at the first update (device/dtype of the model)
         self.seq_ids: list[int] | None = None
         self._plan = None
@@ -203,10 +209,10 @@ class OscarCache(Cache):
                              "release is pinned")
         if model_id is None and repo is not None:
             model_id = str(model_id_or_path)  # the Hub id the release was asked for is the model's identity
-        artifact = load_artifact(model_id_or_path, repo=repo, revision=revision, model_config=model_config,
+        # The artifact comes back validated and is checked against the model once, by the constructor.
+        artifact = load_artifact(model_id_or_path, repo=repo, revision=revision,
                                  expected_sha256=expected_sha256, token=token, cache_dir=cache_dir,
-                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit,
-                                 model_id=model_id, allow_other_model=allow_other_model)
+                                 calibration=calibration, endpoint=endpoint, repo_type=repo_type, commit=commit)
         return cls(artifact, model_config, model_id=model_id, allow_other_model=allow_other_model, **cache_kwargs)
 
     @classmethod
@@ -238,17 +244,21 @@ class OscarCache(Cache):
                    allow_other_model=allow_other_model, model_id=model_id)
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _initial_pages(self, slots: int, tokens: int | None) -> int:
+        """INT2 pages allocated first: enough for `tokens` per slot (at least one page)."""
+        fmt = self.fmt
+        pages_per_seq = -(-max(0, (tokens or 0) - fmt.window_tokens) // fmt.page_size)
+        return max(1, pages_per_seq * slots)
+
     def _ensure_paged(self, key_states: torch.Tensor) -> PagedKVCache:
         """Allocate the pools at the first update: slots for this batch, pages for `max_tokens` (or the prompt)."""
         if self.paged is None:
-            fmt = self.fmt
             slots = self.max_seqs or key_states.shape[0]  # an explicit size is kept (and enforced)
-            tokens = self.max_tokens or key_states.shape[2]
-            pages_per_seq = -(-max(0, tokens - fmt.window_tokens) // fmt.page_size)
             self.paged = PagedKVCache.from_artifact(
-                self.artifact, max_pages=max(1, pages_per_seq * slots), max_seqs=slots, fmt=fmt,
+                self.artifact, max_pages=self._initial_pages(slots, self.max_tokens or key_states.shape[2]),
+                max_seqs=slots, fmt=self.fmt,
                 device=self.device or key_states.device, dtype=self.dtype or key_states.dtype,
-                clip=self.clip, backend=self.backend)
+                clip=self.clip, backend=self.backend, fit=self._fit)
         return self.paged
 
     def _check_states(self, layer: OscarLayer, name: str, x: torch.Tensor) -> None:
@@ -422,6 +432,15 @@ class OscarCache(Cache):
     @property
     def oscar_layers(self) -> list[OscarLayer]:
         return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+
+def _config_dtype(cfg) -> torch.dtype:
+    """The dtype the model's keys will have, as far as its config says (`config.dtype`, set by `from_pretrained`);
+    bf16 when it says nothing usable."""
+    dtype = getattr(cfg, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in FLOAT_DTYPES else torch.bfloat16
 
 
 def _valid_new_tokens(mask: torch.Tensor | None, batch: int, t: int, columns: int,

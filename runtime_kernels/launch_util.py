@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
+
+@functools.cache
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1, read once: Triton itself reads it at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (0 for 0, as Triton's): `triton.next_power_of_2` without its call overhead.

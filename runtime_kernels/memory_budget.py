@@ -13,6 +13,8 @@ RLIMIT_AS (`ulimit -v`) and RLIMIT_DATA (`ulimit -d`) less what the process alre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from runtime_kernels.format import KVFormat
@@ -130,9 +132,22 @@ def check_fits(device: torch.device, need: int, describe) -> None:
         raise CacheTooLargeError(f"{describe(found[0])} (the limit: {found[1]})")
 
 
-def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
+@dataclass(frozen=True)
+class CheckedFit:
+    """A passed `check_cache_fits`: room was found on `device` for `nbytes`. A cache allocated later within it
+    (`covers`) is not checked again: `OscarCache` checks at construction and hands this to the pools it allocates
+    at the first update."""
+
+    device: torch.device
+    nbytes: int
+
+    def covers(self, device: torch.device, nbytes: int) -> bool:
+        return device == self.device and nbytes <= self.nbytes
+
+
+def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> CheckedFit:
     """Raise CacheTooLargeError when the pools of a cache in `fmt` of `shape` (see `cache_bytes`) exceed what `device`
-    has."""
+    has; else return the `CheckedFit` (the device and the bytes checked)."""
     total, window = cache_bytes(fmt, **shape)
     check_fits(device, total, lambda free: (
         f"field 'sink_tokens'/'recent_tokens': windows of {fmt.sink_tokens} + {fmt.recent_tokens} tokens need {window} "
@@ -140,6 +155,7 @@ def check_cache_fits(device: torch.device, fmt: KVFormat, **shape) -> None:
         f"{shape['max_seqs']} sequence slot(s) x {shape['num_layers']} layers, {total} bytes with the INT2 pages, but "
         f"{device} has {free} bytes ({format_bytes(free)}) available; serve with smaller sink_tokens/recent_tokens "
         "or fewer sequences"))
+    return CheckedFit(device, total)
 
 
-__all__ = ["CacheTooLargeError", "available_bytes", "available_with_source", "cache_bytes", "check_cache_fits", "check_fits"]
+__all__ = ["CacheTooLargeError", "CheckedFit", "available_bytes", "available_with_source", "cache_bytes", "check_cache_fits", "check_fits"]

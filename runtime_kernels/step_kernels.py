@@ -15,7 +15,7 @@ and the un-rotation happens inside the attention's split reduce (`merge.reduce_s
   un-rotation (transpose) where the attention has no separate reduce (its one-launch form).
 
 Nothing here synchronises with the host or allocates beyond the returned outputs, so a CUDA graph can capture it.
-The torch references are `runtime_kernels.cache.rotate_rows` and `runtime_kernels.attention.rotate_queries` /
+The torch references are `runtime_kernels.serving.rotate_rows` and `runtime_kernels.attention.rotate_queries` /
 `unrotate_output`.
 """
 

@@ -14,6 +14,7 @@ from runtime_kernels.attention.int2_decode.pools import (
     quad_pools,
 )
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
+from runtime_kernels.format import KVFormat
 from runtime_kernels.quant import naive as qnaive
 
 
@@ -90,11 +91,23 @@ def make_pool(lens, h_kv, d, page, group_size=None, seed=0, extra_pages=3, devic
     return out if layout == "separate" else relayout(out, layout)
 
 
+def pool_format(pool, centered: bool = False) -> KVFormat:
+    """The format `make_pool`'s tensors were made in: its page size and groups (from the shapes), the scale format
+    it was asked for (it stores ue5m3 as uint8, float16 as fp16), and `centered`. Windows do not matter to the
+    pools (0 and 0)."""
+    kc, ks = pool[0], pool[1]
+    return KVFormat(sink_tokens=0, recent_tokens=0, page_size=kc.shape[2], group_size=4 * kc.shape[3] // ks.shape[3],
+                    scale_format="ue5m3" if ks.dtype == torch.uint8 else "float16", quantizer="uniform_minmax",
+                    centered=centered)
+
+
 def pages_of(pool, means=None) -> PagePools:
-    """`make_pool`'s pools as the decode API's record; means: (k_mean, v_mean) `[H_kv, d]` of a centered cache."""
+    """`make_pool`'s pools as the decode API's record, in `pool_format`; means: (k_mean, v_mean) `[H_kv, d]` of a
+    centered cache."""
     kc, ks, kz, vc, vs, vz = pool[:6]
     km, vm = means if means is not None else (None, None)
-    return PagePools(k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, k_mean=km, v_mean=vm)
+    return PagePools(k_codes=kc, v_codes=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, k_mean=km, v_mean=vm,
+                     fmt=pool_format(pool, centered=means is not None))
 
 
 def batch_of(pool, slot_ids=None, win_len=None, whole_pages=False) -> BatchMetadata:
@@ -130,8 +143,8 @@ def dense_reference(q, pool, lens, k_win=None, v_win=None, slot_ids=None, win_le
     lse `[B, H_q]`); (0, -inf) for a sequence with nothing to attend to. lens: the history tokens to take."""
     outs, lses = [], []
     for b in range(q.shape[0]):
-        k = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], int(lens[b]))
-        v = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], int(lens[b]))
+        k = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], int(lens[b]), pool_format(pool))
+        v = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], int(lens[b]), pool_format(pool))
         if k_win is not None:
             n_w = int(win_len[b])
             k = torch.cat([k, k_win[int(slot_ids[b]), :, :n_w].float()], dim=1)

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from format_helpers import qfmt
+from format_helpers import PAPER, qfmt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +25,7 @@ from runtime_kernels.attention import naive as attn_naive
 from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import merge as M
 from runtime_kernels.attention.int2_decode import naive as paged_ref
+from runtime_kernels.attention.int2_decode import splits
 from runtime_kernels.quant import naive as qnaive
 from tests.kernel_helpers import (
     assert_lse_close,
@@ -35,6 +36,7 @@ from tests.kernel_helpers import (
     make_q,
     make_window,
     pages_of,
+    pool_format,
     rel_rmse,
 )
 
@@ -150,7 +152,7 @@ def test_reference_matches_dense_attention_on_dequantized_history():
     v = qnaive.unpack_dequantize(vc[ids], vs[ids], vz[ids], qfmt()).transpose(0, 1).reshape(1, -1, 64)[:, :70]
     scores = q[0] @ k[0].T / math.sqrt(64)
     want = torch.softmax(scores, dim=-1) @ v[0]
-    o, lse = paged_ref.int2_decode_attention_ref(q, *pool)
+    o, lse = paged_ref.int2_decode_attention_ref(q, *pool, fmt=pool_format(pool))
     assert torch.allclose(o[0], want, atol=1e-5)
     assert torch.allclose(lse[0], torch.logsumexp(scores, dim=-1), atol=1e-5)
 
@@ -341,8 +343,10 @@ def test_programs_per_sm_limit_matches_the_occupancy_ncu_reported():
 
 def shape_only_inputs(b, h_kv, max_pages, page=64, d=64, group=2):
     """Empty pools and tables of the given shapes (split counts read shapes only)."""
-    pages = PagePools(*(torch.empty(1, h_kv, page, d // 4, dtype=torch.uint8) for _ in range(2)),
-                      *(torch.empty(1, h_kv, page, 1, dtype=torch.float16) for _ in range(4)))
+    k_codes, v_codes = (torch.empty(1, h_kv, page, d // 4, dtype=torch.uint8) for _ in range(2))
+    k_scale, k_zero, v_scale, v_zero = (torch.empty(1, h_kv, page, 1, dtype=torch.float16) for _ in range(4))
+    pages = PagePools(k_codes=k_codes, v_codes=v_codes, k_scale=k_scale, k_zero=k_zero, v_scale=v_scale,
+                      v_zero=v_zero, fmt=PAPER.with_(page_size=page))
     batch = BatchMetadata(block_table=torch.zeros(b, max_pages, dtype=torch.int32),
                           hist_len=torch.zeros(b, dtype=torch.int32))
     return torch.empty(b, group * h_kv, d, dtype=torch.bfloat16), pages, batch
@@ -358,7 +362,7 @@ def test_splits_fill_whole_waves(b, h_kv, max_pages, slots, sms, waves):
     q, pages, batch = shape_only_inputs(b, h_kv, max_pages)
     opts = L.DecodeOptions(waves=waves)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(L, "sm_count", lambda device: sms)
+        m.setattr(splits, "sm_count", lambda device: sms)
         n = L.splits_for_slots(q, pages, batch, slots, opts)
     programs, capacity = b * h_kv, waves * slots * sms
     tokens = max_pages * 64
@@ -401,7 +405,8 @@ def test_occupancy_cache_key_follows_what_selects_a_kernel():
     kc, ks = pool[0], pool[1]
     more_pages = torch.zeros(kc.shape[0] + 5, *kc.shape[1:], dtype=kc.dtype)
     more_scales = torch.zeros(ks.shape[0] + 5, *ks.shape[1:], dtype=ks.dtype)
-    assert key(PagePools(more_pages, more_pages, more_scales, more_scales, more_scales, more_scales)) == masked
+    assert key(PagePools(k_codes=more_pages, v_codes=more_pages, k_scale=more_scales, k_zero=more_scales,
+                         v_scale=more_scales, v_zero=more_scales, fmt=pages.fmt)) == masked
 
 
 def test_decode_options_reject_bad_values():
@@ -446,8 +451,19 @@ def test_bad_inputs_name_the_record_and_the_tensor():
     with pytest.raises(ValueError, match="pages.v_zero: must have the same shape and strides as pages.v_scale"):
         A.int2_decode_attention(q, replace(pages, v_zero=torch.zeros(*vz.shape[:3], 2, dtype=vz.dtype)[..., :1]),
                                 batch)
-    with pytest.raises(ValueError, match="pages.v_mean: a centered cache needs both"):
+    with pytest.raises(ValueError, match="pages.k_mean: given, but pages.fmt is not centered"):
         A.int2_decode_attention(q, replace(pages, k_mean=torch.zeros(2, 64)), batch)
+    with pytest.raises(ValueError, match="pages.v_mean: a centered cache needs both"):
+        A.int2_decode_attention(q, replace(pages, k_mean=torch.zeros(2, 64), fmt=pages.fmt.with_(centered=True)),
+                                batch)
+    with pytest.raises(TypeError, match="pages.fmt: expected the KVFormat of the pages"):
+        A.int2_decode_attention(q, replace(pages, fmt="float16"), batch)
+    with pytest.raises(ValueError, match="pages.fmt: page_size is 32, but pages.k_codes holds pages of 16 tokens"):
+        A.int2_decode_attention(q, replace(pages, fmt=pages.fmt.with_(page_size=32)), batch)
+    with pytest.raises(TypeError, match=r"pages.k_scale: dtype must be uint8 \(pages.fmt.scale_format is 'ue5m3'\)"):
+        A.int2_decode_attention(q, replace(pages, fmt=pages.fmt.with_(scale_format="ue5m3")), batch)
+    with pytest.raises(ValueError, match=r"pages.k_scale: expected shape .* \(pages, KV heads, page size"):
+        A.int2_decode_attention(q, replace(pages, fmt=pages.fmt.with_(group_size=16)), batch)
     with pytest.raises(ValueError, match="q: 5 query heads is not a multiple"):
         A.int2_decode_attention(make_q(1, 5, 64, torch.float32), pages, batch)
     with pytest.raises(ValueError, match="batch.block_table: .*batch size of q"):

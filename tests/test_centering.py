@@ -22,6 +22,7 @@ from tests.kernel_helpers import (
     make_q,
     make_window,
     pages_of,
+    pool_format,
     rel_rmse,
 )
 
@@ -42,8 +43,8 @@ def centered_reference(q, pool, lens, k_mean, v_mean, win=None):
     outs, lses = [], []
     for b in range(q.shape[0]):
         n = int(lens[b])
-        k = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], n) + k_mean[:, None]
-        v = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], n) + v_mean[:, None]
+        k = paged_ref.gather_history(pool[0], pool[1], pool[2], pool[6][b], n, pool_format(pool)) + k_mean[:, None]
+        v = paged_ref.gather_history(pool[3], pool[4], pool[5], pool[6][b], n, pool_format(pool)) + v_mean[:, None]
         if win is not None:
             k_win, v_win, slot_ids, win_len = win
             k = torch.cat([k, k_win[int(slot_ids[b]), :, :int(win_len[b])].float()], dim=1)

@@ -4,6 +4,7 @@ the bench's shapes is pinned here without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from oscar_calib.config import SolverSettings
 from runtime_kernels import attention as A
 from runtime_kernels.attention import BatchMetadata, Windows
 from runtime_kernels.attention.int2_decode import launch as L
+from runtime_kernels.attention.int2_decode import plan as P
 from runtime_kernels.cache import PagedKVCache
 from runtime_kernels.format import DEFAULT_FORMAT
 from tests.kernel_helpers import batch_of, decode_inputs, make_pool, make_q, make_window, pages_of, relayout
@@ -67,7 +69,7 @@ def bench_call(batch: int) -> tuple:
     args = bench_common.decode_inputs(batch, window + bench_common.PAGE, seed=0, device="cpu",
                                       scale_format=scale_format, window=window)
     means = bench_common.decode_means(0, device="cpu") if centered else None
-    return (*bench_common.decode_records(args, means), {})
+    return (*bench_common.decode_records(args, means, scale_format=scale_format), {})
 
 
 def recipe_plans(monkeypatch, compiled: bool):
@@ -200,8 +202,8 @@ def test_a_decode_call_chooses_its_kernel_once(monkeypatch):
     q = make_q(2, 4, 64, torch.bfloat16)
     slots, win_len = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 2], dtype=torch.int32)
     count = []
-    real = L.production_declines
-    monkeypatch.setattr(L, "production_declines", lambda *a: count.append(1) or real(*a))
+    real = P.production_declines
+    monkeypatch.setattr(P, "production_declines", lambda *a: count.append(1) or real(*a))
     for dtype, fused in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
         count.clear()
         k_win, v_win = make_window(2, 2, 8, 64, dtype)
@@ -211,3 +213,58 @@ def test_a_decode_call_chooses_its_kernel_once(monkeypatch):
     count.clear()
     A.int2_decode_attention(q, pages_of(pool), BatchMetadata(pool[6], pool[7]), backend="triton")
     assert len(count) == 1
+
+
+def _small_cache(backend: str, window_dtype: torch.dtype) -> tuple[PagedKVCache, list[int]]:
+    """A one-layer fp16-scale cache (d = 64, 2 KV heads, 16-token pages) with one sequence past its windows."""
+    h, d = 2, 64
+    fmt = DEFAULT_FORMAT.with_(sink_tokens=16, recent_tokens=16, page_size=16, scale_format="float16",
+                               centered=False)
+    rot = torch.eye(d).expand(1, h, d, d)
+    cache = PagedKVCache(rot, rot, torch.ones(1, h), torch.ones(1, h), fmt=fmt, max_pages=4, max_seqs=1,
+                         dtype=window_dtype, backend=backend)
+    sid = cache.add_sequence()
+    x = torch.randn(48, h, d, generator=torch.Generator().manual_seed(0))
+    cache.append([sid], [[x]], [[x]])
+    return cache, [sid]
+
+
+@pytest.mark.interpreter
+def test_the_plan_and_its_reason_are_said_at_the_first_decode_and_in_the_repr(caplog):
+    """What decode runs and why reaches a user once, at INFO, not only per call at DEBUG: fp32 windows keep the
+    production grid away, and the line says so; the repr carries it from then on."""
+    cache, ids = _small_cache("triton", torch.float32)
+    assert "not planned yet" in repr(cache)
+    q = torch.randn(1, 4, 64, dtype=torch.float32)
+    with caplog.at_level("INFO", logger="runtime_kernels.cache"):
+        cache.decode_attention(0, q, ids)
+        cache.decode_attention(0, q, ids)
+    lines = [r.getMessage() for r in caplog.records if r.name == "runtime_kernels.cache" and r.levelname == "INFO"]
+    assert len(lines) == 1, lines  # once per cache, not per call
+    assert "decode runs Triton fallback kernel, 3 launch(es)" in lines[0]
+    assert "slower choices because: torch.float32 windows (the grid takes fp16/bf16)" in lines[0]
+    assert "float16 scales" in lines[0] and "(Triton interpreter)" in lines[0]
+    assert lines[0].split("decode runs ", 1)[1] in repr(cache)
+
+
+def test_a_torch_backend_cache_says_it_runs_the_reference(caplog):
+    cache, ids = _small_cache("torch", torch.bfloat16)
+    with caplog.at_level("INFO", logger="runtime_kernels.cache"):
+        cache.decode_attention(0, torch.randn(1, 4, 64, dtype=torch.bfloat16), ids)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "runtime_kernels.cache"]
+    assert "decode runs the torch reference (backend 'torch' on cpu" in line
+    assert "decode: the torch reference" in repr(cache)
+
+
+def test_the_plan_reads_the_decode_mode_from_the_pages_format():
+    """The scale format and centering of a plan are the pages' format's, and the pools must be what it says."""
+    pool = make_pool([128, 64], 2, 64, 64, seed=3, scale_format="ue5m3", layout="quad")
+    q = make_q(2, 8, 64, torch.bfloat16)
+    pages = pages_of(pool)
+    plan = A.decode_plan(q, pages, whole_pages=True)
+    assert (plan.scale_format, plan.centered) == ("ue5m3", False)
+    means = (torch.zeros(2, 64), torch.zeros(2, 64))
+    assert A.decode_plan(q, pages_of(pool, means), whole_pages=True).centered
+    wrong = dataclasses.replace(pages, fmt=pages.fmt.with_(scale_format="float16"))
+    with pytest.raises(TypeError, match=r"pages.k_scale: dtype must be float16 \(pages.fmt.scale_format"):
+        A.int2_decode_attention(q, wrong, batch_of(pool), backend="torch")

@@ -16,7 +16,7 @@ import torch
 
 from runtime_kernels import attention as A
 from runtime_kernels.attention.int2_decode import naive as paged_ref
-from tests.kernel_helpers import batch_of, pages_of
+from tests.kernel_helpers import batch_of, pages_of, pool_format
 
 
 def bench_like_pool(lens, h_kv, d, page, device, seed=0):
@@ -45,8 +45,8 @@ def exact_reference(q, kc, ks, kz, vc, vs, vz, table, hist_len):
     outs, lses = [], []
     for i in range(b):
         n = int(hist_len[i])
-        k = paged_ref.gather_history(kc, ks, kz, table[i], n).double()  # [H_kv, n, d]
-        v = paged_ref.gather_history(vc, vs, vz, table[i], n).double()
+        k = paged_ref.gather_history(kc, ks, kz, table[i], n, pool_format((kc, ks))).double()  # [H_kv, n, d]
+        v = paged_ref.gather_history(vc, vs, vz, table[i], n, pool_format((vc, vs))).double()
         k = k.repeat_interleave(g, dim=0)
         v = v.repeat_interleave(g, dim=0)
         s = torch.einsum("hd,hnd->hn", q[i].double(), k) / math.sqrt(d)

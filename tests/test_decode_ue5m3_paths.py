@@ -27,6 +27,7 @@ from tests.kernel_helpers import (
     make_q,
     make_window,
     pages_of,
+    pool_format,
     pool_layout,
     rel_rmse,
     relayout,
@@ -65,7 +66,7 @@ def reference(q, pool, lens, means):
     """The torch reference of the paged layout (dense attention over the dequantized history, + mu_k . q in the
     logits and + mu_v in the output when centered)."""
     km, vm = means if means is not None else (None, None)
-    return paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
+    return paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm, fmt=pool_format(pool))
 
 
 @pytest.mark.parametrize("d,layout,centered", [(128, "quad", True), (128, "separate", False), (64, "quad", False),

@@ -18,9 +18,7 @@ file under `runtime_kernels/` and `oscar_calib/`, parsed with `ast`) and reports
    storage dtypes that would name a scale format), or a call of a function whose name says it maps a dtype to a
    format (`scale_format_of`, `format_of_dtype`).
 
-`ALLOWED` lists the few findings that are not format derivation, each with its reason. `PENDING_SERVE_ONCE` lists
-the files the serve-once branch (issue 52 part 2 and the decode side of part 1) is rewriting: they are skipped until
-the two branches merge, and then this set is emptied (delete it and the skip).
+`ALLOWED` lists the few findings that are not format derivation, each with its reason.
 """
 
 from __future__ import annotations
@@ -33,20 +31,6 @@ from runtime_kernels.format import QUANTIZERS, SCALE_FORMATS
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("runtime_kernels", "oscar_calib")
 FORMAT_MODULE = "runtime_kernels/format.py"
-
-# PENDING_SERVE_ONCE: files the serve-once branch owns and rewrites (PagePools carries its format, plan_decode reads
-# it, one load); remove this set (and its skip) when that branch is merged.
-PENDING_SERVE_ONCE = (
-    "runtime_kernels/attention/int2_decode/",
-    "runtime_kernels/cache.py",
-    "runtime_kernels/loader.py",
-    "runtime_kernels/hf.py",
-    "runtime_kernels/artifact.py",
-    "runtime_kernels/contract.py",
-    "runtime_kernels/_validate.py",
-    "runtime_kernels/memory_budget.py",
-    "runtime_kernels/vllm/",
-)
 
 # (path, rule, the finding's text): why it is not a format derivation.
 ALLOWED = {
@@ -143,12 +127,12 @@ def format_findings(source: str, path: str = "<string>") -> list[tuple[str, int,
 
 
 def tree_findings() -> list[tuple[str, int, str, str]]:
-    """Findings over the scanned packages, less format.py, the pending files and ALLOWED."""
+    """Findings over the scanned packages, less format.py and ALLOWED."""
     out = []
     for package in SCANNED:
         for file in sorted((ROOT / package).rglob("*.py")):
             rel = file.relative_to(ROOT).as_posix()
-            if rel == FORMAT_MODULE or rel.startswith(PENDING_SERVE_ONCE):
+            if rel == FORMAT_MODULE:
                 continue
             out += [f for f in format_findings(file.read_text(), rel) if (f[0], f[2], f[3]) not in ALLOWED]
     return out
@@ -206,11 +190,6 @@ def test_the_checker_reports_each_kind_of_planted_derivation():
         (16, "dtype-inference", "scale_format_of"),
     }
 
-
-def test_pending_files_exist():
-    """The skipped paths name real files, so the skip cannot outlive a rename unnoticed."""
-    for path in PENDING_SERVE_ONCE:
-        assert (ROOT / path).exists(), path
 
 
 def test_a_clip_ratio_below_the_floor_fails_when_the_flags_are_parsed(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,15 @@ from runtime_kernels.attention.int2_decode import launch as L
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.attention.int2_decode.pools import quad_pools
 from runtime_kernels.quant import naive
-from tests.kernel_helpers import batch_of, decode_inputs, decode_records, pages_of, pool_layout, relayout
+from tests.kernel_helpers import (
+    batch_of,
+    decode_inputs,
+    decode_records,
+    pages_of,
+    pool_format,
+    pool_layout,
+    relayout,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -70,7 +78,7 @@ def test_int2_decode_on_gpu(group, d):
     pool = make_pool(lens, 2, d, seed=d + group)
     q = torch.randn(len(lens), 2 * group, d, device=DEV, dtype=torch.bfloat16)
     o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool))
-    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, fmt=pool_format(pool))
     assert rel_rmse(o, o_ref) < 2e-2
     fin = torch.isfinite(lse_ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
@@ -83,7 +91,7 @@ def test_int2_group_scales_on_gpu():
     pool = make_pool([3000, 70], 8, 128, group_size=32, seed=5)
     q = torch.randn(2, 32, 128, device=DEV, dtype=torch.bfloat16)
     o, _ = A.int2_decode_attention(q, pages_of(pool), batch_of(pool))
-    o_ref, _ = paged_ref.int2_decode_attention_ref(q, *pool)
+    o_ref, _ = paged_ref.int2_decode_attention_ref(q, *pool, fmt=pool_format(pool))
     assert rel_rmse(o, o_ref) < 2e-2
 
 
@@ -203,7 +211,7 @@ def int8_scores_match_their_reference(q, pool) -> tuple:
     on the hi/lo query they encode (`paged_ref.hilo_query_ref`) to fp32 rounding -> (o, lse, finite-lse mask)."""
     assert A.decode_plan(q, pages_of(pool), whole_pages=True).int8_scores
     o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=True))
-    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(paged_ref.hilo_query_ref(q), *pool, fmt=pool_format(pool))
     assert rel_rmse(o, o_ref) < 3e-4
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], lse_ref[fin], atol=5e-5)
@@ -363,7 +371,7 @@ def test_ue5m3_decode_on_gpu(d, group_size, layout, whole):
     if layout != "separate":
         pool = list(relayout(pool, layout))
     q = torch.randn(len(lens), 8, d, device=DEV, dtype=torch.bfloat16)
-    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, fmt=qfmt(group_size, scale_format="ue5m3"))
     o, lse = A.int2_decode_attention(q, pages_of(pool), batch_of(pool, whole_pages=whole))
     assert rel_rmse(o, o_ref) < 2e-2
     fin = torch.isfinite(lse_ref)
@@ -428,7 +436,7 @@ def test_ue5m3_whole_page_path_is_bit_identical_to_its_fp16_twin_on_gpu(context,
     # last bits (relative RMSE <= 6.5e-7 on an H200: bench/results/decode_ue5m3_masked_vs_fp16_NVIDIA_H200.log).
     assert rel_rmse(om, om16) < 5e-6 and torch.equal(lm, lm16), rel_rmse(om, om16)
     assert rel_rmse(oh, om) < 1e-3 and torch.allclose(lh, lm, atol=2e-3), rel_rmse(oh, om)
-    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm)
+    o_ref, lse_ref = paged_ref.int2_decode_attention_ref(q, *pool, k_mean=km, v_mean=vm, fmt=pool_format(pool))
     assert rel_rmse(oh, o_ref) < 2e-2 and torch.allclose(lh, lse_ref, atol=2e-2)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import logging
 
+import torch
 from format_helpers import PAPER
 
 from runtime_kernels.format import DEFAULT_FORMAT
@@ -82,3 +83,23 @@ def test_vllm_refusal_names_the_config_keys(tmp_path):
     assert load_checked_artifact(OscarServeConfig(path=path, allow_other_model=True), config).num_layers == 2
     with pytest.raises(Exception, match=r"additional_config\.oscar\.path: .*no such file or directory"):
         load_checked_artifact(OscarServeConfig(path=str(tmp_path / "missing")), config)
+
+
+def test_decode_line_names_the_kernel_and_why_for_eager_and_graph_steps():
+    """The startup line of the INT2 layers' decode (`PluginState.decode_line`): the plan of an eager step (whole
+    pages) and of the static steps CUDA graphs replay (no whole-pages promise: masked tiles), from the format alone."""
+    from runtime_kernels.vllm.engine import decode_plan_for
+    from runtime_kernels.vllm.report import decode_line
+
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cpu", backend="triton")
+    eager = decode_plan_for(DEFAULT_FORMAT, whole_pages=True, **kw)
+    static = decode_plan_for(DEFAULT_FORMAT, whole_pages=False, **kw)
+    assert (eager.kernel, eager.whole_pages, eager.scale_layout, eager.scale_format, eager.centered) == \
+        ("grid", True, "quad", "ue5m3", True)
+    line = decode_line(eager, static, "triton", "cuda")
+    assert line.startswith("OSCAR decode: Triton grid kernel, 2 launch(es), whole-page tiles, int8 scores, quad ")
+    assert "; CUDA-graph decode steps: grid kernel, 2 launch(es), masked tiles" in line
+    assert "slower choices because: whole_pages not promised: masked tiles" in line
+    assert decode_plan_for(DEFAULT_FORMAT, whole_pages=True, **{**kw, "backend": "torch"}) is None
+    assert decode_line(None, None, "auto", "cpu") == ("OSCAR decode: torch reference kernels (kernel_backend 'auto' "
+                                                      "on cpu; the Triton kernels run on CUDA)")

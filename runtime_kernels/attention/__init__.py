@@ -36,6 +36,7 @@ from runtime_kernels._validate import (
 from runtime_kernels.attention import naive
 from runtime_kernels.attention.int2_decode import naive as paged_ref
 from runtime_kernels.attention.int2_decode.records import BatchMetadata, PagePools, Windows
+from runtime_kernels.format import KVFormat, KVFormatError
 from runtime_kernels.quant.naive import SCALE_STORAGE
 
 
@@ -47,9 +48,16 @@ def _launch():
 
 
 def __getattr__(name: str):
-    # `DecodeOptions` / `DEFAULT_OPTIONS` / `DecodePlan` live with the launcher (which needs Triton): resolved on first use.
-    if name in ("DecodeOptions", "DEFAULT_OPTIONS", "DecodePlan"):
-        return getattr(_launch(), name)
+    # `DecodeOptions` / `DEFAULT_OPTIONS` (int2_decode/options.py) and `DecodePlan` (int2_decode/plan.py): neither
+    # imports Triton; resolved on first use all the same.
+    if name in ("DecodeOptions", "DEFAULT_OPTIONS"):
+        from runtime_kernels.attention.int2_decode import options
+
+        return getattr(options, name)
+    if name == "DecodePlan":
+        from runtime_kernels.attention.int2_decode.plan import DecodePlan
+
+        return DecodePlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -75,7 +83,8 @@ __all__ = [
 
 def _options(options, fused: bool | None):
     """The call's `DecodeOptions`: `options` (default `DEFAULT_OPTIONS`) with `fused` overriding its field."""
-    launch = _launch()
+    from runtime_kernels.attention.int2_decode import options as launch  # the options alone: no Triton import
+
     opts = launch.DEFAULT_OPTIONS if options is None else options
     if not isinstance(opts, launch.DecodeOptions):
         raise TypeError(f"options: expected a DecodeOptions, got {type(opts).__name__}")
@@ -112,16 +121,19 @@ def _check_pages(q, pages: PagePools) -> PagePools:
     h_kv = k_codes.shape[1]
     if h_q % h_kv:
         raise ValueError(f"q: {h_q} query heads is not a multiple of the {h_kv} KV heads of pages.k_codes")
-    # The scale format is the pools' dtype: fp16 scale/zero, or uint8 (ue5m3 scale, zero in 1/64 code); one for all.
-    k_scale = pages.k_scale
+    fmt = _check_format(pages, d)
+    # Scale and zero are stored as the format's scale format says: fp16, or uint8 (ue5m3 scale, zero in 1/64 code).
+    stored = SCALE_STORAGE[fmt.scale_format]
+    groups = d // fmt.group(d)
     for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
         s = getattr(pages, name)
-        check_tensor(f"pages.{name}", s,
-                     dtypes=(k_scale.dtype,) if name != "k_scale" else tuple(SCALE_STORAGE.values()), ndim=4,
-                     device=dev)
-        if tuple(s.shape[:3]) != tuple(k_codes.shape[:3]) or s.shape[3] < 1 or d % s.shape[3]:
-            raise ValueError(f"pages.{name}: expected shape {tuple(k_codes.shape[:3])} + (head_dim // group_size,), "
-                             f"got {tuple(s.shape)}")
+        check_tensor(f"pages.{name}", s, ndim=4, device=dev)
+        if s.dtype != stored:
+            raise TypeError(f"pages.{name}: dtype must be {str(stored).replace('torch.', '')} (pages.fmt.scale_format "
+                            f"is '{fmt.scale_format}'), got {str(s.dtype).replace('torch.', '')}")
+        if tuple(s.shape) != tuple(k_codes.shape[:3]) + (groups,):
+            raise ValueError(f"pages.{name}: expected shape {tuple(k_codes.shape[:3]) + (groups,)} (pages, KV heads, "
+                             f"page size, head_dim // pages.fmt group size), got {tuple(s.shape)}")
         if s.stride(-1) != 1:
             raise ValueError(f"pages.{name}: last dim must be contiguous")
     for zero, scale in (("k_zero", "k_scale"), ("v_zero", "v_scale")):
@@ -131,15 +143,34 @@ def _check_pages(q, pages: PagePools) -> PagePools:
     return _checked_means(pages, q)
 
 
+def _check_format(pages: PagePools, d: int) -> KVFormat:
+    """The pools' format against their page size and head_dim. Returns it."""
+    fmt = pages.fmt
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"pages.fmt: expected the KVFormat of the pages (runtime_kernels.format.KVFormat), got "
+                        f"{type(fmt).__name__}")
+    if fmt.page_size != pages.page_size:
+        raise ValueError(f"pages.fmt: page_size is {fmt.page_size}, but pages.k_codes holds pages of "
+                         f"{pages.page_size} tokens (shape {tuple(pages.k_codes.shape)})")
+    try:
+        fmt.group(d)
+    except KVFormatError as exc:
+        raise ValueError(f"pages.fmt: {exc}") from None
+    return fmt
+
+
 def _checked_means(pages: PagePools, q) -> PagePools:
-    """A centered cache's means: both fp32-castable `[H_kv, d]` tensors on q's device, or both None. Returns the
-    record with them fp32 and contiguous (no copy when they already are)."""
+    """A centered cache's means: both fp32-castable `[H_kv, d]` tensors on q's device when `pages.fmt.centered`,
+    else both None. Returns the record with them fp32 and contiguous (no copy when they already are)."""
     k_mean, v_mean = pages.k_mean, pages.v_mean
-    if k_mean is None and v_mean is None:
+    if not pages.fmt.centered:
+        if k_mean is not None or v_mean is not None:
+            raise ValueError(f"pages.{'k_mean' if k_mean is not None else 'v_mean'}: given, but pages.fmt is not "
+                             "centered (pass a centered format, or no means)")
         return pages
     if k_mean is None or v_mean is None:
         raise ValueError(f"pages.{'k_mean' if k_mean is None else 'v_mean'}: a centered cache needs both k_mean and "
-                         f"v_mean (or neither)")
+                         "v_mean (pages.fmt is centered)")
     want = (pages.kv_heads, q.shape[2])
     out = []
     for name, m in (("k_mean", k_mean), ("v_mean", v_mean)):
@@ -187,7 +218,7 @@ def _scale(sm_scale: float | None, d: int) -> float:
 def _history_ref(q, pages: PagePools, batch: BatchMetadata, scale: float):
     return paged_ref.int2_decode_attention_ref(q, pages.k_codes, pages.k_scale, pages.k_zero, pages.v_codes,
                                                pages.v_scale, pages.v_zero, batch.block_table, batch.hist_len, scale,
-                                               pages.k_mean, pages.v_mean)
+                                               pages.k_mean, pages.v_mean, fmt=pages.fmt)
 
 
 def _window_ref(q, windows: Windows, batch: BatchMetadata, scale: float):
@@ -201,9 +232,9 @@ def int2_decode_attention(q, pages: PagePools, batch: BatchMetadata, *, sm_scale
 
     Args:
         q: `[B, H_q, d]` (rotated by R_K).
-        pages: `PagePools` (codes uint8 `[num_pages, H_kv, P, d // 4]`; scale/zero fp16 or uint8
-            `[num_pages, H_kv, P, d // G]`; k_mean, v_mean `[H_kv, d]` of a centered cache, or None). A centered
-            cache's history logits get + q.mu_k * sm_scale, the history output + mu_v.
+        pages: `PagePools` (codes uint8 `[num_pages, H_kv, P, d // 4]`; scale/zero `[num_pages, H_kv, P, d // G]`
+            fp16 or uint8 as `pages.fmt.scale_format` says; k_mean, v_mean `[H_kv, d]` when `pages.fmt.centered`,
+            else None). A centered cache's history logits get + q.mu_k * sm_scale, the history output + mu_v.
         batch: `BatchMetadata` with block_table int `[B, max_pages]` and hist_len int `[B]`; `batch.whole_pages`
             promises that every hist_len is a multiple of the page size (the production kernel then skips all
             masking; tokens of a partial last page would be ignored).
@@ -271,8 +302,10 @@ def decode_plan(q, pages: PagePools, windows: Windows | None = None, *, whole_pa
     fast tile loop and how it reads the scale/zero pools), scale_format, centered, compiled, and reason: why each
     faster choice was not taken ("" on the fastest path). From shapes, dtypes and strides only: no GPU needed.
     compiled: the target (True: a compiled GPU launch; False: the Triton interpreter; None: this process's, which
-    every call logs at DEBUG)."""
-    return _launch().plan_decode(q, pages, windows, whole_pages, _options(options, fused), window_splits, compiled)
+    every call logs at DEBUG). Needs no Triton (`int2_decode/plan.py`)."""
+    from runtime_kernels.attention.int2_decode.plan import plan_decode
+
+    return plan_decode(q, pages, windows, whole_pages, _options(options, fused), window_splits, compiled)
 
 
 def decode_attention(q, pages: PagePools, batch: BatchMetadata, windows: Windows, *, sm_scale: float | None = None,

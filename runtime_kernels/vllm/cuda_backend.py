@@ -125,8 +125,8 @@ class OscarFlashAttentionImpl(OscarImplMixin, FlashAttentionImpl):
             return int2_spec(dense_spec(module, vllm_config), cell)
 
         layer.get_kv_cache_spec = types.MethodType(get_kv_cache_spec, layer)
-        logger.info("OSCAR: layer %d (%s) -> OscarFlashAttentionBackend (INT2 history, %d B per token and KV head)",
-                    index, layer.layer_name, cell)
+        logger.info("OSCAR: layer %d (%s) -> OscarFlashAttentionBackend (INT2 history, %d B per token and KV head); "
+                    "%s", index, layer.layer_name, cell, state.decode_line())
 
     def dense_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """A new request's prompt: causal FlashAttention over its own tokens (`[T, H_q, d]`, `[T, H, d]`), written

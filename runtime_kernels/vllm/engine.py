@@ -26,16 +26,18 @@ import torch.nn.functional as F
 
 from runtime_kernels import attention as attn_api
 from runtime_kernels import quant as quant_api
+from runtime_kernels._validate import resolve_backend
 from runtime_kernels.artifact import ArtifactError, OscarArtifact
-from runtime_kernels.cache import (
+from runtime_kernels.attention.int2_decode.records import PagePools
+from runtime_kernels.format import KVFormat
+from runtime_kernels.memory_budget import check_fits
+from runtime_kernels.serving import (
     MEAN_CHECK_ROWS,
     check_served_format,
     check_served_quantizer,
     mean_far_from_data,
     rotate_rows,
 )
-from runtime_kernels.format import KVFormat
-from runtime_kernels.memory_budget import check_fits
 from runtime_kernels.vllm.layout import PackedLayout, page_pools
 from runtime_kernels.vllm.report import HistoryReport
 
@@ -58,6 +60,26 @@ def check_window_store_fits(device: torch.device, fmt: KVFormat, *, num_layers: 
         f"need a window store of {need} bytes ({need / 2**30:.2f} GiB: {capacity} blocks x {num_layers} layers), "
         f"but {device} has {free} bytes ({free / 2**30:.2f} GiB) available; serve with smaller windows or fewer "
         "sequences (max_num_seqs)"))
+
+
+def decode_plan_for(fmt: KVFormat, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device | str, backend: str, whole_pages: bool):
+    """The `DecodePlan` the engine's decode steps in `fmt` run (`attention.decode_plan` on one-block stand-ins of
+    vLLM's layer cache, the model-dtype queries and windows), or None where `backend` resolves to the torch
+    reference (no Triton kernel). `whole_pages`: eager steps promise it, the static steps of CUDA graphs do not."""
+    device = torch.device(device)
+    if resolve_backend(backend, device) != "triton":
+        return None
+    layout = PackedLayout(fmt, head_dim)
+    one_block = torch.zeros(1, num_kv_heads, fmt.page_size, layout.bytes_per_token_head, dtype=torch.uint8,
+                            device=device)
+    pages = page_pools(one_block, layout)
+    if fmt.centered:
+        mean = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
+        pages = replace(pages, k_mean=mean, v_mean=mean)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    win = torch.zeros(1, num_kv_heads, 1, head_dim, dtype=dtype, device=device)
+    return attn_api.decode_plan(q, pages, attn_api.Windows(win, win), whole_pages=whole_pages)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,7 +302,7 @@ class OscarEngine:
     Args:
         artifact: validated `OscarArtifact` (rotations, clip ratios, group size, windows).
         fmt: the KV format served (default: the artifact's `kv_format`; the page size is vLLM's block size, the
-            rest must be the artifact's, windows aside for an identity artifact: `cache.check_served_format`).
+            rest must be the artifact's, windows aside for an identity artifact: `serving.check_served_format`).
         window_capacity: window blocks in the `WindowStore` (default `2 * max_seqs * window_blocks_per_request`).
         dtype: model dtype (the windows' dtype); backend: kernel backend ("auto" | "torch" | "triton").
     """
@@ -288,7 +310,7 @@ class OscarEngine:
     def __init__(self, artifact: OscarArtifact, *, max_seqs: int, dtype: torch.dtype,
                  fmt: KVFormat | None = None, window_capacity: int | None = None,
                  device: torch.device | str = "cpu", backend: str = "auto"):
-        artifact.validate()
+        artifact.ensure_valid()  # a loaded artifact was validated by its loader: not again
         self.quantizer = check_served_quantizer(artifact)
         self.fmt = check_served_format(artifact, fmt)
         p = self.fmt.page_size
@@ -318,6 +340,7 @@ class OscarEngine:
                                    self.device)
         self.stats = EngineStats()
         self._means_checked: set[int] = set()  # layers whose means were checked against a prefill's rows
+        self._page_records: dict[int, tuple[tuple, PagePools]] = {}  # layer -> (its vLLM cache, its PagePools)
         self.history_report = HistoryReport()  # the INFO line that says INT2 history was served
 
     # -- host bookkeeping --------------------------------------------------------------------------------
@@ -486,7 +509,7 @@ class OscarEngine:
                 runs its own kernel there (FlashAttention on CUDA). None: SDPA, as `OscarCache`'s prefill.
         """
         li = self.local_index(layer_idx)
-        pools = page_pools(kv_cache, self.packed)
+        pools = self._pages(li, kv_cache)
         win_k, win_v = self.windows.k[li], self.windows.v[li]
         t = plan.num_tokens
         k_rot = rotate_rows(k[:t], self.k_rotation[li]).to(self.dtype)
@@ -518,6 +541,17 @@ class OscarEngine:
                                            sm_scale).to(out.dtype)
         return out
 
+    def _pages(self, li: int, kv_cache: torch.Tensor) -> PagePools:
+        """Layer `li`'s `PagePools` over vLLM's layer cache (views, in the engine's format, with the layer's means),
+        built once per layer cache and kept: vLLM hands every step the same tensor (a new one after a reallocation
+        gets new views)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
+        kept = self._page_records.get(li)
+        if kept is None or kept[0] != key:
+            pages = replace(page_pools(kv_cache, self.packed), k_mean=self.k_mean[li], v_mean=self.v_mean[li])
+            kept = self._page_records[li] = (key, pages)
+        return kept[1]
+
     def _decode(self, li, plan: StepPlan, pools, win_k, win_v, q, sm_scale) -> torch.Tensor:
         """Decode queries `[Bd, H_q, d]` -> `[Bd, H_q, d]` fp32 (model basis), as `PagedKVCache.decode_attention`."""
         bd = q.shape[0]
@@ -534,10 +568,9 @@ class OscarEngine:
                                         validate=False)
         slots = plan.slot_ids if plan.slot_ids is not None else torch.arange(bd, dtype=torch.int32,
                                                                              device=q.device)
-        pages = replace(pools, k_mean=self.k_mean[li], v_mean=self.v_mean[li])
         batch = attn_api.BatchMetadata(block_table=plan.block_table, hist_len=plan.hist_len, slot_ids=slots,
                                        win_len=plan.win_len, whole_pages=plan.whole_pages)
-        o, _ = attn_api.decode_attention(q_rot, pages, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
+        o, _ = attn_api.decode_attention(q_rot, pools, batch, attn_api.Windows(kw, vw), sm_scale=sm_scale,
                                          backend=self.backend, v_rotation=self.v_rotation[li])
         return o
 
@@ -572,5 +605,5 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
     return o.transpose(0, 1)
 
 
-__all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan", "WindowStore",
-           "window_blocks_per_request"]
+__all__ = ["NULL_BLOCK", "EngineStats", "OscarEngine", "RequestStep", "SegmentIndex", "StaticStep", "StepPlan",
+           "WindowStore", "decode_plan_for", "window_blocks_per_request"]

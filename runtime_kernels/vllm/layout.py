@@ -70,13 +70,14 @@ class PackedLayout:
 
 def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
     """Views of a vLLM layer cache `[num_blocks, H, P, C]` (any dtype, C * itemsize = bytes_per_token_head) as the
-    decode kernels' `PagePools` (no copy; no means: the engine adds a centered layer's with `dataclasses.replace`).
+    decode kernels' `PagePools` in the layout's format (no copy; no means: the engine adds a centered layer's with
+    `dataclasses.replace`).
 
     Raises ValueError naming `kv_cache` when its shape or strides do not match the layout.
     """
     if kv_cache.dim() != 4:
         raise ValueError(f"kv_cache: expected [num_blocks, kv_heads, block_size, content], got {list(kv_cache.shape)}")
-    raw = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    raw = kv_cache.view(torch.uint8)  # the cells as bytes, whatever dtype vLLM allocated them in
     want = layout.bytes_per_token_head
     if raw.shape[-1] != want:
         raise ValueError(f"kv_cache: expected {want} bytes per (token, KV head) for head_dim={layout.head_dim}, "
@@ -91,7 +92,7 @@ def page_pools(kv_cache: torch.Tensor, layout: PackedLayout) -> PagePools:
     return PagePools(
         k_codes=raw[..., :c], v_codes=raw[..., c:2 * c],
         k_scale=sc[..., o:o + g], k_zero=sc[..., o + g:o + 2 * g],
-        v_scale=sc[..., o + 2 * g:o + 3 * g], v_zero=sc[..., o + 3 * g:o + 4 * g])
+        v_scale=sc[..., o + 2 * g:o + 3 * g], v_zero=sc[..., o + 3 * g:o + 4 * g], fmt=layout.fmt)
 
 
 __all__ = ["PackedLayout", "PagePools", "page_pools"]

@@ -37,6 +37,18 @@ def startup_line(source: str, model_id: str, int2_layers: list[int], n_layers: i
             f"tokens per request outside vLLM's budget; {gain:.2f}x the KV tokens per byte of KV cache")
 
 
+def decode_line(eager, static=None, backend: str = "auto", device: str = "cpu") -> str:
+    """What the INT2 layers' decode runs, and why: the `DecodePlan` of an eager step (`eager`; None: the torch
+    reference, no Triton kernel) and, where CUDA graphs replay static steps, theirs when it differs (`static`)."""
+    if eager is None:
+        return (f"OSCAR decode: torch reference kernels (kernel_backend '{backend}' on {device}; the Triton kernels "
+                "run on CUDA)")
+    line = f"OSCAR decode: Triton {eager.summary()}"
+    if static is not None and static != eager:
+        line += f"; CUDA-graph decode steps: {static.summary()}"
+    return line
+
+
 HISTORY_LINE = "OSCAR INT2 history served"
 
 

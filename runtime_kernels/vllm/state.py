@@ -21,10 +21,16 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from runtime_kernels.artifact import OscarArtifact, model_geometry
 from runtime_kernels.vllm.config import OscarServeConfig, load_checked_artifact, parse_oscar_config
-from runtime_kernels.vllm.engine import OscarEngine, RequestStep, StepPlan, window_blocks_per_request
+from runtime_kernels.vllm.engine import (
+    OscarEngine,
+    RequestStep,
+    StepPlan,
+    decode_plan_for,
+    window_blocks_per_request,
+)
 from runtime_kernels.vllm.layout import PackedLayout
 from runtime_kernels.vllm.plugin import KV_CACHE_DTYPE
-from runtime_kernels.vllm.report import LOGGER_NAME, past_fitted_context_line, startup_line
+from runtime_kernels.vllm.report import LOGGER_NAME, decode_line, past_fitted_context_line, startup_line
 
 logger = init_logger(LOGGER_NAME)  # a child of vLLM's `vllm` logger: printed at vLLM's level (report.py says why)
 
@@ -38,6 +44,7 @@ class PluginState:
         self.artifact: OscarArtifact | None = None
         self.engine: OscarEngine | None = None
         self.calibrated: frozenset[int] = frozenset()  # decoder layer indices with the INT2 cache
+        self._decode_line: str | None = None  # what decode runs and why (`decode_line`), computed once
 
     def update(self, vllm_config) -> None:
         """(Re)load for a new vLLM config (a new `LLM` in this process): parse, load, check; raise on mismatch."""
@@ -52,7 +59,7 @@ class PluginState:
             raise ValueError(f"kv_cache_dtype: additional_config.oscar stores the cache in INT2; expected 'auto' or "
                              f"'{KV_CACHE_DTYPE}', got '{cache_dtype}'")
         self.vllm_config, self.cfg, self.artifact, self.engine = vllm_config, cfg, None, None
-        self.calibrated = frozenset()
+        self.calibrated, self._decode_line = frozenset(), None
         if cfg is None:
             return
         model_config = vllm_config.model_config
@@ -80,6 +87,25 @@ class PluginState:
     def packed(self) -> PackedLayout:
         return PackedLayout(self.artifact.kv_format, self.artifact.head_dim)
 
+    def decode_line(self, block_size: int | None = None, device=None) -> str:
+        """What the INT2 layers' decode runs and why (`report.decode_line`: the kernel of an eager step and of the
+        static steps CUDA graphs replay), for vLLM's block size and device (default: its cache and device configs).
+        Computed once; the startup lines show it."""
+        if self._decode_line is None:
+            vc, art = self.vllm_config, self.artifact
+            block_size = block_size or getattr(vc.cache_config, "block_size", None)
+            device = torch.device(device or getattr(getattr(vc, "device_config", None), "device", None) or "cpu")
+            _, h_q, h_kv, d = model_geometry(vc.model_config.hf_config)
+            kw = dict(num_heads=h_q, num_kv_heads=h_kv, head_dim=d, dtype=vc.model_config.dtype, device=device,
+                      backend=self.cfg.kernel_backend)
+            # vLLM's blocks are the INT2 pages (as `engine_for` serves them); the artifact's own format until vLLM
+            # has sized its blocks
+            fmt = art.kv_format.with_(page_size=int(block_size) if block_size else None)
+            eager = decode_plan_for(fmt, whole_pages=True, **kw)
+            static = decode_plan_for(fmt, whole_pages=False, **kw) if device.type == "cuda" else None
+            self._decode_line = decode_line(eager, static, self.cfg.kernel_backend, device.type)
+        return self._decode_line
+
     def engine_for(self, vllm_config, block_size: int, device: torch.device) -> OscarEngine:
         if self.engine is None:
             art, cfg = self.artifact, self.cfg
@@ -90,6 +116,7 @@ class PluginState:
                                       window_capacity=capacity, device=device, backend=cfg.kernel_backend)
             logger.info("OSCAR window store: %d blocks of %d tokens, %.1f MiB (outside vLLM's KV budget)",
                         capacity, block_size, self.engine.windows.nbytes() / 2**20)
+            logger.info("%s (INT2 layers %s)", self.decode_line(block_size, device), sorted(self.calibrated))
         return self.engine
 
 

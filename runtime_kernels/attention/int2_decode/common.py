@@ -3,17 +3,8 @@ the stored scale/zero formats."""
 
 from __future__ import annotations
 
-import functools
-import os
-
 import triton
 import triton.language as tl
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter (TRITON_INTERPRET=1, read once: Triton itself reads it at import)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -19,18 +19,20 @@ import math
 import torch
 
 from runtime_kernels.attention import naive as attn_naive
-from runtime_kernels.format import DEFAULT_FORMAT, KVFormat
+from runtime_kernels.format import KVFormat
 from runtime_kernels.quant import naive as quant_naive
 
 
 def gather_history(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pages: torch.Tensor,
-                   length: int) -> torch.Tensor:
+                   length: int, fmt: KVFormat) -> torch.Tensor:
     """Dequantize one sequence's INT2 history.
 
     Args:
-        codes: `[num_pages, H, P, d // 4]` uint8 pool; scale, zero: `[num_pages, H, P, d // G]` fp16.
+        codes: `[num_pages, H, P, d // 4]` uint8 pool; scale, zero: `[num_pages, H, P, d // G]` stored as
+            `fmt.scale_format` says (fp16, or uint8 for ue5m3).
         pages: int `[n]` page ids of the sequence, in order (at least `ceil(length / P)` of them).
         length: number of history tokens.
+        fmt: the pools' format (its scale format decodes the scales).
     Returns:
         fp32 `[H, length, d]` in the rotated basis.
     """
@@ -41,9 +43,7 @@ def gather_history(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     c = codes[ids].permute(1, 0, 2, 3).reshape(codes.shape[1], n_pages * p, codes.shape[3])
     s = scale[ids].permute(1, 0, 2, 3).reshape(scale.shape[1], n_pages * p, scale.shape[3])
     z = zero[ids].permute(1, 0, 2, 3).reshape(zero.shape[1], n_pages * p, zero.shape[3])
-    # The pools' dtype still names their scale format here until PagePools carries its KVFormat (issue 52, serve-once).
-    return quant_naive.unpack_dequantize(c[:, :length], s[:, :length], z[:, :length], DEFAULT_FORMAT.with_(
-        scale_format="ue5m3" if s.dtype == torch.uint8 else "float16"))
+    return quant_naive.unpack_dequantize(c[:, :length], s[:, :length], z[:, :length], fmt)
 
 
 def _one_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +60,8 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
                               v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                               block_table: torch.Tensor, hist_len: torch.Tensor,
                               sm_scale: float | None = None, k_mean: torch.Tensor | None = None,
-                              v_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query per sequence over its paged INT2 history.
+                              v_mean: torch.Tensor | None = None, *, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query per sequence over its paged INT2 history, in the pools' format `fmt`.
 
     Args:
         q: `[B, H_q, d]` queries, already rotated by R_K.
@@ -78,8 +78,8 @@ def int2_decode_attention_ref(q: torch.Tensor, k_codes: torch.Tensor, k_scale: t
     outs, lses = [], []
     for i in range(b):
         n = int(hist_len[i])
-        k = gather_history(k_codes, k_scale, k_zero, block_table[i], n)
-        v = gather_history(v_codes, v_scale, v_zero, block_table[i], n)
+        k = gather_history(k_codes, k_scale, k_zero, block_table[i], n, fmt)
+        v = gather_history(v_codes, v_scale, v_zero, block_table[i], n, fmt)
         if k_mean is not None:
             k = k + k_mean.float()[:, None, :]
             v = v + v_mean.float()[:, None, :]
@@ -149,8 +149,8 @@ def write_pages_ref(x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: 
     """Quantize `x [T, H, d]` as `fmt` encodes the history and scatter token t into `pool[page_ids[t], :, rows[t]]`
     (in place).
 
-    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` fp16 (or uint8: ue5m3);
-    page_ids, rows: int `[T]`.
+    Pools: codes `[num_pages, H, P, d // 4]` uint8, scale/zero `[num_pages, H, P, d // G]` stored as `scale_format`
+    says (fp16, or uint8 for ue5m3); page_ids, rows: int `[T]`.
     """
     packed, scale, zero = quantize_pack_ref(x, rotation, clip_ratio, fmt, mean)
     p, r = page_ids.long(), rows.long()

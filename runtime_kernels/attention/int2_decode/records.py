@@ -16,18 +16,25 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime_kernels.format import KVFormat
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class PagePools:
-    """One layer's INT2 history pools (views are fine: `runtime_kernels.vllm.layout.page_pools` slices one buffer).
+    """One layer's INT2 history pools, and the format they hold (views are fine: `runtime_kernels.vllm.layout.page_pools`
+    slices one buffer). Built once per layer by their owner (`PagedKVCache` when it allocates or grows its pools, the
+    vLLM engine per layer cache) and passed as is to every decode call.
 
     - k_codes, v_codes: uint8 `[num_pages, H, P, d // 4]` (quarter-split packing).
-    - k_scale, k_zero, v_scale, v_zero: `[num_pages, H, P, d // G]`, fp16 all four or uint8 all four (ue5m3 scale
-      codes and zero points in 1/64 code): the dtype is the scale format. With one group per row, the four may be
+    - k_scale, k_zero, v_scale, v_zero: `[num_pages, H, P, d // G]`, stored as `fmt.scale_format` says: fp16 all four,
+      or uint8 all four for ue5m3 (scale codes and zero points in 1/64 code). With one group per row, the four may be
       the quarters of one `[num_pages, H, P, 4]` buffer (`pools.alloc_quad_pools`, what the cache allocates), or V
       scale and zero the two halves of one `[num_pages, H, P, 2]` buffer (`pools.alloc_paired_v_pools`).
     - k_mean, v_mean: `[H, d]` means of a centered cache in the rotated basis (the pages hold quant(x - mean)), or
       None for both (uncentered).
+    - fmt: the `KVFormat` of the pages: its scale format and centering are the decode mode the launcher plans with
+      (`plan_decode` reads them here, never from tensor dtypes); `attention.decode_attention` checks that the pools
+      are what it says (page size, groups, scale storage, means).
     """
 
     k_codes: torch.Tensor
@@ -36,18 +43,19 @@ class PagePools:
     k_zero: torch.Tensor
     v_scale: torch.Tensor
     v_zero: torch.Tensor
+    fmt: KVFormat
     k_mean: torch.Tensor | None = None
     v_mean: torch.Tensor | None = None
 
     @property
     def centered(self) -> bool:
-        """The pages hold x - mean (decode adds the means back)."""
-        return self.k_mean is not None
+        """The pages hold x - mean (decode adds the means back): the format's centering."""
+        return self.fmt.centered
 
     @property
     def scale_format(self) -> str:
-        """"ue5m3" (uint8 pools) or "float16"."""
-        return "ue5m3" if self.k_scale.dtype == torch.uint8 else "float16"
+        """The format's scale format ("float16" or "ue5m3")."""
+        return self.fmt.scale_format
 
     @property
     def kv_heads(self) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _softmax_finish, interpreting
-from runtime_kernels.launch_util import next_pow2
+from runtime_kernels.attention.int2_decode.common import _chunk_bounds, _dot, _softmax_finish
+from runtime_kernels.launch_util import interpreting, next_pow2
 
 
 @triton.jit(do_not_specialize=["split_offset"])
