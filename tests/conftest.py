@@ -37,8 +37,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch):
-    """Tests never touch the real Hub: offline mode unless a test points the client at its own server."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
+    """Tests never touch the real Hub: offline mode unless a test points the client at its own server.
+    huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported, so its constant is set too: otherwise a
+    test's outcome would depend on whether an earlier module imported it (at collection, before this fixture set
+    the variable) or a test did."""
+    import huggingface_hub.constants as constants
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline.upper() in constants.ENV_VARS_TRUE_VALUES)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     yield
 
