@@ -91,6 +91,11 @@ SLOW_TESTS = (
     "tests/vllm/test_engine.py::test_ragged_steps_match_paged_cache",  # 8 cases, 3-5 s each
     # whole files: each of their fast tests calibrates, evaluates or compiles
     "tests/test_real_model.py",  # 360 + 137 + 25 s: a slice of SmolLM2-135M (skipped where it is not fetched)
+    # a slice of Gemma3-270M (skipped where it is not fetched): 28 + 8 + 7 + 3 s; its checks that need no model stay
+    "tests/test_real_gemma3.py::test_calibrated_slice_serves_through_oscar_cache_with_sliding_layers_in_their_own_cache",
+    "tests/test_real_gemma3.py::test_the_evaluators_bf16_equals_plain_sdpa_past_the_sliding_window",
+    "tests/test_real_gemma3.py::test_converted_model_is_gemma3_and_the_slice_is_its_first_layers",
+    "tests/test_real_gemma3.py::test_the_study_refuses_a_tokenizer_that_tokenizes_otherwise_than_at_conversion",
     "tests/test_probes.py",  # 348 + 122 + 111 + 93 s: passkey and verbatim probes through eval and the runtime
     "tests/test_kernel_compiles_sm90.py",  # 73-90 s each: compiles the decode kernels for sm_90 on the CPU
     "tests/test_decode_plan.py::test_the_shipped_format_takes_the_whole_page_loop_in_a_compiled_launch",  # 266 s
