@@ -88,6 +88,7 @@ OPTIONAL_V2_METADATA = (RECORD_KEY,)
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 1024
+MAX_IDENTITY_CHARS = 1024  # model_id / model_revision: a Hub id, a local path or a commit; never a document
 MAX_METADATA_VALUE_CHARS = 1 << 18  # the calibration recipe JSON is a few KB
 # Centering means, bounded by what serving decodes (checked per (layer, KV head), as the L2 norm of the mean, which is
 # the same in every basis):
@@ -264,6 +265,17 @@ def _choice(metadata: dict[str, str], key: str, source: str, choices) -> str:
     return value
 
 
+def _identity_text(value: str, key: str, source: str) -> None:
+    """The model an artifact names is printed in messages and compared with the served model's id or path: it must be
+    one printable line (a Hub id, a local path or a revision), not empty and not a document. Raises ArtifactError."""
+    if not value or len(value) > MAX_IDENTITY_CHARS:
+        fail(source, key, f"expected a Hub id, path or revision of 1 to {MAX_IDENTITY_CHARS} characters, got "
+                          f"{len(value)} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        fail(source, key, f"control characters are not allowed (an id, path or revision is one printable line), got "
+                          f"{_short(value)}")
+
+
 def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
     """Validate `__metadata__` against contract v1 or v2 and return its typed view. Raises ArtifactError."""
     if not isinstance(metadata, dict):
@@ -292,6 +304,8 @@ def parse_metadata(metadata: dict[str, str], source: str) -> ContractMetadata:
         if extra_v2:
             fail(source, extra_v2[0], "is a contract v2 field but schema_version is 1")
         metadata = {**metadata, **V1_DEFAULTS}
+    for key in ("model_id", "model_revision"):
+        _identity_text(metadata[key], key, source)
     if metadata["bits"] != "2":
         fail(source, "bits", f"expected '2', got {_short(metadata['bits'])}")
     h_q = _bounded_int(metadata, "num_attention_heads", source, 1, MAX_HEADS)

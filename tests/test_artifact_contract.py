@@ -133,6 +133,10 @@ def _refused(tmp_path: Path, tensors: dict, meta: dict, field: str, *expected: s
     ("calibration", '{"seed": 1, "seed": 2}', "duplicate key"),
     ("calibration", '{"x": NaN}', "NaN"),
     ("bits", "4", "expected '2'"),
+    ("model_id", "", "1 to 1024 characters, got 0"),
+    ("model_id", "org/model\x1b[2J", "control characters"),  # a terminal escape never reaches a message raw
+    ("model_id", "a" * 1025, "got 1025 characters"),
+    ("model_revision", "main\nrevision: forged", "control characters"),
 ])
 def test_metadata_out_of_contract_is_refused(tmp_path, key, value, expected):
     art = v2_artifact()
