@@ -39,9 +39,17 @@ _FORMAT_KEYS = {"sink_tokens", "recent_tokens", "page_size", "group_size", "scal
 def solver_settings(**flat):
     """SolverSettings from a flat mapping of its own fields and KVFormat's (`scale_format`, `quantizer`, `centered`,
     the windows ...): the studies' variants stay one dict each. A `kv_format` entry (an artifact's recorded solver)
-    is the base the flat format fields change."""
+    is the base the flat format fields change; an older artifact's flat `scale_dtype` / `center_keys` /
+    `center_values` are read as the format's fields."""
     from oscar_calib.config import SolverSettings
 
+    if "scale_dtype" in flat:  # an artifact calibrated before SolverSettings held one kv_format recorded these
+        flat["scale_format"] = flat.pop("scale_dtype")
+    sides = {flat.pop(k) for k in ("center_keys", "center_values") if k in flat}
+    if sides:
+        if len(sides) > 1:
+            raise SystemExit("an artifact that centers only keys or only values has no KVFormat (centered is both)")
+        flat["centered"] = sides.pop()
     fmt = {k: flat.pop(k) for k in list(flat) if k in _FORMAT_KEYS}
     base = flat.pop("kv_format", None) or {}
     return SolverSettings(**flat, kv_format={**dict(base), **fmt})
