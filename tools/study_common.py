@@ -32,8 +32,6 @@ def load_fixture(path: Path):
     return tok, model, device, dtype
 
 
-# The studies name their variants by flat overrides; the format's fields among them go into SolverSettings.kv_format.
-_FORMAT_KEYS = {"sink_tokens", "recent_tokens", "page_size", "group_size", "scale_format", "quantizer", "centered"}
 
 
 def solver_settings(**flat):
@@ -41,7 +39,10 @@ def solver_settings(**flat):
     the windows ...): the studies' variants stay one dict each. A `kv_format` entry (an artifact's recorded solver)
     is the base the flat format fields change; an older artifact's flat `scale_dtype` / `center_keys` /
     `center_values` are read as the format's fields."""
+    from dataclasses import fields
+
     from oscar_calib.config import SolverSettings
+    from runtime_kernels.format import KVFormat
 
     if "scale_dtype" in flat:  # an artifact calibrated before SolverSettings held one kv_format recorded these
         flat["scale_format"] = flat.pop("scale_dtype")
@@ -50,6 +51,6 @@ def solver_settings(**flat):
         if len(sides) > 1:
             raise SystemExit("an artifact that centers only keys or only values has no KVFormat (centered is both)")
         flat["centered"] = sides.pop()
-    fmt = {k: flat.pop(k) for k in list(flat) if k in _FORMAT_KEYS}
+    fmt = {k: flat.pop(k) for k in list(flat) if k in {f.name for f in fields(KVFormat)}}
     base = flat.pop("kv_format", None) or {}
     return SolverSettings(**flat, kv_format={**dict(base), **fmt})
