@@ -107,24 +107,14 @@ def run(
     demo = model is None
     check_model_ref(model)  # before anything loads: a missing path (2), an unreachable Hub (5), no `datasets` (7)
     check_dataset_ref(dataset)
-    try:
-        config = CalibrationConfig(
-            model=model,
-            model_revision=revision,
-            data=DataConfig(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config,
-                            split=split, text_column=text_column,
-                            samples=_default_samples(demo) if samples is None else samples,
-                            seq_len=2048 if seq_len is None else seq_len, holdout_len=holdout_len, seed=seed, chat_template=chat_template),
-            solver=settings,
-            device=device, dtype=dtype, batch_size=batch_size, device_map=device_map,
-            max_memory=parse_max_memory(max_memory), trust_remote_code=trust_remote_code,
-        )
-    except ValidationError as exc:
-        raise InputError(validation_message(exc)) from exc
-    if out is None:
-        if not demo:
-            raise InputError("--out is required with --model (the artifact directory to create)")
-        out = Path("zoo/demo")
+    data = dict(dataset=dataset, dataset_revision=dataset_revision, dataset_config=dataset_config, split=split,
+                text_column=text_column, samples=_default_samples(demo) if samples is None else samples,
+                seq_len=2048 if seq_len is None else seq_len, holdout_len=holdout_len, seed=seed,
+                chat_template=chat_template)
+    config = _config(model=model, model_revision=revision, data=data, solver=settings, device=device, dtype=dtype,
+                     batch_size=batch_size, device_map=device_map, max_memory=parse_max_memory(max_memory),
+                     trust_remote_code=trust_remote_code)
+    out = _out_dir(out, demo)
     options = RunOptions(checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
                          shard=_shard(shard), offload_folder=offload_folder)
     if _calibrate(output, config, out, overwrite, options) is None:  # ranks > 0 of a data-parallel run write nothing
@@ -134,6 +124,23 @@ def run(
     else:
         output.note(written_summary(Path(out), model))
         output.result(out)
+
+
+def _config(*, data: dict, **fields) -> CalibrationConfig:
+    """The run's CalibrationConfig from the flags; a value pydantic refuses is a one-line InputError naming its flag."""
+    try:
+        return CalibrationConfig(data=DataConfig(**data), **fields)
+    except ValidationError as exc:
+        raise InputError(validation_message(exc)) from exc
+
+
+def _out_dir(out: Optional[Path], demo: bool) -> Path:
+    """--out, which only the demo may leave out (it writes zoo/demo)."""
+    if out is not None:
+        return out
+    if not demo:
+        raise InputError("--out is required with --model (the artifact directory to create)")
+    return Path("zoo/demo")
 
 
 def _calibrate(output: Output, config, out: Path, overwrite: bool, options):
