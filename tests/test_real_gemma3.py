@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from real_model_helpers import real_model_tool
+from real_model_helpers import fetched_slice, real_model_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "oscar_calib" / "fixtures" / "tiny-qwen3"  # its Python-source texts: calibration and held out
@@ -34,13 +34,7 @@ def _tool():
 @pytest.fixture(scope="module")
 def gemma3():
     """(tool module, full model dir, sliced model dir): fetched and converted once, cached across runs."""
-    rm = _tool()
-    try:
-        full = rm.ensure_model(rm.default_dir(rm.GEMMA3), rm.GEMMA3)
-        sliced = rm.write_slice(full, LAYERS, spec=rm.GEMMA3)
-    except (rm.FetchError, rm.MissingDependencyError) as exc:
-        pytest.skip(f"Gemma3-270M is not available here: {exc}")
-    return rm, full, sliced
+    return fetched_slice("GEMMA3", LAYERS)
 
 
 def _load(path: Path, attn: str | None = None):
