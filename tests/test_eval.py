@@ -144,6 +144,28 @@ def test_bf16_method_equals_plain_model_perplexity(model):
     assert session.layers == {}  # nothing quantized, nothing to report
 
 
+def test_slices_of_query_rows_and_of_the_head_change_no_number(model, monkeypatch):
+    """Long windows are scored in slices (query rows of the attention, positions of the output head): the NLL and the
+    layer statistics equal those of one slice, and the head really runs once per slice."""
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+    method, fmt = RowwiseInt2("int2", fmt=PAPER), _fmt(4, 8)
+    whole, whole_session = ev.method_nll(model, method, ids, fmt)
+    monkeypatch.setattr(ev, "SCORE_ELEMENTS", 2 * 4 * 70 * 9)  # 9 query rows per slice (batch 2, 4 query heads)
+    monkeypatch.setattr(ev, "LOGIT_CHUNK", 16)
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: calls.append(out.shape[1]))
+    try:
+        sliced, sliced_session = ev.method_nll(model, method, ids, fmt, batch_size=2)
+    finally:
+        hook.remove()
+    assert calls == [16, 16, 16, 16, 5]  # 69 scored positions
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-5)
+    for layer, st in whole_session.layers.items():
+        assert sliced_session.layers[layer].queries == st.queries
+        assert sliced_session.layers[layer].kl_sum == pytest.approx(st.kl_sum, rel=1e-5)
+        assert sliced_session.layers[layer].err_num == pytest.approx(st.err_num, rel=1e-5)
+
+
 def test_layer_statistics_match_direct_formulas():
     torch.manual_seed(3)
     b, h_kv, g, t, d = 1, 2, 2, 24, 16

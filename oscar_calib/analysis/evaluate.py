@@ -35,6 +35,11 @@ from runtime_kernels.format import KVFormat
 
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
+SCORE_ELEMENTS = 1 << 28  # attention scores per slice of query rows (1 GiB of fp32)
+LOGIT_CHUNK = 2048  # positions per slice of the output head: Gemma 3's 262k vocabulary is 8.6 GB of fp32 logits at 8K
+# Causal LMs whose forward is `lm_head(decoder(ids))` (then at most config.final_logit_softcapping): their logits may
+# be formed a slice of positions at a time. Others (logit scales, extra heads) take the plain forward.
+SLICED_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3"})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,14 +143,24 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
     if quantize and t != s:
         raise InputError("oscar_eval attention: teacher-forced evaluation runs without a KV cache "
                          f"(got {t} queries over {s} keys); call the model with use_cache=False")
-    if not quantize:
-        out, _, _ = mixed_attention(q, key.float(), value.float(), None, None, None, allowed, scale)
-    else:
+    k32, v32 = key.float(), value.float()
+    k_hat = v_hat = exact = None
+    if quantize:
         k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.fmt)
         exact = session.mask(t, query.device)
-        out, scores, ref_scores = mixed_attention(q, key.float(), value.float(), k_hat, v_hat, exact, allowed, scale)
-        if session.collect_stats:
-            _accumulate(session, layer, scores, ref_scores, out, value.float(), exact, allowed)
+    # Softmax is per query row, so rows can go in slices: a slice's score tensors stay near SCORE_ELEMENTS
+    # (Gemma 3 at 16K would otherwise hold several [4, 16K, 16K] fp32 tensors at once).
+    rows = max(1, SCORE_ELEMENTS // (b * h_q * s))
+    outs = []
+    for a in range(0, t, rows):
+        z = slice(a, min(a + rows, t))
+        part = allowed[..., z, :]  # [B?, 1, 1, rows, S]
+        out, scores, ref_scores = mixed_attention(q[..., z, :], k32, v32, k_hat, v_hat,
+                                                  None if exact is None else exact[z], part, scale)
+        if quantize and session.collect_stats:
+            _accumulate(session, layer, scores, ref_scores, out, v32, exact[z], part)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
     return out.reshape(b, h_q, t, d).transpose(1, 2).contiguous().to(query.dtype), None
 
 
@@ -234,10 +249,25 @@ def make_windows(tokenizer, documents: list[str], context: int, max_windows: int
 # ----------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token negative log-likelihood `[B, T-1]` (fp32) of `input_ids [B, T]`, without a KV cache."""
-    logits = model(input_ids=input_ids, use_cache=False).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    """Next-token negative log-likelihood `[B, T-1]` (fp32) of `input_ids [B, T]`, without a KV cache.
+
+    For the architectures of `SLICED_HEAD_MODELS` the decoder runs once and the output head `LOGIT_CHUNK` positions at
+    a time, so the fp32 logits of a long window never exist at once; the numbers are those of the plain forward."""
+    if getattr(model.config, "model_type", None) not in SLICED_HEAD_MODELS:
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, hidden]
+    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+    parts = []
+    for a in range(0, input_ids.shape[1] - 1, LOGIT_CHUNK):
+        z = slice(a, min(a + LOGIT_CHUNK, input_ids.shape[1] - 1))
+        logits = head(hidden[:, z])
+        if cap is not None:  # as the model's forward does, in its dtype
+            logits = torch.tanh(logits / cap) * cap
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        parts.append(-logp.gather(-1, input_ids[:, z.start + 1:z.stop + 1, None]).squeeze(-1))
+    return torch.cat(parts, dim=1)
 
 
 @torch.no_grad()
