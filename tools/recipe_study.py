@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which recipe holds at a real model's own context: every component of the default measured alone and together.
 
-For one model and two texts (calibration, held-out of another source), this calibrates the recipe's variants from
+For one model, a calibration text and one or more held-out texts of other sources, this calibrates the recipe's variants from
 shared captures and evaluates each, in the recipe's layout (ue5m3 scales, 128/1024 BF16 windows, 64-token pages:
 every row costs the same bits), at every `--contexts` length on the same held-out windows:
 - perplexity (teacher-forced, the decoder's three segments), its change against BF16 and against the centered
@@ -19,13 +19,19 @@ against global clips, per head against per layer, centering, the capture dtype, 
     python3 tools/recipe_study.py --model ~/.cache/oscar-calib/smollm2-135m --calib calib.txt --heldout heldout.txt \
         --contexts 2048,4096,8192 --windows 16 --needles 32 --out OUT
 
-Writes `recipe_study_<model>.json` (every per-window NLL, fits, versions, device, commit, command) and `.md`.
+The peers (OSCAR per head and per layer with global clips, Hadamard) are calibrated from the study's own capture,
+with every key rotated by OSCAR's own matrix (no Hadamard keys). `--recipe` adds candidate defaults calibrated from
+the same capture; `--heldout` may repeat (the captures and calibrations are shared).
+
+Writes `recipe_study_<model>.json` (every per-window NLL, fits, versions, device, commit, command) and `.md`, in
+`OUT/NAME/` per held-out text when there are several.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,11 +113,31 @@ def parse_layer_set(spec: str) -> tuple[str, list[int]]:
     return spec, sorted(layers)
 
 
+def parse_recipe(spec: str) -> tuple[str, dict]:
+    """'per layer=granularity=layer,hadamard_key_mass=0.2' -> ('per layer', {'granularity': 'layer',
+    'hadamard_key_mass': 0.2}); values are read as JSON where they parse (numbers, true/false), else kept as text."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name:
+        raise ValueError(f"expected NAME=FIELD=VALUE[,FIELD=VALUE], got {spec!r}")
+    fields = {}
+    for part in filter(None, rest.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"expected FIELD=VALUE, got {part!r} in {spec!r}")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key.strip()] = value.strip()
+    return name, fields
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--calib", type=Path, required=True)
-    p.add_argument("--heldout", type=Path, required=True)
+    p.add_argument("--heldout", action="append", required=True, metavar="[NAME=]PATH",
+                   help="held-out text (repeat for several: one results folder OUT/NAME each, NAME defaulting to the "
+                        "file's stem; the captures and calibrations are shared, the probes read the first one)")
     p.add_argument("--contexts", default="2048,4096,8192")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--needles", type=int, default=32)
@@ -120,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sink", type=int, default=SINK_DEFAULT)
     p.add_argument("--recent", type=int, default=RECENT_DEFAULT)
     p.add_argument("--artifact", action="append", default=[], metavar="NAME=DIR",
-                   help="also evaluate this artifact (e.g. one written by `oscar-calib run`); with --no-variants the "
-                        "peers' rotations and means come from the first one")
+                   help="also evaluate this artifact (e.g. one written by `oscar-calib run`); the peers are calibrated "
+                        "from the study's own capture")
     p.add_argument("--no-variants", action="store_true", help="skip the variant grid: peers and --artifact rows only")
     p.add_argument("--multikey", type=int, default=4, metavar="K",
                    help="needles per window of the multi-key probe (0: no multi-key probe)")
@@ -146,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(each held-out query weighted by its attention mass on INT2 keys, by its squared mass, a 50/50 "
                         "blend of the mass target with the artifact's own, or uniformly: the control) and key clips "
                         "fitted for it")
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME=FIELD=VALUE[,FIELD=VALUE]",
+                   help="a row calibrated from the study's capture by the product's default solver settings with "
+                        "these fields changed (SolverSettings or KVFormat fields, e.g. 'per layer=granularity=layer', "
+                        "'no hadamard keys=hadamard_key_mass=1'; 'defaults=' changes none): candidate defaults side by "
+                        "side, all from one capture")
     p.add_argument("--needle-seed", type=int, default=0, help="seed of the passkey keys (0: the tables' needles)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -153,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             or args.key_gain or args.window_aware_keys) and not args.artifact:
         p.error("--floors, --ceilings, --mixed, --hadamard-key-layers, --key-gain and "
                 "--window-aware-keys change the first --artifact's tables: give --artifact NAME=DIR")
+    heldout_specs = []
+    for spec in args.heldout:
+        name, sep, path = spec.partition("=")
+        heldout_specs.append((name, Path(path)) if sep else (Path(spec).stem, Path(spec)))
+    if len({n for n, _ in heldout_specs}) != len(heldout_specs):
+        p.error(f"--heldout: two texts share a name ({', '.join(n for n, _ in heldout_specs)}); name them NAME=PATH")
+    try:
+        recipes = [parse_recipe(spec) for spec in args.recipe]
+    except ValueError as exc:
+        p.error(f"--recipe: {exc}")
     try:
         key_layer_sets = [parse_layer_set(part) for part in filter(None, args.hadamard_key_layers.split(";"))]
     except ValueError:
@@ -228,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         model.config.hidden_size // model.config.num_attention_heads)
 
     cal = token_stream(tok, args.calib)
-    held = token_stream(tok, args.heldout)
-    log(f"calibration text {cal.numel():,} tokens, held-out text {held.numel():,} tokens")
+    helds = [(name, token_stream(tok, path)) for name, path in heldout_specs]
+    log(f"calibration text {cal.numel():,} tokens, held-out " + ", ".join(f"{n} {h.numel():,}" for n, h in helds))
     n_stats_long = max(1, args.samples * args.stats_len // long_ctx)
     stats_short = chunks(cal, args.stats_len, args.samples)  # as `run`: N sequences of --seq-len ...
     fit_short = cal[args.samples * args.stats_len:(args.samples + 1) * args.stats_len][None]  # ... + one held out
@@ -250,13 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_variants:
         capture("stats2k/fit2k", stats_short, fit_short)
-    if args.no_variants and device == "cuda":  # the peers' means and fitted Hadamard clips: captured as `run` does
-        model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-        capture("stats2k/fitlong", stats_short, fit_long, m=model32)
-        del model32
-        torch.cuda.empty_cache()
-    else:
-        capture("stats2k/fitlong", stats_short, fit_long)
+    capture("stats2k/fitlong", stats_short, fit_long)  # as `run` captures: the model's dtype (bf16 on a GPU)
     if not args.no_variants:
         capture("statslong/fitlong", stats_long, fit_long)
     if device == "cuda" and not args.no_variants:  # the capture dtype: the same data captured by an fp32 copy of the model
@@ -282,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.artifact:
         name, _, path = spec.partition("=")
         external[name] = read_artifact(Path(path) / "oscar_kv.safetensors")
-    calibrate("fitlong min-max", "stats2k/fitlong", quantizer="uniform_minmax")
-    calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer")
-    if args.no_variants:
-        arts["fitlong min-max"] = next(iter(external.values()), arts["fitlong min-max"])  # the peers' source
-    else:
+    # The peers' source: OSCAR itself, every key rotated by its own attention-aware matrix (no Hadamard keys).
+    calibrate("fitlong min-max", "stats2k/fitlong", quantizer="uniform_minmax", hadamard_key_mass=1.0)
+    calibrate("fitlong min-max, per layer", "stats2k/fitlong", quantizer="uniform_minmax", granularity="layer",
+              hadamard_key_mass=1.0)
+    if not args.no_variants:
         calibrate("default (shipped)", "stats2k/fit2k", quantizer="uniform_unbiased")
         calibrate("fit2k min-max", "stats2k/fit2k", quantizer="uniform_minmax")
         calibrate("fitlong unbiased", "stats2k/fitlong", quantizer="uniform_unbiased")
@@ -296,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         calibrate("statslong fitlong unbiased", "statslong/fitlong", quantizer="uniform_unbiased")
         if "fp32 stats2k/fitlong" in caps:
             calibrate("fitlong min-max, fp32 capture", "fp32 stats2k/fitlong", quantizer="uniform_minmax")
+    for name, fields in recipes:  # candidate defaults: the product's solver settings, these fields changed
+        calibrate(name, "stats2k/fitlong", **fields)
     arts.update(external)
 
     methods: list[KVMethod] = [KVMethod()]
@@ -446,72 +483,79 @@ def main(argv: list[str] | None = None) -> int:
             add(f"{first}, window-aware keys ({label})", tabs, arts[first].quantizer)
     log(f"{len(methods)} caches ready in {time.perf_counter() - t0:.1f}s")
     if args.only:
-        keep = {"bf16", BASELINE, *args.only.split(";")}
+        keep = {"bf16", BASELINE, *args.only.split(";"), *(name for name, _ in recipes)}
         methods = [m for m in methods if m.name in keep]
 
-    result = {"model": str(args.model), "contexts": {}, "fits": fits, "sink": SINK, "recent": RECENT, "page": PAGE,
-              "scale_format": "ue5m3", "head_dim": head_dim,
-              "bits_per_element": {"128k": fmt.bits_per_element(131072, head_dim),
-                                   **{str(c): fmt.bits_per_element(c, head_dim) for c in contexts}}}
-    stem = f"recipe_study_{args.model.name}"
+    def study(heldout: Path, held: torch.Tensor, out_dir: Path, needles: int) -> None:
+        """Every row on `held`'s windows at every context; with `needles`, the probes at the longest."""
+        result = {"model": str(args.model), "calib": str(args.calib), "heldout": str(heldout), "contexts": {}, "fits": fits, "sink": SINK, "recent": RECENT, "page": PAGE,
+                  "scale_format": "ue5m3", "head_dim": head_dim,
+                  "bits_per_element": {"128k": fmt.bits_per_element(131072, head_dim),
+                                       **{str(c): fmt.bits_per_element(c, head_dim) for c in contexts}}}
+        stem = f"recipe_study_{args.model.name}"
 
-    def save() -> None:  # after every row, so a run stopped by a time limit keeps what it measured
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        def save() -> None:  # after every row, so a run stopped by a time limit keeps what it measured
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
 
-    bits_128k = {m.name: m.effective_bits(131072, head_dim, fmt) for m in methods}
-    for ctx in contexts:
-        windows = chunks(held, ctx, args.windows)
-        rows = {}
-        for m in methods:
-            t = time.perf_counter()
-            nll, _ = method_nll(model, m, windows, fmt, 1, collect_stats=False)
-            rows[m.name] = nll.double().mean(dim=1)
-            log(f"{ctx}: {m.name}: ppl {float(torch.exp(rows[m.name].mean())):.4f} ({time.perf_counter() - t:.1f}s)")
-        out = []
-        for name, w in rows.items():
-            d, lo, hi = paired_pct_ci(w, rows["bf16"])
-            b, blo, bhi = paired_pct_ci(w, rows[BASELINE]) if BASELINE in rows else (float("nan"),) * 3
-            out.append({"name": name, "ppl": float(torch.exp(w.mean())), "delta_vs_bf16_pct": d,
-                        "bits_128k": bits_128k[name],
-                        "ci95_vs_bf16": [lo, hi], "delta_vs_baseline_pct": b, "ci95_vs_baseline": [blo, bhi],
-                        "window_nll": w.tolist()})
-        result["contexts"][str(ctx)] = {"windows": args.windows, "tokens_scored": args.windows * (ctx - 1),
-                                        "methods": out}
-        save()
-        if ctx == long_ctx and args.needles:
-            lo_d, hi_d = (SINK + 16) / ctx, 1.0 - (RECENT + 64) / ctx
-            depths = [lo_d + (hi_d - lo_d) * i / max(args.needles - 1, 1) for i in range(args.needles)]
-            spare = held.numel() // ctx - args.windows  # windows the perplexity rows did not read
-            filler = (chunks(held, ctx, args.needles, from_end=True) if spare >= args.needles
-                      else windows[torch.arange(args.needles) % windows.shape[0]])
-            batch = passkey_batch(tok, filler, depths, seed=args.needle_seed)
-            pk = {}
-            result["passkey"] = {"context": ctx, "needles": args.needles, "depth_range": [lo_d, hi_d],
-                                 "needle_seed": args.needle_seed, "scores": pk}
-            chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
-            probed = [m for m in methods if chosen is None or m.name in chosen or m.name == "bf16"]
-            for m in probed:
-                pk[m.name] = passkey_scores(model, m, batch, fmt)
-                log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
-                save()
-            if args.multikey:
-                mk_batch = multikey_batch(tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)
-                mk = {}
-                result["multikey"] = {"context": ctx, "windows": args.needles, "keys": args.multikey,
-                                      "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mk}
+        bits_128k = {m.name: m.effective_bits(131072, head_dim, fmt) for m in methods}
+        for ctx in contexts:
+            windows = chunks(held, ctx, args.windows)
+            rows = {}
+            for m in methods:
+                t = time.perf_counter()
+                nll, _ = method_nll(model, m, windows, fmt, 1, collect_stats=False)
+                rows[m.name] = nll.double().mean(dim=1)
+                log(f"{ctx}: {m.name}: ppl {float(torch.exp(rows[m.name].mean())):.4f} ({time.perf_counter() - t:.1f}s)")
+            out = []
+            for name, w in rows.items():
+                d, lo, hi = paired_pct_ci(w, rows["bf16"])
+                b, blo, bhi = paired_pct_ci(w, rows[BASELINE]) if BASELINE in rows else (float("nan"),) * 3
+                out.append({"name": name, "ppl": float(torch.exp(w.mean())), "delta_vs_bf16_pct": d,
+                            "bits_128k": bits_128k[name],
+                            "ci95_vs_bf16": [lo, hi], "delta_vs_baseline_pct": b, "ci95_vs_baseline": [blo, bhi],
+                            "window_nll": w.tolist()})
+            result["contexts"][str(ctx)] = {"windows": args.windows, "tokens_scored": args.windows * (ctx - 1),
+                                            "methods": out}
+            save()
+            if ctx == long_ctx and needles:
+                lo_d, hi_d = (SINK + 16) / ctx, 1.0 - (RECENT + 64) / ctx
+                depths = [lo_d + (hi_d - lo_d) * i / max(needles - 1, 1) for i in range(needles)]
+                spare = held.numel() // ctx - args.windows  # windows the perplexity rows did not read
+                filler = (chunks(held, ctx, needles, from_end=True) if spare >= needles
+                          else windows[torch.arange(needles) % windows.shape[0]])
+                batch = passkey_batch(tok, filler, depths, seed=args.needle_seed)
+                pk = {}
+                result["passkey"] = {"context": ctx, "needles": needles, "depth_range": [lo_d, hi_d],
+                                     "needle_seed": args.needle_seed, "scores": pk}
+                chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
+                probed = [m for m in methods if chosen is None or m.name in chosen or m.name == "bf16"]
                 for m in probed:
-                    mk[m.name] = passkey_scores(model, m, mk_batch, fmt)
-                    log(f"multi-key {ctx}: {m.name}: {100 * mk[m.name]['key_token_accuracy']:.1f}%")
+                    pk[m.name] = passkey_scores(model, m, batch, fmt)
+                    log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
                     save()
+                if args.multikey:
+                    mk_batch = multikey_batch(tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)
+                    mk = {}
+                    result["multikey"] = {"context": ctx, "windows": needles, "keys": args.multikey,
+                                          "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mk}
+                    for m in probed:
+                        mk[m.name] = passkey_scores(model, m, mk_batch, fmt)
+                        log(f"multi-key {ctx}: {m.name}: {100 * mk[m.name]['key_token_accuracy']:.1f}%")
+                        save()
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result.update({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
-                   "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                   "commit": commit, "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0})
-    save()
-    (args.out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+        commit = os.environ.get("OSCAR_BENCH_COMMIT") or subprocess.run(  # a copy without .git names its commit
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        result.update({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
+                       "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                       "commit": commit, "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0})
+        save()
+        (out_dir / f"{stem}.md").write_text(markdown(result))
+        print(markdown(result))
+
+    for i, ((name, held), (_, path)) in enumerate(zip(helds, heldout_specs)):
+        # one folder per held-out text when there are several; the probes read the first text's filler only
+        study(path, held, args.out if len(helds) == 1 else args.out / name, args.needles if i == 0 else 0)
     return 0
 
 

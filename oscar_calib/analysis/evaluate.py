@@ -105,16 +105,19 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: to
     Returns:
         out `[B, H_kv, g, T, d]`, scores `S` used (masked, `[B, H_kv, g, T, S]`), exact scores (masked).
     """
-    s_exact = torch.einsum("bhgtd,bhsd->bhgts", q, k) * scale
-    s_exact = s_exact.masked_fill(~allowed, float("-inf"))
+    # Few passes over the [T, S] tensors (they dominate a long window's time): the scale goes on q, masks in place,
+    # and O = P Vhat + (P * exact)(V - Vhat) instead of (P * exact) V + (P - P * exact) Vhat.
+    q = q * scale
+    hidden = ~allowed
+    s_exact = torch.einsum("bhgtd,bhsd->bhgts", q, k).masked_fill_(hidden, float("-inf"))
     if exact is None:
         p = torch.softmax(s_exact, dim=-1)
         return torch.einsum("bhgts,bhsd->bhgtd", p, v), s_exact, s_exact
-    s_quant = torch.einsum("bhgtd,bhsd->bhgts", q, k_hat) * scale
-    s = torch.where(exact, s_exact, s_quant).masked_fill(~allowed, float("-inf"))
+    s_quant = torch.einsum("bhgtd,bhsd->bhgts", q, k_hat).masked_fill_(hidden, float("-inf"))
+    s = torch.where(exact, s_exact, s_quant)
+    del s_quant
     p = torch.softmax(s, dim=-1)
-    p_exact = p * exact
-    out = torch.einsum("bhgts,bhsd->bhgtd", p_exact, v) + torch.einsum("bhgts,bhsd->bhgtd", p - p_exact, v_hat)
+    out = torch.einsum("bhgts,bhsd->bhgtd", p, v_hat) + torch.einsum("bhgts,bhsd->bhgtd", p * exact, v - v_hat)
     return out, s, s_exact
 
 
