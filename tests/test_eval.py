@@ -166,6 +166,13 @@ def test_slices_of_query_rows_and_of_the_head_change_no_number(model, monkeypatc
         assert sliced_session.layers[layer].err_num == pytest.approx(st.err_num, rel=1e-5)
 
 
+def test_span_logits_equal_the_forward_s_at_those_positions(model):
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits.float()
+    torch.testing.assert_close(ev.span_logits(model, ids, 11, 17), full[:, 11:17], rtol=0, atol=1e-5)
+
+
 def test_layer_statistics_match_direct_formulas():
     torch.manual_seed(3)
     b, h_kv, g, t, d = 1, 2, 2, 24, 16

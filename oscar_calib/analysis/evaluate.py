@@ -250,6 +250,25 @@ def make_windows(tokenizer, documents: list[str], context: int, max_windows: int
 # ----------------------------------------------------------------------------------------------------------
 # perplexity
 # ----------------------------------------------------------------------------------------------------------
+def _head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head of a `SLICED_HEAD_MODELS` model on hidden states `[B, n, hidden]`: logits `[B, n, V]` (fp32)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:  # as the model's forward does, in its dtype
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+@torch.no_grad()
+def span_logits(model, input_ids: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Logits `[B, stop - start, V]` (fp32) at positions `[start, stop)` of `input_ids [B, T]`, without a KV cache;
+    only those positions go through the output head where the architecture allows (`SLICED_HEAD_MODELS`)."""
+    if getattr(model.config, "model_type", None) not in SLICED_HEAD_MODELS:
+        return model(input_ids=input_ids, use_cache=False).logits[:, start:stop].float()
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    return _head(model, hidden[:, start:stop])
+
+
 @torch.no_grad()
 def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token negative log-likelihood `[B, T-1]` (fp32) of `input_ids [B, T]`, without a KV cache.
@@ -261,14 +280,10 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, hidden]
-    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     parts = []
     for a in range(0, input_ids.shape[1] - 1, LOGIT_CHUNK):
         z = slice(a, min(a + LOGIT_CHUNK, input_ids.shape[1] - 1))
-        logits = head(hidden[:, z])
-        if cap is not None:  # as the model's forward does, in its dtype
-            logits = torch.tanh(logits / cap) * cap
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(_head(model, hidden[:, z]), dim=-1)
         parts.append(-logp.gather(-1, input_ids[:, z.start + 1:z.stop + 1, None]).squeeze(-1))
     return torch.cat(parts, dim=1)
 

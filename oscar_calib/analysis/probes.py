@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_calib.analysis.evaluate import EvalSession, cache_kw, evaluating
+from oscar_calib.analysis.evaluate import EvalSession, cache_kw, evaluating, span_logits
 from oscar_calib.analysis.methods import KVMethod
 from oscar_calib.errors import InputError
 from runtime_kernels.format import KVFormat
@@ -137,9 +137,8 @@ def passkey_scores(model, method: KVMethod, batch: PasskeyBatch, fmt: KVFormat) 
     with evaluating(model, EvalSession(method, fmt.per_token(), collect_stats=False)):
         for i in range(batch.ids.shape[0]):
             seq = batch.ids[i:i + 1].to(device)
-            logits = model(input_ids=seq, use_cache=False).logits[0].float()
             a, b = batch.key_spans[i]
-            pred = logits[a - 1:b - 1]  # position j predicts token j + 1
+            pred = span_logits(model, seq, a - 1, b - 1)[0]  # position j predicts token j + 1
             target = seq[0, a:b]
             ok = pred.argmax(dim=-1) == target
             key_nll = float(-torch.log_softmax(pred, dim=-1).gather(-1, target[:, None]).sum())
