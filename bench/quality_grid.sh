@@ -11,7 +11,8 @@
 #
 # Writes OUT/art_MODEL_CALIB (the artifact, reused by later calls) and OUT/MODEL_CONTEXT_CALIB/{prose,code}/
 # recipe_study_<model>.json; `python3 tools/grid_table.py LABEL=that.json ...` judges the cells. RUN_FLAGS and
-# STUDY_FLAGS pass extra flags to `oscar-calib run` and tools/recipe_study.py (a dry run with small sizes).
+# STUDY_FLAGS pass extra flags to `oscar-calib run` and tools/recipe_study.py (a dry run with small sizes);
+# CANDIDATES (';'-separated `--recipe` values, empty for none) replaces the candidate defaults evaluated beside it.
 set -euo pipefail
 OUT=${OUT:?set OUT to a results directory}
 T=${T:?set T to the folder tools/real_model.py text wrote}
@@ -34,9 +35,13 @@ fi
 PEERS="oscar per layer, global clips, centered, min-max;hadamard global clips, centered, min-max;kivi2-g128"
 PROBED="default;oscar global clips, centered, min-max;oscar per layer, global clips, centered, min-max"
 PROBED="$PROBED;hadamard global clips, centered, min-max"
+CANDIDATES=${CANDIDATES-"per layer=granularity=layer;no hadamard keys=hadamard_key_mass=1"}
+RECIPES=()
+IFS=';' read -ra CANDS <<< "$CANDIDATES"
+for c in "${CANDS[@]}"; do RECIPES+=(--recipe "$c"); done
 # shellcheck disable=SC2086
 python3 tools/recipe_study.py --model "$M" --calib "$C" --heldout "prose=$T/heldout.txt" \
     --heldout "code=$T/code_heldout.txt" --contexts "$CTX" --windows "$WINDOWS" --needles "$NEEDLES" --multikey 4 \
     --no-variants --artifact "default=$ART" ${STUDY_FLAGS:-} \
-    --recipe "per layer=granularity=layer" --recipe "no hadamard keys=hadamard_key_mass=1" \
+    "${RECIPES[@]}" \
     --only "default;$PEERS" --passkey-methods "$PROBED" --out "$OUT/${MODEL}_${CTX}_${CALIB}"
