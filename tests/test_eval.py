@@ -173,6 +173,25 @@ def test_span_logits_equal_the_forward_s_at_those_positions(model):
     torch.testing.assert_close(ev.span_logits(model, ids, 11, 17), full[:, 11:17], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_an_all_bf16_layer_equals_the_scores_path(window):
+    """A layer the method leaves in BF16 goes through fp32 SDPA; it equals the explicit-scores attention with the same
+    causal (and sliding-window) mask, query heads grouped as the KV heads."""
+    g = torch.Generator().manual_seed(5)
+    b, h_q, h_kv, t, d = 2, 6, 2, 19, 16
+    query, key, value = (torch.randn(b, h, t, d, generator=g) for h in (h_q, h_kv, h_kv))
+    mask = None
+    if window is not None:  # transformers' sliding-window mask: True = may attend
+        i = torch.arange(t)
+        mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))[None, None].expand(b, 1, t, t)
+    module = SimpleNamespace(layer_idx=0)
+    out, _ = ev._eval_attention(None, module, query, key, value, mask, scaling=0.3)
+    allowed = ev._allowed_mask(mask, b, t, t, "cpu")
+    ref, _, _ = ev.mixed_attention(query.reshape(b, h_kv, h_q // h_kv, t, d), key, value, None, None, None, allowed,
+                                   0.3)
+    torch.testing.assert_close(out, ref.reshape(b, h_q, t, d).transpose(1, 2), rtol=0, atol=1e-5)
+
+
 def test_layer_statistics_match_direct_formulas():
     torch.manual_seed(3)
     b, h_kv, g, t, d = 1, 2, 2, 24, 16

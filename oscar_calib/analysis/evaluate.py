@@ -147,6 +147,12 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
         raise InputError("oscar_eval attention: teacher-forced evaluation runs without a KV cache "
                          f"(got {t} queries over {s} keys); call the model with use_cache=False")
     k32, v32 = key.float(), value.float()
+    if not quantize:
+        # An all-BF16 layer (a sliding-window layer of a hybrid, every layer of the BF16 row) needs no scores of its
+        # own: fp32 SDPA with the same mask, without the [T, S] tensors (Gemma 3 at 32K: 15 such layers per window).
+        out = torch.nn.functional.scaled_dot_product_attention(query.float(), k32, v32, attn_mask=allowed[:, 0],
+                                                               scale=scale, enable_gqa=h_q != h_kv)
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
     k_hat = v_hat = exact = None
     if quantize:
         k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.fmt)
