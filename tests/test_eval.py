@@ -166,6 +166,18 @@ def test_slices_of_query_rows_and_of_the_head_change_no_number(model, monkeypatc
         assert sliced_session.layers[layer].err_num == pytest.approx(st.err_num, rel=1e-5)
 
 
+@pytest.mark.parametrize("method", [_Noisy(), RowwiseInt2("int2", fmt=PAPER)], ids=["noisy", "int2"])
+def test_without_statistics_the_union_sdpa_equals_the_scores_path(model, method):
+    """`collect_stats=False` takes one SDPA over [K; Khat] with the mask [exact, ~exact]: the NLL equals the scores
+    path's (itself checked against a per-position loop above)."""
+    ids = torch.randint(0, 256, (2, 57), generator=torch.Generator().manual_seed(6))
+    with_scores, _ = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=True)
+    union, session = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=False)
+    assert session.layers == {}
+    torch.testing.assert_close(union, with_scores, rtol=0, atol=2e-5)
+    assert float((union - ev.method_nll(model, KVMethod(), ids, _fmt(4, 8))[0]).abs().max()) > 1e-3  # INT2 moved it
+
+
 def test_span_logits_equal_the_forward_s_at_those_positions(model):
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
