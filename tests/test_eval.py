@@ -167,7 +167,7 @@ def test_slices_of_query_rows_and_of_the_head_change_no_number(model, monkeypatc
 
 
 @pytest.mark.parametrize("method", [_Noisy(), RowwiseInt2("int2", fmt=PAPER)], ids=["noisy", "int2"])
-def test_without_statistics_the_union_sdpa_equals_the_scores_path(model, method):
+def test_without_statistics_the_union_sdpa_equals_the_scores_path(model, method, monkeypatch):
     """`collect_stats=False` takes one SDPA over [K; Khat] with the mask [exact, ~exact]: the NLL equals the scores
     path's (itself checked against a per-position loop above)."""
     ids = torch.randint(0, 256, (2, 57), generator=torch.Generator().manual_seed(6))
@@ -175,6 +175,9 @@ def test_without_statistics_the_union_sdpa_equals_the_scores_path(model, method)
     union, session = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=False)
     assert session.layers == {}
     torch.testing.assert_close(union, with_scores, rtol=0, atol=2e-5)
+    monkeypatch.setattr(ev, "SCORE_ELEMENTS", 2 * 4 * 2 * 57 * 10)  # 10 query rows per SDPA call
+    sliced, _ = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=False)
+    torch.testing.assert_close(sliced, union, rtol=0, atol=1e-6)
     assert float((union - ev.method_nll(model, KVMethod(), ids, _fmt(4, 8))[0]).abs().max()) > 1e-3  # INT2 moved it
 
 
@@ -186,7 +189,7 @@ def test_span_logits_equal_the_forward_s_at_those_positions(model):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_an_all_bf16_layer_equals_the_scores_path(window):
+def test_an_all_bf16_layer_equals_the_scores_path(window, monkeypatch):
     """A layer the method leaves in BF16 goes through fp32 SDPA; it equals the explicit-scores attention with the same
     causal (and sliding-window) mask, query heads grouped as the KV heads."""
     g = torch.Generator().manual_seed(5)
@@ -198,6 +201,9 @@ def test_an_all_bf16_layer_equals_the_scores_path(window):
         mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))[None, None].expand(b, 1, t, t)
     module = SimpleNamespace(layer_idx=0)
     out, _ = ev._eval_attention(None, module, query, key, value, mask, scaling=0.3)
+    monkeypatch.setattr(ev, "SCORE_ELEMENTS", b * h_q * t * 4)  # 4 query rows per SDPA call
+    sliced, _ = ev._eval_attention(None, module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(sliced, out, rtol=0, atol=1e-6)
     allowed = ev._allowed_mask(mask, b, t, t, "cpu")
     ref, _, _ = ev.mixed_attention(query.reshape(b, h_kv, h_q // h_kv, t, d), key, value, None, None, None, allowed,
                                    0.3)

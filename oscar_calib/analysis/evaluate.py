@@ -151,8 +151,10 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
     if not quantize:
         # An all-BF16 layer (a sliding-window layer of a hybrid, every layer of the BF16 row) needs no scores of its
         # own: fp32 SDPA with the same mask, without the [T, S] tensors (Gemma 3 at 32K: 15 such layers per window).
-        out = torch.nn.functional.scaled_dot_product_attention(query.float(), k32, v32, attn_mask=allowed[:, 0],
-                                                               scale=scale, enable_gqa=h_q != h_kv)
+        rows = max(1, SCORE_ELEMENTS // (b * h_q * s))
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:a + rows].float(), k32, v32, attn_mask=allowed[:, 0, ..., a:a + rows, :], scale=scale,
+            enable_gqa=h_q != h_kv) for a in range(0, t, rows)], dim=2)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
     k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.fmt)
     exact = session.mask(t, query.device)
@@ -160,10 +162,14 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
         # Attention over the mixed cache is a softmax over the union of two key sets: BF16 key j where exact[t, j],
         # INT2 key j elsewhere. One fp32 SDPA over [K; Khat] with that mask gives it without [T, S] scores
         # (3x faster than the scores path on the CPU; the statistics below need the scores).
+        # In slices of query rows as below, so a backend that does form the scores (SDPA's math fallback, e.g. for
+        # head_dim 256 in fp32) stays within SCORE_ELEMENTS.
         union = torch.cat([allowed[:, 0] & exact, allowed[:, 0] & ~exact], dim=-1)  # [B?, 1, T, 2S]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.float(), torch.cat([k32, k_hat.float()], dim=2), torch.cat([v32, v_hat.float()], dim=2),
-            attn_mask=union, scale=scale, enable_gqa=h_q != h_kv)
+        k2, v2 = torch.cat([k32, k_hat.float()], dim=2), torch.cat([v32, v_hat.float()], dim=2)
+        rows = max(1, SCORE_ELEMENTS // (b * h_q * 2 * s))
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:a + rows].float(), k2, v2, attn_mask=union[..., a:a + rows, :], scale=scale,
+            enable_gqa=h_q != h_kv) for a in range(0, t, rows)], dim=2)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
     # Softmax is per query row, so rows can go in slices: a slice's score tensors stay near SCORE_ELEMENTS
     # (Gemma 3 at 16K would otherwise hold several [4, 16K, 16K] fp32 tensors at once).
