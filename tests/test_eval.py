@@ -175,7 +175,7 @@ def test_without_statistics_the_union_sdpa_equals_the_scores_path(model, method,
     union, session = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=False)
     assert session.layers == {}
     torch.testing.assert_close(union, with_scores, rtol=0, atol=2e-5)
-    monkeypatch.setattr(ev, "SCORE_ELEMENTS", 2 * 4 * 2 * 57 * 10)  # 10 query rows per SDPA call
+    monkeypatch.setattr(ev, "SDPA_ROWS", 10)  # 10 query rows per SDPA call, each over its rows' key span
     sliced, _ = ev.method_nll(model, method, ids, _fmt(4, 8, page=4), collect_stats=False)
     torch.testing.assert_close(sliced, union, rtol=0, atol=1e-6)
     assert float((union - ev.method_nll(model, KVMethod(), ids, _fmt(4, 8))[0]).abs().max()) > 1e-3  # INT2 moved it
@@ -201,7 +201,7 @@ def test_an_all_bf16_layer_equals_the_scores_path(window, monkeypatch):
         mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))[None, None].expand(b, 1, t, t)
     module = SimpleNamespace(layer_idx=0)
     out, _ = ev._eval_attention(None, module, query, key, value, mask, scaling=0.3)
-    monkeypatch.setattr(ev, "SCORE_ELEMENTS", b * h_q * t * 4)  # 4 query rows per SDPA call
+    monkeypatch.setattr(ev, "SDPA_ROWS", 4)  # 4 query rows per SDPA call, each over its rows' key span
     sliced, _ = ev._eval_attention(None, module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(sliced, out, rtol=0, atol=1e-6)
     allowed = ev._allowed_mask(mask, b, t, t, "cpu")

@@ -38,6 +38,7 @@ from runtime_kernels.format import KVFormat
 EVAL_ATTENTION = "oscar_eval"
 DOC_SEPARATOR = "<|endoftext|>"  # a line of its own separates documents in a .txt file
 SCORE_ELEMENTS = 1 << 28  # attention scores per slice of query rows (1 GiB of fp32)
+SDPA_ROWS = 1024  # query rows per SDPA call: each call reads only the keys those rows may attend to
 LOGIT_CHUNK = 2048  # positions per slice of the output head: Gemma 3's 262k vocabulary is 8.6 GB of fp32 logits at 8K
 # Causal LMs whose forward is `lm_head(decoder(ids))` (then at most config.final_logit_softcapping): their logits may
 # be formed a slice of positions at a time. Others (logit scales, extra heads) take the plain forward.
@@ -148,28 +149,20 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
         raise InputError("oscar_eval attention: teacher-forced evaluation runs without a KV cache "
                          f"(got {t} queries over {s} keys); call the model with use_cache=False")
     k32, v32 = key.float(), value.float()
+    gqa = h_q != h_kv
     if not quantize:
         # An all-BF16 layer (a sliding-window layer of a hybrid, every layer of the BF16 row) needs no scores of its
-        # own: fp32 SDPA with the same mask, without the [T, S] tensors (Gemma 3 at 32K: 15 such layers per window).
-        rows = max(1, SCORE_ELEMENTS // (b * h_q * s))
-        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:a + rows].float(), k32, v32, attn_mask=allowed[:, 0, ..., a:a + rows, :], scale=scale,
-            enable_gqa=h_q != h_kv) for a in range(0, t, rows)], dim=2)
+        # own: fp32 SDPA with the same mask, without the [T, S] tensors.
+        out = _sliced_sdpa(query, [(k32, v32, allowed[:, 0])], scale, gqa)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
     k_hat, v_hat = session.method.fake_quantize(layer, key, value, session.fmt)
     exact = session.mask(t, query.device)
     if not session.collect_stats:
         # Attention over the mixed cache is a softmax over the union of two key sets: BF16 key j where exact[t, j],
-        # INT2 key j elsewhere. One fp32 SDPA over [K; Khat] with that mask gives it without [T, S] scores
-        # (3x faster than the scores path on the CPU; the statistics below need the scores).
-        # In slices of query rows as below, so a backend that does form the scores (SDPA's math fallback, e.g. for
-        # head_dim 256 in fp32) stays within SCORE_ELEMENTS.
-        union = torch.cat([allowed[:, 0] & exact, allowed[:, 0] & ~exact], dim=-1)  # [B?, 1, T, 2S]
-        k2, v2 = torch.cat([k32, k_hat.float()], dim=2), torch.cat([v32, v_hat.float()], dim=2)
-        rows = max(1, SCORE_ELEMENTS // (b * h_q * 2 * s))
-        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:a + rows].float(), k2, v2, attn_mask=union[..., a:a + rows, :], scale=scale,
-            enable_gqa=h_q != h_kv) for a in range(0, t, rows)], dim=2)
+        # INT2 key j elsewhere: SDPA over [K; Khat] with that mask, without [T, S] scores (the statistics below
+        # need the scores).
+        out = _sliced_sdpa(query, [(k32, v32, allowed[:, 0] & exact),
+                                   (k_hat.float(), v_hat.float(), allowed[:, 0] & ~exact)], scale, gqa)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
     # Softmax is per query row, so rows can go in slices: a slice's score tensors stay near SCORE_ELEMENTS
     # (Gemma 3 at 16K would otherwise hold several [4, 16K, 16K] fp32 tensors at once).
@@ -184,6 +177,39 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
     return out.reshape(b, h_q, t, d).transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _key_span(mask: torch.Tensor) -> tuple[int, int]:
+    """`[lo, hi)`: the key columns that some row of `mask [..., rows, S]` (bool) allows."""
+    cols = mask.reshape(-1, mask.shape[-1]).any(dim=0).nonzero()
+    return (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
+
+
+def _sliced_sdpa(query: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,
+                 enable_gqa: bool) -> torch.Tensor:
+    """fp32 softmax attention of `query [B, H_q, T, d]` over the concatenation of key sets, each `(K [B, H_kv, S, d],
+    V [B, H_kv, S, d], allowed bool [B?, 1, T, S])`; returns `[B, H_q, T, d]`.
+
+    Query rows go `SDPA_ROWS` at a time, and each slice reads only the span of each set's keys its rows may attend to
+    (the causal triangle's upper half, a sliding window's far past, the INT2 history of early rows are skipped); a
+    slice stays within SCORE_ELEMENTS where a backend forms the scores (SDPA's math fallback, e.g. head_dim 256 in
+    fp32)."""
+    b, h_q, t, _ = query.shape
+    s_all = sum(k.shape[2] for k, _, _ in key_sets)
+    rows = max(1, min(SDPA_ROWS, SCORE_ELEMENTS // max(1, b * h_q * s_all)))
+    outs = []
+    for a in range(0, t, rows):
+        ks, vs, ms = [], [], []
+        for k, v, allowed in key_sets:
+            m = allowed[..., a:a + rows, :]
+            lo, hi = _key_span(m)
+            ks.append(k[:, :, lo:hi])
+            vs.append(v[:, :, lo:hi])
+            ms.append(m[..., lo:hi])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:a + rows].float(), torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=torch.cat(ms, dim=-1),
+            scale=scale, enable_gqa=enable_gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _accumulate(session: EvalSession, layer: int, scores, ref_scores, out, v, exact, allowed) -> None:
