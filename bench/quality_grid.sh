@@ -41,7 +41,7 @@ IFS=';' read -ra CANDS <<< "$CANDIDATES"
 for c in "${CANDS[@]}"; do RECIPES+=(--recipe "$c"); done
 # shellcheck disable=SC2086
 python3 tools/recipe_study.py --model "$M" --calib "$C" --heldout "prose=$T/heldout.txt" \
-    --heldout "code=$T/code_heldout.txt" --contexts "$CTX" --windows "$WINDOWS" --needles "$NEEDLES" --multikey 4 \
+    --heldout "code=$T/code_heldout.txt" --contexts "$CTX" --windows "$WINDOWS" --needles "$NEEDLES" --multikey 4 --multivalue 4 \
     --no-variants --artifact "default=$ART" ${STUDY_FLAGS:-} \
     "${RECIPES[@]}" \
     --only "default;$PEERS" --passkey-methods "$PROBED" --out "$OUT/${MODEL}_${CTX}_${CALIB}"

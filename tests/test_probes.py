@@ -15,6 +15,7 @@ from oscar_calib.analysis.methods import KVMethod
 from oscar_calib.analysis.probes import (
     MULTIKEY_NAMES,
     multikey_batch,
+    multivalue_batch,
     passkey_batch,
     passkey_scores,
     run_probes,
@@ -129,6 +130,38 @@ def test_multikey_score_of_bf16_beats_a_forgetful_cache_and_short_windows_are_re
         multikey_batch(tok, filler[:, :40], lo, hi, keys=4)
     with pytest.raises(InputError, match="keys 1"):
         multikey_batch(tok, filler, lo, hi, keys=1)
+
+
+def test_multivalue_windows_hold_every_value_of_one_key_and_ask_for_all(lm):
+    """Each window holds `values` needles giving one name distinct values, in order inside the span, and ends with the
+    question for all of them followed by the values in the window's order; BF16 recalls them far above a cache that
+    forgets its history; too-short windows and a single value are refused."""
+    import re
+
+    from oscar_calib.errors import InputError
+
+    model, tok, filler = lm
+    fmt = PAPER.with_(sink_tokens=SINK, recent_tokens=RECENT)
+    lo, hi = (SINK + 16) / 512, 1 - (RECENT + 64) / 512
+    batch = multivalue_batch(tok, filler, lo, hi, values=3, seed=2)
+    assert batch.ids.shape == filler.shape
+    for i, (a, b) in enumerate(batch.key_spans):
+        text = tok.decode(batch.ids[i])
+        found = re.findall(r"One of the pass keys for the (\w+) is (\d{5})\.", text)
+        assert len(found) == 3 and len({n for n, _ in found}) == 1, found
+        assert re.search(rf"What are all the pass keys for the {found[0][0]}\?", text)
+        assert tok.decode(batch.ids[i, a:b]).split() == [v for _, v in found] and b == filler.shape[1]
+        # the first needle lies in the first third of the span (depths are fractions of the window before the question)
+        assert lo * 0.9 <= batch.depths[i] < lo + (hi - lo) / 3
+    got = passkey_scores(model, KVMethod(), batch, fmt)
+    forgot = passkey_scores(model, Forgetful("forgetful"), batch, fmt)
+    # measured: BF16 0.33 of the value tokens (NLL 4.21), the forgetful cache 0.0 (NLL 5.79)
+    assert got["key_token_accuracy"] > forgot["key_token_accuracy"] + 0.2, (got, forgot)
+    assert forgot["key_nll"] > got["key_nll"] + 1, forgot
+    with pytest.raises(InputError, match="too short for 3 needles"):
+        multivalue_batch(tok, filler[:, :40], lo, hi, values=3)
+    with pytest.raises(InputError, match="values 1"):
+        multivalue_batch(tok, filler, lo, hi, values=1)
 
 
 def _generate_greedy(model, ids, n):

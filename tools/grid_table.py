@@ -5,8 +5,8 @@ held-out domain), each judged the way the issue's "Done when" reads.
 For every cell: the default row's perplexity change against BF16, against each equal-bits peer (paired 95 %
 bootstrap interval over the same windows) and a verdict against the peers (`win`: below every peer beyond its
 interval; `tie`: no peer beats it beyond its interval, at least one interval holds 0; `lose`: a peer beats it beyond
-its interval); and, where the result has them, passkey and multi-key accuracy of BF16, the default and the best peer
-with the default's paired interval over needles against each.
+its interval); and, where the result has them, passkey, multi-key and multi-value accuracy of BF16, the default and
+the best peer with the default's paired interval over needles against each.
 
     python3 tools/grid_table.py "SmolLM2 8K, prose calib, code held out=OUT1/recipe_study_smollm2-135m.json" ... \
         --default default --out bench/results/quality/grid.md
@@ -31,6 +31,7 @@ from recipe_study import KIVI, PER_LAYER, paired_pct_ci  # noqa: E402
 
 BASELINE = "oscar global clips, centered, min-max"
 PEERS = (PER_LAYER, BASELINE, "hadamard global clips, centered, min-max", KIVI)
+PROBES = ("passkey", "multikey", "multivalue")
 
 
 def verdict(deltas: dict[str, tuple[float, float, float]]) -> str:
@@ -66,7 +67,7 @@ def cell(result: dict, default: str, context: str | None = None, bits_slack: flo
            "verdict": verdict(peers) if peers else "none"}
     best = min(peers, key=lambda n: float(nll[n].mean())) if peers else None
     out["best_peer"] = best
-    for probe in ("passkey", "multikey"):
+    for probe in PROBES:
         scores = result.get(probe, {}).get("scores", {})
         if default not in scores or "bf16" not in scores:
             continue
@@ -97,7 +98,7 @@ def markdown(cells: dict[str, dict], default: str) -> str:
         vs = [fmt(c["default_vs_peers"][p]) if p in c["default_vs_peers"] else "" for p in PEERS]
         lines.append(f"| {label} | {c['context']}, {c['windows']} | {c['bf16_ppl']:.3f} | {fmt(c['default_vs_bf16'])} | "
                      + " | ".join(vs) + f" | {c['verdict']} |")
-    probes = [(label, p, c[p]) for label, c in cells.items() for p in ("passkey", "multikey") if p in c]
+    probes = [(label, p, c[p]) for label, c in cells.items() for p in PROBES if p in c]
     if probes:
         lines += ["", "| cell | probe | BF16 | default | default vs BF16 (points) | best peer | default vs it |",
                   "|---|---|---|---|---|---|---|"]

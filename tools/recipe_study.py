@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the variant grid: peers and --artifact rows only")
     p.add_argument("--multikey", type=int, default=4, metavar="K",
                    help="needles per window of the multi-key probe (0: no multi-key probe)")
+    p.add_argument("--multivalue", type=int, default=0, metavar="V",
+                   help="values of one key per window in a multi-value probe on the needle windows (0: none)")
     p.add_argument("--passkey-methods", default="", help="semicolon-separated rows the passkey probe runs (default all)")
     p.add_argument("--only", default="", help="semicolon-separated rows to evaluate (default: all)")
     p.add_argument("--floors", default="", metavar="K/V;...",
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         centered_fake_quantize,
     )
     from oscar_calib.analysis.methods import hadamard as hadamard_matrix
-    from oscar_calib.analysis.probes import multikey_batch, passkey_batch, passkey_scores
+    from oscar_calib.analysis.probes import multikey_batch, multivalue_batch, passkey_batch, passkey_scores
     from oscar_calib.calibration.calibrate import (
         _fit_all,
         artifact_from_statistics,
@@ -543,6 +545,15 @@ def main(argv: list[str] | None = None) -> int:
                         mk[m.name] = passkey_scores(model, m, mk_batch, fmt)
                         log(f"multi-key {ctx}: {m.name}: {100 * mk[m.name]['key_token_accuracy']:.1f}%")
                         save()
+                if args.multivalue:
+                    mv_batch = multivalue_batch(tok, filler, lo_d, hi_d, values=args.multivalue, seed=args.needle_seed)
+                    mv = {}
+                    result["multivalue"] = {"context": ctx, "windows": needles, "values": args.multivalue,
+                                            "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mv}
+                    for m in probed:
+                        mv[m.name] = passkey_scores(model, m, mv_batch, fmt)
+                        log(f"multi-value {ctx}: {m.name}: {100 * mv[m.name]['key_token_accuracy']:.1f}%")
+                        save()
 
         commit = os.environ.get("OSCAR_BENCH_COMMIT") or subprocess.run(  # a copy without .git names its commit
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -566,10 +577,11 @@ def markdown(result: dict) -> str:
              f"{result.get('device', '')}, {result.get('dtype', '')}. ppl change vs BF16 and vs `{BASELINE}` with "
              "paired 95 % bootstrap intervals over windows.", ""]
     head = "| cache | " + " | ".join(f"{c}: vs BF16 | {c}: vs baseline" for c in ctxs)
-    pk, mk = result.get("passkey"), result.get("multikey")
+    pk, mk, mv = result.get("passkey"), result.get("multikey"), result.get("multivalue")
     lines += [head + (f" | passkey @{pk['context']}" if pk else "") + (f" | multi-key ({mk['keys']}) @{mk['context']}"
-                                                                      if mk else "") + " |",
-              "|---|" + "---|---|" * len(ctxs) + ("---|" if pk else "") + ("---|" if mk else "")]
+                                                                      if mk else "")
+              + (f" | multi-value ({mv['values']}) @{mv['context']}" if mv else "") + " |",
+              "|---|" + "---|---|" * len(ctxs) + "".join("---|" for probe in (pk, mk, mv) if probe)]
     names = [m["name"] for m in result["contexts"][ctxs[0]]["methods"]]
     for name in names:
         cells = []
@@ -580,7 +592,7 @@ def markdown(result: dict) -> str:
             cells.append(f"{r['delta_vs_bf16_pct']:+.2f} % [{lo:+.2f}, {hi:+.2f}]" if name != "bf16"
                          else f"ppl {r['ppl']:.3f}")
             cells.append("" if name in ("bf16", BASELINE) else f"{r['delta_vs_baseline_pct']:+.2f} % [{blo:+.2f}, {bhi:+.2f}]")
-        for probe in (pk, mk):
+        for probe in (pk, mk, mv):
             if probe:
                 sc = probe["scores"].get(name)
                 cells.append("" if sc is None else f"{100 * sc['key_token_accuracy']:.1f} %")

@@ -10,6 +10,8 @@ Perplexity averages over every position; these probes ask about facts placed dee
   the river is 51234"), spread over the INT2 history; the question asks for one of them. The others are
   distractors of the same form, which is where 2-bit caches are known to fail while a single needle survives
   (RULER's multi-key needles: KVQuant-2bit 95.4 vs 100 on one needle, 23.4 vs 68.2 on multi-key, at 32K).
+- Multi-value retrieval (the same scoring): several needles give the same key different values; the question asks
+  for all of them, in the order the window holds them.
 - Verbatim recall through the real runtime (`OscarCache`, or transformers' `DynamicCache` for BF16): a prompt holds
   a passage; the model first generates `generate` tokens of its own, then is cued with the passage's first tokens
   and continues greedily. Scored: the fraction of the passage's remaining tokens reproduced exactly.
@@ -106,20 +108,70 @@ def multikey_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, keys: 
                              "the probe needs the key to start a new token")
         body = t - len(full)
         seq = row.clone()
-        end = 0
-        for j in range(keys):
-            needle = tokenizer(MULTIKEY_NEEDLE.format(name=names[j], key=values[j]), add_special_tokens=False).input_ids
-            a = int((lo + (hi - lo) * j / keys) * body)
-            b = int((lo + (hi - lo) * (j + 1) / keys) * body) - len(needle)
-            if b <= max(a, end):
-                raise InputError(f"multi-key: windows of {t} tokens are too short for {keys} needles in depths "
-                                 f"[{lo:.3f}, {hi:.3f})")
-            pos = int(torch.randint(max(a, end), b, (1,), generator=gen))
-            seq[pos:pos + len(needle)] = torch.tensor(needle, dtype=seq.dtype)
-            end = pos + len(needle)
-            if j == asked:
-                used.append(pos / t)
-                positions.append(pos)
+        needles = [tokenizer(MULTIKEY_NEEDLE.format(name=names[j], key=values[j]), add_special_tokens=False).input_ids
+                   for j in range(keys)]
+        placed = _place_needles(seq, needles, lo, hi, body, gen, "multi-key")
+        used.append(placed[asked] / t)
+        positions.append(placed[asked])
+        seq[body:] = torch.tensor(full, dtype=seq.dtype)
+        ids.append(seq)
+        spans.append((body + len(head), t))
+    return PasskeyBatch(torch.stack(ids), spans, used, positions)
+
+
+def _place_needles(seq: torch.Tensor, needles: list[list[int]], lo: float, hi: float, body: int,
+                   gen: torch.Generator, probe: str) -> list[int]:
+    """Write needle j of `needles` (token ids) into `seq [T]` at a random place inside the j-th equal part of the
+    depths `[lo, hi)` of its first `body` tokens, in order and without overlap; returns their positions."""
+    n, t, end, placed = len(needles), seq.shape[0], 0, []
+    for j, needle in enumerate(needles):
+        a = int((lo + (hi - lo) * j / n) * body)
+        b = int((lo + (hi - lo) * (j + 1) / n) * body) - len(needle)
+        if b <= max(a, end):
+            raise InputError(f"{probe}: windows of {t} tokens are too short for {n} needles in depths "
+                             f"[{lo:.3f}, {hi:.3f})")
+        pos = int(torch.randint(max(a, end), b, (1,), generator=gen))
+        seq[pos:pos + len(needle)] = torch.tensor(needle, dtype=seq.dtype)
+        end = pos + len(needle)
+        placed.append(pos)
+    return placed
+
+
+MULTIVALUE_NEEDLE = " One of the pass keys for the {name} is {key}."
+MULTIVALUE_QUESTION = " What are all the pass keys for the {name}? The pass keys for the {name} are"  # + " k1 k2 ..."
+
+
+def multivalue_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, values: int = 4,
+                     seed: int = 0) -> PasskeyBatch:
+    """Each filler window `[N, T]` with `values` needles naming one key (a name of MULTIKEY_NAMES), each with its own
+    random value, one per equal part of the depths `[lo, hi)`; the question asks for all of them, and the targets are
+    the values in the order the window holds them, separated by spaces (RULER's multi-value needles, teacher-forced:
+    each value is predicted after the ones before it). `depths` / `needle_positions` are the first needle's."""
+    if filler.dim() != 2 or filler.shape[0] == 0:
+        raise InputError(f"multi-value: expected filler windows [N, T], got shape {tuple(filler.shape)}")
+    if not 2 <= values <= 8:
+        raise InputError(f"multi-value: values {values}: expected 2..8")
+    if not 0 <= lo < hi <= 1:
+        raise InputError(f"multi-value: depth span [{lo}, {hi}) must lie inside [0, 1]")
+    gen = torch.Generator().manual_seed(seed)
+    ids, spans, used, positions = [], [], [], []
+    t = filler.shape[1]
+    for row in filler:
+        name = MULTIKEY_NAMES[int(torch.randint(len(MULTIKEY_NAMES), (1,), generator=gen))]
+        vals = [str(int(v)) for v in torch.randint(10000, 100000, (values,), generator=gen)]
+        question = MULTIVALUE_QUESTION.format(name=name)
+        head = tokenizer(question, add_special_tokens=False).input_ids
+        full = tokenizer(question + "".join(f" {v}" for v in vals), add_special_tokens=False).input_ids
+        if full[:len(head)] != head:
+            raise InputError("multi-value: this tokenizer merges the question's last word with the first value; "
+                             "the probe needs the values to start a new token")
+        body = t - len(full)
+        seq = row.clone()
+        needles = [tokenizer(MULTIVALUE_NEEDLE.format(name=name, key=v), add_special_tokens=False).input_ids
+                   for v in vals]
+        placed = _place_needles(seq, needles, lo, hi, body, gen, "multi-value")
+        used.append(placed[0] / t)
+        positions.append(placed[0])
         seq[body:] = torch.tensor(full, dtype=seq.dtype)
         ids.append(seq)
         spans.append((body + len(head), t))
@@ -228,4 +280,4 @@ def run_probes(model, tokenizer, methods: list[KVMethod], artifacts: dict, windo
 
 
 __all__ = ["MULTIKEY_NAMES", "MULTIKEY_NEEDLE", "MULTIKEY_QUESTION", "NEEDLE", "PasskeyBatch", "QUESTION",
-           "multikey_batch", "passkey_batch", "passkey_scores", "run_probes", "verbatim_recall"]
+           "multikey_batch", "multivalue_batch", "passkey_batch", "passkey_scores", "run_probes", "verbatim_recall"]
