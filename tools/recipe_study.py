@@ -536,23 +536,20 @@ def main(argv: list[str] | None = None) -> int:
                     pk[m.name] = passkey_scores(model, m, batch, fmt)
                     log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
                     save()
-                if args.multikey:
-                    mk_batch = multikey_batch(tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)
-                    mk = {}
-                    result["multikey"] = {"context": ctx, "windows": needles, "keys": args.multikey,
-                                          "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mk}
+                # the needle probes with several needles per window: (result key, its count field, count, batch)
+                many = [("multikey", "keys", args.multikey, lambda: multikey_batch(
+                            tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)),
+                        ("multivalue", "values", args.multivalue, lambda: multivalue_batch(
+                            tok, filler, lo_d, hi_d, values=args.multivalue, seed=args.needle_seed))]
+                for probe, field, count, make_batch in many:
+                    if not count:
+                        continue
+                    probe_batch, scores = make_batch(), {}
+                    result[probe] = {"context": ctx, "windows": needles, field: count, "depth_range": [lo_d, hi_d],
+                                     "needle_seed": args.needle_seed, "scores": scores}
                     for m in probed:
-                        mk[m.name] = passkey_scores(model, m, mk_batch, fmt)
-                        log(f"multi-key {ctx}: {m.name}: {100 * mk[m.name]['key_token_accuracy']:.1f}%")
-                        save()
-                if args.multivalue:
-                    mv_batch = multivalue_batch(tok, filler, lo_d, hi_d, values=args.multivalue, seed=args.needle_seed)
-                    mv = {}
-                    result["multivalue"] = {"context": ctx, "windows": needles, "values": args.multivalue,
-                                            "depth_range": [lo_d, hi_d], "needle_seed": args.needle_seed, "scores": mv}
-                    for m in probed:
-                        mv[m.name] = passkey_scores(model, m, mv_batch, fmt)
-                        log(f"multi-value {ctx}: {m.name}: {100 * mv[m.name]['key_token_accuracy']:.1f}%")
+                        scores[m.name] = passkey_scores(model, m, probe_batch, fmt)
+                        log(f"{probe} {ctx}: {m.name}: {100 * scores[m.name]['key_token_accuracy']:.1f}%")
                         save()
 
         commit = os.environ.get("OSCAR_BENCH_COMMIT") or subprocess.run(  # a copy without .git names its commit

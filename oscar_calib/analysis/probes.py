@@ -85,12 +85,7 @@ def multikey_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, keys: 
     `[lo, hi)` (fractions of the window), one needle per equal part of it at a random place inside; window i asks for
     the needle of part `i % keys`, so the asked needle's depth sweeps the span over the windows. The question closes
     the window (length T kept). `depths` / `needle_positions` are the asked needle's."""
-    if filler.dim() != 2 or filler.shape[0] == 0:
-        raise InputError(f"multi-key: expected filler windows [N, T], got shape {tuple(filler.shape)}")
-    if not 2 <= keys <= len(MULTIKEY_NAMES):
-        raise InputError(f"multi-key: keys {keys}: expected 2..{len(MULTIKEY_NAMES)}")
-    if not 0 <= lo < hi <= 1:
-        raise InputError(f"multi-key: depth span [{lo}, {hi}) must lie inside [0, 1]")
+    _check_needle_inputs("multi-key", filler, lo, hi, "keys", keys)
     gen = torch.Generator().manual_seed(seed)
     ids, spans, used, positions = [], [], [], []
     t = filler.shape[1]
@@ -117,6 +112,16 @@ def multikey_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, keys: 
         ids.append(seq)
         spans.append((body + len(head), t))
     return PasskeyBatch(torch.stack(ids), spans, used, positions)
+
+
+def _check_needle_inputs(probe: str, filler: torch.Tensor, lo: float, hi: float, what: str, count: int) -> None:
+    """The inputs every several-needle probe shares: windows `[N, T]`, 2..8 needles, a depth span inside [0, 1]."""
+    if filler.dim() != 2 or filler.shape[0] == 0:
+        raise InputError(f"{probe}: expected filler windows [N, T], got shape {tuple(filler.shape)}")
+    if not 2 <= count <= len(MULTIKEY_NAMES):
+        raise InputError(f"{probe}: {what} {count}: expected 2..{len(MULTIKEY_NAMES)}")
+    if not 0 <= lo < hi <= 1:
+        raise InputError(f"{probe}: depth span [{lo}, {hi}) must lie inside [0, 1]")
 
 
 def _place_needles(seq: torch.Tensor, needles: list[list[int]], lo: float, hi: float, body: int,
@@ -147,12 +152,7 @@ def multivalue_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, valu
     random value, one per equal part of the depths `[lo, hi)`; the question asks for all of them, and the targets are
     the values in the order the window holds them, separated by spaces (RULER's multi-value needles, teacher-forced:
     each value is predicted after the ones before it). `depths` / `needle_positions` are the first needle's."""
-    if filler.dim() != 2 or filler.shape[0] == 0:
-        raise InputError(f"multi-value: expected filler windows [N, T], got shape {tuple(filler.shape)}")
-    if not 2 <= values <= 8:
-        raise InputError(f"multi-value: values {values}: expected 2..8")
-    if not 0 <= lo < hi <= 1:
-        raise InputError(f"multi-value: depth span [{lo}, {hi}) must lie inside [0, 1]")
+    _check_needle_inputs("multi-value", filler, lo, hi, "values", values)
     gen = torch.Generator().manual_seed(seed)
     ids, spans, used, positions = [], [], [], []
     t = filler.shape[1]
