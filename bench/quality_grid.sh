@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The quality grid of issue 51, one calibration per call: a model at its long context calibrated on one text, then the
 # artifact `oscar-calib run` writes (the default) against BF16, the equal-bits peers and candidate defaults on both
-# held-out domains, with the passkey and multi-key probes on the prose filler. Usage, from the repo root, after
-# `make real-model` (and `tools/real_model.py --model gemma3`) and `tools/real_model.py text --out T`:
+# held-out domains, with the passkey, multi-key and multi-value probes on the prose filler. Usage, from the repo root,
+# after `make real-model` (and `tools/real_model.py --model gemma3`) and `tools/real_model.py text --out T`:
 #
 #   OUT=DIR T=T bash bench/quality_grid.sh MODEL CALIB [CONTEXT] [WINDOWS] [NEEDLES]
 #     MODEL   smollm2 | gemma3          (the converted directories of tools/real_model.py)

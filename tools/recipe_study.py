@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         model.config.hidden_size // model.config.num_attention_heads)
 
     cal = token_stream(tok, args.calib)
-    helds = [(name, token_stream(tok, path)) for name, path in heldout_specs]
-    log(f"calibration text {cal.numel():,} tokens, held-out " + ", ".join(f"{n} {h.numel():,}" for n, h in helds))
+    helds = [(name, path, token_stream(tok, path)) for name, path in heldout_specs]
+    log(f"calibration text {cal.numel():,} tokens, held-out " + ", ".join(f"{n} {h.numel():,}" for n, _, h in helds))
     n_stats_long = max(1, args.samples * args.stats_len // long_ctx)
     stats_short = chunks(cal, args.stats_len, args.samples)  # as `run`: N sequences of --seq-len ...
     fit_short = cal[args.samples * args.stats_len:(args.samples + 1) * args.stats_len][None]  # ... + one held out
@@ -526,22 +526,16 @@ def main(argv: list[str] | None = None) -> int:
                 spare = held.numel() // ctx - args.windows  # windows the perplexity rows did not read
                 filler = (chunks(held, ctx, needles, from_end=True) if spare >= needles
                           else windows[torch.arange(needles) % windows.shape[0]])
-                batch = passkey_batch(tok, filler, depths, seed=args.needle_seed)
-                pk = {}
-                result["passkey"] = {"context": ctx, "needles": needles, "depth_range": [lo_d, hi_d],
-                                     "needle_seed": args.needle_seed, "scores": pk}
                 chosen = set(args.passkey_methods.split(";")) if args.passkey_methods else None
                 probed = [m for m in methods if chosen is None or m.name in chosen or m.name == "bf16"]
-                for m in probed:
-                    pk[m.name] = passkey_scores(model, m, batch, fmt)
-                    log(f"passkey {ctx}: {m.name}: {100 * pk[m.name]['key_token_accuracy']:.1f}%")
-                    save()
-                # the needle probes with several needles per window: (result key, its count field, count, batch)
-                many = [("multikey", "keys", args.multikey, lambda: multikey_batch(
+                # (result key, its count field, count, batch): one needle, several keys, several values of one key
+                needle_probes = [("passkey", "needles", needles, lambda: passkey_batch(
+                            tok, filler, depths, seed=args.needle_seed)),
+                        ("multikey", "keys", args.multikey, lambda: multikey_batch(
                             tok, filler, lo_d, hi_d, keys=args.multikey, seed=args.needle_seed)),
                         ("multivalue", "values", args.multivalue, lambda: multivalue_batch(
                             tok, filler, lo_d, hi_d, values=args.multivalue, seed=args.needle_seed))]
-                for probe, field, count, make_batch in many:
+                for probe, field, count, make_batch in needle_probes:
                     if not count:
                         continue
                     probe_batch, scores = make_batch(), {}
@@ -561,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / f"{stem}.md").write_text(markdown(result))
         print(markdown(result))
 
-    for i, ((name, held), (_, path)) in enumerate(zip(helds, heldout_specs)):
+    for i, (name, path, held) in enumerate(helds):
         # one folder per held-out text when there are several; the probes read the first text's filler only
         study(path, held, args.out if len(helds) == 1 else args.out / name, args.needles if i == 0 else 0)
     return 0

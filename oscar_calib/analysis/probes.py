@@ -44,6 +44,17 @@ class PasskeyBatch:
     needle_positions: list[int]
 
 
+def _question_tokens(tokenizer, question: str, answer: str, probe: str) -> tuple[list[int], list[int]]:
+    """Token ids of the question and of question + answer; the answer must start a new token, so that the targets
+    (the ids after the question's) are the answer alone."""
+    head = tokenizer(question, add_special_tokens=False).input_ids
+    full = tokenizer(question + answer, add_special_tokens=False).input_ids
+    if full[:len(head)] != head:
+        raise InputError(f"{probe}: this tokenizer merges the question's last word with the answer; the probe needs "
+                         "the answer to start a new token")
+    return head, full
+
+
 def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: int = 0) -> PasskeyBatch:
     """Overwrite part of each filler window `[N, T]` with a needle at `depths[i % len(depths)]` (fraction of the
     window) and the question at its end, keeping the length T."""
@@ -54,11 +65,7 @@ def passkey_batch(tokenizer, filler: torch.Tensor, depths: list[float], seed: in
     for i, row in enumerate(filler):
         key = str(int(torch.randint(10000, 100000, (1,), generator=gen)))
         needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
-        head = tokenizer(QUESTION, add_special_tokens=False).input_ids
-        full = tokenizer(f"{QUESTION} {key}", add_special_tokens=False).input_ids
-        if full[:len(head)] != head:  # the key must start a new token for the targets to be the key alone
-            raise InputError("passkey: this tokenizer merges the question's last word with the key; "
-                             "the probe needs the key to start a new token")
+        head, full = _question_tokens(tokenizer, QUESTION, f" {key}", "passkey")
         t = row.shape[0]
         depth = depths[i % len(depths)]
         pos = int(depth * (t - len(full) - len(needle)))
@@ -95,12 +102,8 @@ def multikey_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, keys: 
         while len(set(values)) < keys:  # distinct keys: a distractor must not carry the asked key
             values = [str(int(v)) for v in torch.randint(10000, 100000, (keys,), generator=gen)]
         asked = i % keys
-        head = tokenizer(MULTIKEY_QUESTION.format(name=names[asked]), add_special_tokens=False).input_ids
-        full = tokenizer(f"{MULTIKEY_QUESTION.format(name=names[asked])} {values[asked]}",
-                         add_special_tokens=False).input_ids
-        if full[:len(head)] != head:
-            raise InputError("multi-key: this tokenizer merges the question's last word with the key; "
-                             "the probe needs the key to start a new token")
+        head, full = _question_tokens(tokenizer, MULTIKEY_QUESTION.format(name=names[asked]), f" {values[asked]}",
+                                      "multi-key")
         body = t - len(full)
         seq = row.clone()
         needles = [tokenizer(MULTIKEY_NEEDLE.format(name=names[j], key=values[j]), add_special_tokens=False).input_ids
@@ -159,12 +162,8 @@ def multivalue_batch(tokenizer, filler: torch.Tensor, lo: float, hi: float, valu
     for row in filler:
         name = MULTIKEY_NAMES[int(torch.randint(len(MULTIKEY_NAMES), (1,), generator=gen))]
         vals = [str(int(v)) for v in torch.randint(10000, 100000, (values,), generator=gen)]
-        question = MULTIVALUE_QUESTION.format(name=name)
-        head = tokenizer(question, add_special_tokens=False).input_ids
-        full = tokenizer(question + "".join(f" {v}" for v in vals), add_special_tokens=False).input_ids
-        if full[:len(head)] != head:
-            raise InputError("multi-value: this tokenizer merges the question's last word with the first value; "
-                             "the probe needs the values to start a new token")
+        head, full = _question_tokens(tokenizer, MULTIVALUE_QUESTION.format(name=name),
+                                      "".join(f" {v}" for v in vals), "multi-value")
         body = t - len(full)
         seq = row.clone()
         needles = [tokenizer(MULTIVALUE_NEEDLE.format(name=name, key=v), add_special_tokens=False).input_ids
