@@ -179,10 +179,17 @@ def _eval_attention(session: EvalSession | None, module, query, key, value, atte
     return out.reshape(b, h_q, t, d).transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def _key_span(mask: torch.Tensor) -> tuple[int, int]:
-    """`[lo, hi)`: the key columns that some row of `mask [..., rows, S]` (bool) allows."""
-    cols = mask.reshape(-1, mask.shape[-1]).any(dim=0).nonzero()
-    return (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
+def _key_spans(mask: torch.Tensor, rows: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` per slice of `rows` query rows: the key columns that some row of the slice allows in `mask
+    [B?, 1, T, S]` (bool); `(0, 0)` where none does. All slices at once: one device sync per layer, not one per
+    slice."""
+    t, s = mask.shape[-2:]
+    m = mask.reshape(-1, t, s).any(dim=0)  # [T, S]
+    if t % rows:
+        m = torch.cat([m, m.new_zeros(rows - t % rows, s)])
+    cols = m.view(-1, rows, s).any(dim=1).to(torch.int8)  # [slices, S]
+    lo, hi, any_ = cols.argmax(dim=1), s - cols.flip(1).argmax(dim=1), cols.any(dim=1)
+    return [(a, b) if ok else (0, 0) for a, b, ok in zip(lo.tolist(), hi.tolist(), any_.tolist())]
 
 
 def _sliced_sdpa(query: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,
@@ -197,12 +204,13 @@ def _sliced_sdpa(query: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.T
     b, h_q, t, _ = query.shape
     s_all = sum(k.shape[2] for k, _, _ in key_sets)
     rows = max(1, min(SDPA_ROWS, SCORE_ELEMENTS // max(1, b * h_q * s_all)))
+    spans = [_key_spans(allowed, rows) for _, _, allowed in key_sets]
     outs = []
-    for a in range(0, t, rows):
+    for i, a in enumerate(range(0, t, rows)):
         ks, vs, ms = [], [], []
-        for k, v, allowed in key_sets:
+        for (k, v, allowed), set_spans in zip(key_sets, spans):
             m = allowed[..., a:a + rows, :]
-            lo, hi = _key_span(m)
+            lo, hi = set_spans[i]
             ks.append(k[:, :, lo:hi])
             vs.append(v[:, :, lo:hi])
             ms.append(m[..., lo:hi])
